@@ -1,0 +1,147 @@
+"""Engine configuration. Each field is documented once; the CLI flags are the same names with dashes."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import torch
+
+from asyncspec.errors import ConfigError
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineConfig:
+    """Everything needed to build an engine. `LLM(**kwargs)` takes these fields flattened."""
+
+    model: str = "models/stdlib-coder-target"
+    """Path to a Hugging Face model directory (config.json + safetensors weights)."""
+    tokenizer: Optional[str] = None
+    """Directory holding tokenizer.json; defaults to `model`."""
+    device: Optional[str] = None
+    """"cpu" or "cuda[:N]"; None picks cuda when a GPU is present, else cpu."""
+    dtype: Optional[str] = None
+    """"float32", "float16" or "bfloat16"; None picks bfloat16 on cuda and float32 on cpu."""
+    load_format: Literal["safetensors", "dummy"] = "safetensors"
+    """"dummy" initialises random weights of the model's config (benchmarks of large shapes)."""
+    seed: int = 0
+    """Seed of the default random generator (unseeded requests, dummy weights)."""
+    max_model_len: Optional[int] = None
+    """Longest sequence (prompt + output) a request may reach; None uses the model's limit."""
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    num_kv_blocks: Optional[int] = None
+    """Size of the KV pool in blocks; None sizes it from `kv_cache_bytes` or free memory."""
+    kv_cache_bytes: Optional[int] = None
+    """Size of the KV pool in bytes (used when `num_kv_blocks` is None)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory the engine may use in total (weights, activations, KV pool)."""
+    max_num_seqs: int = 64
+    """Most requests in one step."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (decode tokens, draft tokens and prefill chunks together)."""
+    enable_chunked_prefill: bool = True
+    """Split prompts that do not fit the remaining token budget into chunks across steps."""
+    long_prefill_token_threshold: int = 0
+    """Largest prefill chunk one request gets per step; 0 means only the token budget limits it."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical prompt prefixes across requests."""
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    """"fcfs" serves in arrival order; "priority" serves lower `priority` values first."""
+    max_num_waiting: int = 4096
+    """Most requests queued before new ones are refused."""
+    max_stop_strings: int = 16
+    """Most stop strings one request may give."""
+    speculative_method: Optional[Literal["draft_model", "ngram"]] = None
+    """Speculative decoding proposer; None disables it."""
+    draft_model: Optional[str] = None
+    """Draft model directory for `speculative_method="draft_model"`."""
+    num_speculative_tokens: int = 0
+    """Draft tokens proposed per step (k)."""
+    async_scheduling: bool = False
+    """Overlap scheduling of step N+1 with execution of step N."""
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    # -- derived values -------------------------------------------------------------
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device is None:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype is None:
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Slots reserved per decode beyond the committed token (k draft tokens)."""
+        return self.num_speculative_tokens if self.speculative_method else 0
+
+    # -- validation -------------------------------------------------------------------
+    def _validate(self) -> None:
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {sorted(_DTYPES)} or None, got {self.dtype!r}")
+        if self.device is not None:
+            try:
+                dev = torch.device(self.device)
+            except (RuntimeError, TypeError) as e:
+                raise ConfigError(f"device {self.device!r} is not a valid torch device: {e}") from None
+            if dev.type not in ("cpu", "cuda"):
+                raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.load_format not in ("safetensors", "dummy"):
+            raise ConfigError(f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_waiting", "max_stop_strings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError("long_prefill_token_threshold must be >= 0 (0 disables the limit)")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"num_kv_blocks must be >= 1 or None, got {self.num_kv_blocks}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ConfigError(f"kv_cache_bytes must be >= 1 or None, got {self.kv_cache_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1 or None, got {self.max_model_len}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.speculative_method is not None:
+            raise ConfigError(
+                f"speculative_method={self.speculative_method!r} is not available in this build yet; "
+                "use speculative_method=None"
+            )
+        if self.async_scheduling:
+            raise ConfigError(
+                "async_scheduling=True is not available in this build yet; use async_scheduling=False"
+            )
+        if self.num_speculative_tokens < 0:
+            raise ConfigError("num_speculative_tokens must be >= 0")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+def make_config(model: Optional[str] = None, **kwargs: object) -> EngineConfig:
+    """Builds an EngineConfig from flattened keyword arguments, naming unknown ones."""
+    unknown = sorted(set(kwargs) - set(EngineConfig.field_names()))
+    if unknown:
+        raise ConfigError(f"unknown engine option(s) {unknown}; valid options: {EngineConfig.field_names()}")
+    if model is not None:
+        kwargs["model"] = model
+    return EngineConfig(**kwargs)  # type: ignore[arg-type]
+
+
+__all__ = ["EngineConfig", "make_config", "field"]

@@ -1,0 +1,26 @@
+"""Typed errors. Every user-facing failure raises one of these with an actionable message."""
+from __future__ import annotations
+
+
+class AsyncSpecError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class ConfigError(AsyncSpecError, ValueError):
+    """An EngineConfig field is invalid or a combination of fields is unsupported."""
+
+
+class InvalidSamplingParamsError(AsyncSpecError, ValueError):
+    """A SamplingParams field is out of range or of the wrong type."""
+
+
+class InvalidRequestError(AsyncSpecError, ValueError):
+    """A request cannot be served: prompt too long, empty, token ids out of range, duplicate id."""
+
+
+class ModelLoadError(AsyncSpecError):
+    """A model directory cannot be loaded: missing file, unknown architecture, shape mismatch."""
+
+
+class EngineDeadError(AsyncSpecError, RuntimeError):
+    """The engine loop failed; every in-flight request ends with this error."""
