@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
@@ -26,6 +26,8 @@ class EngineConfig:
     """"float32", "float16" or "bfloat16"; None picks bfloat16 on cuda and float32 on cpu."""
     load_format: Literal["safetensors", "dummy"] = "safetensors"
     """"dummy" initialises random weights of the model's config (benchmarks of large shapes)."""
+    skip_tokenizer_init: bool = False
+    """Start without a tokenizer: prompts must be token ids and outputs carry no text."""
     seed: int = 0
     """Seed of the default random generator (unseeded requests, dummy weights)."""
     max_model_len: Optional[int] = None
@@ -143,5 +145,3 @@ def make_config(model: Optional[str] = None, **kwargs: object) -> EngineConfig:
         kwargs["model"] = model
     return EngineConfig(**kwargs)  # type: ignore[arg-type]
 
-
-__all__ = ["EngineConfig", "make_config", "field"]

@@ -24,3 +24,7 @@ class ModelLoadError(AsyncSpecError):
 
 class EngineDeadError(AsyncSpecError, RuntimeError):
     """The engine loop failed; every in-flight request ends with this error."""
+
+
+class QueueFullError(AsyncSpecError):
+    """The waiting queue holds `max_num_waiting` requests; retry later."""

@@ -1,0 +1,90 @@
+"""Command line: `python -m asyncspec.cli --prompt "def f(" --max-tokens 64 [--engine-option value ...]`.
+
+Engine flags are EngineConfig's fields with dashes, generated from the dataclass so they never drift.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+import typing
+from typing import Any, Optional, Sequence
+
+from asyncspec.config import EngineConfig
+
+
+def _field_parser(tp: Any):
+    """The argparse `type` for a field annotation (Optional[X] accepts "none")."""
+    origin = typing.get_origin(tp)
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if origin is typing.Union and len(args) == 1:
+        inner = _field_parser(args[0])
+        return lambda s: None if s.lower() == "none" else inner(s)
+    if origin is typing.Literal:
+        return str
+    if tp is bool:
+        return lambda s: s.lower() in ("1", "true", "yes", "on")
+    if tp in (int, float, str):
+        return tp
+    return str
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    hints = typing.get_type_hints(EngineConfig)
+    docs = _field_docs()
+    for f in dataclasses.fields(EngineConfig):
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=_field_parser(hints[f.name]),
+            default=f.default,
+            help=f"{docs.get(f.name, '')} (default: {f.default})",
+        )
+
+
+def _field_docs() -> dict[str, str]:
+    """Field docstrings, read from the source so the CLI help matches the dataclass."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(EngineConfig))
+    docs: dict[str, str] = {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value).replace("%", "%%")  # type: ignore[attr-defined]
+    return docs
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from asyncspec import LLM, SamplingParams
+
+    parser = argparse.ArgumentParser(description="Generate text with asyncspec.")
+    parser.add_argument("--prompt", action="append", help="prompt text (repeatable); \\n is a newline")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed-request", type=int, default=None, help="per-request sampling seed")
+    add_engine_args(parser)
+    args = parser.parse_args(argv)
+    prompts = [p.encode().decode("unicode_escape") for p in (args.prompt or ["def fibonacci(n):\\n"])]
+    config = engine_config_from_args(args)
+    llm = LLM(**dataclasses.asdict(config))
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed_request)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    for out in outputs:
+        sys.stdout.write(f"--- {out.request_id} (finish: {out.finish_reason}, {len(out.token_ids)} tokens)\n")
+        sys.stdout.write(prompts[outputs.index(out)] + out.text + "\n")
+    n = sum(len(o.token_ids) for o in outputs)
+    sys.stdout.write(f"--- {n} tokens in {elapsed:.2f} s ({n / elapsed:.1f} tok/s)\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,80 @@
+"""Waiting queues: FCFS, or by priority (lower value first, then arrival)."""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from typing import Iterator, Protocol
+
+from asyncspec.request import Request
+
+
+class RequestQueue(Protocol):
+    def add(self, request: Request) -> None: ...
+    def prepend(self, request: Request) -> None: ...
+    def peek(self) -> Request: ...
+    def pop(self) -> Request: ...
+    def remove(self, request: Request) -> None: ...
+    def __len__(self) -> int: ...
+    def __iter__(self) -> Iterator[Request]: ...
+
+
+class FCFSQueue:
+    """Arrival order; preempted requests go back to the front."""
+
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+
+    def add(self, request: Request) -> None:
+        self._queue.append(request)
+
+    def prepend(self, request: Request) -> None:
+        self._queue.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._queue[0]
+
+    def pop(self) -> Request:
+        return self._queue.popleft()
+
+    def remove(self, request: Request) -> None:
+        self._queue.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
+
+
+class PriorityQueue:
+    """Lowest (priority, arrival_time) first; a preempted request keeps its original place."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._counter = itertools.count()
+
+    def add(self, request: Request) -> None:
+        heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._counter), request))
+
+    prepend = add
+
+    def peek(self) -> Request:
+        return self._heap[0][3]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3]
+
+    def remove(self, request: Request) -> None:
+        self._heap = [item for item in self._heap if item[3] is not request]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (item[3] for item in sorted(self._heap))
+
+
+def make_request_queue(policy: str) -> RequestQueue:
+    return PriorityQueue() if policy == "priority" else FCFSQueue()

@@ -1,0 +1,287 @@
+"""Token-budget scheduler: running requests first, then prefill chunks; preemption by recompute."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from asyncspec.core.kv_cache import KVCacheManager
+from asyncspec.core.request_queue import make_request_queue
+from asyncspec.core.scheduler_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from asyncspec.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    """The scheduler's slice of EngineConfig."""
+
+    max_num_seqs: int
+    """Most requests in one step."""
+    max_num_batched_tokens: int
+    """Token budget of one step."""
+    max_model_len: int
+    """Longest sequence a request may reach."""
+    enable_chunked_prefill: bool = True
+    """Split prompts that do not fit the remaining budget into chunks."""
+    long_prefill_token_threshold: int = 0
+    """Largest prefill chunk per request per step; 0 = no limit beyond the budget."""
+    enable_prefix_caching: bool = True
+    """Look up cached prefix blocks when a request is admitted."""
+    num_lookahead_tokens: int = 0
+    """KV slots reserved per decode beyond the committed token (k draft tokens)."""
+    policy: str = "fcfs"
+    """"fcfs" or "priority"."""
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start; read by LLM.stats() and the metrics exporter."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens_computed: int = 0
+    num_generation_tokens: int = 0
+    num_finished_requests: int = 0
+
+
+class Scheduler:
+    """Owns every Request's scheduling state and the KV cache manager."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_request_queue(config.policy)
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+        self._finished_since_last_step: set[str] = set()
+        self._step_id = 0
+
+    # -- request lifecycle ---------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Ends requests (abort, stop string) and frees their blocks at once."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._free(request, status)
+            finished.append(request)
+        return finished
+
+    def _free(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache_manager.free(request)
+        self._finished_since_last_step.add(request.request_id)
+        del self.requests[request.request_id]
+        self.stats.num_finished_requests += 1
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.num_unfinished_requests > 0
+
+    # -- scheduling ------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        kv = self.kv_cache_manager
+        token_budget = cfg.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        cached = CachedRequestData()
+        new_reqs: list[NewRequestData] = []
+        preempted_ids: set[str] = set()
+
+        # 1. Running requests: decodes (1 + k tokens) and unfinished prefill chunks.
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new = self._num_tokens_to_schedule(request, token_budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            while True:
+                new_block_ids = kv.allocate_slots(request, num_new, self._lookahead(request, num_new))
+                if new_block_ids is not None:
+                    break
+                victim = self._pick_victim()
+                victim_index = self.running.index(victim)
+                if victim_index < index:
+                    # Already planned this step: hand its budget back before preempting it.
+                    token_budget += num_scheduled.pop(victim.request_id)
+                    self._unschedule_cached(cached, victim.request_id)
+                    index -= 1
+                self._preempt(victim)
+                preempted_ids.add(victim.request_id)
+                if victim is request:
+                    break
+            if new_block_ids is None:
+                continue  # `request` itself was preempted; self.running shrank under `index`
+            num_scheduled[request.request_id] = num_new
+            cached.request_ids.append(request.request_id)
+            cached.new_block_ids.append(new_block_ids)
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            token_budget -= num_new
+            index += 1
+
+        # 2. Waiting requests, unless memory was short this step.
+        if not preempted_ids:
+            while self.waiting and token_budget > 0 and len(self.running) < cfg.max_num_seqs:
+                request = self.waiting.peek()
+                if request.num_computed_tokens == 0 and cfg.enable_prefix_caching:
+                    computed_blocks, num_hit = kv.get_computed_blocks(request)
+                else:
+                    computed_blocks, num_hit = [], 0
+                num_new = request.num_tokens - request.num_computed_tokens - num_hit
+                if cfg.long_prefill_token_threshold > 0:
+                    num_new = min(num_new, cfg.long_prefill_token_threshold)
+                if num_new > token_budget:
+                    if not cfg.enable_chunked_prefill:
+                        break
+                    num_new = token_budget
+                new_block_ids = kv.allocate_slots(
+                    request, num_new, 0, new_computed_blocks=computed_blocks, num_new_computed_tokens=num_hit
+                )
+                if new_block_ids is None:
+                    break
+                self.waiting.pop()
+                request.num_computed_tokens += num_hit
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                num_scheduled[request.request_id] = num_new
+                new_reqs.append(
+                    NewRequestData(
+                        request_id=request.request_id,
+                        token_ids=list(request.all_token_ids),
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        sampling_params=request.sampling_params,
+                        block_ids=kv.get_block_ids(request.request_id),
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+                token_budget -= num_new
+
+        # Optimistic view: the scheduled tokens count as computed from now on.
+        for request_id, num_new in num_scheduled.items():
+            self.requests[request_id].num_computed_tokens += num_new
+
+        self._step_id += 1
+        output = SchedulerOutput(
+            step_id=self._step_id,
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=cfg.max_num_batched_tokens - token_budget,
+            finished_req_ids=self._finished_since_last_step,
+            preempted_req_ids=preempted_ids,
+        )
+        self._finished_since_last_step = set()
+        return output
+
+    def _num_tokens_to_schedule(self, request: Request, token_budget: int) -> int:
+        num_new = request.num_tokens - request.num_computed_tokens
+        is_prefill = request.num_computed_tokens < request.num_prompt_tokens
+        if is_prefill and self.config.long_prefill_token_threshold > 0:
+            num_new = min(num_new, self.config.long_prefill_token_threshold)
+        return min(num_new, token_budget)
+
+    def _lookahead(self, request: Request, num_new: int) -> int:
+        # Draft slots only for a request that samples this step (decode or last prefill chunk).
+        if request.num_computed_tokens + num_new < request.num_tokens:
+            return 0
+        return self.config.num_lookahead_tokens
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    @staticmethod
+    def _unschedule_cached(cached: CachedRequestData, request_id: str) -> None:
+        i = cached.request_ids.index(request_id)
+        del cached.request_ids[i], cached.new_block_ids[i], cached.num_computed_tokens[i]
+
+    # -- results -----------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Appends sampled tokens, applies token-level stop conditions, frees finished requests."""
+        self.stats.num_steps += 1
+        outputs: list[EngineCoreOutput] = []
+        logprobs = runner_output.logprobs
+        for i, request_id in enumerate(runner_output.req_ids):
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished or preempted while this step ran: its results are void
+            num_sched = scheduler_output.num_scheduled_tokens[request_id]
+            start = request.num_computed_tokens - num_sched
+            if start < request.num_prompt_tokens:
+                self.stats.num_prompt_tokens_computed += min(num_sched, request.num_prompt_tokens - start)
+            sampled = runner_output.sampled_token_ids[i]
+            if not sampled:
+                self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+                continue
+            new_token_ids: list[int] = []
+            status: Optional[RequestStatus] = None
+            for token_id in sampled:
+                request.append_output_token_ids([token_id])
+                new_token_ids.append(token_id)
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    break
+            self.stats.num_generation_tokens += len(new_token_ids)
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            token_logprobs = logprobs[i] if logprobs is not None else None
+            output = EngineCoreOutput(
+                request_id=request_id,
+                new_token_ids=new_token_ids,
+                new_logprobs=token_logprobs[: len(new_token_ids)] if token_logprobs else None,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+            )
+            if status is not None:
+                self.running.remove(request)
+                self._free(request, status)
+                output.finish_reason = request.finish_reason
+                output.stop_reason = request.stop_reason
+            outputs.append(output)
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> Optional[RequestStatus]:
+        params = request.sampling_params
+        num_output = request.num_output_tokens
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and num_output >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

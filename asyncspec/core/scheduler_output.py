@@ -1,0 +1,84 @@
+"""What crosses from the scheduler to the worker (SchedulerOutput) and back (ModelRunnerOutput)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from asyncspec.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has no row for: first scheduling, or resumption after preemption."""
+
+    request_id: str
+    token_ids: list[int]
+    """Every known token: the prompt, then outputs generated before a preemption."""
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    """Tokens already in the KV cache (prefix-cache hits) before this step."""
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the worker already holds; only what changed since the last step."""
+
+    request_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    """Tokens in the KV cache before this step (the scheduler's view)."""
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan. The only object the scheduler hands to the worker."""
+
+    step_id: int
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    """Tokens to compute per request this step, in batch order (dict order)."""
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]
+    """Requests that ended since the last step; the worker drops their rows."""
+    preempted_req_ids: set[str]
+    """Requests preempted this step; the worker drops their rows (they come back as new)."""
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of one generated token: the sampled token first, then the top-n alternatives."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_token_rank: int
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Results of one step, one entry per scheduled request in batch order."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    """Tokens sampled per request; empty for a prefill chunk that did not reach the end."""
+    logprobs: Optional[list[Optional[list[TokenLogprobs]]]] = None
+    """Per request, per sampled token; None when no request asked for logprobs."""
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request, after stop checks."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: Optional[str] = None
+    """"stop", "length" or "abort"; None while the request runs on."""
+    stop_reason: Optional[int | str] = None
+    new_logprobs: Optional[list[TokenLogprobs]] = None
+    num_cached_tokens: int = 0

@@ -1,0 +1,145 @@
+"""AsyncEngine: the asyncio API. One loop task drives the engine; the model runs in a worker thread
+so the event loop keeps accepting and streaming while a step computes."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator, Optional
+
+from asyncspec.config import EngineConfig
+from asyncspec.engine.llm_engine import LLMEngine, PromptType
+from asyncspec.errors import EngineDeadError
+from asyncspec.outputs import RequestOutput
+from asyncspec.request import Request
+from asyncspec.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    """`async for delta in engine.generate(prompt, params, request_id=...)`; `await engine.abort(id)`."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.engine = LLMEngine(config)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncspec-worker")
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._pending_adds: list[Request] = []
+        self._pending_aborts: list[str] = []
+        self._wakeup: Optional[asyncio.Event] = None
+        self._loop_task: Optional[asyncio.Task] = None
+        self._dead: Optional[BaseException] = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._loop_task is not None and not self._loop_task.done()
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: Optional[SamplingParams] = None,
+        request_id: Optional[str] = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams RequestOutput deltas; the last one has finish_reason set."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop failed: {self._dead!r}")
+        request = self.engine.make_request(prompt, sampling_params, request_id, priority)
+        if request.request_id in self._streams:
+            from asyncspec.errors import InvalidRequestError
+
+            raise InvalidRequestError(f"request_id {request.request_id!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request.request_id] = queue
+        self._pending_adds.append(request)
+        self._ensure_loop()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                # The client went away (cancelled, closed the iterator): free its KV at once.
+                self._streams.pop(request.request_id, None)
+                self._pending_aborts.append(request.request_id)
+                if self._wakeup is not None:
+                    self._wakeup.set()
+
+    async def abort(self, request_id: str) -> None:
+        """Ends the request; its stream receives a final output with finish_reason "abort"."""
+        self._pending_aborts.append(request_id)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _ensure_loop(self) -> None:
+        if self._wakeup is None:
+            self._wakeup = asyncio.Event()
+        if not self.is_running:
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+        self._wakeup.set()
+
+    def _apply_pending(self) -> None:
+        adds, self._pending_adds = self._pending_adds, []
+        for request in adds:
+            if request.request_id not in self._streams:
+                continue  # the client left before its request was admitted
+            try:
+                self.engine.add_request(request)
+            except Exception as e:  # queue full, duplicate id: the stream ends with the error
+                self._streams.pop(request.request_id).put_nowait(e)
+        aborts, self._pending_aborts = self._pending_aborts, []
+        if aborts:
+            for output in self.engine.abort_requests(aborts):
+                self._deliver(output)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        queue = self._streams.get(output.request_id)
+        if queue is None:
+            return
+        queue.put_nowait(output)
+        if output.finished:
+            del self._streams[output.request_id]
+
+    async def _run_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._wakeup is not None
+        try:
+            while True:
+                self._apply_pending()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.clear()
+                    if self._pending_adds or self._pending_aborts:
+                        continue
+                    await self._wakeup.wait()
+                    continue
+                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                for output in outputs:
+                    self._deliver(output)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # the engine is broken: no stream may hang
+            logger.exception("engine loop failed")
+            self._dead = e
+            error = EngineDeadError(f"the engine loop failed: {e!r}")
+            for queue in self._streams.values():
+                queue.put_nowait(error)
+            self._streams.clear()
+
+    async def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()

@@ -1,0 +1,126 @@
+"""Incremental detokenization and stop-string detection for one request.
+
+Uses vLLM's prefix/read-offset method: each new token is decoded together with a short window
+of the tokens before it, and text is emitted only once it no longer ends in U+FFFD (a UTF-8
+character still split across tokens). Decoding the window, not the token alone, keeps
+tokenizers whose decoders look at neighbours (sentencepiece spaces) correct.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from tokenizers import Tokenizer
+
+from asyncspec.sampling_params import SamplingParams
+
+# Prompt tokens decoded in front of the first output token, so its text gets the right context.
+INITIAL_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+def detokenize(tokenizer: Tokenizer, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    """Full decode of a token sequence (prompts, final outputs, the Detokenize RPC)."""
+    return tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Turns a request's output tokens into text as they arrive, and applies its stop strings."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = params.skip_special_tokens
+        self.stop = list(params.stop)
+        self.include_stop_str_in_output = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens
+        # Withheld from streamed deltas: the longest text that could still grow into a stop
+        # string. With include_stop_str_in_output the stop string is output anyway.
+        self.stop_buffer_length = (
+            max(params.max_stop_str_len - 1, 0) if self.stop and not self.include_stop_str_in_output else 0
+        )
+        self.output_text = ""
+        """Text of the output tokens so far (truncated at a matched stop string)."""
+        self.num_output_tokens = 0
+        """Output tokens consumed; tokens after the one that completed a stop string are dropped."""
+        self.stop_reason: Optional[str] = None
+        """The stop string that ended the request, once one matched."""
+        context = list(prompt_token_ids[-INITIAL_CONTEXT_TOKENS:])
+        self._token_ids = context
+        self._prefix_offset = 0  # start of the decode window
+        self._read_offset = len(context)  # tokens before this have had their text emitted
+        self._sent_offset = 0  # characters of output_text already returned by get_text_delta
+        self._flushed = False
+
+    # -- decoding ------------------------------------------------------------------------
+    def _decode(self, start: int, end: Optional[int] = None) -> str:
+        return self.tokenizer.decode(self._token_ids[start:end], skip_special_tokens=self.skip_special_tokens)
+
+    def _pending_text(self, allow_partial: bool) -> str:
+        """Text of the tokens after the read offset; empty while a character is incomplete."""
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        new_text = self._decode(self._prefix_offset)
+        if len(new_text) <= len(prefix_text) or (not allow_partial and new_text.endswith(_REPLACEMENT_CHAR)):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._token_ids)
+        return new_text[len(prefix_text) :]
+
+    def update(self, new_token_ids: Sequence[int]) -> Optional[str]:
+        """Appends the tokens' text; returns the stop string if one now matches, else None.
+
+        Tokens are taken one at a time, so the result does not depend on how they were grouped
+        into steps (speculative decoding delivers several per step). After a match the rest of
+        the tokens are ignored and `num_output_tokens` counts only those up to the match.
+        """
+        if self.stop_reason is not None:
+            return None
+        for token_id in new_token_ids:
+            self._token_ids.append(token_id)
+            self.num_output_tokens += 1
+            delta = self._pending_text(allow_partial=False)
+            if not delta:
+                continue
+            self.output_text += delta
+            # As vLLM: stop strings count only once min_tokens have been generated.
+            if self.stop and self.num_output_tokens > self.min_tokens and self._check_stop(len(delta)):
+                return self.stop_reason
+        return None
+
+    def _check_stop(self, new_char_count: int) -> bool:
+        """Looks for stop strings completed by the newest token's text and truncates at the
+        earliest-starting one (ties: the shortest). Matches completed by an earlier token were
+        handled then, so the first stop string to appear in the stream wins."""
+        text = self.output_text
+        best: Optional[tuple[int, int, str]] = None
+        for stop in self.stop:
+            # Only matches ending inside the new text are new; earlier ones were already checked.
+            index = text.find(stop, max(len(text) - new_char_count - len(stop) + 1, 0))
+            if index != -1 and (best is None or (index, len(stop)) < best[:2]):
+                best = (index, len(stop), stop)
+        if best is None:
+            return False
+        index, length, stop = best
+        self.output_text = text[: index + length] if self.include_stop_str_in_output else text[:index]
+        self.stop_reason = stop
+        return True
+
+    def finish(self) -> None:
+        """Call once the request ended (get_text_delta(finished=True) does it): appends what a
+        trailing incomplete character left behind, as U+FFFD, so `output_text` equals a full
+        decode of the tokens. Idempotent."""
+        if self._flushed or self.stop_reason is not None:
+            return
+        self._flushed = True
+        if self._read_offset < len(self._token_ids):
+            self.output_text += self._pending_text(allow_partial=True)
+
+    def get_text_delta(self, finished: bool) -> str:
+        """Text not yet returned; while unfinished, the last max_stop_str_len - 1 characters are
+        withheld because they might still turn out to be the start of a stop string."""
+        finished = finished or self.stop_reason is not None
+        if finished:
+            self.finish()
+        end = len(self.output_text) - (0 if finished else self.stop_buffer_length)
+        if end <= self._sent_offset:
+            return ""
+        delta = self.output_text[self._sent_offset : end]
+        self._sent_offset = end
+        return delta

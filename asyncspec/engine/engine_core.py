@@ -1,0 +1,81 @@
+"""EngineCore: scheduler + KV cache manager + model runner, one synchronous step at a time."""
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+from asyncspec.config import EngineConfig
+from asyncspec.core.kv_cache import KVCacheManager
+from asyncspec.core.scheduler import Scheduler, SchedulerConfig
+from asyncspec.core.scheduler_output import EngineCoreOutput
+from asyncspec.errors import ConfigError
+from asyncspec.models.model_config import ModelConfig
+from asyncspec.request import Request, RequestStatus
+from asyncspec.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    limit = model_config.max_position_embeddings
+    if model_config.sliding_window is not None and model_config.sliding_window < limit:
+        # Attention here is full, so sequences stay within the window where the two agree.
+        logger.warning("capping max_model_len at the model's sliding window (%d)", model_config.sliding_window)
+        limit = model_config.sliding_window
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ConfigError(
+            f"max_model_len={config.max_model_len} exceeds the model's limit of {limit} positions"
+        )
+    return config.max_model_len
+
+
+class EngineCore:
+    """Owns the scheduler and the worker; `step()` runs one schedule → execute → update cycle."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.max_model_len = resolve_max_model_len(config, self.model_config)
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        num_blocks = self.runner.determine_num_kv_blocks()
+        blocks_per_max_len = -(-self.max_model_len // config.block_size)
+        if num_blocks < blocks_per_max_len:
+            raise ConfigError(
+                f"the KV pool holds {num_blocks} blocks of {config.block_size} tokens, fewer than one request of "
+                f"max_model_len={self.max_model_len} needs ({blocks_per_max_len}); raise num_kv_blocks / "
+                "kv_cache_bytes / gpu_memory_utilization or lower max_model_len"
+            )
+        self.runner.initialize_kv_cache(num_blocks)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
+                enable_prefix_caching=config.enable_prefix_caching,
+                num_lookahead_tokens=config.num_lookahead_tokens,
+                policy=config.scheduling_policy,
+            ),
+            self.kv_cache_manager,
+        )
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_stopped(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)

@@ -1,0 +1,69 @@
+"""LLM: the synchronous, offline entry point (`LLM(model, **config).generate(prompts, params)`)."""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+from asyncspec.config import make_config
+from asyncspec.engine.llm_engine import LLMEngine, PromptType
+from asyncspec.errors import InvalidRequestError
+from asyncspec.outputs import RequestOutput
+from asyncspec.sampling_params import SamplingParams
+
+
+class LLM:
+    """Offline batch generation. Keyword arguments are the fields of EngineConfig."""
+
+    def __init__(self, model: Optional[str] = None, **kwargs: object) -> None:
+        self.config = make_config(model, **kwargs)
+        self.engine = LLMEngine(self.config)
+        self._next_id = 0
+
+    def generate(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        priority: Optional[Sequence[int]] = None,
+    ) -> list[RequestOutput]:
+        """One finished RequestOutput per prompt, in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        params = self._expand(sampling_params, len(prompts), "sampling_params")
+        priorities = self._expand(priority, len(prompts), "priority") if priority is not None else [0] * len(prompts)
+        # Validate everything first: a bad prompt anywhere leaves the engine untouched.
+        requests = []
+        for prompt, p, prio in zip(prompts, params, priorities):
+            requests.append(self.engine.make_request(prompt, p, f"llm-{self._next_id}", prio))
+            self._next_id += 1
+        order = {r.request_id: i for i, r in enumerate(requests)}
+        results: list[Optional[RequestOutput]] = [None] * len(requests)
+        try:
+            for request in requests:
+                self.engine.add_request(request, stream_deltas=False)
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        results[order[output.request_id]] = output
+        finally:
+            unfinished = [r.request_id for r, out in zip(requests, results) if out is None]
+            if unfinished:
+                self.engine.abort_requests(unfinished)
+        return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _expand(value, n: int, name: str) -> list:
+        if value is None:
+            return [SamplingParams()] * n
+        if isinstance(value, (SamplingParams, int)):
+            return [value] * n
+        value = list(value)
+        if len(value) != n:
+            raise InvalidRequestError(f"{name} has {len(value)} entries for {n} prompts")
+        return value
+
+    def stats(self) -> dict[str, float]:
+        """Counters since start: steps, preemptions, prefix-cache queries and hits, tokens, KV blocks."""
+        return self.engine.stats()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer

@@ -1,0 +1,144 @@
+"""LLMEngine: request validation, tokenization, the engine core and output processing, synchronously."""
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Iterable, Optional, Sequence, Union
+
+from tokenizers import Tokenizer
+
+from asyncspec.config import EngineConfig
+from asyncspec.engine.engine_core import EngineCore
+from asyncspec.engine.output_processor import OutputProcessor
+from asyncspec.errors import InvalidRequestError, ModelLoadError, QueueFullError
+from asyncspec.outputs import RequestOutput
+from asyncspec.request import Request
+from asyncspec.sampling_params import SamplingParams
+
+PromptType = Union[str, Sequence[int]]
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
+        raise ModelLoadError(f"no tokenizer.json in {path!r}; pass tokenizer=<dir> or skip_tokenizer_init=True")
+    return Tokenizer.from_file(file)
+
+
+class LLMEngine:
+    """Synchronous engine: `add_request` then `step()` until `has_unfinished_requests()` is False."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer_path)
+        self.engine_core = EngineCore(config)
+        self.model_config = self.engine_core.model_config
+        self.max_model_len = self.engine_core.max_model_len
+        self.vocab_size = self.model_config.vocab_size
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    # -- validation ------------------------------------------------------------------------
+    def make_request(
+        self,
+        prompt: PromptType,
+        params: Optional[SamplingParams] = None,
+        request_id: Optional[str] = None,
+        priority: int = 0,
+    ) -> Request:
+        """Validates and tokenizes without touching engine state (so a bad request changes nothing)."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.validate_for_engine(self.config.max_stop_strings, self.vocab_size)
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
+        if self.output_processor.has_request(request_id):
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use by a running request")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        prompt_token_ids = self._tokenize(prompt)
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is {self.max_model_len}: "
+                "at least one position must be left to generate"
+            )
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+        )
+
+    def _tokenize(self, prompt: PromptType) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine was started without a tokenizer: pass token ids")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        elif isinstance(prompt, Sequence) or hasattr(prompt, "tolist"):
+            ids = list(prompt.tolist() if hasattr(prompt, "tolist") else prompt)
+            for i, t in enumerate(ids):
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise InvalidRequestError(f"prompt token {i} is {t!r}, not an integer token id")
+                if not 0 <= t < self.vocab_size:
+                    raise InvalidRequestError(f"prompt token {i} is {t}, outside the vocabulary [0, {self.vocab_size})")
+        else:
+            raise InvalidRequestError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        return ids
+
+    # -- requests ----------------------------------------------------------------------------
+    def add_request(self, request: Request, stream_deltas: bool = True) -> None:
+        if self.output_processor.has_request(request.request_id):
+            raise InvalidRequestError(f"request_id {request.request_id!r} is already in use by a running request")
+        if len(self.engine_core.scheduler.waiting) >= self.config.max_num_waiting:
+            raise QueueFullError(
+                f"{self.config.max_num_waiting} requests are already waiting (max_num_waiting); retry later"
+            )
+        self.output_processor.add_request(
+            request.request_id, request.prompt_token_ids, request.sampling_params, stream_deltas
+        )
+        self.engine_core.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        """Ends the requests at once, frees their KV blocks, returns their final "abort" outputs."""
+        ids = list(request_ids)
+        self.engine_core.abort_requests(ids)
+        outputs = []
+        for request_id in ids:
+            output = self.output_processor.abort(request_id)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine_core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.engine_core.step()
+        outputs, stopped = self.output_processor.process_outputs(core_outputs)
+        if stopped:
+            self.engine_core.finish_stopped(stopped)
+        return outputs
+
+    def stats(self) -> dict[str, float]:
+        scheduler = self.engine_core.scheduler
+        kv = self.engine_core.kv_cache_manager
+        prefix = kv.prefix_cache_stats
+        return {
+            "num_steps": scheduler.stats.num_steps,
+            "num_preemptions": scheduler.stats.num_preemptions,
+            "num_prompt_tokens_computed": scheduler.stats.num_prompt_tokens_computed,
+            "num_generation_tokens": scheduler.stats.num_generation_tokens,
+            "num_finished_requests": scheduler.stats.num_finished_requests,
+            "num_running_requests": len(scheduler.running),
+            "num_waiting_requests": len(scheduler.waiting),
+            "prefix_cache_queries": prefix.queries,
+            "prefix_cache_hits": prefix.hits,
+            "num_kv_blocks": kv.num_blocks,
+            "num_free_kv_blocks": kv.num_free_blocks,
+            "kv_cache_usage": kv.usage,
+        }

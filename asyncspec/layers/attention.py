@@ -1,0 +1,72 @@
+"""Attention front-end: write the step's K/V into the paged cache, then attend over it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from asyncspec.kernels.kv_cache_write import write_kv_cache_ref
+from asyncspec.kernels.paged_attention import paged_attention_ref
+from asyncspec.layers.attention_metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """A pair of kernels with the reference signatures."""
+
+    name: str
+    """Human-readable backend name."""
+    write_kv: Callable[..., None]
+    """write_kv(key, value, k_cache, v_cache, slot_mapping)."""
+    attend: Callable[..., torch.Tensor]
+    """attend(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out, sliding_window)."""
+
+
+TORCH_REFERENCE = AttentionBackend("torch_reference", write_kv_cache_ref, paged_attention_ref)
+
+
+def select_backend(device: torch.device) -> AttentionBackend:
+    """The backend for `device`; Triton kernels will be chosen here for CUDA once they exist."""
+    return TORCH_REFERENCE
+
+
+class Attention(nn.Module):
+    """Paged multi-head attention with GQA over one layer's (k_cache, v_cache)."""
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.backend: AttentionBackend | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
+        if self.backend is None:
+            self.backend = select_backend(q.device)
+        k_cache, v_cache = kv_cache
+        self.backend.write_kv(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
+        return self.backend.attend(
+            q,
+            k_cache,
+            v_cache,
+            attn_metadata.query_start_loc,
+            attn_metadata.seq_lens,
+            attn_metadata.block_tables,
+            self.scale,
+            None,
+            self.sliding_window,
+        )

@@ -1,0 +1,323 @@
+"""Sampler: logits of one row per request -> next token ids (+ logprobs), as vLLM does it.
+
+Order: raw logprobs -> blocked ids -> penalties -> greedy argmax | temperature, top-k, top-p,
+min-p, exponential-race sampling. Everything is vectorised over rows except the per-row draws
+of seeded requests, which use each request's own generator so that a seeded request's tokens
+never depend on its batch neighbours or position. Nothing here reads a device tensor back to
+the host, so the sampler adds no hidden host-device sync to the hot loop.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from asyncspec.sampling_params import SAMPLING_EPS, SamplingParams
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A generator for one seeded request; it must live on the device the logits live on."""
+    gen = torch.Generator(device=torch.device(device))
+    gen.manual_seed(seed)
+    return gen
+
+
+def _to_device(t: Tensor, device: torch.device) -> Tensor:
+    # Pinned memory + non_blocking keeps the host->device copy asynchronous on CUDA.
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _padded_ids(rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> Tensor:
+    """[N, L] int64 of the rows' token ids; padding and out-of-range ids map to the spare column V."""
+    width = max(1, max((len(r) for r in rows), default=0))
+    # numpy row assignment converts Python lists ~4x faster than torch.as_tensor per row.
+    ids = np.full((len(rows), width), vocab_size, dtype=np.int64)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, : len(r)] = r
+    # Placeholders (-1) or garbage ids must never count as a real token.
+    ids[(ids < 0) | (ids > vocab_size)] = vocab_size
+    return _to_device(torch.from_numpy(ids), device)
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step sampling inputs, one row per request that samples this step."""
+
+    temperature: Tensor
+    """[N] float32; 0 for greedy rows."""
+    top_k: Optional[Tensor]
+    """[N] int64, 0 = off; None when no row uses it."""
+    top_p: Optional[Tensor]
+    """[N] float32, 1 = off; None when no row uses it."""
+    min_p: Optional[Tensor]
+    """[N] float32, 0 = off; None when no row uses it."""
+    generators: dict[int, torch.Generator]
+    """Row -> the request's own generator (seeded requests only)."""
+    presence_penalty: Optional[Tensor]
+    """[N] float32; None when no row uses any penalty (then the other penalty fields are None too)."""
+    frequency_penalty: Optional[Tensor]
+    """[N] float32."""
+    repetition_penalty: Optional[Tensor]
+    """[N] float32, 1 = off."""
+    prompt_token_ids: Optional[list[list[int]]]
+    """Per row, the prompt ids (repetition penalty); None means no prompt tokens are penalised."""
+    output_token_ids: list[list[int]]
+    """Per row, the tokens generated so far (penalties)."""
+    blocked_token_ids: dict[int, list[int]]
+    """Row -> token ids forbidden this step (EOS / stop ids while min_tokens is not reached)."""
+    max_num_logprobs: Optional[int]
+    """Largest `logprobs` among the rows; None when no row asks for logprobs."""
+    all_greedy: bool = False
+    """Host-side hint: every row is greedy (skips the random path). False = unknown."""
+    all_random: bool = False
+    """Host-side hint: no row is greedy (skips the argmax). False = unknown."""
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        generators: Optional[dict[int, torch.Generator]] = None,
+        prompt_token_ids: Optional[Sequence[Sequence[int]]] = None,
+        output_token_ids: Optional[Sequence[Sequence[int]]] = None,
+        eos_token_ids: Iterable[int] = (),
+        device: torch.device | str = "cpu",
+    ) -> "SamplingMetadata":
+        """Builds the metadata of one step. Seeded random rows need their persistent generator
+        in `generators` (a fresh one per step would repeat the same draw every step)."""
+        device = torch.device(device)
+        n = len(params)
+        generators = dict(generators or {})
+        outputs = [list(o) for o in output_token_ids] if output_token_ids is not None else [[] for _ in params]
+        if len(outputs) != n or (prompt_token_ids is not None and len(prompt_token_ids) != n):
+            raise ValueError("prompt_token_ids / output_token_ids need one row per SamplingParams")
+        for i, p in enumerate(params):
+            if p.seed is not None and not p.is_greedy and i not in generators:
+                raise ValueError(f"row {i} has seed={p.seed} but no generator; create it once per request")
+
+        def f32(values: list[float]) -> Tensor:
+            return _to_device(torch.tensor(values, dtype=torch.float32), device)
+
+        greedy = [p.is_greedy for p in params]
+        random_rows = [p for p, g in zip(params, greedy) if not g]
+        # Truncation parameters only matter for random rows; greedy rows take the argmax.
+        top_k = top_p = min_p = None
+        if any(p.top_k > 0 for p in random_rows):
+            top_k = _to_device(torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64), device)
+        if any(p.top_p < 1.0 for p in random_rows):
+            top_p = f32([p.top_p for p in params])
+        if any(p.min_p > 0.0 for p in random_rows):
+            min_p = f32([p.min_p for p in params])
+
+        presence = frequency = repetition = None
+        prompts = None
+        if any(p.uses_penalties for p in params):
+            presence = f32([p.presence_penalty for p in params])
+            frequency = f32([p.frequency_penalty for p in params])
+            repetition = f32([p.repetition_penalty for p in params])
+            if prompt_token_ids is not None:
+                prompts = [list(x) for x in prompt_token_ids]
+
+        eos = tuple(eos_token_ids)
+        blocked: dict[int, list[int]] = {}
+        for i, p in enumerate(params):
+            if len(outputs[i]) < p.min_tokens:
+                ids = p.all_stop_token_ids(eos)
+                if ids:
+                    blocked[i] = sorted(ids)
+
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=f32([0.0 if g else p.temperature for p, g in zip(params, greedy)]),
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            generators={i: g for i, g in generators.items() if i < n},
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=repetition,
+            prompt_token_ids=prompts,
+            output_token_ids=outputs,
+            blocked_token_ids=blocked,
+            max_num_logprobs=max(logprobs) if logprobs else None,
+            all_greedy=n > 0 and all(greedy),
+            all_random=n > 0 and not any(greedy),
+        )
+
+
+@dataclass
+class SamplerOutput:
+    """What one sampling step produced."""
+
+    sampled_token_ids: Tensor
+    """[N] int64."""
+    logprob_token_ids: Optional[Tensor] = None
+    """[N, 1 + max_num_logprobs] int64: the sampled token first, then the top-n ids."""
+    logprobs: Optional[Tensor] = None
+    """[N, 1 + max_num_logprobs] float32 logprobs (of the raw logits) matching logprob_token_ids."""
+    sampled_token_ranks: Optional[Tensor] = None
+    """[N] int64 rank of the sampled token in the raw distribution (1 = most likely)."""
+
+
+# -- logits transforms (module functions so the rejection sampler can reuse them) ----------
+def apply_blocked_tokens(logits: Tensor, blocked: dict[int, list[int]]) -> Tensor:
+    """Sets the blocked (row, token) logits to -inf in place; logits must be contiguous [N, V]."""
+    vocab_size = logits.shape[-1]
+    flat = [r * vocab_size + t for r, ids in blocked.items() for t in ids if 0 <= t < vocab_size]
+    if flat:
+        # index_fill_ with a Python scalar: `logits[r, c] = x` would copy x to the device and sync.
+        index = _to_device(torch.tensor(flat, dtype=torch.int64), logits.device)
+        logits.view(-1).index_fill_(0, index, float("-inf"))
+    return logits
+
+
+def apply_penalties(
+    logits: Tensor,
+    prompt_token_ids: Optional[Sequence[Sequence[int]]],
+    output_token_ids: Sequence[Sequence[int]],
+    presence_penalty: Tensor,
+    frequency_penalty: Tensor,
+    repetition_penalty: Tensor,
+) -> Tensor:
+    """Repetition penalty over prompt + output tokens, then presence / frequency over output."""
+    n, vocab_size = logits.shape
+    device = logits.device
+    out_ids = _padded_ids(output_token_ids, vocab_size, device)
+    counts = torch.zeros(n, vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
+    counts = counts[:, :vocab_size]
+    in_output = counts > 0
+    seen = in_output
+    if prompt_token_ids is not None:
+        prompt_ids = _padded_ids(prompt_token_ids, vocab_size, device)
+        in_prompt = torch.zeros(n, vocab_size + 1, dtype=torch.bool, device=device)
+        in_prompt.scatter_(1, prompt_ids, True)
+        seen = seen | in_prompt[:, :vocab_size]
+    rep = repetition_penalty.unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - frequency_penalty.unsqueeze(1) * counts
+    return logits - presence_penalty.unsqueeze(1) * in_output.to(logits.dtype)
+
+
+def apply_top_k_top_p(logits: Tensor, top_k: Optional[Tensor], top_p: Optional[Tensor]) -> Tensor:
+    """Masks to -inf all but the top-k tokens, then all but the smallest nucleus of mass >= p.
+
+    One ascending sort serves both; top-p works on the distribution renormalised after top-k.
+    Ties at the top-k threshold keep every tied token (as vLLM does).
+    """
+    if top_k is None and top_p is None:
+        return logits
+    vocab_size = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        k = torch.where(top_k <= 0, vocab_size, top_k.clamp(max=vocab_size))
+        threshold = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < threshold, float("-inf"))
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # Drop the low tail whose total mass stays <= 1 - p; the remainder is the nucleus.
+        drop = cumulative <= (1.0 - top_p).unsqueeze(1)
+        drop[:, -1] = False  # the most likely token always survives
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
+    """Masks tokens whose probability is below min_p times the most likely token's."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def process_logits(logits: Tensor, metadata: SamplingMetadata) -> Tensor:
+    """Temperature, top-k, top-p, min-p for random rows (greedy rows are divided by 1)."""
+    temperature = metadata.temperature
+    temperature = torch.where(temperature < SAMPLING_EPS, torch.ones_like(temperature), temperature)
+    logits = logits / temperature.unsqueeze(1)
+    logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+    if metadata.min_p is not None:
+        logits = apply_min_p(logits, metadata.min_p)
+    return logits
+
+
+def random_sample(
+    probs: Tensor,
+    generators: dict[int, torch.Generator],
+    default_generator: Optional[torch.Generator] = None,
+) -> Tensor:
+    """Exponential race: argmax(probs / q), q ~ Exp(1), samples exactly from probs.
+
+    Each seeded row draws one [V] vector from its own generator, so its token depends only on
+    its own generator state and its own probabilities.
+    """
+    q = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        q.exponential_(generator=default_generator)
+    for row, gen in generators.items():
+        q[row].exponential_(generator=gen)
+    # Exp(1) may round to 0; 0/0 would be NaN, which argmax would pick.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return probs.div(q).argmax(dim=-1)
+
+
+class Sampler(nn.Module):
+    """Samples one token per row; see the module docstring for the order of operations."""
+
+    def forward(
+        self,
+        logits: Tensor,
+        metadata: SamplingMetadata,
+        default_generator: Optional[torch.Generator] = None,
+    ) -> SamplerOutput:
+        # Contiguous float32 copy: never modify the caller's tensor; bf16 is too coarse for cumsums.
+        logits = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).copy_(logits)
+        raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
+
+        if metadata.blocked_token_ids:
+            logits = apply_blocked_tokens(logits, metadata.blocked_token_ids)
+        if metadata.presence_penalty is not None:
+            assert metadata.frequency_penalty is not None and metadata.repetition_penalty is not None
+            logits = apply_penalties(
+                logits,
+                metadata.prompt_token_ids,
+                metadata.output_token_ids,
+                metadata.presence_penalty,
+                metadata.frequency_penalty,
+                metadata.repetition_penalty,
+            )
+
+        greedy = None if metadata.all_random else logits.argmax(dim=-1)
+        if metadata.all_greedy:
+            assert greedy is not None
+            sampled = greedy
+        else:
+            probs = process_logits(logits, metadata).softmax(dim=-1)
+            sampled = random_sample(probs, metadata.generators, default_generator)
+            if greedy is not None:
+                sampled = torch.where(metadata.temperature < SAMPLING_EPS, greedy, sampled)
+
+        out = SamplerOutput(sampled_token_ids=sampled)
+        if raw_logprobs is not None:
+            assert metadata.max_num_logprobs is not None
+            self._gather_logprobs(out, raw_logprobs, metadata.max_num_logprobs)
+        return out
+
+    @staticmethod
+    def _gather_logprobs(out: SamplerOutput, raw_logprobs: Tensor, num: int) -> None:
+        sampled = out.sampled_token_ids.unsqueeze(1)
+        sampled_lp = raw_logprobs.gather(1, sampled)
+        num = min(num, raw_logprobs.shape[-1])
+        if num > 0:
+            top_lp, top_ids = raw_logprobs.topk(num, dim=-1)
+            out.logprob_token_ids = torch.cat([sampled, top_ids], dim=1)
+            out.logprobs = torch.cat([sampled_lp, top_lp], dim=1)
+        else:
+            out.logprob_token_ids = sampled
+            out.logprobs = sampled_lp
+        out.sampled_token_ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1

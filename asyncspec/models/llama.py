@@ -1,0 +1,188 @@
+"""One decoder covering Llama, Mistral, Qwen2 and Qwen3 (flags: qkv bias, per-head q/k norm, sliding window)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncspec.layers.attention import Attention
+from asyncspec.layers.attention_metadata import AttentionMetadata
+from asyncspec.layers.norm import RMSNorm
+from asyncspec.layers.rotary import RotaryEmbedding, apply_rotary
+from asyncspec.models.model_config import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    """Fused q/k/v projection, optional per-head q/k RMSNorm, RoPE, paged attention, output projection."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self.attn = Attention(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            config.sliding_window_for_layer(layer_idx),
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = self.attn(q, k, v, kv_cache, attn_metadata)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU MLP with the gate and up projections fused into one matmul."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention block then pre-norm MLP block, each with a residual add."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, attn_metadata)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder stack and final norm (the `model.` prefix of HF checkpoints)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, h.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv_cache, attn_metadata)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only causal LM; the model runner calls `forward` then `compute_logits` on the rows it samples."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        # Tied models have no lm_head module: the logits reuse the embedding matrix directly.
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] in float32."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden_states, weight).float()
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """HF checkpoint tensor name -> the parameter (or slice of a fused parameter) it fills."""
+        out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.model.embed_tokens.weight}
+        for i, layer in enumerate(self.model.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            for kind in ("weight", "bias"):
+                fused = getattr(attn.qkv_proj, kind)
+                if fused is not None:
+                    q, k, v = fused.split([attn.q_size, attn.kv_size, attn.kv_size], dim=0)
+                    out.update({f"{p}self_attn.q_proj.{kind}": q, f"{p}self_attn.k_proj.{kind}": k,
+                                f"{p}self_attn.v_proj.{kind}": v})
+                if getattr(attn.o_proj, kind) is not None:
+                    out[f"{p}self_attn.o_proj.{kind}"] = getattr(attn.o_proj, kind)
+                fused = getattr(mlp.gate_up_proj, kind)
+                if fused is not None:
+                    gate, up = fused.split(mlp.intermediate_size, dim=0)
+                    out.update({f"{p}mlp.gate_proj.{kind}": gate, f"{p}mlp.up_proj.{kind}": up})
+                if getattr(mlp.down_proj, kind) is not None:
+                    out[f"{p}mlp.down_proj.{kind}"] = getattr(mlp.down_proj, kind)
+            if attn.qk_norm:
+                out[f"{p}self_attn.q_norm.weight"] = attn.q_norm.weight
+                out[f"{p}self_attn.k_norm.weight"] = attn.k_norm.weight
+            out[f"{p}input_layernorm.weight"] = layer.input_layernorm.weight
+            out[f"{p}post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+        out["model.norm.weight"] = self.model.norm.weight
+        if self.lm_head is not None:
+            out["lm_head.weight"] = self.lm_head.weight
+        return out
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama with a sliding attention window (from config.sliding_window)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Llama with q/k/v biases (config.attention_bias is always True for Qwen2)."""
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Llama with per-head q/k RMSNorm (config.qk_norm)."""

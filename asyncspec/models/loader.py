@@ -1,0 +1,147 @@
+"""Build a model on the meta device, materialise it on the target device/dtype, and fill it from safetensors."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from asyncspec.errors import ModelLoadError
+from asyncspec.models.model_config import ModelConfig
+from asyncspec.models.registry import get_model_class
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_PICKLE_PATTERNS = ("pytorch_model*.bin", "*.bin", "*.pt", "*.pth", "*.ckpt", "pytorch_model.bin.index.json")
+# Checkpoint tensors that carry no weights we need (recomputed buffers, or the duplicate of a tied head).
+_HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_model(
+    model_path: str,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "safetensors",
+    seed: int = 0,
+) -> nn.Module:
+    """The model of `model_config` on `device` in `dtype`, in eval mode, with weights from `model_path`."""
+    device = torch.device(device)
+    if load_format not in ("safetensors", "dummy"):
+        raise ModelLoadError(f"load_format {load_format!r} is not supported (safetensors, dummy)")
+    files = _find_weight_files(model_path) if load_format == "safetensors" else {}
+    cls = get_model_class(model_config.architecture)
+    with torch.device("meta"):
+        model = cls(model_config)
+    _materialize(model, device, dtype)
+    targets = model.checkpoint_tensors()
+    with torch.no_grad():
+        if load_format == "dummy":
+            _fill_dummy(targets, device, seed)
+        else:
+            _fill_from_files(targets, files, model_config.tie_word_embeddings)
+    return model.eval()
+
+
+def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Replace meta parameters by uninitialised ones on `device` (no fp32 copy of the whole model)."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device),
+                                                        requires_grad=False)
+        reset = getattr(module, "reset_non_persistent_buffers", None)
+        if reset is not None:
+            reset(device)
+
+
+def _fill_dummy(targets: dict[str, torch.Tensor], device: torch.device, seed: int) -> None:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, t in targets.items():
+        if name.endswith("norm.weight"):
+            t.fill_(1.0)
+        else:
+            t.normal_(0.0, 0.02, generator=gen)
+
+
+def _find_weight_files(model_path: str) -> dict[str, str]:
+    """Tensor name -> safetensors file path, from the index or by listing single files."""
+    if not os.path.isdir(model_path):
+        raise ModelLoadError(f"model directory {model_path!r} does not exist or is not a directory")
+    index_path = os.path.join(model_path, INDEX_FILE)
+    if os.path.isfile(index_path):
+        return _read_index(model_path, index_path)
+    candidates = [os.path.join(model_path, SINGLE_FILE)]
+    if not os.path.isfile(candidates[0]):
+        candidates = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not candidates:
+        pickles = sorted({os.path.basename(p) for pat in _PICKLE_PATTERNS
+                          for p in glob.glob(os.path.join(model_path, pat))})
+        if pickles:
+            raise ModelLoadError(
+                f"{model_path}: only pickle weights found ({', '.join(pickles)}); pickle weights are not loaded "
+                "for safety; convert to safetensors"
+            )
+        raise ModelLoadError(
+            f"{model_path}: no weight file found; looked for {SINGLE_FILE}, {INDEX_FILE} and *.safetensors"
+        )
+    mapping: dict[str, str] = {}
+    for path in candidates:
+        with _open(path) as f:
+            for name in f.keys():
+                mapping[name] = path
+    return mapping
+
+
+def _read_index(model_path: str, index_path: str) -> dict[str, str]:
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{index_path}: cannot read its 'weight_map': {e}") from e
+    mapping = {name: os.path.join(model_path, shard) for name, shard in weight_map.items()}
+    for shard in sorted(set(mapping.values())):
+        if not os.path.isfile(shard):
+            raise ModelLoadError(f"{index_path} references shard {os.path.basename(shard)!r}, which does not exist")
+    return mapping
+
+
+def _open(path: str):
+    try:
+        # Read on the host (memory-mapped); copy_ into the device parameter converts dtype in one pass.
+        return safe_open(path, framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise ModelLoadError(f"{path}: not a readable safetensors file: {e}") from e
+
+
+def _fill_from_files(targets: dict[str, torch.Tensor], files: dict[str, str], tied: bool) -> None:
+    missing = [n for n in targets if n not in files]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise ModelLoadError(f"tensor {shown} missing from checkpoint {', '.join(sorted(set(files.values())))}")
+    for name, path in files.items():
+        if name not in targets and not _is_harmless(name, tied):
+            raise ModelLoadError(f"unexpected tensor {name!r} in {path}: the model has no such parameter")
+    by_file: dict[str, list[str]] = {}
+    for name in targets:
+        by_file.setdefault(files[name], []).append(name)
+    for path, names in by_file.items():
+        with _open(path) as f:
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    raise ModelLoadError(f"tensor {name!r} is mapped to {path} but that file does not contain it")
+                found = tuple(f.get_slice(name).get_shape())
+                expected = tuple(targets[name].shape)
+                if found != expected:
+                    raise ModelLoadError(
+                        f"shape mismatch for tensor {name!r} in {path}: expected {expected}, found {found}"
+                    )
+                targets[name].copy_(f.get_tensor(name))
+
+
+def _is_harmless(name: str, tied: bool) -> bool:
+    return name.endswith(_HARMLESS_SUFFIXES) or (tied and name == "lm_head.weight")

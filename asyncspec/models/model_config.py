@@ -1,0 +1,236 @@
+"""ModelConfig: the subset of a Hugging Face config.json the engine needs, validated once."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from asyncspec.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+# Required keys of each supported rope scaling type (besides rope_type itself).
+_ROPE_TYPES: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+@dataclass
+class ModelConfig:
+    """Architecture hyper-parameters of one decoder-only model."""
+
+    architecture: str
+    """The config.json `architectures[0]`, e.g. "LlamaForCausalLM"."""
+    vocab_size: int
+    """Rows of the embedding and of the LM head."""
+    hidden_size: int
+    """Width of the residual stream."""
+    intermediate_size: int
+    """Width of the gated MLP."""
+    num_hidden_layers: int
+    """Number of decoder layers."""
+    num_attention_heads: int
+    """Query heads per layer."""
+    num_key_value_heads: int
+    """KV heads per layer (GQA when fewer than the query heads)."""
+    head_dim: int
+    """Width of one attention head."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    rope_scaling: dict[str, Any] | None = None
+    """None for plain RoPE, else {"rope_type": "linear"|"llama3", ...its parameters}."""
+    max_position_embeddings: int = 2048
+    """Longest position the model supports (sizes the RoPE cache)."""
+    tie_word_embeddings: bool = False
+    """The LM head reuses the embedding matrix."""
+    attention_bias: bool = False
+    """q/k/v projections carry a bias."""
+    o_proj_bias: bool = False
+    """The output projection carries a bias (Llama/Qwen3 attention_bias; never Qwen2)."""
+    mlp_bias: bool = False
+    """The MLP projections carry a bias (Llama's mlp_bias)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
+    hidden_act: str = "silu"
+    """MLP activation; only silu is supported."""
+    sliding_window: int | None = None
+    """Attention window in tokens, or None for full attention."""
+    layer_types: list[str] | None = None
+    """Per-layer "full_attention"/"sliding_attention"; None means every layer uses `sliding_window`."""
+    bos_token_id: int | None = None
+    """Beginning-of-sequence token id, if any."""
+    eos_token_ids: list[int] = field(default_factory=list)
+    """Every token id that ends generation (config.json and generation_config.json merged)."""
+    torch_dtype: str | None = None
+    """The checkpoint's dtype as written in config.json, if given."""
+    model_type: str | None = None
+    """The config.json model_type, for information."""
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V one token occupies across all layers."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * itemsize
+
+    def sliding_window_for_layer(self, layer_idx: int) -> int | None:
+        """The attention window of one layer, or None if it attends to everything."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer_idx] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> ModelConfig:
+        """Read and validate `path/config.json` (and generation_config.json when present)."""
+        if not os.path.isdir(path):
+            raise ModelLoadError(f"model directory {path!r} does not exist or is not a directory")
+        cfg_path = os.path.join(path, "config.json")
+        cfg = _read_json(cfg_path, required=True)
+        gen = _read_json(os.path.join(path, "generation_config.json"), required=False) or {}
+        return cls.from_dict(cfg, generation_config=gen, source=cfg_path)
+
+    @classmethod
+    def from_dict(
+        cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None, source: str = "config.json"
+    ) -> ModelConfig:
+        """Build from an already parsed config.json dict; `source` names it in errors."""
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ModelLoadError(f"{source}: no 'architectures' entry; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"{source}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        # auto_map / trust_remote_code are deliberately ignored: no remote code is ever executed.
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            kwargs: dict[str, Any] = dict(
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_attention_heads=heads,
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"{source}: required key {e.args[0]!r} is missing") from None
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        head_dim = cfg.get("head_dim") or hidden // heads
+        if heads % kv_heads != 0:
+            raise ModelLoadError(
+                f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+            )
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelLoadError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
+        max_pos = int(cfg.get("max_position_embeddings", 2048))
+        rope_theta, rope_scaling = _parse_rope(cfg, max_pos, source)
+
+        is_qwen2, is_qwen3 = arch == "Qwen2ForCausalLM", arch == "Qwen3ForCausalLM"
+        attn_bias = True if is_qwen2 else bool(cfg.get("attention_bias", False))
+        sliding, layer_types = _parse_sliding_window(cfg, arch, int(cfg["num_hidden_layers"]))
+        eos = _merge_ids(cfg.get("eos_token_id"), (generation_config or {}).get("eos_token_id"))
+        return cls(
+            architecture=arch,
+            **kwargs,
+            num_key_value_heads=int(kv_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=attn_bias,
+            o_proj_bias=False if is_qwen2 else attn_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=is_qwen3,
+            hidden_act=act,
+            sliding_window=sliding,
+            layer_types=layer_types,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos,
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            model_type=cfg.get("model_type"),
+        )
+
+
+def _read_json(path: str, required: bool) -> dict[str, Any] | None:
+    if not os.path.isfile(path):
+        if required:
+            raise ModelLoadError(f"{path} not found: a model directory needs a Hugging Face config.json")
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: cannot be read as JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return data
+
+
+def _parse_rope(cfg: dict[str, Any], max_pos: int, source: str) -> tuple[float, dict[str, Any] | None]:
+    """Accept both transformers-5 `rope_parameters` and the older `rope_theta` + `rope_scaling` keys."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        if any(isinstance(v, dict) for v in params.values()):
+            raise ModelLoadError(f"{source}: per-layer-type rope_parameters are not supported")
+        params = dict(params)
+    else:
+        params = dict(cfg.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ModelLoadError(f"{source}: partial_rotary_factor != 1 is not supported")
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in _ROPE_TYPES:
+        raise ModelLoadError(
+            f"{source}: rope_type {rope_type!r} is not supported; supported: default, {', '.join(_ROPE_TYPES)}"
+        )
+    if rope_type == "llama3":
+        params.setdefault("original_max_position_embeddings", max_pos)
+    missing = [k for k in _ROPE_TYPES[rope_type] if k not in params]
+    if missing:
+        raise ModelLoadError(f"{source}: rope_type {rope_type!r} needs {', '.join(missing)}")
+    scaling = {"rope_type": rope_type}
+    scaling.update({k: params[k] for k in _ROPE_TYPES[rope_type]})
+    return theta, scaling
+
+
+def _parse_sliding_window(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, list[str] | None]:
+    window = cfg.get("sliding_window")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        # Qwen ships a sliding_window value but only uses it when use_sliding_window is set.
+        if not cfg.get("use_sliding_window", False) or window is None:
+            return None, None
+        types = cfg.get("layer_types")
+        if types is None:
+            start = int(cfg.get("max_window_layers", num_layers))
+            types = ["sliding_attention" if i >= start else "full_attention" for i in range(num_layers)]
+        return int(window), list(types)
+    if arch == "MistralForCausalLM" and window is not None:
+        return int(window), None
+    return None, None
+
+
+def _merge_ids(*values: Any) -> list[int]:
+    out: list[int] = []
+    for v in values:
+        for x in v if isinstance(v, list) else ([] if v is None else [v]):
+            if int(x) not in out:
+                out.append(int(x))
+    return out

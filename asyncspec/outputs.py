@@ -1,0 +1,35 @@
+"""RequestOutput: what clients receive, as streamed deltas or as a final cumulative result."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from asyncspec.core.scheduler_output import TokenLogprobs
+
+
+@dataclass
+class RequestOutput:
+    """One request's output. From AsyncEngine.generate: a delta per step; from LLM.generate: the whole."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    """Generated token ids (the new ones, for a delta)."""
+    text: str = ""
+    """Generated text (the new part, for a delta); never contains a stop string unless asked."""
+    finish_reason: Optional[str] = None
+    """"stop", "length" or "abort" on the last output; None before."""
+    stop_reason: Optional[int | str] = None
+    """The stop string or stop token id that ended the request, if one did."""
+    logprobs: Optional[list[TokenLogprobs]] = None
+    """Per generated token, when SamplingParams.logprobs was set."""
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
+    num_draft_tokens: int = 0
+    """Draft tokens proposed for this request (speculative decoding)."""
+    num_accepted_tokens: int = 0
+    """Draft tokens the target accepted."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

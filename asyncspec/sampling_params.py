@@ -1,0 +1,193 @@
+"""SamplingParams: vLLM-compatible per-request sampling options, validated up front.
+
+Every check raises InvalidSamplingParamsError naming the field, the value and the allowed
+range, so the gRPC layer can turn it into INVALID_ARGUMENT without guessing.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+from asyncspec.errors import InvalidSamplingParamsError
+
+MAX_STOP_STRINGS = 16
+"""Default limit on stop strings per request; the engine re-checks its own via validate_for_engine."""
+MAX_STOP_STR_LEN = 1024
+"""Longest stop string in characters (it bounds the detokenizer's look-back window)."""
+MAX_LOGPROBS = 20
+"""Most top-n logprobs a request may ask for."""
+SAMPLING_EPS = 1e-5
+"""Temperatures below this are treated as greedy (dividing by them would overflow)."""
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _err(name: str, value: Any, allowed: str) -> InvalidSamplingParamsError:
+    return InvalidSamplingParamsError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
+
+
+def _real(name: str, value: Any, allowed: str) -> float:
+    """Accepts int/float (not bool: True is almost always a typo) and rejects NaN/inf."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _err(name, value, f"a number ({allowed})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise _err(name, value, f"a finite number ({allowed})")
+    return value
+
+
+def _int(name: str, value: Any, allowed: str) -> int:
+    # float 3.0 is refused too: an integer field given a float is a client bug worth surfacing.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise _err(name, value, f"an integer ({allowed})")
+    return int(value)
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _err(name, value, "a bool")
+    return value
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's tokens and when to stop (field names and defaults as vLLM)."""
+
+    temperature: float = 1.0
+    """Softmax temperature, >= 0; 0 (anything below 1e-5) means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability sums to >= top_p, in (0, 1]."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 or -1 disables."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top token's, in [0, 1]."""
+    seed: Optional[int] = None
+    """Seed of this request's own generator: its tokens then do not depend on batch neighbours."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already generated, in [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """Subtracted once per earlier occurrence of a token in the output, in [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """Divides positive / multiplies negative logits of prompt and output tokens, > 0 (1 = off)."""
+    max_tokens: Optional[int] = 16
+    """Most tokens to generate, >= 1; None means up to max_model_len."""
+    min_tokens: int = 0
+    """EOS and stop token ids are blocked, and stop strings ignored, until this many tokens exist."""
+    ignore_eos: bool = False
+    """Keep generating past EOS tokens (stop_token_ids still stop)."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end generation when they appear in the output; a single str or None is accepted."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end generation (in addition to EOS); None is accepted."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string at the end of the output text."""
+    logprobs: Optional[int] = None
+    """Return the sampled token's logprob plus this many top logprobs (0..20); None = none."""
+    skip_special_tokens: bool = True
+    """Leave special tokens (e.g. <|endoftext|>) out of the output text."""
+
+    def __post_init__(self) -> None:
+        self.temperature = _real("temperature", self.temperature, ">= 0; 0 means greedy")
+        if self.temperature < 0:
+            raise _err("temperature", self.temperature, ">= 0 (0 means greedy)")
+        self.top_p = _real("top_p", self.top_p, "in (0, 1]")
+        if not 0.0 < self.top_p <= 1.0:
+            raise _err("top_p", self.top_p, "in (0, 1]")
+        self.top_k = _int("top_k", self.top_k, ">= 1, or 0 / -1 to disable")
+        if self.top_k < -1:
+            raise _err("top_k", self.top_k, ">= 1, or 0 / -1 to disable")
+        self.min_p = _real("min_p", self.min_p, "in [0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise _err("min_p", self.min_p, "in [0, 1]")
+        if self.seed is not None:
+            self.seed = _int("seed", self.seed, "a 64-bit signed integer or None")
+            if not _INT64_MIN <= self.seed <= _INT64_MAX:
+                raise _err("seed", self.seed, f"in [{_INT64_MIN}, {_INT64_MAX}] or None")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _real(name, getattr(self, name), "in [-2, 2]")
+            if not -2.0 <= value <= 2.0:
+                raise _err(name, value, "in [-2, 2]")
+            setattr(self, name, value)
+        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty, "> 0 (1 = off)")
+        if self.repetition_penalty <= 0:
+            raise _err("repetition_penalty", self.repetition_penalty, "> 0 (1 = off)")
+        if self.max_tokens is not None:
+            self.max_tokens = _int("max_tokens", self.max_tokens, ">= 1 or None")
+            if self.max_tokens < 1:
+                raise _err("max_tokens", self.max_tokens, ">= 1 or None")
+        self.min_tokens = _int("min_tokens", self.min_tokens, ">= 0")
+        if self.min_tokens < 0:
+            raise _err("min_tokens", self.min_tokens, ">= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _err("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _bool(name, getattr(self, name))
+        self.stop = self._normalise_stop(self.stop)
+        self._check_num_stop_strings(MAX_STOP_STRINGS)
+        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        if self.logprobs is not None:
+            self.logprobs = _int("logprobs", self.logprobs, f"in [0, {MAX_LOGPROBS}] or None")
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise _err("logprobs", self.logprobs, f"in [0, {MAX_LOGPROBS}] or None")
+
+    @staticmethod
+    def _normalise_stop(stop: Any) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)):
+            raise _err("stop", stop, "a string, a list of strings or None")
+        for s in stop:
+            if not isinstance(s, str):
+                raise _err("stop", stop, "a list of strings (found a non-string entry)")
+            if not s:
+                raise _err("stop", stop, "a list of non-empty strings")
+            if len(s) > MAX_STOP_STR_LEN:
+                raise _err("stop", f"{s[:32]}... ({len(s)} chars)", f"strings of at most {MAX_STOP_STR_LEN} chars")
+        return list(stop)
+
+    @staticmethod
+    def _normalise_stop_token_ids(ids: Any) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)):
+            raise _err("stop_token_ids", ids, "a list of non-negative integers or None")
+        out = []
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
+                raise _err("stop_token_ids", ids, "a list of non-negative integers (token ids)")
+            out.append(int(t))
+        return out
+
+    def _check_num_stop_strings(self, limit: int) -> None:
+        if len(self.stop) > limit:
+            raise _err("stop", f"{len(self.stop)} strings", f"at most {limit} strings")
+
+    def validate_for_engine(self, max_stop_strings: int, vocab_size: int) -> None:
+        """Checks the limits that depend on the engine: its stop-string cap and the vocabulary."""
+        self._check_num_stop_strings(max_stop_strings)
+        for t in self.stop_token_ids:
+            if not 0 <= t < vocab_size:
+                raise _err("stop_token_ids", self.stop_token_ids, f"token ids in [0, {vocab_size})")
+
+    # -- helpers ----------------------------------------------------------------------
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def all_stop_token_ids(self, eos_token_ids: Iterable[int]) -> frozenset[int]:
+        """Token ids that end this request: stop_token_ids plus EOS unless ignore_eos."""
+        ids = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            ids.update(eos_token_ids)
+        return frozenset(ids)
+
+    @property
+    def max_stop_str_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)

@@ -1,0 +1,93 @@
+"""Persistent per-request state of the worker: one row per request, kept across steps."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from asyncspec.core.scheduler_output import NewRequestData
+from asyncspec.layers.sampler import make_generator
+from asyncspec.sampling_params import SamplingParams
+
+
+@dataclass
+class RowState:
+    """Host-side facts of one row (the token ids themselves live on the device)."""
+
+    request_id: str
+    row: int
+    num_prompt_tokens: int
+    num_tokens: int
+    """Tokens known to the worker: prompt plus every sampled token."""
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: Optional[torch.Generator]
+    block_ids: list[int] = field(default_factory=list)
+
+
+class InputBatch:
+    """Rows are assigned on arrival and released on finish or preemption.
+
+    `token_ids` is a device tensor and the source of truth for the tokens fed to the model:
+    sampled tokens are written there on the device, never re-uploaded from the host.
+    """
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.max_blocks_per_req = -(-max_model_len // block_size)
+        self.device = device
+        self.token_ids = torch.zeros((max_num_reqs, max_model_len), dtype=torch.int64, device=device)
+        self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
+        self.rows: dict[str, RowState] = {}
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        # Seeded generators of preempted requests, so a resumed request continues its stream.
+        self._parked_generators: dict[str, torch.Generator] = {}
+
+    def add_request(self, data: NewRequestData) -> RowState:
+        if not self._free_rows:
+            raise RuntimeError("input batch is full: more running requests than max_num_seqs")
+        row = self._free_rows.pop()
+        n = len(data.token_ids)
+        self.token_ids[row, :n] = torch.tensor(data.token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        params = data.sampling_params
+        state = RowState(
+            request_id=data.request_id,
+            row=row,
+            num_prompt_tokens=data.num_prompt_tokens,
+            num_tokens=n,
+            num_computed_tokens=data.num_computed_tokens,
+            sampling_params=params,
+            prompt_token_ids=data.token_ids[: data.num_prompt_tokens],
+            output_token_ids=data.token_ids[data.num_prompt_tokens :],
+            generator=self._parked_generators.pop(data.request_id, None),
+        )
+        if state.generator is None and params.seed is not None:
+            state.generator = make_generator(params.seed, self.device)
+        self.rows[data.request_id] = state
+        self.append_blocks(state, data.block_ids)
+        return state
+
+    def append_blocks(self, state: RowState, block_ids: list[int]) -> None:
+        if block_ids:
+            start = len(state.block_ids)
+            self.block_table[state.row, start : start + len(block_ids)] = block_ids
+            state.block_ids.extend(block_ids)
+
+    def remove_request(self, request_id: str, preempted: bool = False) -> None:
+        state = self.rows.pop(request_id, None)
+        if state is None:
+            if not preempted:
+                self._parked_generators.pop(request_id, None)
+            return
+        self._free_rows.append(state.row)
+        if preempted and state.generator is not None:
+            self._parked_generators[request_id] = state.generator
+
+    def __len__(self) -> int:
+        return len(self.rows)
+

@@ -1,0 +1,33 @@
+"""Shared fixtures: the bundled models, the benchmark prompts, and the gpu marker."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET_MODEL = REPO / "models" / "stdlib-coder-target"
+DRAFT_MODEL = REPO / "models" / "stdlib-coder-draft"
+_PROMPT_FILES = [REPO.parent / "shared" / "data" / "prompts-code.jsonl", REPO / "benchmarks" / "data" / "prompts-code.jsonl"]
+
+
+def load_prompts(n: int) -> list[list[int]]:
+    path = next(p for p in _PROMPT_FILES if p.is_file())
+    with open(path) as f:
+        return [json.loads(line)["prompt_token_ids"] for _, line in zip(range(n), f)]
+
+
+@pytest.fixture(scope="session")
+def code_prompts() -> list[list[int]]:
+    return load_prompts(16)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,69 @@
+"""The engine's greedy output equals Hugging Face transformers' greedy output, token for token (fp32, CPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asyncspec import LLM, SamplingParams
+from tests.conftest import TARGET_MODEL
+
+MAX_NEW_TOKENS = 64
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    input_ids = torch.tensor([prompt])
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=1,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(TARGET_MODEL, dtype=torch.float32).eval()
+
+
+def test_bundled_target_matches_hf_under_batching_chunking_prefix_cache_and_preemption(hf_model, code_prompts):
+    prompts = list(code_prompts)
+    # Two prompts that share long prefixes with earlier ones, so the prefix cache must serve them.
+    prompts.append(code_prompts[0][:200] + code_prompts[1][:40])
+    prompts.append(list(code_prompts[2]))
+    llm = LLM(
+        str(TARGET_MODEL),
+        device="cpu",
+        dtype="float32",
+        block_size=16,
+        max_model_len=1024,
+        num_kv_blocks=96,  # far below 18 requests x ~30 blocks: preemption must happen
+        max_num_seqs=18,
+        max_num_batched_tokens=96,  # small chunks: long prompts interleave with decodes
+        enable_prefix_caching=True,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0, "the KV pool was meant to force preemption"
+    assert stats["prefix_cache_hits"] > 0, "the repeated prefixes were meant to hit the prefix cache"
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"], "KV blocks leaked"
+    for prompt, out in zip(prompts, outputs):
+        assert out.finish_reason == "length"
+        assert out.prompt_token_ids == prompt
+        expected = hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)
+        assert out.token_ids == expected
+
+
+def test_text_prompt_matches_hf_and_detokenizes(hf_model):
+    llm = LLM(str(TARGET_MODEL), device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=512)
+    prompt = "import os\nimport sys\n\n\ndef main("
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0]
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    assert out.token_ids == hf_greedy(hf_model, ids, 24)
+    assert out.text == tokenizer.decode(out.token_ids)

@@ -1,0 +1,126 @@
+"""ModelConfig.from_pretrained against transformers' own config classes and hand-written config.json files."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from asyncspec.errors import ModelLoadError
+from asyncspec.models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+
+BASE = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 3, "num_attention_heads": 8,
+}
+
+
+def _write(tmp_path, cfg: dict, gen: dict | None = None) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    if gen is not None:
+        (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("hf_cls,arch", [(LlamaConfig, "LlamaForCausalLM"), (MistralConfig, "MistralForCausalLM"),
+                                         (Qwen2Config, "Qwen2ForCausalLM"), (Qwen3Config, "Qwen3ForCausalLM")])
+def test_fields_match_transformers_config(tmp_path, hf_cls, arch) -> None:
+    hf = hf_cls(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8,
+                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                eos_token_id=7, bos_token_id=6, architectures=[arch])
+    hf.save_pretrained(str(tmp_path))
+    cfg = ModelConfig.from_pretrained(str(tmp_path))
+    assert cfg.architecture == arch
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
+                 "bos_token_id"):
+        assert getattr(cfg, name) == getattr(hf, name), name
+    assert cfg.head_dim == (getattr(hf, "head_dim", None) or 64 // 8)
+    assert cfg.rope_theta == hf.rope_parameters["rope_theta"] and cfg.rope_scaling is None
+    assert cfg.eos_token_ids == [7]
+    assert cfg.attention_bias == (arch == "Qwen2ForCausalLM")
+    assert cfg.o_proj_bias is False
+    assert cfg.qk_norm == (arch == "Qwen3ForCausalLM")
+    # Mistral defaults to a 4096 window; Qwen ignores its window unless use_sliding_window.
+    assert cfg.sliding_window == (4096 if arch == "MistralForCausalLM" else None)
+
+
+def test_defaults_for_optional_keys(tmp_path) -> None:
+    cfg = ModelConfig.from_pretrained(_write(tmp_path, BASE))
+    assert cfg.num_key_value_heads == 8 and cfg.head_dim == 8
+    assert cfg.rope_theta == 10000.0 and cfg.rope_scaling is None
+    assert cfg.eos_token_ids == [] and cfg.torch_dtype is None and cfg.sliding_window is None
+
+
+def test_legacy_rope_keys_and_llama3_scaling(tmp_path) -> None:
+    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    cfg = ModelConfig.from_pretrained(_write(tmp_path, {**BASE, "rope_theta": 500000.0, "rope_scaling": scaling,
+                                                        "torch_dtype": "bfloat16"}))
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling == scaling and cfg.torch_dtype == "bfloat16"
+
+
+def test_rope_parameters_form_and_linear_with_old_type_key(tmp_path) -> None:
+    cfg = ModelConfig.from_pretrained(_write(tmp_path, {**BASE, "rope_parameters": {
+        "rope_theta": 1000.0, "rope_type": "linear", "factor": 2.0}}))
+    assert cfg.rope_theta == 1000.0 and cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    cfg = ModelConfig.from_pretrained(_write(tmp_path, {**BASE, "rope_scaling": {"type": "linear", "factor": 3.0}}))
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 3.0}
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "yarn", "factor": 4.0}, {"rope_type": "dynamic", "factor": 2.0},
+                                  {"rope_type": "llama3", "factor": 8.0}])
+def test_unsupported_or_incomplete_rope_is_rejected(tmp_path, rope) -> None:
+    with pytest.raises(ModelLoadError, match=rope["rope_type"]):
+        ModelConfig.from_pretrained(_write(tmp_path, {**BASE, "rope_scaling": rope}))
+
+
+def test_eos_ids_merge_config_and_generation_config(tmp_path) -> None:
+    path = _write(tmp_path, {**BASE, "eos_token_id": [5, 9]}, gen={"eos_token_id": [9, 11]})
+    assert ModelConfig.from_pretrained(path).eos_token_ids == [5, 9, 11]
+    path = _write(tmp_path, {**BASE, "eos_token_id": 2}, gen={"eos_token_id": 3})
+    assert ModelConfig.from_pretrained(path).eos_token_ids == [2, 3]
+
+
+def test_qwen_sliding_window_layers(tmp_path) -> None:
+    hf = Qwen2Config(num_hidden_layers=4, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                     use_sliding_window=True, sliding_window=16, max_window_layers=2,
+                     architectures=["Qwen2ForCausalLM"])
+    hf.save_pretrained(str(tmp_path))
+    cfg = ModelConfig.from_pretrained(str(tmp_path))
+    assert [cfg.sliding_window_for_layer(i) for i in range(4)] == [None, None, 16, 16]
+
+
+def test_unknown_architecture_names_it_and_the_supported_list(tmp_path) -> None:
+    with pytest.raises(ModelLoadError) as info:
+        ModelConfig.from_pretrained(_write(tmp_path, {**BASE, "architectures": ["GPT2LMHeadModel"],
+                                                      "auto_map": {"AutoModelForCausalLM": "evil.Model"}}))
+    assert "GPT2LMHeadModel" in str(info.value)
+    assert all(a in str(info.value) for a in SUPPORTED_ARCHITECTURES)
+
+
+def test_unsupported_activation(tmp_path) -> None:
+    with pytest.raises(ModelLoadError, match="gelu"):
+        ModelConfig.from_pretrained(_write(tmp_path, {**BASE, "hidden_act": "gelu"}))
+
+
+def test_missing_directory_and_config(tmp_path) -> None:
+    with pytest.raises(ModelLoadError, match="does-not-exist"):
+        ModelConfig.from_pretrained(str(tmp_path / "does-not-exist"))
+    with pytest.raises(ModelLoadError, match="config.json"):
+        ModelConfig.from_pretrained(str(tmp_path))
+
+
+def test_missing_required_key(tmp_path) -> None:
+    cfg = dict(BASE)
+    del cfg["hidden_size"]
+    with pytest.raises(ModelLoadError, match="hidden_size"):
+        ModelConfig.from_pretrained(_write(tmp_path, cfg))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_bytes_per_token(tmp_path, dtype) -> None:
+    cfg = ModelConfig.from_pretrained(_write(tmp_path, {**BASE, "num_key_value_heads": 2}))
+    itemsize = 4 if dtype == torch.float32 else 2
+    assert cfg.kv_bytes_per_token(dtype) == 2 * 3 * 2 * 8 * itemsize
