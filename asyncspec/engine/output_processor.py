@@ -58,11 +58,17 @@ class OutputProcessor:
             state.token_ids.extend(core.new_token_ids)
             if core.new_logprobs:
                 state.logprobs.extend(core.new_logprobs)
-            if state.detokenizer is not None:
-                stop_string = state.detokenizer.update(core.new_token_ids)
-                if stop_string is not None and finish_reason is None:
-                    finish_reason, stop_reason = "stop", stop_string
-                    stopped_by_string.append(core.request_id)
+            detok = state.detokenizer
+            if detok is not None:
+                stop_string = detok.update(core.new_token_ids)
+                if stop_string is not None:
+                    # Tokens after the one that completed the stop string are never delivered.
+                    del state.token_ids[detok.num_output_tokens :]
+                    del state.logprobs[detok.num_output_tokens :]
+                    if finish_reason is None or finish_reason == "length":
+                        if finish_reason is None:
+                            stopped_by_string.append(core.request_id)
+                        finish_reason, stop_reason = "stop", stop_string
             output = self._make_output(state, finish_reason, stop_reason, core.num_cached_tokens)
             if output is not None:
                 results.append(output)
@@ -84,6 +90,8 @@ class OutputProcessor:
         if not state.stream_deltas and not finished:
             return None
         detok = state.detokenizer
+        if detok is not None and finished:
+            detok.finish()
         if state.stream_deltas:
             token_ids = state.token_ids[state.num_sent_tokens :]
             logprobs = state.logprobs[state.num_sent_logprobs :]

@@ -66,6 +66,7 @@ def test_loads_every_tensor_into_place(tmp_path, dtype) -> None:
     model = _load(tmp_path, dtype)
     _assert_weights(model, tensors)
     assert all(p.dtype == dtype and p.device == CPU for p in model.parameters())
+    assert all(b.device == CPU for b in model.buffers())  # nothing left on the meta device
     # The fused q/k/v parameter holds the three checkpoint tensors in order.
     fused = model.model.layers[1].self_attn.qkv_proj.weight
     expected = torch.cat([tensors[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv"]).to(dtype)
