@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 # CPU build of torch for CI and development machines; pyproject.toml accepts the GPU machine's 2.11 too.
 TORCH_VERSION ?= 2.13.0
+# Triton runs its kernels in interpreter mode on CI's CPU; 3.6 is the GPU machine's version.
+TRITON_VERSION ?= 3.6.0
 PYTEST_ARGS ?=
 
 .PHONY: venv test test-fast generate bench clean
@@ -12,7 +14,7 @@ PYTEST_ARGS ?=
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==$(TORCH_VERSION)
+	$(PIP) install -q torch==$(TORCH_VERSION) triton==$(TRITON_VERSION)
 	$(PIP) install -q -e '.[test]'
 	touch $@
 

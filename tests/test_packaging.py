@@ -1,0 +1,38 @@
+"""`kernels/` installs as `asyncspec.kernels`, never as a top-level `kernels` (a PyPI name transformers probes)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+_PROBE = """
+import importlib.util, asyncspec.kernels.paged_attention as pa
+spec = importlib.util.find_spec("kernels")
+print("asyncspec.kernels=" + pa.__file__)
+print("top-level-kernels=" + str(None if spec is None else spec.origin))
+"""
+
+
+def test_installed_package_imports_kernels_under_asyncspec(tmp_path):
+    # Run outside the repo so the source folder is not on sys.path: this is the installed view.
+    out = subprocess.run([sys.executable, "-c", _PROBE], cwd=tmp_path, capture_output=True, text=True, check=True)
+    lines = dict(line.split("=", 1) for line in out.stdout.strip().splitlines())
+    assert Path(lines["asyncspec.kernels"]).resolve() == (REPO / "kernels" / "paged_attention.py").resolve()
+    top_level = lines["top-level-kernels"]
+    assert top_level == "None" or not Path(top_level).resolve().is_relative_to(REPO)
+
+
+def test_built_wheel_places_kernels_inside_the_package(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
+        check=True,
+        capture_output=True,
+    )
+    wheel = next(tmp_path.glob("asyncspec-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "asyncspec/kernels/__init__.py" in names
+    assert "asyncspec/kernels/paged_attention.py" in names
+    assert not any(n.startswith("kernels/") for n in names)
