@@ -121,9 +121,12 @@ class Scheduler:
                 victim = self._pick_victim()
                 victim_index = self.running.index(victim)
                 if victim_index < index:
-                    # Already planned this step: hand its budget back before preempting it.
-                    token_budget += num_scheduled.pop(victim.request_id)
-                    self._unschedule_cached(cached, victim.request_id)
+                    # Already visited this step: hand its budget back (if it got any) before
+                    # preempting it. A visited request with nothing to compute was never planned.
+                    victim_tokens = num_scheduled.pop(victim.request_id, None)
+                    if victim_tokens is not None:
+                        token_budget += victim_tokens
+                        self._unschedule_cached(cached, victim.request_id)
                     index -= 1
                 self._preempt(victim)
                 preempted_ids.add(victim.request_id)
@@ -202,10 +205,13 @@ class Scheduler:
         return min(num_new, token_budget)
 
     def _lookahead(self, request: Request, num_new: int) -> int:
-        # Draft slots only for a request that samples this step (decode or last prefill chunk).
-        if request.num_computed_tokens + num_new < request.num_tokens:
+        # Draft slots only for a request that samples this step (decode or last prefill chunk),
+        # and never past max_model_len: no token there can be kept, and reserving slots there
+        # could make a request that fits the pool preempt itself over and over.
+        end = request.num_computed_tokens + num_new
+        if end < request.num_tokens:
             return 0
-        return self.config.num_lookahead_tokens
+        return max(0, min(self.config.num_lookahead_tokens, self.config.max_model_len - end))
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -274,7 +280,9 @@ class Scheduler:
     def _check_stop(self, request: Request, token_id: int) -> Optional[RequestStatus]:
         params = request.sampling_params
         num_output = request.num_output_tokens
-        if num_output >= params.min_tokens:
+        # Like the sampler's mask: stop ids are blocked while fewer than min_tokens tokens
+        # precede the one being checked (so the earliest stop is token min_tokens + 1).
+        if num_output > params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:

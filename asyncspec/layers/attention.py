@@ -1,6 +1,7 @@
 """Attention front-end: write the step's K/V into the paged cache, then attend over it."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,8 +28,45 @@ class AttentionBackend:
 TORCH_REFERENCE = AttentionBackend("torch_reference", write_kv_cache_ref, paged_attention_ref)
 
 
+# The Triton kernels are imported on first call, not here: importing triton is slow and optional on the CPU,
+# and a late module lookup picks up a re-import done under TRITON_INTERPRET=1 (tests do that).
+def _triton_write_kv(*args, **kwargs) -> None:
+    from asyncspec.kernels import kv_cache_write_triton
+
+    kv_cache_write_triton.write_kv_cache(*args, **kwargs)
+
+
+def _triton_attend(*args, **kwargs) -> torch.Tensor:
+    from asyncspec.kernels import paged_attention_triton
+
+    return paged_attention_triton.paged_attention(*args, **kwargs)
+
+
+TRITON = AttentionBackend("triton", _triton_write_kv, _triton_attend)
+
+BACKEND_ENV = "ASYNCSPEC_ATTENTION_BACKEND"
+"""Environment override: "torch" or "triton" (e.g. triton on the CPU under TRITON_INTERPRET=1)."""
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def select_backend(device: torch.device) -> AttentionBackend:
-    """The backend for `device`; Triton kernels will be chosen here for CUDA once they exist."""
+    """Triton for CUDA devices when triton imports, else the torch reference; $ASYNCSPEC_ATTENTION_BACKEND overrides."""
+    choice = os.environ.get(BACKEND_ENV, "").strip().lower()
+    if choice == "torch":
+        return TORCH_REFERENCE
+    if choice == "triton":
+        return TRITON
+    if choice:
+        raise ValueError(f"{BACKEND_ENV} must be 'torch' or 'triton', got {choice!r}")
+    if torch.device(device).type == "cuda" and _triton_available():
+        return TRITON
     return TORCH_REFERENCE
 
 

@@ -93,7 +93,8 @@ class SamplingMetadata:
         device = torch.device(device)
         n = len(params)
         generators = dict(generators or {})
-        outputs = [list(o) for o in output_token_ids] if output_token_ids is not None else [[] for _ in params]
+        # No per-row copies: this runs every step and the sampler only reads the lists.
+        outputs = list(output_token_ids) if output_token_ids is not None else [[] for _ in params]
         if len(outputs) != n or (prompt_token_ids is not None and len(prompt_token_ids) != n):
             raise ValueError("prompt_token_ids / output_token_ids need one row per SamplingParams")
         for i, p in enumerate(params):

@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+import numpy as np
 import torch
 
 from asyncspec.config import EngineConfig
+from asyncspec.core.kv_cache import num_blocks_for_bytes
+from asyncspec.errors import ConfigError
 from asyncspec.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from asyncspec.kernels.slot_mapping import compute_slot_mapping_ref
 from asyncspec.layers.attention_metadata import AttentionMetadata
@@ -28,6 +31,11 @@ class ModelRunner:
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.device = config.torch_device
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(
+                f"device={config.device!r} was requested but CUDA is not available "
+                "(no GPU, or a CPU-only torch build); use device='cpu'"
+            )
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.model = load_model(
@@ -38,6 +46,23 @@ class ModelRunner:
         self.input_batch = InputBatch(config.max_num_seqs, max_model_len, config.block_size, self.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.eos_token_ids = list(model_config.eos_token_ids)
+        self._init_step_buffers()
+
+    def _init_step_buffers(self) -> None:
+        """Per-step inputs go through these fixed buffers: no host or device allocation per step
+        for them, and one host-to-device copy each."""
+        n = self.config.max_num_seqs
+        pin = self.device.type == "cuda"
+        # Rows: batch row, num_computed_tokens, num_scheduled_tokens, indices of sampling requests.
+        self._meta_host = torch.zeros((4, n), dtype=torch.int64, pin_memory=pin)
+        self._meta_np = self._meta_host.numpy()
+        self._meta_dev = torch.zeros((4, n), dtype=torch.int64, device=self.device)
+        cols = self.input_batch.max_blocks_per_req
+        self._block_table_host = torch.zeros((n, cols), dtype=torch.int32, pin_memory=pin)
+        self._block_table_np = self._block_table_host.numpy()
+        self._block_table_dev = torch.zeros((n, cols), dtype=torch.int32, device=self.device)
+        self._query_start_loc = torch.zeros(n + 1, dtype=torch.int32, device=self.device)
+        self._arange = torch.arange(max(n, self.config.max_num_batched_tokens), device=self.device)
 
     # -- KV cache ---------------------------------------------------------------------
     @property
@@ -50,12 +75,67 @@ class ModelRunner:
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         if cfg.kv_cache_bytes is not None:
-            return cfg.kv_cache_bytes // self.bytes_per_block
+            return num_blocks_for_bytes(cfg.kv_cache_bytes, self.bytes_per_block)
+        if self.device.type == "cuda":
+            return self._profile_num_kv_blocks()
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         by_memory = int(available * _CPU_KV_MEMORY_FRACTION) // self.bytes_per_block
         # More than every request at full length is never useful.
         full_need = cfg.max_num_seqs * -(-self.max_model_len // self.block_size)
         return max(1, min(by_memory, full_need))
+
+    def _profile_num_kv_blocks(self) -> int:
+        """Free memory after the weights and one forward pass at the full token budget, within
+        gpu_memory_utilization, divided into blocks."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.dummy_run(self.config.max_num_batched_tokens)
+        torch.cuda.synchronize(self.device)
+        peak_torch = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Memory held outside torch's allocator (CUDA context, NCCL, ...).
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        budget = int(total * self.config.gpu_memory_utilization) - peak_torch - max(non_torch, 0)
+        torch.cuda.empty_cache()
+        if budget < self.bytes_per_block:
+            raise ConfigError(
+                f"no GPU memory is left for the KV cache: the model and activations take "
+                f"{peak_torch / 2**30:.2f} GiB of {total / 2**30:.2f} GiB at gpu_memory_utilization="
+                f"{self.config.gpu_memory_utilization}; raise it or lower max_num_batched_tokens"
+            )
+        return budget // self.bytes_per_block
+
+    @torch.inference_mode()
+    def dummy_run(self, num_tokens: int) -> None:
+        """A forward pass and a sampling step at `num_tokens` tokens, writing no KV (slots -1), for
+        memory profiling and warm-up."""
+        mc = self.model_config
+        dev = self.device
+        num_reqs = max(1, min(self.config.max_num_seqs, num_tokens))
+        q_lens = [num_tokens // num_reqs + (1 if i < num_tokens % num_reqs else 0) for i in range(num_reqs)]
+        cache_shape = (1, self.block_size, mc.num_key_value_heads, mc.head_dim)
+        caches = [(torch.zeros(cache_shape, dtype=self.dtype, device=dev),) * 2 for _ in range(mc.num_hidden_layers)]
+        query_start_loc = torch.tensor([0] + list(np.cumsum(q_lens)), dtype=torch.int32, device=dev)
+        seq_lens = torch.tensor(q_lens, dtype=torch.int32, device=dev)
+        cols = -(-max(q_lens) // self.block_size)
+        metadata = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=torch.zeros((num_reqs, cols), dtype=torch.int32, device=dev),  # all keys read block 0
+            max_query_len=max(q_lens),
+            max_seq_len=max(q_lens),
+            block_size=self.block_size,
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        positions = torch.cat([torch.arange(q, device=dev) for q in q_lens])
+        hidden = self.model(input_ids, positions, caches, metadata)
+        logits = self.model.compute_logits(hidden[query_start_loc[1:].long() - 1])
+        from asyncspec.sampling_params import SamplingParams
+
+        params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * num_reqs
+        self.sampler(logits, SamplingMetadata.from_params(params, device=dev), self.default_generator)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config
@@ -90,36 +170,35 @@ class ModelRunner:
         self._update_states(so)
         if so.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        batch = self.input_batch
         req_ids = list(so.num_scheduled_tokens)
-        states = [batch.rows[r] for r in req_ids]
+        states = [self.input_batch.rows[r] for r in req_ids]
         num_scheduled = [so.num_scheduled_tokens[r] for r in req_ids]
-        attn_metadata, positions, input_ids = self._prepare_inputs(states, num_scheduled, so.total_num_scheduled_tokens)
-
-        hidden_states = self.model(input_ids, positions, self.kv_caches, attn_metadata)
-
         # Only requests whose scheduled tokens reach their last known token sample this step.
         sampling_rows = [
             i for i, (s, n) in enumerate(zip(states, num_scheduled)) if s.num_computed_tokens + n >= s.num_tokens
         ]
+        attn_metadata, positions, input_ids = self._prepare_inputs(
+            states, num_scheduled, sampling_rows, so.total_num_scheduled_tokens
+        )
+        hidden_states = self.model(input_ids, positions, self.kv_caches, attn_metadata)
         for state, n in zip(states, num_scheduled):
             state.num_computed_tokens += n
         sampled_per_req: list[list[int]] = [[] for _ in req_ids]
         logprobs_per_req: Optional[list[Optional[list[TokenLogprobs]]]] = None
         if sampling_rows:
+            num_sampling = len(sampling_rows)
+            sample_index = self._meta_dev[3, :num_sampling]
             last_token_index = attn_metadata.query_start_loc[1:].to(torch.int64) - 1
-            rows_t = torch.tensor(sampling_rows, dtype=torch.int64, device=self.device)
-            logits = self.model.compute_logits(hidden_states[last_token_index[rows_t]])
+            logits = self.model.compute_logits(hidden_states[last_token_index[sample_index]])
             sampling_states = [states[i] for i in sampling_rows]
             metadata = self._sampling_metadata(sampling_states)
             out = self.sampler(logits, metadata, self.default_generator)
-            sampled = out.sampled_token_ids
-            # The device token buffer is the source of truth for the next step's input ids.
-            rows_dev = torch.tensor([s.row for s in sampling_states], dtype=torch.int64, device=self.device)
-            cols_dev = torch.tensor([s.num_tokens for s in sampling_states], dtype=torch.int64, device=self.device)
-            in_range = cols_dev < self.max_model_len
-            batch.token_ids[rows_dev[in_range], cols_dev[in_range]] = sampled[in_range]
-            sampled_host = sampled.tolist()
+            # The device token buffer is the source of truth for the next step's input ids; a
+            # sampling request's new token goes at index seq_len (always < max_model_len).
+            batch_rows = self._meta_dev[0].index_select(0, sample_index)
+            token_cols = attn_metadata.seq_lens.to(torch.int64).index_select(0, sample_index)
+            self.input_batch.token_ids[batch_rows, token_cols] = out.sampled_token_ids
+            sampled_host = out.sampled_token_ids.tolist()
             for i, state, token_id in zip(sampling_rows, sampling_states, sampled_host):
                 state.num_tokens += 1
                 state.output_token_ids.append(token_id)
@@ -129,28 +208,33 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_per_req, logprobs=logprobs_per_req)
 
     def _prepare_inputs(
-        self, states: list[RowState], num_scheduled: list[int], total_tokens: int
+        self, states: list[RowState], num_scheduled: list[int], sampling_rows: list[int], total_tokens: int
     ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
-        """One small host-to-device copy; positions, input ids and slots are derived on the device."""
-        dev = self.device
+        """One host-to-device copy of per-request counts; positions, input ids and slots are
+        derived from them on the device."""
         num_reqs = len(states)
-        host = torch.tensor(
-            [[s.row for s in states], [s.num_computed_tokens for s in states], num_scheduled], dtype=torch.int64
-        )
-        rows, num_computed, num_sched = host.to(dev, non_blocking=True).unbind(0)
-        query_start_loc = torch.zeros(num_reqs + 1, dtype=torch.int32, device=dev)
-        torch.cumsum(num_sched, 0, out=query_start_loc[1:])
-        req_index = torch.repeat_interleave(
-            torch.arange(num_reqs, device=dev), num_sched, output_size=total_tokens
-        )
-        token_offset = torch.arange(total_tokens, device=dev) - query_start_loc[req_index]
-        positions = num_computed[req_index] + token_offset
-        input_ids = self.input_batch.token_ids[rows[req_index], positions]
+        meta = self._meta_np
+        rows = [s.row for s in states]
+        meta[0, :num_reqs] = rows
+        meta[1, :num_reqs] = [s.num_computed_tokens for s in states]
+        meta[2, :num_reqs] = num_scheduled
+        meta[3, : len(sampling_rows)] = sampling_rows
+        # Safe to refill next step: the synchronous loop waits for this step's sampled tokens.
+        self._meta_dev.copy_(self._meta_host, non_blocking=True)
         seq_lens_host = [s.num_computed_tokens + n for s, n in zip(states, num_scheduled)]
         max_seq_len = max(seq_lens_host)
         num_block_cols = -(-max_seq_len // self.block_size)
-        block_rows = torch.from_numpy(self.input_batch.block_table[[s.row for s in states], :num_block_cols])
-        block_tables = block_rows.to(dev, non_blocking=True)
+        np.take(self.input_batch.block_table, rows, axis=0, out=self._block_table_np[:num_reqs])
+        self._block_table_dev[:num_reqs].copy_(self._block_table_host[:num_reqs], non_blocking=True)
+
+        row_dev, num_computed, num_sched = self._meta_dev[0, :num_reqs], self._meta_dev[1, :num_reqs], self._meta_dev[2, :num_reqs]
+        query_start_loc = self._query_start_loc[: num_reqs + 1]
+        torch.cumsum(num_sched, 0, out=query_start_loc[1:])
+        req_index = torch.repeat_interleave(self._arange[:num_reqs], num_sched, output_size=total_tokens)
+        token_offset = self._arange[:total_tokens] - query_start_loc[req_index]
+        positions = num_computed[req_index] + token_offset
+        input_ids = self.input_batch.token_ids[row_dev[req_index], positions]
+        block_tables = self._block_table_dev[:num_reqs, :num_block_cols]
         slot_mapping = compute_slot_mapping_ref(block_tables, query_start_loc, positions, self.block_size)
         metadata = AttentionMetadata(
             slot_mapping=slot_mapping,

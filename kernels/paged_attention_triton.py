@@ -1,0 +1,238 @@
+"""Triton paged attention over a mixed batch of prefill chunks and decodes (contract of `paged_attention_ref`).
+
+One kernel serves every request shape. Each program owns one KV head and a tile of BLOCK_Q query tokens of
+one request; its BLOCK_M = BLOCK_Q * group rows are (query token, query head of the group) pairs, so each K/V
+tile is loaded once and serves the whole GQA group. KV is walked in tiles of BLOCK_N keys whose physical
+slots come from the block table key by key, so a tile may span paged blocks and any block size works.
+
+The grid is an upper bound computed from shapes only (no host sync): program ids are laid out as
+`query_start_loc[b] // BLOCK_Q + b` for request b (vLLM's trick; every request gets enough tiles), and the
+ids past the last request zero the padded query rows. Padded rows (t >= query_start_loc[-1]) are therefore
+always WRITTEN AS ZEROS, whether or not `out` is passed, matching the reference.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _patch_interpreter() -> None:
+    """Work around two TRITON_INTERPRET=1 bugs (triton 3.6); compiled kernels are unaffected. Idempotent.
+
+    - Scalars are 1-element arrays converted with `int(array)`, which NumPy >= 2.3 rejects, so a loop
+      with tensor bounds (`range(kv_begin, kv_end, ...)`) fails.
+    - `tl.dot` multiplies bf16 operands as their raw uint16 bit patterns.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_asyncspec_patched", False):
+        return
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched_tensor(tensor, scope) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    builder = interpreter.InterpreterBuilder
+    create_dot = builder.create_dot
+
+    def as_fp32(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        data = interpreter._convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32)
+        return interpreter.TensorHandle(data.reshape(h.data.shape), tl.float32)
+
+    def patched_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, as_fp32(a), as_fp32(b), d, input_precision, max_num_imprecise_acc)
+
+    interpreter._patch_lang_tensor = patched_tensor
+    builder.create_dot = patched_dot
+    interpreter._asyncspec_patched = True
+
+
+if triton.knobs.runtime.interpret:
+    _patch_interpreter()
+
+
+@triton.jit
+def _tile_start(qsl_ptr, b, BLOCK_Q: tl.constexpr):
+    return tl.load(qsl_ptr + b) // BLOCK_Q + b
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    qsl_ptr, seq_lens_ptr, block_tables_ptr,
+    q_stride_t, q_stride_h, o_stride_t, o_stride_h,
+    kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h,
+    bt_stride,
+    qk_scale,  # softmax scale * log2(e): exp2 is cheaper than exp
+    num_reqs,
+    num_tokens,
+    block_size,
+    head_dim,
+    sliding_window,  # <= 0: no window
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs: TF32 would cost ~1e-3 relative error
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    # Binary search for the largest b in [0, num_reqs] whose first tile id is <= pid; b == num_reqs is padding.
+    # `0 * pid` makes both loop-carried tensors even when Triton specialises num_reqs == 1 to a constant.
+    lo = 0 * pid
+    hi = num_reqs + 0 * pid
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _tile_start(qsl_ptr, mid, BLOCK_Q) <= pid:
+            lo = mid
+        else:
+            hi = mid - 1
+    req = lo
+    q_start = tl.load(qsl_ptr + req)
+    q_tile = pid - _tile_start(qsl_ptr, req, BLOCK_Q)
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_tile * BLOCK_Q + rows // GROUP  # query token within the request
+    head = kv_head * GROUP + rows % GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+
+    if req == num_reqs:
+        # Padding tail: zero rows [num_real, num_tokens) so stale or poisoned values never leak.
+        t = q_start + q_idx
+        row_ok = (rows < BLOCK_Q * GROUP) & (t < num_tokens)
+        o_ptrs = out_ptr + t.to(tl.int64)[:, None] * o_stride_t + head[:, None] * o_stride_h + d[None, :]
+        zeros = tl.zeros([BLOCK_M, BLOCK_D], dtype=out_ptr.dtype.element_ty)
+        tl.store(o_ptrs, zeros, mask=row_ok[:, None] & d_mask[None, :])
+        return
+
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return  # the grid over-provisions tiles; this one has no queries
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len
+    row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+    q_pos = context_len + q_idx  # absolute position of each row's query
+
+    t = (q_start + q_idx).to(tl.int64)
+    q_ptrs = q_ptr + t[:, None] * q_stride_t + head[:, None] * q_stride_h + d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_mask[None, :], other=0.0)
+
+    # Keys this tile can see: causal upper bound from its last query, window lower bound from its first.
+    kv_end = tl.minimum(context_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len), seq_len)
+    kv_begin = 0 * pid
+    if sliding_window > 0:
+        kv_begin = tl.maximum(context_len + q_tile * BLOCK_Q - sliding_window + 1, 0)
+    kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    bt_row = block_tables_ptr + req.to(tl.int64) * bt_stride
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(kv_begin, kv_end, BLOCK_N):
+        k_pos = start_n + offs_n
+        k_ok = k_pos < kv_end
+        # Physical slot of every key: its block from the block table, its offset within the block.
+        block = tl.load(bt_row + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
+        in_block = k_pos % block_size
+        k_ptrs = (k_cache_ptr + block[None, :] * kc_stride_b + in_block[None, :] * kc_stride_s
+                  + kv_head * kc_stride_h + d[:, None])
+        v_ptrs = (v_cache_ptr + block[:, None] * vc_stride_b + in_block[:, None] * vc_stride_s
+                  + kv_head * vc_stride_h + d[None, :])
+        # other=0 for keys past the sequence: 0 * NaN from unwritten slots would poison the row.
+        k = tl.load(k_ptrs, mask=k_ok[None, :] & d_mask[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=k_ok[:, None] & d_mask[None, :], other=0.0)
+
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
+        allowed = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if sliding_window > 0:
+            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(allowed, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Rows with nothing visible yet keep m = -inf; subtract 0 instead so no NaN (-inf - -inf) appears.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    o_ptrs = out_ptr + t[:, None] * o_stride_t + head[:, None] * o_stride_h + d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
+
+
+def _tile_sizes(num_tokens: int, num_reqs: int, group: int, head_dim: int, elem_size: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) from shapes only: tall tiles for prefill-heavy batches, short for decodes."""
+    avg_q = num_tokens / max(num_reqs, 1)
+    rows = 128 if avg_q >= 64 else 64 if avg_q >= 16 else 16
+    if elem_size * head_dim >= 512:
+        rows = min(rows, 64)  # fp32 x 128 or bf16 x 256: a 128-row tile would not fit shared memory
+    rows = max(rows, triton.next_power_of_2(group))
+    block_n = 64 if head_dim <= 128 else 32
+    num_warps = 8 if rows >= 128 else 4
+    return rows, block_n, num_warps
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of query [T, H, D] over paged K/V [NB, BS, KVH, D]; returns [T, H, D] in query's dtype.
+
+    Request b's q_len queries sit at the last q_len of its seq_lens[b] positions. Query head h reads
+    KV head h // (H // KVH). With `sliding_window` w, a query at position p sees keys in (p - w, p].
+    Padded rows (t >= query_start_loc[-1]) are written as zeros. No host sync: only shapes are read.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_reqs = seq_lens.shape[0]
+    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    if num_tokens == 0:
+        return out
+    for t in (query, out, k_cache, v_cache):
+        assert t.stride(-1) == 1, "the head dim must be contiguous"
+    assert query_start_loc.is_contiguous() and seq_lens.is_contiguous() and block_tables.stride(-1) == 1
+
+    block_m, block_n, num_warps = _tile_sizes(num_tokens, num_reqs, group, head_dim, query.element_size())
+    block_q = block_m // group
+    # Upper bound on tiles: request b uses ids [qsl[b] // BQ + b, qsl[b+1] // BQ + b + 1); the rest pad.
+    grid = (num_tokens // block_q + num_reqs + 1, num_kv_heads)
+    _paged_attention_kernel[grid](
+        query, k_cache, v_cache, out,
+        query_start_loc, seq_lens, block_tables,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        scale * math.log2(math.e),
+        num_reqs, num_tokens, block_size, head_dim,
+        sliding_window if sliding_window is not None else 0,
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=2,
+    )
+    return out

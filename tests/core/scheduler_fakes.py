@@ -1,0 +1,117 @@
+"""A model-free stand-in for the worker, shared by the scheduler tests.
+
+`FakeRunner` mirrors what `ModelRunner` keeps per request (token count, computed count,
+block table) purely from the SchedulerOutput diffs, checks that those diffs are coherent
+with the scheduler's own state, and "samples" deterministic token ids.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from asyncspec.core.kv_cache import KVCacheManager
+from asyncspec.core.scheduler import Scheduler, SchedulerConfig
+from asyncspec.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from asyncspec.request import Request
+from asyncspec.sampling_params import SamplingParams
+
+TokenFn = Callable[[str, int], int]
+"""(request_id, position of the token to sample) -> token id."""
+
+
+def default_token(request_id: str, position: int) -> int:
+    return 1000 + (zlib.crc32(request_id.encode()) % 97) * 31 + position  # never an EOS / stop id used in tests
+
+
+def make_scheduler(
+    num_blocks: int = 64, block_size: int = 4, enable_prefix_caching: bool = True, **cfg
+) -> Scheduler:
+    defaults = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256)
+    defaults.update(cfg)
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+    return Scheduler(SchedulerConfig(enable_prefix_caching=enable_prefix_caching, **defaults), kv)
+
+
+def make_request(
+    request_id: str,
+    prompt: list[int] | int,
+    eos: frozenset[int] = frozenset(),
+    priority: int = 0,
+    arrival_time: Optional[float] = None,
+    **params,
+) -> Request:
+    if isinstance(prompt, int):
+        prompt = [(zlib.crc32(request_id.encode()) + 7 * i) % 500 for i in range(prompt)]
+    params.setdefault("max_tokens", 16)
+    kwargs = {} if arrival_time is None else {"arrival_time": arrival_time}
+    return Request(request_id, list(prompt), SamplingParams(**params), eos, priority, **kwargs)
+
+
+@dataclass
+class _Row:
+    num_tokens: int
+    num_computed_tokens: int
+    block_ids: list[int] = field(default_factory=list)
+
+
+class FakeRunner:
+    def __init__(self, scheduler: Scheduler, token_fn: TokenFn = default_token, check: bool = True) -> None:
+        self.scheduler = scheduler
+        self.token_fn = token_fn
+        self.check = check
+        self.rows: dict[str, _Row] = {}
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in so.finished_req_ids:
+            self.rows.pop(rid, None)
+        for rid in so.preempted_req_ids:
+            self.rows.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            assert new.request_id not in self.rows, f"{new.request_id} sent as new twice"
+            self.rows[new.request_id] = _Row(len(new.token_ids), new.num_computed_tokens, list(new.block_ids))
+        cached = so.scheduled_cached_reqs
+        for rid, blocks, computed in zip(cached.request_ids, cached.new_block_ids, cached.num_computed_tokens):
+            row = self.rows[rid]
+            if self.check:
+                # Sync mode: the worker's view after the last step is exactly the scheduler's.
+                assert computed == row.num_computed_tokens, (rid, computed, row.num_computed_tokens)
+            row.block_ids.extend(blocks)
+            row.num_computed_tokens = computed
+        req_ids = list(so.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        kv = self.scheduler.kv_cache_manager
+        for rid in req_ids:
+            n = so.num_scheduled_tokens[rid]
+            row = self.rows[rid]
+            if self.check:
+                assert n > 0
+                # The block table the worker built from diffs is the manager's, and covers the step.
+                assert row.block_ids == kv.get_block_ids(rid), rid
+                assert len(row.block_ids) * kv.block_size >= row.num_computed_tokens + n
+            out: list[int] = []
+            if row.num_computed_tokens + n >= row.num_tokens:
+                out.append(self.token_fn(rid, row.num_tokens))
+                row.num_tokens += 1
+            row.num_computed_tokens += n
+            sampled.append(out)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+
+def step(scheduler: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+    so = scheduler.schedule()
+    return so, scheduler.update_from_output(so, runner.execute(so))
+
+
+def run_to_completion(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 10_000) -> dict[str, list]:
+    """Steps until nothing is left; returns request_id -> [tokens, finish_reason]."""
+    results: dict[str, list] = {}
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return results
+        _, outs = step(scheduler, runner)
+        for o in outs:
+            entry = results.setdefault(o.request_id, [[], None])
+            entry[0].extend(o.new_token_ids)
+            entry[1] = o.finish_reason
+    raise AssertionError("scheduler did not drain")

@@ -1,0 +1,339 @@
+"""AsyncEngine: streamed deltas, concurrency, aborts, client disconnects, request errors, shutdown.
+
+No pytest-asyncio: each test runs its own event loop with asyncio.run. One AsyncEngine instance is shared by
+the module (its loop task is restarted by each new event loop), and must be whole (no KV used) between tests.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from asyncspec import AsyncEngine, SamplingParams
+from asyncspec.config import make_config
+from asyncspec.errors import (
+    AsyncSpecError,
+    EngineDeadError,
+    InvalidRequestError,
+    InvalidSamplingParamsError,
+    QueueFullError,
+)
+from tests.conftest import TARGET_MODEL, load_prompts
+from tests.engine.engine_helpers import (  # noqa: F401
+    assert_ids_in_vocab,
+    assert_kv_free,
+    bundled_llm,
+    one_thread,
+    wait_kv_free,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CONFIG = dict(device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=64)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+TIMEOUT = 60.0
+
+
+def _new_engine(**overrides) -> AsyncEngine:
+    return AsyncEngine(make_config(str(TARGET_MODEL), **{**CONFIG, **overrides}))
+
+
+@pytest.fixture(scope="module")
+def engine(one_thread):
+    eng = _new_engine()
+    yield eng
+    asyncio.run(eng.shutdown())
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [p[:48] for p in load_prompts(8)]
+
+
+@pytest.fixture(scope="module")
+def reference(prompts, one_thread):
+    llm = bundled_llm(**CONFIG)
+    return llm.generate(prompts, GREEDY)
+
+
+@pytest.fixture(autouse=True)
+def _engine_whole_after(request):
+    yield
+    if "engine" in request.fixturenames:
+        assert_kv_free(request.getfixturevalue("engine").stats())
+
+
+async def _collect(engine, prompt, params, request_id, log=None):
+    deltas = []
+    async for delta in engine.generate(prompt, params, request_id=request_id):
+        deltas.append(delta)
+        if log is not None:
+            log.append(request_id)
+    return deltas
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, TIMEOUT))
+
+
+def test_deltas_concatenate_to_llm_output_and_interleave(engine, prompts, reference):
+    log: list[str] = []
+
+    async def main():
+        return await asyncio.gather(*(_collect(engine, p, GREEDY, f"cat-{i}", log) for i, p in enumerate(prompts)))
+
+    results = _run(main())
+    for i, (deltas, ref) in enumerate(zip(results, reference)):
+        assert all(d.request_id == f"cat-{i}" for d in deltas)
+        assert [d.finish_reason for d in deltas[:-1]] == [None] * (len(deltas) - 1)
+        assert deltas[-1].finish_reason == "length"
+        tokens = [t for d in deltas for t in d.token_ids]
+        assert_ids_in_vocab(tokens)
+        assert tokens == ref.token_ids
+        assert "".join(d.text for d in deltas) == ref.text
+        assert len(deltas) > 1, "a request of 12 tokens must stream more than one delta"
+    # Streams interleave: some request gets a delta after another request's first and before its last.
+    first = {r: log.index(r) for r in set(log)}
+    last = {r: len(log) - 1 - log[::-1].index(r) for r in set(log)}
+    assert any(first[a] < first[b] < last[a] for a in first for b in first if a != b)
+
+
+def test_sampled_and_seeded_requests_mix(engine, prompts):
+    """Seeded sampling is the same alone and amid greedy / unseeded neighbours (through the async path)."""
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=123, max_tokens=10, ignore_eos=True)
+
+    async def alone():
+        return await _collect(engine, prompts[0], seeded, "seed-alone")
+
+    async def crowd():
+        others = [
+            _collect(engine, prompts[1], SamplingParams(temperature=1.0, max_tokens=14, ignore_eos=True), "u1"),
+            _collect(engine, prompts[2], GREEDY, "g1"),
+            _collect(engine, prompts[0], seeded, "seed-crowd"),
+            _collect(engine, prompts[3], SamplingParams(temperature=0.7, seed=5, max_tokens=6), "s5"),
+        ]
+        return await asyncio.gather(*others)
+
+    a = [t for d in _run(alone()) for t in d.token_ids]
+    c = [t for d in _run(crowd())[2] for t in d.token_ids]
+    assert a == c and len(a) == 10
+
+
+def test_abort_mid_stream(engine, prompts):
+    async def main():
+        deltas = []
+        async for delta in engine.generate(prompts[0], LONG, request_id="to-abort"):
+            deltas.append(delta)
+            if len(deltas) == 3:
+                await engine.abort("to-abort")
+        await wait_kv_free(engine)
+        return deltas
+
+    deltas = _run(main())
+    assert deltas[-1].finish_reason == "abort"
+    assert all(d.finish_reason is None for d in deltas[:-1])
+    assert len([t for d in deltas for t in d.token_ids]) < 200
+
+
+def test_abort_unknown_or_finished_id_is_harmless(engine, prompts, reference):
+    async def main():
+        await engine.abort("never-existed")
+        deltas = await _collect(engine, prompts[0], GREEDY, "done-then-abort")
+        await engine.abort("done-then-abort")
+        again = await _collect(engine, prompts[0], GREEDY, "done-then-abort")  # the id is free again
+        await wait_kv_free(engine)
+        return deltas, again
+
+    deltas, again = _run(main())
+    assert [t for d in deltas for t in d.token_ids] == reference[0].token_ids
+    assert [t for d in again for t in d.token_ids] == reference[0].token_ids
+
+
+def test_client_break_frees_kv(engine, prompts, reference):
+    async def main():
+        got = 0
+        async for delta in engine.generate(prompts[1], LONG, request_id="breaker"):
+            got += len(delta.token_ids)
+            if got >= 2:
+                break
+        stats = await wait_kv_free(engine)
+        # The engine still serves, and the id can be reused.
+        deltas = await _collect(engine, prompts[0], GREEDY, "breaker")
+        return stats, deltas
+
+    stats, deltas = _run(main())
+    assert [t for d in deltas for t in d.token_ids] == reference[0].token_ids
+
+
+def test_client_aclose_frees_kv(engine, prompts):
+    async def main():
+        stream = engine.generate(prompts[1], LONG, request_id="closer")
+        await stream.__anext__()
+        await stream.aclose()
+        return await wait_kv_free(engine)
+
+    _run(main())
+
+
+def test_cancelled_task_frees_kv(engine, prompts, reference):
+    async def main():
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in engine.generate(prompts[2], LONG, request_id="cancelled"):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_kv_free(engine)
+        return await _collect(engine, prompts[0], GREEDY, "after-cancel")
+
+    deltas = _run(main())
+    assert [t for d in deltas for t in d.token_ids] == reference[0].token_ids
+
+
+def test_cancel_before_first_step(engine, prompts):
+    """A client that leaves before its request was ever scheduled."""
+
+    async def main():
+        task = asyncio.create_task(_collect(engine, prompts[3], LONG, "early-cancel"))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_kv_free(engine)
+
+    _run(main())
+
+
+def test_duplicate_running_request_id_is_refused(engine, prompts, reference):
+    async def main():
+        first = asyncio.create_task(_collect(engine, prompts[0], GREEDY, "dup"))
+        await asyncio.sleep(0.05)
+        with pytest.raises(InvalidRequestError):
+            await _collect(engine, prompts[1], GREEDY, "dup")
+        return await first
+
+    deltas = _run(main())
+    assert [t for d in deltas for t in d.token_ids] == reference[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "bad, error",
+    [
+        (dict(prompt=[]), InvalidRequestError),
+        (dict(prompt=[1, 2, 8192]), InvalidRequestError),
+        (dict(prompt=[1, -1, 3]), InvalidRequestError),
+        (dict(prompt=[5] * 256), InvalidRequestError),  # prompt too long for max_model_len=256
+        (dict(prompt=[1, 2.0]), InvalidRequestError),
+        (dict(params=SamplingParams(stop_token_ids=[9000])), InvalidSamplingParamsError),
+        (dict(params="greedy"), InvalidRequestError),
+        (dict(request_id=""), InvalidRequestError),
+        (dict(priority="high"), InvalidRequestError),
+    ],
+)
+def test_invalid_request_is_typed_error_and_others_unharmed(engine, prompts, reference, bad, error):
+    async def main():
+        good = asyncio.create_task(_collect(engine, prompts[0], GREEDY, "good"))
+        await asyncio.sleep(0)
+        kwargs = dict(prompt=prompts[1], params=GREEDY, request_id="bad", priority=0)
+        kwargs.update(bad)
+        with pytest.raises(error):
+            async for _ in engine.generate(kwargs["prompt"], kwargs["params"], request_id=kwargs["request_id"],
+                                           priority=kwargs["priority"]):
+                pass
+        return await good
+
+    deltas = _run(main())
+    assert [t for d in deltas for t in d.token_ids] == reference[0].token_ids
+    assert "".join(d.text for d in deltas) == reference[0].text
+
+
+def test_invalid_sampling_params_rejected_at_construction():
+    for kwargs in (dict(temperature=-1.0), dict(top_p=0.0), dict(max_tokens=0), dict(logprobs=21),
+                   dict(min_tokens=5, max_tokens=2), dict(stop=[""])):
+        with pytest.raises(InvalidSamplingParamsError):
+            SamplingParams(**kwargs)
+    assert issubclass(InvalidSamplingParamsError, AsyncSpecError)
+
+
+def test_queue_full_is_typed_and_nothing_lost(prompts, reference):
+    engine = _new_engine(max_num_waiting=1, max_num_seqs=1)
+
+    async def main():
+        tasks = [asyncio.create_task(_collect(engine, prompts[i % 2], GREEDY, f"q{i}")) for i in range(4)]
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        await wait_kv_free(engine)
+        await engine.shutdown()
+        return results
+
+    results = _run(main())
+    served = [r for r in results if not isinstance(r, BaseException)]
+    refused = [r for r in results if isinstance(r, BaseException)]
+    assert served, "at least one request is served"
+    assert all(isinstance(e, QueueFullError) for e in refused), refused
+    for i, r in enumerate(results):
+        if not isinstance(r, BaseException):
+            assert [t for d in r for t in d.token_ids] == reference[i % 2].token_ids
+
+
+def test_shutdown_ends_in_flight_streams(prompts):
+    """After shutdown no stream hangs: in-flight ones end (abort or a typed error), new ones are refused."""
+    engine = _new_engine()
+
+    async def main():
+        seen = asyncio.Event()
+        outcome = {}
+
+        async def consume():
+            deltas = []
+            try:
+                async for d in engine.generate(prompts[0], LONG, request_id="inflight"):
+                    deltas.append(d)
+                    seen.set()
+            except AsyncSpecError as e:
+                outcome["error"] = e
+            outcome["deltas"] = deltas
+
+        task = asyncio.create_task(consume())
+        await seen.wait()
+        await engine.shutdown()
+        await asyncio.wait_for(task, 10.0)
+        with pytest.raises(AsyncSpecError):
+            async for _ in engine.generate(prompts[1], GREEDY, request_id="late"):
+                pass
+        return outcome
+
+    outcome = _run(main())
+    assert "error" in outcome or outcome["deltas"][-1].finish_reason == "abort"
+    assert_kv_free(engine.stats())
+
+
+def test_engine_failure_ends_every_stream(prompts):
+    engine = _new_engine()
+    calls = {"n": 0}
+    real_step = engine.engine.engine_core.step
+
+    def failing_step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected worker failure")
+        return real_step()
+
+    engine.engine.engine_core.step = failing_step
+
+    async def main():
+        tasks = [asyncio.create_task(_collect(engine, p, LONG, f"f{i}")) for i, p in enumerate(prompts[:3])]
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        with pytest.raises(EngineDeadError):
+            async for _ in engine.generate(prompts[0], GREEDY, request_id="after-death"):
+                pass
+        await engine.shutdown()
+        return results
+
+    results = _run(main())
+    assert all(isinstance(r, EngineDeadError) for r in results), results
