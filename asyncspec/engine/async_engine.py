@@ -79,10 +79,13 @@ class AsyncEngine:
             self._wakeup.set()
 
     def _ensure_loop(self) -> None:
-        if self._wakeup is None:
+        loop = asyncio.get_running_loop()
+        if not self.is_running or self._loop_task.get_loop() is not loop:  # type: ignore[union-attr]
+            # A fresh Event too: an asyncio.Event binds to the loop it was first awaited on, so the
+            # engine could not be driven again from a later event loop (a second asyncio.run).
             self._wakeup = asyncio.Event()
-        if not self.is_running:
-            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+            self._loop_task = loop.create_task(self._run_loop())
+        assert self._wakeup is not None
         self._wakeup.set()
 
     def _apply_pending(self) -> None:

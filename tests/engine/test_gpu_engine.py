@@ -1,0 +1,102 @@
+"""GPU (bf16) engine checks, run on the device tool: closeness to Hugging Face and no KV leak at scale."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from asyncspec import LLM, SamplingParams
+from tests.conftest import TARGET_MODEL, load_prompts
+
+pytestmark = pytest.mark.gpu
+
+NUM_EXACT = 16
+
+
+def _hf_greedy_with_top5(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[set[int]]]:
+    ids = torch.tensor([prompt], device="cuda")
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    top5 = [set(s[0].topk(5).indices.tolist()) for s in out.scores]
+    return tokens, top5
+
+
+def _assert_close_greedy(ours: list[int], our_top5: list[set[int]], ref: list[int], ref_top5: list[set[int]]) -> None:
+    assert ours[:NUM_EXACT] == ref[:NUM_EXACT]
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            # After a bf16 divergence each side's choice must still be a top-5 token of the other.
+            assert a in ref_top5[i] and b in our_top5[i], f"position {i}: {a} vs {b}"
+            break
+
+
+def _run_ours(llm: LLM, prompts: list[list[int]], max_tokens: int):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
+    outs = llm.generate(prompts, params)
+    return [(o.token_ids, [set(lp.token_ids[1:]) for lp in o.logprobs]) for o in outs]
+
+
+def test_bundled_target_bf16_close_to_hf():
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(TARGET_MODEL, dtype=torch.bfloat16).cuda().eval()
+    prompts = load_prompts(8)
+    llm = LLM(str(TARGET_MODEL), device="cuda", max_model_len=1024, max_num_batched_tokens=512)
+    for prompt, (ours, our_top5) in zip(prompts, _run_ours(llm, prompts, 32)):
+        ref, ref_top5 = _hf_greedy_with_top5(hf, prompt, 32)
+        _assert_close_greedy(ours, our_top5, ref, ref_top5)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_tiny_families_bf16_close_to_hf(family, tmp_path):
+    import transformers
+
+    common = dict(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )
+    config_cls = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[family]
+    extra = {"head_dim": 32} if family in ("llama", "qwen3") else {}
+    torch.manual_seed(0)
+    model_cls = transformers.AutoModelForCausalLM
+    hf = model_cls.from_config(config_cls(**common, **extra)).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path)
+    hf = hf.cuda().eval()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(2, 512) for _ in range(rng.randrange(5, 80))] for _ in range(6)]
+    llm = LLM(str(tmp_path), device="cuda", skip_tokenizer_init=True, max_model_len=256, max_num_batched_tokens=64)
+    for prompt, (ours, our_top5) in zip(prompts, _run_ours(llm, prompts, 24)):
+        ref, ref_top5 = _hf_greedy_with_top5(hf, prompt, 24)
+        _assert_close_greedy(ours, our_top5, ref, ref_top5)
+
+
+def test_thousand_requests_with_preemption_leave_the_pool_full():
+    rng = random.Random(1)
+    base = load_prompts(64)
+    prompts = [base[i % 64][: rng.randrange(16, len(base[i % 64]))] for i in range(1000)]
+    params = [
+        SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randrange(1, 48), seed=i, ignore_eos=True)
+        for i in range(1000)
+    ]
+    llm = LLM(str(TARGET_MODEL), device="cuda", max_model_len=1024, num_kv_blocks=400, max_num_seqs=128)
+    outs = llm.generate(prompts, params)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
+    assert all(0 <= t < 8192 for o in outs for t in o.token_ids)
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
