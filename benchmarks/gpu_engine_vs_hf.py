@@ -1,0 +1,145 @@
+"""First GPU figures: batch-1 TPOT and 32-stream throughput, asyncspec vs Hugging Face transformers,
+rerun in the same process on the same card.
+
+    python benchmarks/gpu_engine_vs_hf.py --output benchmarks/results/gpu_engine_vs_hf.json
+
+Models: the bundled stdlib-coder-target, and a Llama-3.2-1B shape with random weights
+(`load_format="dummy"` for asyncspec, random init for transformers).
+Baselines: transformers `generate` with a static cache (compiled) at batch 1, and
+`generate_batch` (continuous batching, CUDA graphs) at 32 streams.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from asyncspec import LLM, SamplingParams  # noqa: E402
+
+LLAMA_1B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+    "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 64, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "tie_word_embeddings": True,
+    "rope_theta": 500000.0, "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu",
+    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+}
+
+
+def load_prompts(n: int) -> list[list[int]]:
+    with open(REPO / "benchmarks" / "data" / "prompts-code.jsonl") as f:
+        return [json.loads(line)["prompt_token_ids"] for _, line in zip(range(n), f)]
+
+
+def _sync_time() -> float:
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def bench_asyncspec(model_dir: str, dummy: bool, prompts: list[list[int]], new_tokens: int, streams: int) -> dict:
+    llm = LLM(model_dir, device="cuda", load_format="dummy" if dummy else "safetensors", skip_tokenizer_init=dummy,
+              max_model_len=2048, max_num_seqs=max(streams, 1), max_num_batched_tokens=4096,
+              enable_prefix_caching=False, gpu_memory_utilization=0.5)
+    greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    llm.generate(prompts[:streams], greedy)  # warm-up
+    t0 = _sync_time(); llm.generate([prompts[0]], one); t_prefill = _sync_time() - t0
+    t0 = _sync_time(); llm.generate([prompts[0]], greedy); t_full = _sync_time() - t0
+    tpot_ms = (t_full - t_prefill) / (new_tokens - 1) * 1e3
+    t0 = _sync_time(); outs = llm.generate(prompts[:streams], greedy); elapsed = _sync_time() - t0
+    generated = sum(len(o.token_ids) for o in outs)
+    del llm; gc.collect(); torch.cuda.empty_cache()
+    return {"tpot_ms_batch1": tpot_ms, "throughput_tok_s": generated / elapsed, "generated": generated}
+
+
+def bench_hf(model, prompts: list[list[int]], new_tokens: int, streams: int) -> dict:
+    from transformers import GenerationConfig
+    from transformers.generation import ContinuousBatchingConfig
+
+    def gen(prompt: list[int], n: int) -> None:
+        ids = torch.tensor([prompt], device="cuda")
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, cache_implementation="static", pad_token_id=0)
+
+    for _ in range(2):  # compilation and warm-up
+        gen(prompts[0], new_tokens)
+    t0 = _sync_time(); gen(prompts[0], 1); t_prefill = _sync_time() - t0
+    t0 = _sync_time(); gen(prompts[0], new_tokens); t_full = _sync_time() - t0
+    tpot_ms = (t_full - t_prefill) / (new_tokens - 1) * 1e3
+
+    gen_cfg = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    cb_cfg = ContinuousBatchingConfig(use_cuda_graph=True, max_requests_per_batch=streams)
+    model.generate_batch(prompts[:streams], generation_config=gen_cfg, continuous_batching_config=cb_cfg)
+    t0 = _sync_time()
+    outs = model.generate_batch(prompts[:streams], generation_config=gen_cfg, continuous_batching_config=cb_cfg)
+    elapsed = _sync_time() - t0
+    generated = sum(len(o.generated_tokens) for o in outs.values())
+    return {"tpot_ms_batch1": tpot_ms, "throughput_tok_s": generated / elapsed, "generated": generated}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "gpu_engine_vs_hf.json"))
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--models", default="stdlib-coder-target,llama-1b-dummy")
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    prompts = load_prompts(args.streams)
+    results = {"card": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+               "torch": torch.__version__, "python": platform.python_version(),
+               "command": " ".join(sys.argv), "new_tokens": args.new_tokens, "streams": args.streams, "rows": []}
+    tmp = tempfile.mkdtemp()
+    for name in args.models.split(","):
+        if name == "llama-1b-dummy":
+            model_dir, dummy = tmp, True
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(LLAMA_1B, f)
+        else:
+            model_dir, dummy = str(REPO / "models" / name), False
+        row = {"model": name, "asyncspec": bench_asyncspec(model_dir, dummy, prompts, args.new_tokens, args.streams)}
+        if not args.skip_hf:
+            if dummy:
+                torch.manual_seed(0)
+                hf = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA_1B), dtype=torch.bfloat16)
+            else:
+                hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+            hf = hf.cuda().eval()
+            try:
+                row["transformers"] = bench_hf(hf, prompts, args.new_tokens, args.streams)
+            except Exception as e:  # a baseline failure is reported, not hidden
+                row["transformers"] = {"error": repr(e)[:500]}
+            del hf; gc.collect(); torch.cuda.empty_cache()
+        results["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.output, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"\n{results['card']}  {results['date']}")
+    print(f"{'model':<22}{'engine':<14}{'TPOT b=1 (ms)':>15}{'tok/s @' + str(args.streams):>14}")
+    for row in results["rows"]:
+        for engine in ("asyncspec", "transformers"):
+            r = row.get(engine)
+            if r and "error" not in r:
+                print(f"{row['model']:<22}{engine:<14}{r['tpot_ms_batch1']:>15.2f}{r['throughput_tok_s']:>14.0f}")
+            elif r:
+                print(f"{row['model']:<22}{engine:<14}  error: {r['error'][:80]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
