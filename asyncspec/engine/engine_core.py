@@ -1,7 +1,6 @@
 """EngineCore: scheduler + KV cache manager + model runner, one synchronous step at a time."""
 from __future__ import annotations
 
-import logging
 from typing import Iterable
 
 from asyncspec.config import EngineConfig
@@ -13,15 +12,10 @@ from asyncspec.models.model_config import ModelConfig
 from asyncspec.request import Request, RequestStatus
 from asyncspec.worker.model_runner import ModelRunner
 
-logger = logging.getLogger(__name__)
-
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    # Sliding-window layers mask keys outside the window in attention; their blocks are kept.
     limit = model_config.max_position_embeddings
-    if model_config.sliding_window is not None and model_config.sliding_window < limit:
-        # Attention here is full, so sequences stay within the window where the two agree.
-        logger.warning("capping max_model_len at the model's sliding window (%d)", model_config.sliding_window)
-        limit = model_config.sliding_window
     if config.max_model_len is None:
         return limit
     if config.max_model_len > limit:
