@@ -150,8 +150,8 @@ def _paged_attention_kernel(
         v_ptrs = (v_cache_ptr + block[:, None] * vc_stride_b + in_block[:, None] * vc_stride_s
                   + kv_head * vc_stride_h + d[None, :])
         # other=0 for keys past the sequence: 0 * NaN from unwritten slots would poison the row.
-        k = tl.load(k_ptrs, mask=k_ok[None, :] & d_mask[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=k_ok[:, None] & d_mask[None, :], other=0.0)
+        k = tl.load(k_ptrs, mask=k_ok[None, :] & d_mask[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_ptrs, mask=k_ok[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
         allowed = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])

@@ -3,13 +3,14 @@ so the event loop keeps accepting and streaming while a step computes."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Optional
 
 from asyncspec.config import EngineConfig
 from asyncspec.engine.llm_engine import LLMEngine, PromptType
-from asyncspec.errors import EngineDeadError
+from asyncspec.errors import EngineDeadError, InvalidRequestError
 from asyncspec.outputs import RequestOutput
 from asyncspec.request import Request
 from asyncspec.sampling_params import SamplingParams
@@ -30,6 +31,7 @@ class AsyncEngine:
         self._wakeup: Optional[asyncio.Event] = None
         self._loop_task: Optional[asyncio.Task] = None
         self._dead: Optional[BaseException] = None
+        self._inflight_step: Optional[concurrent.futures.Future] = None
 
     @property
     def is_running(self) -> bool:
@@ -44,17 +46,15 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Streams RequestOutput deltas; the last one has finish_reason set."""
         if self._dead is not None:
-            raise EngineDeadError(f"the engine loop failed: {self._dead!r}")
+            raise EngineDeadError(f"the engine is not serving: {self._dead!r}")
         request = self.engine.make_request(prompt, sampling_params, request_id, priority)
-        if request.request_id in self._streams:
-            from asyncspec.errors import InvalidRequestError
-
+        if request.request_id in self._streams or request.request_id in self._pending_aborts:
+            # (A pending abort: a client with this id just left and its request is not freed yet.)
             raise InvalidRequestError(f"request_id {request.request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = queue
         self._pending_adds.append(request)
         self._ensure_loop()
-        finished = False
         try:
             while True:
                 item = await queue.get()
@@ -62,18 +62,23 @@ class AsyncEngine:
                     raise item
                 yield item
                 if item.finished:
-                    finished = True
                     return
         finally:
-            if not finished:
-                # The client went away (cancelled, closed the iterator): free its KV at once.
-                self._streams.pop(request.request_id, None)
+            # Still registered (and so possibly live in the engine) only if the client went away
+            # early (cancelled, broke out, closed the iterator): free its KV at once. The identity
+            # check leaves alone a newer stream that reuses the id after this one ended.
+            if self._streams.get(request.request_id) is queue:
+                del self._streams[request.request_id]
                 self._pending_aborts.append(request.request_id)
                 if self._wakeup is not None:
                     self._wakeup.set()
 
     async def abort(self, request_id: str) -> None:
-        """Ends the request; its stream receives a final output with finish_reason "abort"."""
+        """Ends the request; its stream receives a final output with finish_reason "abort".
+        Unknown or already finished ids are ignored (an abort must never hit a later request
+        that reuses the id)."""
+        if request_id not in self._streams:
+            return
         self._pending_aborts.append(request_id)
         if self._wakeup is not None:
             self._wakeup.set()
@@ -103,6 +108,8 @@ class AsyncEngine:
                 self._deliver(output)
 
     def _deliver(self, output: RequestOutput) -> None:
+        if output.finished and output.request_id in self._pending_aborts:
+            self._pending_aborts.remove(output.request_id)  # it ended anyway; the id is free again
         queue = self._streams.get(output.request_id)
         if queue is None:
             return
@@ -111,9 +118,12 @@ class AsyncEngine:
             del self._streams[output.request_id]
 
     async def _run_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         assert self._wakeup is not None
         try:
+            if self._inflight_step is not None:
+                # A loop task cancelled mid-step (its event loop closed) left a step computing in
+                # the worker thread: engine state may be touched only once it is done.
+                await asyncio.wrap_future(self._inflight_step)
             while True:
                 self._apply_pending()
                 if not self.engine.has_unfinished_requests():
@@ -122,7 +132,9 @@ class AsyncEngine:
                         continue
                     await self._wakeup.wait()
                     continue
-                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                self._inflight_step = self._executor.submit(self.engine.step)
+                outputs = await asyncio.wrap_future(self._inflight_step)
+                self._inflight_step = None
                 for output in outputs:
                     self._deliver(output)
         except asyncio.CancelledError:
@@ -130,19 +142,34 @@ class AsyncEngine:
         except BaseException as e:  # the engine is broken: no stream may hang
             logger.exception("engine loop failed")
             self._dead = e
-            error = EngineDeadError(f"the engine loop failed: {e!r}")
-            for queue in self._streams.values():
-                queue.put_nowait(error)
-            self._streams.clear()
+            self._end_all_streams(EngineDeadError(f"the engine loop failed: {e!r}"))
+
+    def _end_all_streams(self, error: BaseException) -> None:
+        """Aborts every live request (freeing its KV blocks, best effort) and ends every stream
+        with `error`."""
+        ids = list(dict.fromkeys([*self._streams, *self._pending_aborts]))
+        self._pending_adds, self._pending_aborts = [], []
+        try:
+            self.engine.abort_requests(ids)
+        except Exception:  # a broken engine may fail here too; the streams must end regardless
+            logger.exception("could not abort the requests of a stopped engine")
+        streams, self._streams = self._streams, {}
+        for queue in streams.values():
+            queue.put_nowait(error)
 
     async def shutdown(self) -> None:
-        if self._loop_task is not None:
+        """Stops the loop; in-flight streams end with EngineDeadError, later generate() calls too."""
+        if self._loop_task is not None and not self._loop_task.done():
             self._loop_task.cancel()
             try:
                 await self._loop_task
             except asyncio.CancelledError:
                 pass
+        # Waits for a step still computing in the worker thread before touching engine state.
         self._executor.shutdown(wait=True)
+        if self._dead is None:
+            self._dead = EngineDeadError("the engine was shut down")
+        self._end_all_streams(EngineDeadError("the engine was shut down"))
 
     def stats(self) -> dict[str, float]:
         return self.engine.stats()

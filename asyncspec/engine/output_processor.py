@@ -60,7 +60,12 @@ class OutputProcessor:
                 state.logprobs.extend(core.new_logprobs)
             detok = state.detokenizer
             if detok is not None:
-                stop_string = detok.update(core.new_token_ids)
+                text_token_ids = core.new_token_ids
+                if finish_reason == "stop" and text_token_ids and not state.sampling_params.include_stop_str_in_output:
+                    # As vLLM: the EOS / stop token that ended the request stays in token_ids but its
+                    # text is left out, unless include_stop_str_in_output.
+                    text_token_ids = text_token_ids[:-1]
+                stop_string = detok.update(text_token_ids)
                 if stop_string is not None:
                     # Tokens after the one that completed the stop string are never delivered.
                     del state.token_ids[detok.num_output_tokens :]

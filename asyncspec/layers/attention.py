@@ -10,12 +10,13 @@ from torch import nn
 
 from asyncspec.kernels.kv_cache_write import write_kv_cache_ref
 from asyncspec.kernels.paged_attention import paged_attention_ref
+from asyncspec.kernels.slot_mapping import compute_slot_mapping_ref
 from asyncspec.layers.attention_metadata import AttentionMetadata
 
 
 @dataclass(frozen=True)
 class AttentionBackend:
-    """A pair of kernels with the reference signatures."""
+    """The step's kernels, each with its reference's signature."""
 
     name: str
     """Human-readable backend name."""
@@ -23,9 +24,13 @@ class AttentionBackend:
     """write_kv(key, value, k_cache, v_cache, slot_mapping)."""
     attend: Callable[..., torch.Tensor]
     """attend(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out, sliding_window)."""
+    slot_mapping: Callable[..., torch.Tensor]
+    """slot_mapping(block_tables, query_start_loc, positions, block_size) -> slots, -1 for padding."""
 
 
-TORCH_REFERENCE = AttentionBackend("torch_reference", write_kv_cache_ref, paged_attention_ref)
+TORCH_REFERENCE = AttentionBackend(
+    "torch_reference", write_kv_cache_ref, paged_attention_ref, compute_slot_mapping_ref
+)
 
 
 # The Triton kernels are imported on first call, not here: importing triton is slow and optional on the CPU,
@@ -42,7 +47,13 @@ def _triton_attend(*args, **kwargs) -> torch.Tensor:
     return paged_attention_triton.paged_attention(*args, **kwargs)
 
 
-TRITON = AttentionBackend("triton", _triton_write_kv, _triton_attend)
+def _triton_slot_mapping(*args, **kwargs) -> torch.Tensor:
+    from asyncspec.kernels import slot_mapping_triton
+
+    return slot_mapping_triton.compute_slot_mapping(*args, **kwargs)
+
+
+TRITON = AttentionBackend("triton", _triton_write_kv, _triton_attend, _triton_slot_mapping)
 
 BACKEND_ENV = "ASYNCSPEC_ATTENTION_BACKEND"
 """Environment override: "torch" or "triton" (e.g. triton on the CPU under TRITON_INTERPRET=1)."""

@@ -12,7 +12,7 @@ from asyncspec.config import EngineConfig
 from asyncspec.core.kv_cache import num_blocks_for_bytes
 from asyncspec.errors import ConfigError
 from asyncspec.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from asyncspec.kernels.slot_mapping import compute_slot_mapping_ref
+from asyncspec.layers.attention import select_backend
 from asyncspec.layers.attention_metadata import AttentionMetadata
 from asyncspec.layers.sampler import Sampler, SamplingMetadata, make_generator
 from asyncspec.models.loader import load_model
@@ -42,6 +42,7 @@ class ModelRunner:
             config.model, model_config, self.dtype, self.device, config.load_format, config.seed
         )
         self.sampler = Sampler()
+        self.compute_slot_mapping = select_backend(self.device).slot_mapping
         self.default_generator = make_generator(config.seed, self.device)
         self.input_batch = InputBatch(config.max_num_seqs, max_model_len, config.block_size, self.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -235,7 +236,7 @@ class ModelRunner:
         positions = num_computed[req_index] + token_offset
         input_ids = self.input_batch.token_ids[row_dev[req_index], positions]
         block_tables = self._block_table_dev[:num_reqs, :num_block_cols]
-        slot_mapping = compute_slot_mapping_ref(block_tables, query_start_loc, positions, self.block_size)
+        slot_mapping = self.compute_slot_mapping(block_tables, query_start_loc, positions, self.block_size)
         metadata = AttentionMetadata(
             slot_mapping=slot_mapping,
             query_start_loc=query_start_loc,

@@ -78,9 +78,17 @@ def test_stop_token_ids_exact(llm, prompts, greedy_runs):
         params.append(SamplingParams(max_tokens=40, stop_token_ids=[stop_id], **GREEDY))
         expected.append((ref.token_ids[:cut], stop_id))
     outs = llm.generate(prompts, params)
+    tok = llm.get_tokenizer()
     for out, (tokens, stop_id) in zip(outs, expected):
         assert out.token_ids == tokens, "the output must end at the first stop token, inclusive"
         assert out.finish_reason == "stop" and out.stop_reason == stop_id
+        # As vLLM: the stop token's text is left out of the text (kept with include_stop_str_in_output).
+        assert out.text == tok.decode(tokens[:-1])
+    for p in params:
+        p.include_stop_str_in_output = True
+    outs = llm.generate(prompts, params)
+    for out, (tokens, stop_id) in zip(outs, expected):
+        assert out.token_ids == tokens and out.text == tok.decode(tokens)
 
 
 def test_stop_token_at_max_tokens_is_stop(llm, prompts, greedy_runs):

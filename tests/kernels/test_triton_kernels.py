@@ -21,6 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
+try:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+except ImportError:  # a bare GPU box may lack hypothesis; only one interpreter test needs it
+    given = None
+
 from asyncspec.kernels.kv_cache_write import write_kv_cache_ref
 from asyncspec.kernels.paged_attention import paged_attention_ref
 from asyncspec.kernels.slot_mapping import compute_slot_mapping_ref
@@ -196,6 +202,24 @@ class TestInterpreted:
         atol = 2e-2 if dtype == torch.bfloat16 else 2e-5
         check_attention(interpreted["paged_attention_triton"].paged_attention, batch, k_cache, v_cache, gen,
                         num_heads, dtype, window, atol)
+
+    if given is not None:
+        @settings(max_examples=8, deadline=None, derandomize=True)
+        @given(
+            specs=st.lists(st.tuples(st.integers(1, 90), st.integers(0, 90)), min_size=1, max_size=5).map(
+                lambda xs: [(s, min(q, s)) for s, q in xs]),
+            block_size=st.sampled_from([1, 16, 32]),
+            group=st.sampled_from([1, 2, 3]),
+            d=st.sampled_from([32, 64]),
+            window=st.sampled_from([None, 1, 9]),
+            num_pad=st.integers(0, 3),
+        )
+        def test_paged_attention_random(self, interpreted, specs, block_size, group, d, window, num_pad) -> None:
+            gen = torch.Generator().manual_seed(len(specs) + block_size + group)
+            batch = make_batch(gen, specs, block_size, num_pad=num_pad)
+            k_cache, v_cache = fill_cache(gen, batch, block_size, 1, d, torch.float32)
+            check_attention(interpreted["paged_attention_triton"].paged_attention, batch, k_cache, v_cache, gen,
+                            group, torch.float32, window, 2e-5)
 
     def test_backend_pipeline_matches_reference(self, interpreted, monkeypatch) -> None:
         """slot mapping -> KV write -> attention through the Attention layer with the forced Triton backend."""

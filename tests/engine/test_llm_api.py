@@ -1,0 +1,192 @@
+"""LLM: the offline API. Validation before any work, per-prompt params, output fields and order, text and
+token-id prompts, logprobs against an HF forward pass, stats counters."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asyncspec import LLM, RequestOutput, SamplingParams
+from asyncspec.errors import ConfigError, InvalidRequestError, InvalidSamplingParamsError
+from tests.conftest import TARGET_MODEL, load_prompts
+from tests.engine.engine_helpers import (  # noqa: F401
+    BUNDLED_VOCAB,
+    assert_ids_in_vocab,
+    assert_kv_free,
+    bundled_llm,
+    one_thread,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+STAT_KEYS = {
+    "num_steps", "num_preemptions", "num_prompt_tokens_computed", "num_generation_tokens", "num_finished_requests",
+    "num_running_requests", "num_waiting_requests", "prefix_cache_queries", "prefix_cache_hits", "num_kv_blocks",
+    "num_free_kv_blocks", "kv_cache_usage",
+}
+
+
+@pytest.fixture(scope="module")
+def llm(one_thread):
+    return bundled_llm(max_model_len=128, num_kv_blocks=48, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [p[: 20 + 7 * i] for i, p in enumerate(load_prompts(4))]
+
+
+@pytest.fixture(scope="module")
+def reference(llm, prompts):
+    return llm.generate(prompts, GREEDY)
+
+
+@pytest.fixture(autouse=True)
+def _kv_whole_after(request):
+    yield
+    if "llm" in request.fixturenames:
+        assert_kv_free(request.getfixturevalue("llm").stats())
+
+
+def test_output_fields_and_prompt_order(llm, prompts, reference):
+    # Different max_tokens per prompt, so they finish in reverse order of submission.
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (8, 6, 4, 2)]
+    outs = llm.generate(prompts, params)
+    assert len(outs) == len(prompts)
+    assert len({o.request_id for o in outs}) == len(outs)
+    tok = llm.get_tokenizer()
+    for prompt, p, out, ref in zip(prompts, params, outs, reference):
+        assert isinstance(out, RequestOutput)
+        assert isinstance(out.request_id, str) and out.request_id
+        assert out.prompt_token_ids == prompt
+        assert out.token_ids == ref.token_ids[: p.max_tokens]
+        assert out.text == tok.decode(out.token_ids)
+        assert out.finish_reason == "length" and out.finished
+        assert out.num_draft_tokens == 0 and out.num_accepted_tokens == 0
+        assert out.logprobs is None
+        assert_ids_in_vocab(out.token_ids)
+
+
+def test_single_prompt_forms(llm, prompts, reference):
+    one = llm.generate(prompts[0], GREEDY)
+    assert len(one) == 1 and one[0].token_ids == reference[0].token_ids
+    text = llm.get_tokenizer().decode(prompts[1])
+    by_text = llm.generate(text, GREEDY)
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=False).ids
+    by_ids = llm.generate([ids], GREEDY)
+    assert by_text[0].prompt_token_ids == ids
+    assert by_text[0].token_ids == by_ids[0].token_ids
+    assert by_text[0].text == by_ids[0].text
+    assert llm.generate([], GREEDY) == []
+
+
+def test_mixed_text_and_token_prompts(llm, prompts, reference):
+    tok = llm.get_tokenizer()
+    text = "import os\nimport sys\n\n\ndef main("
+    outs = llm.generate([prompts[0], text, prompts[2]], GREEDY)
+    assert outs[0].token_ids == reference[0].token_ids
+    assert outs[2].token_ids == reference[2].token_ids
+    assert outs[1].prompt_token_ids == tok.encode(text, add_special_tokens=False).ids
+    assert outs[1].text == tok.decode(outs[1].token_ids)
+
+
+@pytest.mark.parametrize(
+    "bad, error",
+    [
+        ([], InvalidRequestError),
+        ([1, 2, BUNDLED_VOCAB], InvalidRequestError),
+        ([3, -1], InvalidRequestError),
+        ([7] * 128, InvalidRequestError),  # no position left under max_model_len=128
+        (None, InvalidRequestError),
+    ],
+)
+def test_bad_prompt_raises_before_any_work(llm, prompts, reference, bad, error):
+    before = llm.stats()
+    with pytest.raises(error):
+        llm.generate([prompts[0], bad, prompts[1]], GREEDY)
+    after = llm.stats()
+    assert after["num_steps"] == before["num_steps"], "no step may run for a batch with a bad prompt"
+    assert after["num_finished_requests"] == before["num_finished_requests"]
+    assert_kv_free(after)
+    outs = llm.generate(prompts[:2], GREEDY)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference[:2]]
+
+
+def test_bad_params_raise_before_any_work(llm, prompts):
+    before = llm.stats()["num_steps"]
+    with pytest.raises(InvalidRequestError):
+        llm.generate(prompts[:2], [GREEDY])  # one SamplingParams for two prompts
+    with pytest.raises(InvalidSamplingParamsError):
+        llm.generate(prompts[:2], [GREEDY, SamplingParams(stop_token_ids=[BUNDLED_VOCAB])])
+    with pytest.raises(InvalidRequestError):
+        llm.generate(prompts[:2], [GREEDY, {"temperature": 0.0}])
+    with pytest.raises(InvalidSamplingParamsError):
+        SamplingParams(temperature=float("nan"))
+    assert llm.stats()["num_steps"] == before
+
+
+def test_unknown_engine_option_is_config_error():
+    with pytest.raises(ConfigError, match="unknown engine option"):
+        LLM(str(TARGET_MODEL), device="cpu", no_such_option=1)
+
+
+def test_stats_counters(llm, prompts):
+    before = llm.stats()
+    assert STAT_KEYS <= set(before)
+    llm.generate(prompts[:2], GREEDY)
+    after = llm.stats()
+    assert after["num_steps"] > before["num_steps"]
+    assert after["num_finished_requests"] == before["num_finished_requests"] + 2
+    assert after["num_generation_tokens"] == before["num_generation_tokens"] + 16
+    assert after["num_prompt_tokens_computed"] >= before["num_prompt_tokens_computed"]
+    assert after["kv_cache_usage"] == 0.0
+
+
+# -- logprobs --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hf_model():
+    return AutoModelForCausalLM.from_pretrained(TARGET_MODEL, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True, logprobs=3),
+    ],
+    ids=["greedy", "sampled"],
+)
+def test_logprobs_match_hf(llm, prompts, hf_model, params):
+    outs = llm.generate(prompts[:2], params)
+    for prompt, out in zip(prompts, outs):
+        assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+        full = torch.tensor([prompt + out.token_ids])
+        with torch.no_grad():
+            logits = hf_model(full).logits[0].float()
+        ref = torch.log_softmax(logits, dim=-1)
+        for i, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+            row = ref[len(prompt) - 1 + i]
+            assert lp.token_ids[0] == token
+            assert len(lp.token_ids) == len(lp.logprobs) == 4
+            assert_ids_in_vocab(lp.token_ids)
+            torch.testing.assert_close(torch.tensor(lp.logprobs[0]), row[token], atol=1e-4, rtol=0)
+            top_lp, top_ids = row.topk(3)
+            torch.testing.assert_close(torch.tensor(lp.logprobs[1:]), top_lp, atol=1e-4, rtol=0)
+            assert lp.token_ids[1:] == top_ids.tolist()
+            assert lp.sampled_token_rank == int((row > row[token]).sum()) + 1
+            if params.temperature == 0.0:
+                assert lp.sampled_token_rank == 1 and lp.token_ids[1] == token
+    if params.temperature > 0:
+        assert any(lp.sampled_token_rank > 1 for o in outs for lp in o.logprobs), "nothing but top-1 was sampled"
+
+
+def test_logprobs_zero_and_truncated_by_stop_string(llm, prompts, reference):
+    out = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0))[0]
+    assert [len(lp.token_ids) for lp in out.logprobs] == [1] * 8
+    text = reference[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    out = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2,
+                                                    stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert len(out.logprobs) == len(out.token_ids)
