@@ -107,19 +107,33 @@ class Scheduler:
         preempted_ids: set[str] = set()
 
         # 1. Running requests: decodes (1 + k tokens) and unfinished prefill chunks.
+        # Hot loop (every running request, every step): locals and inlined arithmetic only.
+        running = self.running
+        allocate_slots = kv.allocate_slots
+        threshold = cfg.long_prefill_token_threshold
+        lookahead_k = cfg.num_lookahead_tokens
+        max_model_len = cfg.max_model_len
+        cached_ids = cached.request_ids
+        cached_blocks = cached.new_block_ids
+        cached_computed = cached.num_computed_tokens
         index = 0
-        while index < len(self.running) and token_budget > 0:
-            request = self.running[index]
-            num_new = self._num_tokens_to_schedule(request, token_budget)
+        while index < len(running) and token_budget > 0:
+            request = running[index]
+            computed = request.num_computed_tokens
+            num_tokens = len(request.all_token_ids)
+            num_new = num_tokens - computed
+            if threshold > 0 and computed < len(request.prompt_token_ids):
+                num_new = min(num_new, threshold)
+            if num_new > token_budget:
+                num_new = token_budget
             if num_new <= 0:
                 index += 1
                 continue
-            while True:
-                new_block_ids = kv.allocate_slots(request, num_new, self._lookahead(request, num_new))
-                if new_block_ids is not None:
-                    break
+            lookahead = self._lookahead_for(computed + num_new, num_tokens, lookahead_k, max_model_len)
+            new_block_ids = allocate_slots(request, num_new, lookahead)
+            while new_block_ids is None:
                 victim = self._pick_victim()
-                victim_index = self.running.index(victim)
+                victim_index = running.index(victim)
                 if victim_index < index:
                     # Already visited this step: hand its budget back (if it got any) before
                     # preempting it. A visited request with nothing to compute was never planned.
@@ -132,12 +146,17 @@ class Scheduler:
                 preempted_ids.add(victim.request_id)
                 if victim is request:
                     break
+                new_block_ids = allocate_slots(request, num_new, lookahead)
             if new_block_ids is None:
                 continue  # `request` itself was preempted; self.running shrank under `index`
-            num_scheduled[request.request_id] = num_new
-            cached.request_ids.append(request.request_id)
-            cached.new_block_ids.append(new_block_ids)
-            cached.num_computed_tokens.append(request.num_computed_tokens)
+            request_id = request.request_id
+            num_scheduled[request_id] = num_new
+            cached_ids.append(request_id)
+            cached_blocks.append(new_block_ids)
+            cached_computed.append(computed)
+            # Optimistic view: the scheduled tokens count as computed from now on (a victim
+            # preempted later in this step is reset to 0 by _preempt).
+            request.num_computed_tokens = computed + num_new
             token_budget -= num_new
             index += 1
 
@@ -178,11 +197,8 @@ class Scheduler:
                         num_computed_tokens=request.num_computed_tokens,
                     )
                 )
+                request.num_computed_tokens += num_new  # optimistic, as above
                 token_budget -= num_new
-
-        # Optimistic view: the scheduled tokens count as computed from now on.
-        for request_id, num_new in num_scheduled.items():
-            self.requests[request_id].num_computed_tokens += num_new
 
         self._step_id += 1
         output = SchedulerOutput(
@@ -198,6 +214,7 @@ class Scheduler:
         return output
 
     def _num_tokens_to_schedule(self, request: Request, token_budget: int) -> int:
+        """Tokens a running request would get this step (the hot loop in schedule() inlines this)."""
         num_new = request.num_tokens - request.num_computed_tokens
         is_prefill = request.num_computed_tokens < request.num_prompt_tokens
         if is_prefill and self.config.long_prefill_token_threshold > 0:
@@ -205,13 +222,20 @@ class Scheduler:
         return min(num_new, token_budget)
 
     def _lookahead(self, request: Request, num_new: int) -> int:
-        # Draft slots only for a request that samples this step (decode or last prefill chunk),
-        # and never past max_model_len: no token there can be kept, and reserving slots there
-        # could make a request that fits the pool preempt itself over and over.
-        end = request.num_computed_tokens + num_new
-        if end < request.num_tokens:
+        cfg = self.config
+        return self._lookahead_for(
+            request.num_computed_tokens + num_new, request.num_tokens, cfg.num_lookahead_tokens, cfg.max_model_len
+        )
+
+    @staticmethod
+    def _lookahead_for(end: int, num_tokens: int, k: int, max_model_len: int) -> int:
+        # Draft slots only for a request that samples this step (decode or last prefill chunk:
+        # `end` reaches its last known token), and never past max_model_len: no token there can
+        # be kept, and reserving slots there could make a request that fits the pool on its own
+        # preempt itself over and over near the end.
+        if end < num_tokens:
             return 0
-        return max(0, min(self.config.num_lookahead_tokens, self.config.max_model_len - end))
+        return k if end + k <= max_model_len else max(0, max_model_len - end)
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -237,36 +261,61 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Appends sampled tokens, applies token-level stop conditions, frees finished requests."""
-        self.stats.num_steps += 1
+        stats = self.stats
+        stats.num_steps += 1
         outputs: list[EngineCoreOutput] = []
         logprobs = runner_output.logprobs
-        for i, request_id in enumerate(runner_output.req_ids):
-            request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+        requests = self.requests
+        num_scheduled_map = scheduler_output.num_scheduled_tokens
+        kv = self.kv_cache_manager
+        cache_blocks = kv.cache_blocks if kv.enable_prefix_caching else None
+        block_size = kv.block_size
+        max_model_len = self.config.max_model_len
+        running_status = RequestStatus.RUNNING
+        num_prompt_computed = 0
+        num_generated = 0
+        for i, (request_id, sampled) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
+            request = requests.get(request_id)
+            if request is None or request.status != running_status:
                 continue  # finished or preempted while this step ran: its results are void
-            num_sched = scheduler_output.num_scheduled_tokens[request_id]
-            start = request.num_computed_tokens - num_sched
-            if start < request.num_prompt_tokens:
-                self.stats.num_prompt_tokens_computed += min(num_sched, request.num_prompt_tokens - start)
-            sampled = runner_output.sampled_token_ids[i]
+            num_sched = num_scheduled_map[request_id]
+            computed = request.num_computed_tokens
+            start = computed - num_sched
+            num_prompt = len(request.prompt_token_ids)
+            if start < num_prompt:
+                num_prompt_computed += min(num_sched, num_prompt - start)
+            # Tokens before `start` were committed (and offered to the prefix cache) by an earlier
+            # step, so only a step that completes a block can register anything new.
+            if cache_blocks is not None and computed // block_size > start // block_size:
+                cache_blocks(request, computed)
             if not sampled:
-                self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-                continue
-            new_token_ids: list[int] = []
+                continue  # a prefill chunk that did not reach the end of the prompt
+            params = request.sampling_params
+            output_ids = request.output_token_ids
+            all_ids = request.all_token_ids
+            max_tokens = params.max_tokens
             status: Optional[RequestStatus] = None
+            num_new = 0
             for token_id in sampled:
-                request.append_output_token_ids([token_id])
-                new_token_ids.append(token_id)
-                status = self._check_stop(request, token_id)
-                if status is not None:
-                    break
-            self.stats.num_generation_tokens += len(new_token_ids)
-            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+                output_ids.append(token_id)
+                all_ids.append(token_id)
+                num_new += 1
+                # Cheap pre-check; _check_stop decides (and records stop_reason).
+                if (
+                    (max_tokens is not None and len(output_ids) >= max_tokens)
+                    or len(all_ids) >= max_model_len
+                    or token_id in request.eos_token_ids
+                    or token_id in params.stop_token_ids
+                ):
+                    status = self._check_stop(request, token_id)
+                    if status is not None:
+                        break
+            num_generated += num_new
             token_logprobs = logprobs[i] if logprobs is not None else None
             output = EngineCoreOutput(
                 request_id=request_id,
-                new_token_ids=new_token_ids,
-                new_logprobs=token_logprobs[: len(new_token_ids)] if token_logprobs else None,
+                new_token_ids=list(sampled) if num_new == len(sampled) else sampled[:num_new],
+                new_logprobs=token_logprobs[:num_new] if token_logprobs else None,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
             )
             if status is not None:
@@ -275,6 +324,8 @@ class Scheduler:
                 output.finish_reason = request.finish_reason
                 output.stop_reason = request.stop_reason
             outputs.append(output)
+        stats.num_prompt_tokens_computed += num_prompt_computed
+        stats.num_generation_tokens += num_generated
         return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> Optional[RequestStatus]:

@@ -25,6 +25,8 @@ class LLM:
         priority: Optional[Sequence[int]] = None,
     ) -> list[RequestOutput]:
         """One finished RequestOutput per prompt, in prompt order."""
+        if hasattr(prompts, "tolist"):  # a tensor / array: one prompt (1-D) or a batch (2-D)
+            prompts = prompts.tolist()  # type: ignore[union-attr]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]

@@ -177,8 +177,8 @@ def test_preempts_newest_fcfs_and_resumes_with_generated_tokens():
 def test_preempted_request_uses_its_cached_prefix_on_resume():
     s = make_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=64)
     runner = FakeRunner(s)
-    s.add_request(make_request("a", 15, max_tokens=20))
-    s.add_request(make_request("b", 15, max_tokens=20))
+    s.add_request(make_request("a", 15, max_tokens=10))  # 25 tokens: 7 of the 8 blocks
+    s.add_request(make_request("b", 15, max_tokens=10))
     preempted_at = None
     while s.has_unfinished_requests():
         so, _ = step(s, runner)
@@ -212,72 +212,42 @@ def test_priority_policy_preempts_lowest_priority_even_if_already_planned():
     assert s.kv_cache_manager.num_free_blocks == 6
 
 
-def test_priority_victim_before_index_gives_budget_back():
-    """The victim was planned earlier in the same step: its tokens and blocks are handed back."""
-    s = make_scheduler(num_blocks=6, block_size=4, enable_prefix_caching=False, policy="priority")
-    runner = FakeRunner(s)
-    # `low` arrives first and is admitted first (alone), so it sits before the others in `running`.
-    s.add_request(make_request("low", 7, priority=9, arrival_time=0.0, max_tokens=8))
+def _low_planned_before_hi(runner_check: bool = True):
+    """3 blocks of 4. `low` (priority 9) is admitted first, so it precedes `hi` in `running`;
+    at step 3 `hi` (8 computed) needs a third block after `low` was already visited."""
+    s = make_scheduler(num_blocks=3, block_size=4, enable_prefix_caching=False, policy="priority")
+    runner = FakeRunner(s, check=runner_check)
+    s.add_request(make_request("low", 2, priority=9, arrival_time=0.0, max_tokens=4))
     step(s, runner)
-    s.add_request(make_request("hi0", 7, priority=0, arrival_time=1.0, max_tokens=8))
-    s.add_request(make_request("hi1", 7, priority=1, arrival_time=2.0, max_tokens=8))
+    s.add_request(make_request("hi", 8, priority=0, arrival_time=1.0, max_tokens=4))
     step(s, runner)
-    assert [r.request_id for r in s.running] == ["low", "hi0", "hi1"]
-    # Step 3: low (at 8 computed -> 9 slots) takes the last... there is none: 6/6 used.
-    # low itself is the victim at index 0: it preempts itself, the others need 8 slots (2 blocks).
+    assert [r.request_id for r in s.running] == ["low", "hi"]
+    assert s.kv_cache_manager.num_free_blocks == 0
+    return s, runner
+
+
+def test_priority_victim_planned_earlier_in_step_gives_budget_back():
+    s, runner = _low_planned_before_hi()
     so, _ = step(s, runner)
     assert so.preempted_req_ids == {"low"}
-    assert set(so.num_scheduled_tokens) == {"hi0", "hi1"}
-    # Next step hi0/hi1 need a 3rd block each; 2 are free (low's) -> no preemption.
-    so, _ = step(s, runner)
-    assert so.preempted_req_ids == set()
-    run_to_completion(s, runner)
-    assert s.kv_cache_manager.num_free_blocks == 6
-
-
-def test_priority_victim_planned_earlier_in_step():
-    """hi needs a block after `low` (lowest priority, earlier in running) was planned."""
-    s = make_scheduler(num_blocks=5, block_size=4, enable_prefix_caching=False, policy="priority")
-    runner = FakeRunner(s)
-    s.add_request(make_request("low", 5, priority=9, arrival_time=0.0, max_tokens=30))
-    s.add_request(make_request("hi", 8, priority=0, arrival_time=1.0, max_tokens=30))
-    # Admitted hi first (priority), then low: running = [hi, low]. Reorder running so low is
-    # planned first, as happens after low was admitted in an earlier step.
-    step(s, runner)
-    s.running.reverse()
-    assert [r.request_id for r in s.running] == ["low", "hi"]
-    preempted = False
-    while s.has_unfinished_requests():
-        so, _ = step(s, runner)
-        assert sum(so.num_scheduled_tokens.values()) == so.total_num_scheduled_tokens
-        assert set(so.scheduled_cached_reqs.request_ids) | {d.request_id for d in so.scheduled_new_reqs} == set(
-            so.num_scheduled_tokens
-        )
-        if so.preempted_req_ids:
-            assert so.preempted_req_ids == {"low"} and "low" not in so.num_scheduled_tokens
-            preempted = True
-    assert preempted
-    assert s.kv_cache_manager.num_free_blocks == 5
+    assert so.num_scheduled_tokens == {"hi": 1} and so.total_num_scheduled_tokens == 1
+    assert so.scheduled_cached_reqs.request_ids == ["hi"]
+    assert len(so.scheduled_cached_reqs.new_block_ids) == len(so.scheduled_cached_reqs.num_computed_tokens) == 1
+    low = s.requests["low"]
+    assert low.status == RequestStatus.PREEMPTED and low.num_computed_tokens == 0
+    outs = run_to_completion(s, runner)
+    assert outs["low"][1] == "length" and outs["hi"][1] == "length"
+    assert s.kv_cache_manager.num_free_blocks == 3
 
 
 def test_priority_victim_without_tokens_this_step_no_keyerror():
     """A visited running request with nothing to compute is not in num_scheduled (was a KeyError)."""
-    s = make_scheduler(num_blocks=4, block_size=4, enable_prefix_caching=False, policy="priority")
-    runner = FakeRunner(s, check=False)
-    s.add_request(make_request("low", 4, priority=9, arrival_time=0.0, max_tokens=30))
-    step(s, runner)
-    s.add_request(make_request("hi", 11, priority=0, arrival_time=1.0, max_tokens=30))
-    step(s, runner)  # low: 5 computed/6 tokens... hi prefilled: 3 blocks; pool full (1 + 3)
+    s, _ = _low_planned_before_hi(runner_check=False)
     low = s.requests["low"]
-    # Pretend low's step result has not arrived (as under async scheduling): nothing to compute.
-    low.num_computed_tokens = low.num_tokens
-    hi = s.requests["hi"]
-    assert [r.request_id for r in s.running] == ["low", "hi"]
-    assert len(s.kv_cache_manager.get_block_ids("hi")) * 4 == hi.num_computed_tokens + 1 - 0
-    so = s.schedule()  # hi needs a 4th block: the victim `low` was visited but not planned
+    low.num_computed_tokens = low.num_tokens  # its last step's result not in yet (async scheduling)
+    so = s.schedule()
     assert so.preempted_req_ids == {"low"}
-    assert so.num_scheduled_tokens == {"hi": 1}
-    assert so.total_num_scheduled_tokens == 1
+    assert so.num_scheduled_tokens == {"hi": 1} and so.total_num_scheduled_tokens == 1
 
 
 def test_priority_admission_order():

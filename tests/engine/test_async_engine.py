@@ -337,3 +337,47 @@ def test_engine_failure_ends_every_stream(prompts):
 
     results = _run(main())
     assert all(isinstance(r, EngineDeadError) for r in results), results
+
+
+def test_streamed_logprobs_and_stop_string_match_llm(engine, prompts, reference):
+    """Deltas carry one logprobs entry per token; with include_stop_str_in_output the streamed text
+    ends with the stop string, exactly as LLM.generate returns it."""
+    text = reference[2].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2, stop=[stop],
+                            include_stop_str_in_output=True)
+    expected = bundled_llm(**CONFIG).generate([prompts[2]], params)[0]
+
+    deltas = _run(_collect(engine, prompts[2], params, "lp"))
+    assert all(len(d.logprobs) == len(d.token_ids) for d in deltas if d.logprobs is not None)
+    assert [t for d in deltas for t in d.token_ids] == expected.token_ids
+    assert "".join(d.text for d in deltas) == expected.text and expected.text.endswith(stop)
+    streamed_lp = [lp for d in deltas for lp in (d.logprobs or [])]
+    assert [lp.token_ids for lp in streamed_lp] == [lp.token_ids for lp in expected.logprobs]
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == stop
+
+
+def test_engine_serves_across_event_loops(engine, prompts, reference):
+    """An AsyncEngine outlives one asyncio.run: a later event loop drives it again (regression: its
+    wake-up Event stayed bound to the first loop and the engine died)."""
+    for i in range(2):
+        deltas = _run(_collect(engine, prompts[0], GREEDY, f"loop-{i}"))
+        assert [t for d in deltas for t in d.token_ids] == reference[0].token_ids
+
+
+def test_id_reused_right_after_client_left_is_never_silently_aborted(engine, prompts, reference):
+    async def main():
+        stream = engine.generate(prompts[1], LONG, request_id="reuse")
+        await stream.__anext__()
+        await stream.aclose()  # its abort is pending, not applied yet
+        try:
+            deltas = await _collect(engine, prompts[0], GREEDY, "reuse")
+        except InvalidRequestError:
+            deltas = None  # "already in use" until the abort is applied: typed, acceptable
+        await wait_kv_free(engine)
+        return deltas
+
+    deltas = _run(main())
+    if deltas is not None:
+        assert deltas[-1].finish_reason == "length"
+        assert [t for d in deltas for t in d.token_ids] == reference[0].token_ids

@@ -79,6 +79,11 @@ def test_single_prompt_forms(llm, prompts, reference):
     assert by_text[0].token_ids == by_ids[0].token_ids
     assert by_text[0].text == by_ids[0].text
     assert llm.generate([], GREEDY) == []
+    # Tensors: a 1-D tensor is one prompt, a 2-D tensor a batch, a list of tensors a batch.
+    t = torch.tensor(prompts[0])
+    assert [o.token_ids for o in llm.generate(t, GREEDY)] == [reference[0].token_ids]
+    assert [o.token_ids for o in llm.generate(torch.stack([t, t]), GREEDY)] == [reference[0].token_ids] * 2
+    assert [o.token_ids for o in llm.generate([t], GREEDY)] == [reference[0].token_ids]
 
 
 def test_mixed_text_and_token_prompts(llm, prompts, reference):
