@@ -48,16 +48,30 @@ def _sync_time() -> float:
     return time.perf_counter()
 
 
+def _median_time(fn, trials: int = 3) -> float:
+    times = []
+    for _ in range(trials):
+        t0 = _sync_time()
+        fn()
+        times.append(_sync_time() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def _tpot_ms(run_prefill_only, run_full, new_tokens: int) -> float:
+    """(full - prefill-only) / (new_tokens - 1): the decode time per token, each a median of 3 after
+    one untimed call of each (so no JIT compilation lands in a timed call)."""
+    run_prefill_only(); run_full()
+    return (_median_time(run_full) - _median_time(run_prefill_only)) / (new_tokens - 1) * 1e3
+
+
 def bench_asyncspec(model_dir: str, dummy: bool, prompts: list[list[int]], new_tokens: int, streams: int) -> dict:
     llm = LLM(model_dir, device="cuda", load_format="dummy" if dummy else "safetensors", skip_tokenizer_init=dummy,
               max_model_len=2048, max_num_seqs=max(streams, 1), max_num_batched_tokens=4096,
               enable_prefix_caching=False, gpu_memory_utilization=0.5)
     greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    llm.generate(prompts[:streams], greedy)  # warm-up
-    t0 = _sync_time(); llm.generate([prompts[0]], one); t_prefill = _sync_time() - t0
-    t0 = _sync_time(); llm.generate([prompts[0]], greedy); t_full = _sync_time() - t0
-    tpot_ms = (t_full - t_prefill) / (new_tokens - 1) * 1e3
+    tpot_ms = _tpot_ms(lambda: llm.generate([prompts[0]], one), lambda: llm.generate([prompts[0]], greedy), new_tokens)
+    llm.generate(prompts[:streams], greedy)  # warm-up at this batch shape
     t0 = _sync_time(); outs = llm.generate(prompts[:streams], greedy); elapsed = _sync_time() - t0
     generated = sum(len(o.token_ids) for o in outs)
     del llm; gc.collect(); torch.cuda.empty_cache()
@@ -73,11 +87,8 @@ def bench_hf(model, prompts: list[list[int]], new_tokens: int, streams: int) -> 
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                        do_sample=False, cache_implementation="static", pad_token_id=0)
 
-    for _ in range(2):  # compilation and warm-up
-        gen(prompts[0], new_tokens)
-    t0 = _sync_time(); gen(prompts[0], 1); t_prefill = _sync_time() - t0
-    t0 = _sync_time(); gen(prompts[0], new_tokens); t_full = _sync_time() - t0
-    tpot_ms = (t_full - t_prefill) / (new_tokens - 1) * 1e3
+    gen(prompts[0], new_tokens)  # compilation
+    tpot_ms = _tpot_ms(lambda: gen(prompts[0], 1), lambda: gen(prompts[0], new_tokens), new_tokens)
 
     gen_cfg = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     cb_cfg = ContinuousBatchingConfig(use_cuda_graph=True, max_requests_per_batch=streams)
