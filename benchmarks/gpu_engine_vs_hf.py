@@ -11,10 +11,10 @@ Baselines: transformers `generate` with a static cache (compiled) at batch 1, an
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -74,7 +74,6 @@ def bench_asyncspec(model_dir: str, dummy: bool, prompts: list[list[int]], new_t
     llm.generate(prompts[:streams], greedy)  # warm-up at this batch shape
     t0 = _sync_time(); outs = llm.generate(prompts[:streams], greedy); elapsed = _sync_time() - t0
     generated = sum(len(o.token_ids) for o in outs)
-    del llm; gc.collect(); torch.cuda.empty_cache()
     return {"tpot_ms_batch1": tpot_ms, "throughput_tok_s": generated / elapsed, "generated": generated}
 
 
@@ -100,41 +99,51 @@ def bench_hf(model, prompts: list[list[int]], new_tokens: int, streams: int) -> 
     return {"tpot_ms_batch1": tpot_ms, "throughput_tok_s": generated / elapsed, "generated": generated}
 
 
+def run_one(model: str, engine: str, new_tokens: int, streams: int) -> dict:
+    """One engine on one model, in this process (main() gives each pair a fresh process so that
+    no engine's memory or caches affect the next)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    prompts = load_prompts(streams)
+    if model == "llama-1b-dummy":
+        model_dir, dummy = tempfile.mkdtemp(), True
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump(LLAMA_1B, f)
+    else:
+        model_dir, dummy = str(REPO / "models" / model), False
+    if engine == "asyncspec":
+        return bench_asyncspec(model_dir, dummy, prompts, new_tokens, streams)
+    if dummy:
+        torch.manual_seed(0)
+        hf = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA_1B), dtype=torch.bfloat16)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    return bench_hf(hf.cuda().eval(), prompts, new_tokens, streams)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "gpu_engine_vs_hf.json"))
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--models", default="stdlib-coder-target,llama-1b-dummy")
-    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--engines", default="asyncspec,transformers")
+    parser.add_argument("--one", nargs=2, metavar=("MODEL", "ENGINE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    prompts = load_prompts(args.streams)
+    if args.one:
+        print("RESULT " + json.dumps(run_one(*args.one, args.new_tokens, args.streams)), flush=True)
+        return 0
     results = {"card": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                "torch": torch.__version__, "python": platform.python_version(),
                "command": " ".join(sys.argv), "new_tokens": args.new_tokens, "streams": args.streams, "rows": []}
-    tmp = tempfile.mkdtemp()
-    for name in args.models.split(","):
-        if name == "llama-1b-dummy":
-            model_dir, dummy = tmp, True
-            with open(os.path.join(tmp, "config.json"), "w") as f:
-                json.dump(LLAMA_1B, f)
-        else:
-            model_dir, dummy = str(REPO / "models" / name), False
-        row = {"model": name, "asyncspec": bench_asyncspec(model_dir, dummy, prompts, args.new_tokens, args.streams)}
-        if not args.skip_hf:
-            if dummy:
-                torch.manual_seed(0)
-                hf = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA_1B), dtype=torch.bfloat16)
-            else:
-                hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-            hf = hf.cuda().eval()
-            try:
-                row["transformers"] = bench_hf(hf, prompts, args.new_tokens, args.streams)
-            except Exception as e:  # a baseline failure is reported, not hidden
-                row["transformers"] = {"error": repr(e)[:500]}
-            del hf; gc.collect(); torch.cuda.empty_cache()
+    for model in args.models.split(","):
+        row = {"model": model}
+        for engine in args.engines.split(","):
+            proc = subprocess.run(
+                [sys.executable, __file__, "--one", model, engine, "--new-tokens", str(args.new_tokens),
+                 "--streams", str(args.streams)], capture_output=True, text=True)
+            lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+            row[engine] = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-500:]}
         results["rows"].append(row)
         print(json.dumps(row), flush=True)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
@@ -143,12 +152,12 @@ def main() -> int:
     print(f"\n{results['card']}  {results['date']}")
     print(f"{'model':<22}{'engine':<14}{'TPOT b=1 (ms)':>15}{'tok/s @' + str(args.streams):>14}")
     for row in results["rows"]:
-        for engine in ("asyncspec", "transformers"):
-            r = row.get(engine)
-            if r and "error" not in r:
+        for engine in args.engines.split(","):
+            r = row[engine]
+            if "error" not in r:
                 print(f"{row['model']:<22}{engine:<14}{r['tpot_ms_batch1']:>15.2f}{r['throughput_tok_s']:>14.0f}")
-            elif r:
-                print(f"{row['model']:<22}{engine:<14}  error: {r['error'][:80]}")
+            else:
+                print(f"{row['model']:<22}{engine:<14}  error: {r['error'][-200:]}")
     return 0
 
 
