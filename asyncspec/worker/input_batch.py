@@ -29,6 +29,30 @@ class RowState:
     block_ids: list[int] = field(default_factory=list)
 
 
+_SAMPLING_FIELDS = {
+    "temperature": torch.float32,
+    "top_k": torch.int64,
+    "top_p": torch.float32,
+    "min_p": torch.float32,
+    "presence_penalty": torch.float32,
+    "frequency_penalty": torch.float32,
+    "repetition_penalty": torch.float32,
+}
+
+
+def _row_sampling_values(params: SamplingParams) -> dict[str, float]:
+    # Greedy rows carry temperature 0 (the sampler's marker); disabled top-k is 0.
+    return {
+        "temperature": 0.0 if params.is_greedy else params.temperature,
+        "top_k": max(params.top_k, 0),
+        "top_p": params.top_p,
+        "min_p": params.min_p,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "repetition_penalty": params.repetition_penalty,
+    }
+
+
 class InputBatch:
     """Rows are assigned on arrival and released on finish or preemption.
 
@@ -44,6 +68,12 @@ class InputBatch:
         self.token_ids = torch.zeros((max_num_reqs, max_model_len), dtype=torch.int64, device=device)
         self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
         self.rows: dict[str, RowState] = {}
+        # Sampling parameters per row, on the device: a step gathers its rows instead of
+        # building new tensors on the host.
+        self.sampling_tensors = {
+            name: torch.zeros(max_num_reqs, dtype=dtype, device=device)
+            for name, dtype in _SAMPLING_FIELDS.items()
+        }
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         # Seeded generators of preempted requests, so a resumed request continues its stream.
         self._parked_generators: dict[str, torch.Generator] = {}
@@ -69,6 +99,8 @@ class InputBatch:
         if state.generator is None and params.seed is not None:
             state.generator = make_generator(params.seed, self.device)
         self.rows[data.request_id] = state
+        for name, value in _row_sampling_values(params).items():
+            self.sampling_tensors[name][row] = value
         self.append_blocks(state, data.block_ids)
         return state
 

@@ -192,11 +192,11 @@ class ModelRunner:
             last_token_index = attn_metadata.query_start_loc[1:].to(torch.int64) - 1
             logits = self.model.compute_logits(hidden_states[last_token_index[sample_index]])
             sampling_states = [states[i] for i in sampling_rows]
-            metadata = self._sampling_metadata(sampling_states)
+            batch_rows = self._meta_dev[0].index_select(0, sample_index)
+            metadata = self._sampling_metadata(sampling_states, batch_rows)
             out = self.sampler(logits, metadata, self.default_generator)
             # The device token buffer is the source of truth for the next step's input ids; a
             # sampling request's new token goes at index seq_len (always < max_model_len).
-            batch_rows = self._meta_dev[0].index_select(0, sample_index)
             token_cols = attn_metadata.seq_lens.to(torch.int64).index_select(0, sample_index)
             self.input_batch.token_ids[batch_rows, token_cols] = out.sampled_token_ids
             sampled_host = out.sampled_token_ids.tolist()
@@ -248,15 +248,38 @@ class ModelRunner:
         )
         return metadata, positions, input_ids
 
-    def _sampling_metadata(self, states: list[RowState]) -> SamplingMetadata:
-        generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
-        return SamplingMetadata.from_params(
-            [s.sampling_params for s in states],
-            generators=generators,
-            prompt_token_ids=[s.prompt_token_ids for s in states],
+    def _sampling_metadata(self, states: list[RowState], batch_rows: torch.Tensor) -> SamplingMetadata:
+        """Gathers the rows' device-resident parameters; only rows' Python facts are read here."""
+        params = [s.sampling_params for s in states]
+        tensors = self.input_batch.sampling_tensors
+        random_params = [p for p in params if not p.is_greedy]
+
+        def rows_of(name: str, used: bool) -> Optional[torch.Tensor]:
+            return tensors[name].index_select(0, batch_rows) if used else None
+
+        uses_penalties = any(p.uses_penalties for p in params)
+        blocked: dict[int, list[int]] = {}
+        for i, (state, p) in enumerate(zip(states, params)):
+            if p.min_tokens and len(state.output_token_ids) < p.min_tokens:
+                ids = p.all_stop_token_ids(self.eos_token_ids)
+                if ids:
+                    blocked[i] = sorted(ids)
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingMetadata(
+            temperature=tensors["temperature"].index_select(0, batch_rows),
+            top_k=rows_of("top_k", any(p.top_k > 0 for p in random_params)),
+            top_p=rows_of("top_p", any(p.top_p < 1.0 for p in random_params)),
+            min_p=rows_of("min_p", any(p.min_p > 0.0 for p in random_params)),
+            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            presence_penalty=rows_of("presence_penalty", uses_penalties),
+            frequency_penalty=rows_of("frequency_penalty", uses_penalties),
+            repetition_penalty=rows_of("repetition_penalty", uses_penalties),
+            prompt_token_ids=[s.prompt_token_ids for s in states] if uses_penalties else None,
             output_token_ids=[s.output_token_ids for s in states],
-            eos_token_ids=self.eos_token_ids,
-            device=self.device,
+            blocked_token_ids=blocked,
+            max_num_logprobs=max(logprobs) if logprobs else None,
+            all_greedy=not random_params,
+            all_random=len(random_params) == len(params),
         )
 
     @staticmethod
