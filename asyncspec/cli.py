@@ -24,10 +24,19 @@ def _field_parser(tp: Any):
     if origin is typing.Literal:
         return str
     if tp is bool:
-        return lambda s: s.lower() in ("1", "true", "yes", "on")
+        return _parse_bool
     if tp in (int, float, str):
         return tp
     return str
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
