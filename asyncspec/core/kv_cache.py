@@ -127,11 +127,12 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block.block_id)
-        num_hit_tokens = len(hit) * self.block_size
-        stats = self.prefix_cache_stats
-        stats.queries += num_tokens
-        stats.hits += num_hit_tokens
-        return hit, num_hit_tokens
+        return hit, len(hit) * self.block_size
+
+    def record_prefix_cache_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counts one admitted lookup (the scheduler calls this once per admission, not per retry)."""
+        self.prefix_cache_stats.queries += num_tokens
+        self.prefix_cache_stats.hits += num_hit_tokens
 
     def cache_blocks(self, request: RequestLike, num_committed_tokens: int) -> None:
         """Register the request's full blocks of committed tokens not yet registered.

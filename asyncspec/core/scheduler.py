@@ -181,6 +181,8 @@ class Scheduler:
                 if new_block_ids is None:
                     break
                 self.waiting.pop()
+                if request.num_computed_tokens == 0 and cfg.enable_prefix_caching:
+                    kv.record_prefix_cache_query(request.num_tokens, num_hit)
                 request.num_computed_tokens += num_hit
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_hit

@@ -32,6 +32,12 @@ class EngineCore:
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"with enable_chunked_prefill=False a prompt must fit one step: max_num_batched_tokens="
+                f"{config.max_num_batched_tokens} is below max_model_len={self.max_model_len}; raise it, "
+                "lower max_model_len or enable chunked prefill"
+            )
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
         num_blocks = self.runner.determine_num_kv_blocks()
         blocks_per_max_len = -(-self.max_model_len // config.block_size)

@@ -254,7 +254,11 @@ def test_stats_count_queries_and_hits() -> None:
     m.allocate_slots(a, 9)
     a.num_computed_tokens = 9
     m.cache_blocks(a, 9)
-    m.get_computed_blocks(make_request("b", list(range(10))))
+    assert m.prefix_cache_stats == PrefixCacheStats()  # a lookup alone counts nothing
+    b = make_request("b", list(range(10)))
+    hits, n_hit = m.get_computed_blocks(b)
+    m.record_prefix_cache_query(a.num_tokens, 0)
+    m.record_prefix_cache_query(b.num_tokens, n_hit)
     assert m.prefix_cache_stats == PrefixCacheStats(queries=19, hits=8, resets=0)
     taken = m.take_prefix_cache_stats()
     assert taken.hits == 8 and m.prefix_cache_stats == PrefixCacheStats()

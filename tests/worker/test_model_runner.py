@@ -45,3 +45,22 @@ def test_device_token_buffer_holds_prompt_and_sampled_tokens():
         if outputs and outputs[-1].finished:
             break
     assert seen is not None and len(seen) >= 5 + 5
+
+
+def test_unchunked_prefill_needs_a_budget_of_max_model_len():
+    with pytest.raises(ConfigError, match="enable_chunked_prefill=False"):
+        LLM(str(TARGET_MODEL), device="cpu", max_model_len=512, enable_chunked_prefill=False, max_num_batched_tokens=256)
+
+
+def test_prefix_cache_queries_count_each_admission_once():
+    llm = LLM(str(TARGET_MODEL), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=8, block_size=16)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate([list(range(10, 110))], params)
+    # The pool holds one request at a time, so the third waits (and is retried) for several steps;
+    # each admission still counts its tokens exactly once.
+    later = [list(range(10, 110)) + [7, 8], list(range(200, 300))]
+    llm.generate(later, params)
+    stats = llm.stats()
+    assert stats["num_steps"] > 10
+    assert stats["prefix_cache_queries"] == 100 + 102 + 100
+    assert stats["prefix_cache_hits"] == 96  # six full blocks of the shared 100-token prefix
