@@ -107,16 +107,20 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.long_prefill_token_threshold < 0:
-            raise ConfigError("long_prefill_token_threshold must be >= 0 (0 disables the limit)")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ConfigError(f"num_kv_blocks must be >= 1 or None, got {self.num_kv_blocks}")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
-            raise ConfigError(f"kv_cache_bytes must be >= 1 or None, got {self.kv_cache_bytes}")
+        for name in ("long_prefill_token_threshold", "seed", "num_speculative_tokens"):
+            _check_int(name, getattr(self, name), minimum=0)
+        for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=1)
+        if self.long_prefill_token_threshold > 0 and not self.enable_chunked_prefill:
+            raise ConfigError("long_prefill_token_threshold > 0 chunks prompts: it needs enable_chunked_prefill=True")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_num_seqs={self.max_num_seqs}: "
+                "every running request needs at least one token per step"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ConfigError(f"max_model_len must be >= 1 or None, got {self.max_model_len}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ConfigError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.speculative_method is not None:
@@ -128,12 +132,15 @@ class EngineConfig:
             raise ConfigError(
                 "async_scheduling=True is not available in this build yet; use async_scheduling=False"
             )
-        if self.num_speculative_tokens < 0:
-            raise ConfigError("num_speculative_tokens must be >= 0")
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 def make_config(model: Optional[str] = None, **kwargs: object) -> EngineConfig:

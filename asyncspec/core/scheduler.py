@@ -122,7 +122,8 @@ class Scheduler:
             computed = request.num_computed_tokens
             num_tokens = len(request.all_token_ids)
             num_new = num_tokens - computed
-            if threshold > 0 and computed < len(request.prompt_token_ids):
+            # Chunk any multi-token catch-up: a prompt, or a preempted request's recompute.
+            if threshold > 0 and num_new > 1:
                 num_new = min(num_new, threshold)
             if num_new > token_budget:
                 num_new = token_budget
@@ -214,20 +215,6 @@ class Scheduler:
         )
         self._finished_since_last_step = set()
         return output
-
-    def _num_tokens_to_schedule(self, request: Request, token_budget: int) -> int:
-        """Tokens a running request would get this step (the hot loop in schedule() inlines this)."""
-        num_new = request.num_tokens - request.num_computed_tokens
-        is_prefill = request.num_computed_tokens < request.num_prompt_tokens
-        if is_prefill and self.config.long_prefill_token_threshold > 0:
-            num_new = min(num_new, self.config.long_prefill_token_threshold)
-        return min(num_new, token_budget)
-
-    def _lookahead(self, request: Request, num_new: int) -> int:
-        cfg = self.config
-        return self._lookahead_for(
-            request.num_computed_tokens + num_new, request.num_tokens, cfg.num_lookahead_tokens, cfg.max_model_len
-        )
 
     @staticmethod
     def _lookahead_for(end: int, num_tokens: int, k: int, max_model_len: int) -> int:

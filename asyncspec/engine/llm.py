@@ -41,7 +41,7 @@ class LLM:
         results: list[Optional[RequestOutput]] = [None] * len(requests)
         try:
             for request in requests:
-                self.engine.add_request(request, stream_deltas=False)
+                self.engine.add_request(request, stream_deltas=False, enforce_queue_limit=False)
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished:

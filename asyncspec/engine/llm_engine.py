@@ -91,10 +91,12 @@ class LLMEngine:
         return ids
 
     # -- requests ----------------------------------------------------------------------------
-    def add_request(self, request: Request, stream_deltas: bool = True) -> None:
+    def add_request(self, request: Request, stream_deltas: bool = True, enforce_queue_limit: bool = True) -> None:
+        """Queues a validated request. The offline LLM.generate submits its whole batch at once and
+        passes enforce_queue_limit=False; online callers get QueueFullError past max_num_waiting."""
         if self.output_processor.has_request(request.request_id):
             raise InvalidRequestError(f"request_id {request.request_id!r} is already in use by a running request")
-        if len(self.engine_core.scheduler.waiting) >= self.config.max_num_waiting:
+        if enforce_queue_limit and len(self.engine_core.scheduler.waiting) >= self.config.max_num_waiting:
             raise QueueFullError(
                 f"{self.config.max_num_waiting} requests are already waiting (max_num_waiting); retry later"
             )

@@ -2,6 +2,7 @@
 the forward pass and samples."""
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Optional
 
@@ -54,13 +55,16 @@ class ModelRunner:
         for them, and one host-to-device copy each."""
         n = self.config.max_num_seqs
         pin = self.device.type == "cuda"
-        # Rows: batch row, num_computed_tokens, num_scheduled_tokens, indices of sampling requests.
-        self._meta_host = torch.zeros((4, n), dtype=torch.int64, pin_memory=pin)
-        self._meta_np = self._meta_host.numpy()
-        self._meta_dev = torch.zeros((4, n), dtype=torch.int64, device=self.device)
         cols = self.input_batch.max_blocks_per_req
-        self._block_table_host = torch.zeros((n, cols), dtype=torch.int32, pin_memory=pin)
-        self._block_table_np = self._block_table_host.numpy()
+        # Two sets of pinned host buffers used in turn. A non-blocking copy reads its host buffer
+        # whenever the GPU gets to it, and a step that samples nothing never waits for the GPU, so a
+        # buffer is refilled only after the event of its previous copy (two steps back) has fired.
+        # Rows of meta: batch row, num_computed_tokens, num_scheduled_tokens, sampling indices.
+        self._meta_host = [torch.zeros((4, n), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._block_table_host = [torch.zeros((n, cols), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._copy_done: list[Optional[torch.cuda.Event]] = [None, None]
+        self._buffer_index = 0
+        self._meta_dev = torch.zeros((4, n), dtype=torch.int64, device=self.device)
         self._block_table_dev = torch.zeros((n, cols), dtype=torch.int32, device=self.device)
         self._query_start_loc = torch.zeros(n + 1, dtype=torch.int32, device=self.device)
         self._arange = torch.arange(max(n, self.config.max_num_batched_tokens), device=self.device)
@@ -91,7 +95,8 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.dummy_run(self.config.max_num_batched_tokens)
+        with self._device_context():
+            self.dummy_run(self.config.max_num_batched_tokens)
         torch.cuda.synchronize(self.device)
         peak_torch = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
@@ -166,8 +171,16 @@ class ModelRunner:
             batch.append_blocks(state, new_blocks)
             state.num_computed_tokens = num_computed
 
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        # Triton launches on the thread's current device, and AsyncEngine steps in its own thread.
+        with self._device_context():
+            return self._execute_model(so)
+
+    def _device_context(self):
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    @torch.inference_mode()
+    def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
         if so.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -214,19 +227,27 @@ class ModelRunner:
         """One host-to-device copy of per-request counts; positions, input ids and slots are
         derived from them on the device."""
         num_reqs = len(states)
-        meta = self._meta_np
+        i = self._buffer_index
+        self._buffer_index ^= 1
+        if self._copy_done[i] is not None:
+            self._copy_done[i].synchronize()
+        meta_host, block_table_host = self._meta_host[i], self._block_table_host[i]
+        meta = meta_host.numpy()
         rows = [s.row for s in states]
         meta[0, :num_reqs] = rows
         meta[1, :num_reqs] = [s.num_computed_tokens for s in states]
         meta[2, :num_reqs] = num_scheduled
         meta[3, : len(sampling_rows)] = sampling_rows
-        # Safe to refill next step: the synchronous loop waits for this step's sampled tokens.
-        self._meta_dev.copy_(self._meta_host, non_blocking=True)
+        self._meta_dev.copy_(meta_host, non_blocking=True)
         seq_lens_host = [s.num_computed_tokens + n for s, n in zip(states, num_scheduled)]
         max_seq_len = max(seq_lens_host)
         num_block_cols = -(-max_seq_len // self.block_size)
-        np.take(self.input_batch.block_table, rows, axis=0, out=self._block_table_np[:num_reqs])
-        self._block_table_dev[:num_reqs].copy_(self._block_table_host[:num_reqs], non_blocking=True)
+        np.take(self.input_batch.block_table, rows, axis=0, out=block_table_host.numpy()[:num_reqs])
+        self._block_table_dev[:num_reqs].copy_(block_table_host[:num_reqs], non_blocking=True)
+        if self.device.type == "cuda":
+            event = self._copy_done[i] or torch.cuda.Event()
+            event.record()
+            self._copy_done[i] = event
 
         row_dev, num_computed, num_sched = self._meta_dev[0, :num_reqs], self._meta_dev[1, :num_reqs], self._meta_dev[2, :num_reqs]
         query_start_loc = self._query_start_loc[: num_reqs + 1]

@@ -59,7 +59,7 @@ def test_different_seeds_differ(llm, prompts, alone):
 
 
 def test_seeded_output_independent_of_token_budget(prompts, alone):
-    small = bundled_llm(**{**CONFIG, "max_num_batched_tokens": 16})  # 40-token prompts take 3 chunks
+    small = bundled_llm(**{**CONFIG, "max_num_batched_tokens": 16, "max_num_seqs": 16})  # 40-token prompts take 3 chunks
     outs = small.generate([prompts[1], prompts[0], prompts[2]], [UNSEEDED, SEEDED, GREEDY])
     assert outs[1].token_ids == alone
 

@@ -1,0 +1,48 @@
+"""EngineConfig validation: every bad value or combination is a ConfigError naming the field."""
+from __future__ import annotations
+
+import pytest
+
+from asyncspec import EngineConfig, LLM, SamplingParams
+from asyncspec.config import make_config
+from asyncspec.errors import ConfigError
+from tests.conftest import TARGET_MODEL
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"block_size": 0}, "block_size"),
+        ({"max_num_seqs": True}, "max_num_seqs"),
+        ({"long_prefill_token_threshold": 1.5}, "long_prefill_token_threshold"),
+        ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),
+        ({"num_kv_blocks": 0}, "num_kv_blocks"),
+        ({"kv_cache_bytes": 10.0}, "kv_cache_bytes"),
+        ({"max_model_len": 0}, "max_model_len"),
+        ({"seed": "1"}, "seed"),
+        ({"dtype": "float8"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"scheduling_policy": "lifo"}, "scheduling_policy"),
+        ({"load_format": "pt"}, "load_format"),
+        ({"max_num_batched_tokens": 8, "max_num_seqs": 16}, "max_num_batched_tokens"),
+        ({"long_prefill_token_threshold": 64, "enable_chunked_prefill": False}, "long_prefill_token_threshold"),
+        ({"speculative_method": "ngram", "num_speculative_tokens": 4}, "speculative_method"),
+        ({"async_scheduling": True}, "async_scheduling"),
+    ],
+)
+def test_bad_config_values_are_config_errors(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        EngineConfig(**kwargs)
+
+
+def test_unknown_option_is_named():
+    with pytest.raises(ConfigError, match="max_num_sequences"):
+        make_config("m", max_num_sequences=4)
+
+
+def test_offline_generate_is_not_limited_by_the_online_queue_cap():
+    llm = LLM(str(TARGET_MODEL), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=16, max_num_waiting=2)
+    outs = llm.generate([[5, 6, 7]] * 5, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [2] * 5
+    assert llm.stats()["num_free_kv_blocks"] == 16
