@@ -114,3 +114,33 @@ def test_thousand_requests_with_preemption_leave_the_pool_full():
     assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
     assert all(0 <= t < 8192 for o in outs for t in o.token_ids)
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
+def test_prefill_chunks_that_outrun_the_gpu_keep_their_own_inputs(tmp_path):
+    """Steps that sample nothing never wait for the GPU, so the host may get steps ahead; each
+    step's inputs must still be the ones planned for it (regression: reused pinned buffers)."""
+    import json
+
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1024, "hidden_size": 8192,
+        "intermediate_size": 32768, "num_hidden_layers": 2, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 128, "rms_norm_eps": 1e-5, "max_position_embeddings": 16384, "tie_word_embeddings": False,
+        "rope_theta": 10000.0, "eos_token_id": 0, "hidden_act": "silu",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    rng = random.Random(3)
+    prompt = [rng.randrange(1, 1024) for _ in range(15984)]
+    llm = LLM(str(tmp_path), device="cuda", load_format="dummy", skip_tokenizer_init=True, max_model_len=16384,
+              max_num_batched_tokens=2048, max_num_seqs=4, num_kv_blocks=1100, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    free_running = llm.generate([prompt], params)[0].token_ids
+    runner = llm.engine.engine_core.runner
+    execute = runner.execute_model
+
+    def execute_then_sync(scheduler_output):
+        result = execute(scheduler_output)
+        torch.cuda.synchronize()
+        return result
+
+    runner.execute_model = execute_then_sync
+    assert llm.generate([prompt], params)[0].token_ids == free_running
