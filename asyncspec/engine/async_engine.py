@@ -166,7 +166,8 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
         # Waits for a step still computing in the worker thread before touching engine state.
-        self._executor.shutdown(wait=True)
+        # Waiting for a step still in the worker thread must not block the event loop.
+        await asyncio.get_running_loop().run_in_executor(None, lambda: self._executor.shutdown(wait=True))
         if self._dead is None:
             self._dead = EngineDeadError("the engine was shut down")
         self._end_all_streams(EngineDeadError("the engine was shut down"))

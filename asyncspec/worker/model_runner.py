@@ -24,6 +24,18 @@ from asyncspec.worker.input_batch import InputBatch, RowState
 _CPU_KV_MEMORY_FRACTION = 0.25
 
 
+def _available_host_memory() -> int:
+    """MemAvailable (free plus reclaimable cache) where Linux reports it, else free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 class ModelRunner:
     """Holds the model, the KV cache tensors and the persistent input batch."""
 
@@ -83,7 +95,7 @@ class ModelRunner:
             return num_blocks_for_bytes(cfg.kv_cache_bytes, self.bytes_per_block)
         if self.device.type == "cuda":
             return self._profile_num_kv_blocks()
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        available = _available_host_memory()
         by_memory = int(available * _CPU_KV_MEMORY_FRACTION) // self.bytes_per_block
         # More than every request at full length is never useful.
         full_need = cfg.max_num_seqs * -(-self.max_model_len // self.block_size)
