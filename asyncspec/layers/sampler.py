@@ -77,6 +77,11 @@ class SamplingMetadata:
     """Host-side hint: every row is greedy (skips the random path). False = unknown."""
     all_random: bool = False
     """Host-side hint: no row is greedy (skips the argmax). False = unknown."""
+    output_token_counts: Optional[Tensor] = None
+    """[N, V] float32 occurrences of each token in each row's output, kept on the device by the
+    caller; when set, penalties use it (and prompt_token_mask) instead of the id lists."""
+    prompt_token_mask: Optional[Tensor] = None
+    """[N, V] bool: the token occurs in the row's prompt (with output_token_counts)."""
 
     @classmethod
     def from_params(
@@ -184,17 +189,27 @@ def apply_penalties(
     presence_penalty: Tensor,
     frequency_penalty: Tensor,
     repetition_penalty: Tensor,
+    output_token_counts: Optional[Tensor] = None,
+    prompt_token_mask: Optional[Tensor] = None,
 ) -> Tensor:
-    """Repetition penalty over prompt + output tokens, then presence / frequency over output."""
+    """Repetition penalty over prompt + output tokens, then presence / frequency over output.
+
+    Device-resident `output_token_counts` [N, V] / `prompt_token_mask` [N, V], when given, replace
+    building them from the id lists (no host work per step)."""
     n, vocab_size = logits.shape
     device = logits.device
-    out_ids = _padded_ids(output_token_ids, vocab_size, device)
-    counts = torch.zeros(n, vocab_size + 1, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
-    counts = counts[:, :vocab_size]
+    if output_token_counts is None:
+        out_ids = _padded_ids(output_token_ids, vocab_size, device)
+        counts = torch.zeros(n, vocab_size + 1, dtype=torch.float32, device=device)
+        counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
+        counts = counts[:, :vocab_size]
+    else:
+        counts = output_token_counts
     in_output = counts > 0
     seen = in_output
-    if prompt_token_ids is not None:
+    if prompt_token_mask is not None:
+        seen = seen | prompt_token_mask
+    elif prompt_token_ids is not None:
         prompt_ids = _padded_ids(prompt_token_ids, vocab_size, device)
         in_prompt = torch.zeros(n, vocab_size + 1, dtype=torch.bool, device=device)
         in_prompt.scatter_(1, prompt_ids, True)
@@ -291,6 +306,8 @@ class Sampler(nn.Module):
                 metadata.presence_penalty,
                 metadata.frequency_penalty,
                 metadata.repetition_penalty,
+                metadata.output_token_counts,
+                metadata.prompt_token_mask,
             )
 
         greedy = None if metadata.all_random else logits.argmax(dim=-1)

@@ -60,8 +60,14 @@ class InputBatch:
     sampled tokens are written there on the device, never re-uploaded from the host.
     """
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, block_size: int, vocab_size: int, device: torch.device
+    ) -> None:
         self.max_num_reqs = max_num_reqs
+        self.vocab_size = vocab_size
+        # Allocated when the first penalised request arrives: [max_num_reqs, vocab] each.
+        self.output_token_counts: Optional[torch.Tensor] = None
+        self.prompt_token_mask: Optional[torch.Tensor] = None
         self.max_model_len = max_model_len
         self.max_blocks_per_req = -(-max_model_len // block_size)
         self.device = device
@@ -101,8 +107,33 @@ class InputBatch:
         self.rows[data.request_id] = state
         for name, value in _row_sampling_values(params).items():
             self.sampling_tensors[name][row] = value
+        if params.uses_penalties:
+            self._init_penalty_row(state)
         self.append_blocks(state, data.block_ids)
         return state
+
+    def _init_penalty_row(self, state: RowState) -> None:
+        """Token statistics of a penalised row, on the device: built once here, then updated on the
+        device from each sampled token (record_sampled), so a step does no host work for them."""
+        if self.output_token_counts is None:
+            shape = (self.max_num_reqs, self.vocab_size)
+            self.output_token_counts = torch.zeros(shape, dtype=torch.float32, device=self.device)
+            self.prompt_token_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        assert self.prompt_token_mask is not None
+        row = state.row
+        self.output_token_counts[row].zero_()
+        self.prompt_token_mask[row].zero_()
+        prompt = torch.tensor(state.prompt_token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        self.prompt_token_mask[row].index_fill_(0, prompt, True)
+        if state.output_token_ids:
+            outputs = torch.tensor(state.output_token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+            self.output_token_counts[row].index_add_(0, outputs, torch.ones(len(state.output_token_ids), device=self.device))
+
+    def record_sampled(self, batch_rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Counts the sampled tokens of rows [N] in the device output statistics (if any row is penalised)."""
+        if self.output_token_counts is not None:
+            ones = torch.ones(token_ids.shape, dtype=torch.float32, device=self.device)
+            self.output_token_counts.index_put_((batch_rows, token_ids), ones, accumulate=True)
 
     def append_blocks(self, state: RowState, block_ids: list[int]) -> None:
         if block_ids:

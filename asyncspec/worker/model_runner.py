@@ -57,7 +57,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.compute_slot_mapping = select_backend(self.device).slot_mapping
         self.default_generator = make_generator(config.seed, self.device)
-        self.input_batch = InputBatch(config.max_num_seqs, max_model_len, config.block_size, self.device)
+        self.input_batch = InputBatch(
+            config.max_num_seqs, max_model_len, config.block_size, model_config.vocab_size, self.device
+        )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.eos_token_ids = list(model_config.eos_token_ids)
         self._init_step_buffers()
@@ -224,6 +226,7 @@ class ModelRunner:
             # sampling request's new token goes at index seq_len (always < max_model_len).
             token_cols = attn_metadata.seq_lens.to(torch.int64).index_select(0, sample_index)
             self.input_batch.token_ids[batch_rows, token_cols] = out.sampled_token_ids
+            self.input_batch.record_sampled(batch_rows, out.sampled_token_ids)
             sampled_host = out.sampled_token_ids.tolist()
             for i, state, token_id in zip(sampling_rows, sampling_states, sampled_host):
                 state.num_tokens += 1
@@ -307,13 +310,19 @@ class ModelRunner:
             presence_penalty=rows_of("presence_penalty", uses_penalties),
             frequency_penalty=rows_of("frequency_penalty", uses_penalties),
             repetition_penalty=rows_of("repetition_penalty", uses_penalties),
-            prompt_token_ids=[s.prompt_token_ids for s in states] if uses_penalties else None,
+            prompt_token_ids=None,
             output_token_ids=[s.output_token_ids for s in states],
             blocked_token_ids=blocked,
             max_num_logprobs=max(logprobs) if logprobs else None,
             all_greedy=not random_params,
             all_random=len(random_params) == len(params),
+            output_token_counts=self._penalty_rows(self.input_batch.output_token_counts, batch_rows, uses_penalties),
+            prompt_token_mask=self._penalty_rows(self.input_batch.prompt_token_mask, batch_rows, uses_penalties),
         )
+
+    @staticmethod
+    def _penalty_rows(table: Optional[torch.Tensor], batch_rows: torch.Tensor, used: bool) -> Optional[torch.Tensor]:
+        return table.index_select(0, batch_rows) if used and table is not None else None
 
     @staticmethod
     def _collect_logprobs(out, sampling_rows: list[int], states: list[RowState], num_reqs: int):
