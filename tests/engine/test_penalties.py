@@ -37,7 +37,8 @@ def hf_model():
     return AutoModelForCausalLM.from_pretrained(TARGET_MODEL, dtype=torch.float32).eval()
 
 
-def test_penalised_greedy_matches_reference_with_neighbours_and_preemption(hf_model):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_penalised_greedy_matches_reference_with_neighbours_and_preemption(hf_model, device):
     prompts = [p[:60] for p in load_prompts(5)]
     params = [
         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=2.0),
@@ -49,7 +50,7 @@ def test_penalised_greedy_matches_reference_with_neighbours_and_preemption(hf_mo
     ]
     preempted_after_output = []
     original_preempt = None
-    llm = LLM(str(TARGET_MODEL), device="cpu", dtype="float32", max_model_len=96, block_size=8,
+    llm = LLM(str(TARGET_MODEL), device=device, dtype="float32", max_model_len=96, block_size=8,
               num_kv_blocks=24, max_num_batched_tokens=48, max_num_seqs=5)
     scheduler = llm.engine.engine_core.scheduler
     original_preempt = scheduler._preempt
