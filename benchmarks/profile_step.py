@@ -10,7 +10,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,7 +1,6 @@
 """KVCacheManager: exact slot allocation, all-or-nothing failure, prefix cache, LRU eviction."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -9,27 +8,12 @@ import pytest
 from asyncspec.core.kv_cache import KVCacheManager, PrefixCacheStats, num_blocks_for_bytes
 from asyncspec.errors import ConfigError
 
-try:  # the real Request once asyncspec.sampling_params exists; a stand-in until then
-    from asyncspec.request import Request
-    from asyncspec.sampling_params import SamplingParams
+from asyncspec.request import Request
+from asyncspec.sampling_params import SamplingParams
 
-    def make_request(request_id: str, tokens: list[int]) -> Any:
-        return Request(request_id, list(tokens), SamplingParams())
 
-except ImportError:
-
-    @dataclass(eq=False)
-    class _Req:
-        request_id: str
-        all_token_ids: list[int] = field(default_factory=list)
-        num_computed_tokens: int = 0
-
-        @property
-        def num_tokens(self) -> int:
-            return len(self.all_token_ids)
-
-    def make_request(request_id: str, tokens: list[int]) -> Any:
-        return _Req(request_id, list(tokens))
+def make_request(request_id: str, tokens: list[int]) -> Request:
+    return Request(request_id, list(tokens), SamplingParams())
 
 
 K = 4  # draft tokens: a decode step schedules K + 1 tokens

@@ -5,7 +5,6 @@ for content: a hit block must hold exactly the request's tokens.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from hypothesis import HealthCheck, settings
@@ -14,27 +13,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from asyncspec.core.kv_cache import KVCacheManager
 
-try:  # the real Request once asyncspec.sampling_params exists; a stand-in until then
-    from asyncspec.request import Request
-    from asyncspec.sampling_params import SamplingParams
+from asyncspec.request import Request
+from asyncspec.sampling_params import SamplingParams
 
-    def make_request(request_id: str, tokens: list[int]) -> Any:
-        return Request(request_id, list(tokens), SamplingParams())
 
-except ImportError:
-
-    @dataclass(eq=False)
-    class _Req:
-        request_id: str
-        all_token_ids: list[int] = field(default_factory=list)
-        num_computed_tokens: int = 0
-
-        @property
-        def num_tokens(self) -> int:
-            return len(self.all_token_ids)
-
-    def make_request(request_id: str, tokens: list[int]) -> Any:
-        return _Req(request_id, list(tokens))
+def make_request(request_id: str, tokens: list[int]) -> Request:
+    return Request(request_id, list(tokens), SamplingParams())
 
 
 ALPHABET = st.integers(0, 1)  # two symbols: prefixes collide often

@@ -19,6 +19,7 @@ from transformers import (
 
 from asyncspec import LLM, SamplingParams
 from tests.conftest import TARGET_MODEL
+from tests.hf_tiny_models import save_random_hf_model
 from tests.engine.engine_helpers import one_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -68,15 +69,7 @@ FAMILIES = {
 
 
 def _build(cfg_cls, model_cls, overrides, path) -> torch.nn.Module:
-    torch.manual_seed(0)
-    hf = model_cls(cfg_cls(**{**_TINY, **overrides}, attn_implementation="eager")).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-            elif "norm" in name:
-                p.normal_(1.0, 0.1)
-    hf.save_pretrained(path)
+    hf = save_random_hf_model(cfg_cls, model_cls, {**_TINY, **overrides}, path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TARGET_MODEL / name, path / name)
     return hf

@@ -119,7 +119,7 @@ def fill_cache(gen: torch.Generator, batch: Batch, block_size: int, kvh: int, d:
 
 def check_attention(paged_attention, batch: Batch, k_cache, v_cache, gen, num_heads: int, dtype, window,
                     atol: float) -> None:
-    num_tokens, (kvh, d) = batch.num_tokens, k_cache.shape[2:]
+    num_tokens, d = batch.num_tokens, k_cache.shape[3]
     device = k_cache.device
     query = torch.randn(num_tokens + batch.num_pad, num_heads, d, generator=gen).to(device=device, dtype=dtype)
     scale = 1 / math.sqrt(d)

@@ -21,6 +21,7 @@ from asyncspec.kernels.slot_mapping import compute_slot_mapping_ref
 from asyncspec.layers.attention_metadata import AttentionMetadata
 from asyncspec.models.loader import load_model
 from asyncspec.models.model_config import ModelConfig
+from tests.hf_tiny_models import save_random_hf_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUNDLED = os.path.join(REPO, "models", "stdlib-coder-target")
@@ -46,17 +47,7 @@ CASES = {
 
 
 def _save_random_hf_model(cfg_cls, model_cls, overrides, path: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    hf = model_cls(cfg_cls(**{**_TINY, **overrides}, attn_implementation="eager")).eval()
-    with torch.no_grad():
-        # HF initialises biases to 0 and norms to 1; perturb them so their loading is actually tested.
-        for name, p in hf.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-            elif "norm" in name:
-                p.normal_(1.0, 0.1)
-    hf.save_pretrained(path)
-    return hf
+    return save_random_hf_model(cfg_cls, model_cls, {**_TINY, **overrides}, path)
 
 
 def run_paged(model, config: ModelConfig, prompts: list[list[int]], starts: list[int], block_size: int,

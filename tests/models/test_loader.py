@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from asyncspec.errors import ModelLoadError
 from asyncspec.models.loader import load_model
