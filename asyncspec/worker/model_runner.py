@@ -11,13 +11,14 @@ import torch
 
 from asyncspec.config import EngineConfig
 from asyncspec.core.kv_cache import num_blocks_for_bytes
-from asyncspec.errors import ConfigError
 from asyncspec.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from asyncspec.errors import ConfigError
 from asyncspec.layers.attention import select_backend
 from asyncspec.layers.attention_metadata import AttentionMetadata
 from asyncspec.layers.sampler import Sampler, SamplingMetadata, make_generator
 from asyncspec.models.loader import load_model
 from asyncspec.models.model_config import ModelConfig
+from asyncspec.sampling_params import SamplingParams
 from asyncspec.worker.input_batch import InputBatch, RowState
 
 # Share of available host memory the KV pool may take on the CPU when no size is given.
@@ -116,7 +117,10 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         # Memory held outside torch's allocator (CUDA context, NCCL, ...).
         non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
-        budget = int(total * self.config.gpu_memory_utilization) - peak_torch - max(non_torch, 0)
+        # Penalty statistics are allocated on the first penalised request, after the pool exists:
+        # keep room for them (float32 counts + bool mask per row and vocab entry).
+        penalty_tables = self.config.max_num_seqs * self.model_config.vocab_size * 5
+        budget = int(total * self.config.gpu_memory_utilization) - peak_torch - max(non_torch, 0) - penalty_tables
         torch.cuda.empty_cache()
         if budget < self.bytes_per_block:
             raise ConfigError(
@@ -152,8 +156,6 @@ class ModelRunner:
         positions = torch.cat([torch.arange(q, device=dev) for q in q_lens])
         hidden = self.model(input_ids, positions, caches, metadata)
         logits = self.model.compute_logits(hidden[query_start_loc[1:].long() - 1])
-        from asyncspec.sampling_params import SamplingParams
-
         params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * num_reqs
         self.sampler(logits, SamplingMetadata.from_params(params, device=dev), self.default_generator)
 
