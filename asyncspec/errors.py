@@ -22,6 +22,11 @@ class ModelLoadError(AsyncSpecError):
     """A model directory cannot be loaded: missing file, unknown architecture, shape mismatch."""
 
 
+class RequestFailedError(AsyncSpecError, RuntimeError):
+    """One request failed while it was admitted, computed or detokenized (for example its logits
+    held no valid token). Only its own stream ends with this error; the engine serves on."""
+
+
 class EngineDeadError(AsyncSpecError, RuntimeError):
     """The engine loop failed; every in-flight request ends with this error."""
 

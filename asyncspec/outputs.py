@@ -18,7 +18,7 @@ class RequestOutput:
     text: str = ""
     """Generated text (the new part, for a delta); never contains a stop string unless asked."""
     finish_reason: Optional[str] = None
-    """"stop", "length" or "abort" on the last output; None before."""
+    """"stop", "length", "abort" or "error" on the last output; None before."""
     stop_reason: Optional[int | str] = None
     """The stop string or stop token id that ended the request, if one did."""
     logprobs: Optional[list[TokenLogprobs]] = None
@@ -29,6 +29,9 @@ class RequestOutput:
     """Draft tokens proposed for this request (speculative decoding)."""
     num_accepted_tokens: int = 0
     """Draft tokens the target accepted."""
+    error: Optional[str] = None
+    """Why this request alone failed (finish_reason "error"); AsyncEngine raises RequestFailedError
+    with it instead of yielding the output."""
 
     @property
     def finished(self) -> bool:

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
+
+import numpy as np
 
 from asyncspec.errors import InvalidSamplingParamsError
 
@@ -20,7 +23,13 @@ MAX_LOGPROBS = 20
 """Most top-n logprobs a request may ask for."""
 SAMPLING_EPS = 1e-5
 """Temperatures below this are treated as greedy (dividing by them would overflow)."""
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+MIN_REPETITION_PENALTY = 1e-4
+"""Smallest repetition penalty: a seen logit is divided by it, and a smaller divisor would push
+logits of ordinary magnitude towards float32 overflow (a NaN softmax row)."""
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""Range of every integer field: the worker keeps them in int64 device tables."""
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+"""Largest magnitude of every real field: the worker keeps them in float32 device tables."""
 
 
 def _err(name: str, value: Any, allowed: str) -> InvalidSamplingParamsError:
@@ -28,20 +37,28 @@ def _err(name: str, value: Any, allowed: str) -> InvalidSamplingParamsError:
 
 
 def _real(name: str, value: Any, allowed: str) -> float:
-    """Accepts int/float (not bool: True is almost always a typo) and rejects NaN/inf."""
+    """Accepts int/float (not bool: True is almost always a typo); rejects NaN, inf and anything
+    a float32 device table cannot hold."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise _err(name, value, f"a number ({allowed})")
-    value = float(value)
-    if not math.isfinite(value):
-        raise _err(name, value, f"a finite number ({allowed})")
+    try:
+        value = float(value)
+    except OverflowError:  # an int too large for a float
+        raise _err(name, value, f"a finite float32 number ({allowed})") from None
+    if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+        raise _err(name, value, f"a finite float32 number ({allowed})")
     return value
 
 
 def _int(name: str, value: Any, allowed: str) -> int:
-    # float 3.0 is refused too: an integer field given a float is a client bug worth surfacing.
+    """Accepts integers (not bool, not float: 3.0 for an integer field is a client bug worth
+    surfacing) that an int64 device table can hold."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise _err(name, value, f"an integer ({allowed})")
-    return int(value)
+    value = int(value)
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise _err(name, value, f"a 64-bit signed integer ({allowed})")
+    return value
 
 
 def _bool(name: str, value: Any) -> bool:
@@ -63,13 +80,15 @@ class SamplingParams:
     min_p: float = 0.0
     """Drop tokens whose probability is below min_p times the top token's, in [0, 1]."""
     seed: Optional[int] = None
-    """Seed of this request's own generator: its tokens then do not depend on batch neighbours."""
+    """Seed of this request's own generator (any 64-bit signed integer): its tokens then do not
+    depend on batch neighbours. All 64 bits count: distinct seeds give distinct streams on every
+    device (see `asyncspec.layers.sampler.make_generator` for how the seed becomes generator state)."""
     presence_penalty: float = 0.0
     """Subtracted from the logit of every token already generated, in [-2, 2]."""
     frequency_penalty: float = 0.0
     """Subtracted once per earlier occurrence of a token in the output, in [-2, 2]."""
     repetition_penalty: float = 1.0
-    """Divides positive / multiplies negative logits of prompt and output tokens, > 0 (1 = off)."""
+    """Divides positive / multiplies negative logits of prompt and output tokens, >= 1e-4 (1 = off)."""
     max_tokens: Optional[int] = 16
     """Most tokens to generate, >= 1; None means up to max_model_len."""
     min_tokens: int = 0
@@ -92,8 +111,11 @@ class SamplingParams:
         if self.temperature < 0:
             raise _err("temperature", self.temperature, ">= 0 (0 means greedy)")
         self.top_p = _real("top_p", self.top_p, "in (0, 1]")
+        # float32 is what the device table holds: 1e-46 > 0 would become top_p = 0 there.
         if not 0.0 < self.top_p <= 1.0:
             raise _err("top_p", self.top_p, "in (0, 1]")
+        if np.float32(self.top_p) == 0:
+            raise _err("top_p", self.top_p, "in (0, 1] and not 0 as a float32 (>= 1e-45)")
         self.top_k = _int("top_k", self.top_k, ">= 1, or 0 / -1 to disable")
         if self.top_k < -1:
             raise _err("top_k", self.top_k, ">= 1, or 0 / -1 to disable")
@@ -101,17 +123,16 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise _err("min_p", self.min_p, "in [0, 1]")
         if self.seed is not None:
-            self.seed = _int("seed", self.seed, "a 64-bit signed integer or None")
-            if not _INT64_MIN <= self.seed <= _INT64_MAX:
-                raise _err("seed", self.seed, f"in [{_INT64_MIN}, {_INT64_MAX}] or None")
+            self.seed = _int("seed", self.seed, f"in [{INT64_MIN}, {INT64_MAX}] or None")
         for name in ("presence_penalty", "frequency_penalty"):
             value = _real(name, getattr(self, name), "in [-2, 2]")
             if not -2.0 <= value <= 2.0:
                 raise _err(name, value, "in [-2, 2]")
             setattr(self, name, value)
-        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty, "> 0 (1 = off)")
-        if self.repetition_penalty <= 0:
-            raise _err("repetition_penalty", self.repetition_penalty, "> 0 (1 = off)")
+        allowed = f">= {MIN_REPETITION_PENALTY} (1 = off)"
+        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty, allowed)
+        if self.repetition_penalty < MIN_REPETITION_PENALTY:
+            raise _err("repetition_penalty", self.repetition_penalty, allowed)
         if self.max_tokens is not None:
             self.max_tokens = _int("max_tokens", self.max_tokens, ">= 1 or None")
             if self.max_tokens < 1:
@@ -156,7 +177,7 @@ class SamplingParams:
             raise _err("stop_token_ids", ids, "a list of non-negative integers or None")
         out = []
         for t in ids:
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t <= INT64_MAX:
                 raise _err("stop_token_ids", ids, "a list of non-negative integers (token ids)")
             out.append(int(t))
         return out
@@ -166,7 +187,10 @@ class SamplingParams:
             raise _err("stop", f"{len(self.stop)} strings", f"at most {limit} strings")
 
     def validate_for_engine(self, max_stop_strings: int, vocab_size: int) -> None:
-        """Checks the limits that depend on the engine: its stop-string cap and the vocabulary."""
+        """Checks the limits that depend on the engine (its stop-string cap, the vocabulary), after
+        validating every field again: the dataclass is mutable, and a field changed after
+        construction must not reach the worker's device tables unchecked."""
+        self.__post_init__()
         self._check_num_stop_strings(max_stop_strings)
         for t in self.stop_token_ids:
             if not 0 <= t < vocab_size:

@@ -32,6 +32,12 @@ BAD_VALUES = [
     ("stop", ["x" * 1025]), ("stop", [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]),
     ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", [True]), ("stop_token_ids", 3),
     ("logprobs", -1), ("logprobs", 21), ("logprobs", 1.0), ("logprobs", True),
+    # Values that passed validation and then failed in the worker's int64 / float32 device tables
+    # (regression: one of them used to end every stream of the AsyncEngine).
+    ("top_k", 2**63), ("top_k", 2**100), ("temperature", 1e39), ("temperature", 3.5e38),
+    ("repetition_penalty", 1e39), ("repetition_penalty", 1e-38), ("repetition_penalty", 1e-46),
+    ("repetition_penalty", 5e-324), ("top_p", 1e-46), ("max_tokens", 2**63), ("min_tokens", 2**64),
+    ("stop_token_ids", [2**63]), ("temperature", 10**400), ("min_p", 10**400),
 ]
 
 
@@ -41,6 +47,20 @@ def test_bad_value_raises_naming_field(name: str, value: object) -> None:
         SamplingParams(**{name: value})
     assert name in str(info.value)
     assert "must be" in str(info.value)
+
+
+def test_edge_of_device_ranges_is_accepted() -> None:
+    """The largest values the device tables hold pass: the bounds are the tables', not tighter."""
+    p = SamplingParams(top_k=2**63 - 1, temperature=3.4e38, seed=-(2**63), max_tokens=2**63 - 1,
+                       repetition_penalty=sp_module.MIN_REPETITION_PENALTY, stop_token_ids=[2**63 - 1])
+    assert p.top_k == 2**63 - 1 and p.max_tokens == 2**63 - 1
+
+
+def test_fields_changed_after_construction_are_checked_again_by_the_engine() -> None:
+    p = SamplingParams()
+    p.top_k = 2**63
+    with pytest.raises(InvalidSamplingParamsError, match="top_k"):
+        p.validate_for_engine(max_stop_strings=MAX_STOP_STRINGS, vocab_size=8192)
 
 
 def test_message_names_value_and_range() -> None:
@@ -110,13 +130,13 @@ valid_params = st.fixed_dictionaries(
     {},
     optional={
         "temperature": st.floats(0.0, 100.0),
-        "top_p": st.floats(0.0, 1.0, exclude_min=True),
+        "top_p": st.floats(1e-40, 1.0),
         "top_k": st.integers(-1, 100_000),
         "min_p": st.floats(0.0, 1.0),
         "seed": st.none() | st.integers(-(2**63), 2**63 - 1),
         "presence_penalty": st.floats(-2.0, 2.0),
         "frequency_penalty": st.floats(-2.0, 2.0),
-        "repetition_penalty": st.floats(0.0, 10.0, exclude_min=True),
+        "repetition_penalty": st.floats(sp_module.MIN_REPETITION_PENALTY, 10.0),
         "ignore_eos": st.booleans(),
         "stop": st.none()
         | st.text(min_size=1, max_size=1024)

@@ -253,6 +253,8 @@ class Scheduler:
         stats = self.stats
         stats.num_steps += 1
         outputs: list[EngineCoreOutput] = []
+        if runner_output.failed_requests:
+            outputs.extend(self._fail_requests(runner_output.failed_requests))
         logprobs = runner_output.logprobs
         requests = self.requests
         num_scheduled_map = scheduler_output.num_scheduled_tokens
@@ -316,6 +318,20 @@ class Scheduler:
         stats.num_prompt_tokens_computed += num_prompt_computed
         stats.num_generation_tokens += num_generated
         return outputs
+
+    def _fail_requests(self, reasons: dict[str, str]) -> list[EngineCoreOutput]:
+        """Ends requests that failed alone (finish_reason "error"), freeing their blocks."""
+        failed = self.finish_requests(reasons, RequestStatus.FINISHED_ERROR)
+        return [
+            EngineCoreOutput(
+                request_id=r.request_id,
+                new_token_ids=[],
+                finish_reason=r.finish_reason,
+                error=reasons[r.request_id],
+                num_cached_tokens=max(r.num_cached_tokens, 0),
+            )
+            for r in failed
+        ]
 
     def _check_stop(self, request: Request, token_id: int) -> Optional[RequestStatus]:
         params = request.sampling_params

@@ -69,6 +69,9 @@ class ModelRunnerOutput:
     """Tokens sampled per request; empty for a prefill chunk that did not reach the end."""
     logprobs: Optional[list[Optional[list[TokenLogprobs]]]] = None
     """Per request, per sampled token; None when no request asked for logprobs."""
+    failed_requests: dict[str, str] = field(default_factory=dict)
+    """Requests that failed alone this step (id -> reason): not admitted to the worker, or no
+    valid token to sample. The scheduler ends them with finish_reason "error"."""
 
 
 @dataclass
@@ -78,7 +81,9 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     finish_reason: Optional[str] = None
-    """"stop", "length" or "abort"; None while the request runs on."""
+    """"stop", "length", "abort" or "error"; None while the request runs on."""
     stop_reason: Optional[int | str] = None
+    error: Optional[str] = None
+    """Why the request failed, with finish_reason "error"."""
     new_logprobs: Optional[list[TokenLogprobs]] = None
     num_cached_tokens: int = 0

@@ -1,37 +1,57 @@
 """AsyncEngine: the asyncio API. One loop task drives the engine; the model runs in a worker thread
 so the event loop keeps accepting and streaming while a step computes."""
+
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import logging
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Optional
+from dataclasses import dataclass
+from typing import Optional, Union
 
 from asyncspec.config import EngineConfig
 from asyncspec.engine.llm_engine import LLMEngine, PromptType
-from asyncspec.errors import EngineDeadError, InvalidRequestError
+from asyncspec.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from asyncspec.outputs import RequestOutput
 from asyncspec.request import Request
 from asyncspec.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+_SHUT_DOWN = "the engine was shut down"
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One client's stream: where its outputs go, and the event loop its consumer runs on."""
+
+    queue: asyncio.Queue[Union[RequestOutput, BaseException]]
+    loop: asyncio.AbstractEventLoop
+
 
 class AsyncEngine:
-    """`async for delta in engine.generate(prompt, params, request_id=...)`; `await engine.abort(id)`."""
+    """`async for delta in engine.generate(prompt, params, request_id=...)`; `await engine.abort(id)`.
+
+    One event loop drives the engine at a time; a later event loop (a second `asyncio.run`) may take
+    over, and then the streams whose loop has stopped count as departed clients: their requests
+    are aborted and their ids freed.
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.engine = LLMEngine(config)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncspec-worker")
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, _Stream] = {}
         self._pending_adds: list[Request] = []
         self._pending_aborts: list[str] = []
         self._wakeup: Optional[asyncio.Event] = None
-        self._loop_task: Optional[asyncio.Task] = None
-        self._dead: Optional[BaseException] = None
-        self._inflight_step: Optional[concurrent.futures.Future] = None
+        self._aborts_applied: Optional[asyncio.Event] = None
+        self._loop_task: Optional[asyncio.Task[None]] = None
+        self._dead: Optional[EngineDeadError] = None
+        self._closed = False
+        self._inflight_step: Optional[concurrent.futures.Future[list[RequestOutput]]] = None
 
     @property
     def is_running(self) -> bool:
@@ -44,20 +64,24 @@ class AsyncEngine:
         request_id: Optional[str] = None,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Streams RequestOutput deltas; the last one has finish_reason set."""
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine is not serving: {self._dead!r}")
+        """Streams RequestOutput deltas; the last one has finish_reason set. Raises a typed error
+        for a bad request, RequestFailedError if this request alone failed, EngineDeadError if the
+        engine stopped. An id whose previous client just left is free once that request's abort is
+        applied, which this call waits for."""
+        self._raise_if_dead()
+        self._ensure_loop()
+        if isinstance(request_id, str) and request_id in self._pending_aborts:
+            await self._wait_for_abort(request_id)
         request = self.engine.make_request(prompt, sampling_params, request_id, priority)
         if request.request_id in self._streams or request.request_id in self._pending_aborts:
-            # (A pending abort: a client with this id just left and its request is not freed yet.)
             raise InvalidRequestError(f"request_id {request.request_id!r} is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request.request_id] = queue
+        stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
+        self._streams[request.request_id] = stream
         self._pending_adds.append(request)
         self._ensure_loop()
         try:
             while True:
-                item = await queue.get()
+                item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -67,7 +91,7 @@ class AsyncEngine:
             # Still registered (and so possibly live in the engine) only if the client went away
             # early (cancelled, broke out, closed the iterator): free its KV at once. The identity
             # check leaves alone a newer stream that reuses the id after this one ended.
-            if self._streams.get(request.request_id) is queue:
+            if self._streams.get(request.request_id) is stream:
                 del self._streams[request.request_id]
                 self._pending_aborts.append(request.request_id)
                 if self._wakeup is not None:
@@ -77,21 +101,44 @@ class AsyncEngine:
         """Ends the request; its stream receives a final output with finish_reason "abort".
         Unknown or already finished ids are ignored (an abort must never hit a later request
         that reuses the id)."""
-        if request_id not in self._streams:
+        if request_id not in self._streams or self._dead is not None:
             return
         self._pending_aborts.append(request_id)
-        if self._wakeup is not None:
-            self._wakeup.set()
+        self._ensure_loop()
+
+    def _raise_if_dead(self) -> None:
+        if self._dead is not None:
+            # A fresh instance per caller: one exception object raised in many tasks would
+            # accumulate their tracebacks.
+            raise EngineDeadError(*self._dead.args)
+
+    async def _wait_for_abort(self, request_id: str) -> None:
+        while request_id in self._pending_aborts:
+            self._raise_if_dead()
+            assert self._aborts_applied is not None  # set by _ensure_loop
+            self._aborts_applied.clear()
+            await self._aborts_applied.wait()
+        self._raise_if_dead()
 
     def _ensure_loop(self) -> None:
+        """Starts the loop task on the running event loop unless it already runs there."""
         loop = asyncio.get_running_loop()
-        if not self.is_running or self._loop_task.get_loop() is not loop:  # type: ignore[union-attr]
-            # A fresh Event too: an asyncio.Event binds to the loop it was first awaited on, so the
-            # engine could not be driven again from a later event loop (a second asyncio.run).
+        if self._loop_task is None or self._loop_task.done() or self._loop_task.get_loop() is not loop:
+            # Fresh Events too: an asyncio.Event binds to the loop it was first awaited on.
             self._wakeup = asyncio.Event()
+            self._aborts_applied = asyncio.Event()
+            self._adopt_departed_streams(loop)
             self._loop_task = loop.create_task(self._run_loop())
         assert self._wakeup is not None
         self._wakeup.set()
+
+    def _adopt_departed_streams(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Streams of an event loop that no longer runs have no consumer left (asyncio.run
+        returned, or the loop was stopped): abort their requests and free their ids."""
+        for request_id, stream in list(self._streams.items()):
+            if stream.loop is not loop and not stream.loop.is_running():
+                del self._streams[request_id]
+                self._pending_aborts.append(request_id)
 
     def _apply_pending(self) -> None:
         adds, self._pending_adds = self._pending_adds, []
@@ -101,29 +148,37 @@ class AsyncEngine:
             try:
                 self.engine.add_request(request)
             except Exception as e:  # queue full, duplicate id: the stream ends with the error
-                self._streams.pop(request.request_id).put_nowait(e)
+                self._streams.pop(request.request_id).queue.put_nowait(e)
         aborts, self._pending_aborts = self._pending_aborts, []
         if aborts:
             for output in self.engine.abort_requests(aborts):
                 self._deliver(output)
+            assert self._aborts_applied is not None
+            self._aborts_applied.set()
 
     def _deliver(self, output: RequestOutput) -> None:
         if output.finished and output.request_id in self._pending_aborts:
             self._pending_aborts.remove(output.request_id)  # it ended anyway; the id is free again
-        queue = self._streams.get(output.request_id)
-        if queue is None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
             return
-        queue.put_nowait(output)
+        if output.finish_reason == "error":
+            stream.queue.put_nowait(RequestFailedError(f"request {output.request_id!r} failed: {output.error}"))
+        else:
+            stream.queue.put_nowait(output)
         if output.finished:
             del self._streams[output.request_id]
 
     async def _run_loop(self) -> None:
         assert self._wakeup is not None
         try:
-            if self._inflight_step is not None:
+            step, self._inflight_step = self._inflight_step, None
+            if step is not None and not step.cancelled():
                 # A loop task cancelled mid-step (its event loop closed) left a step computing in
-                # the worker thread: engine state may be touched only once it is done.
-                await asyncio.wrap_future(self._inflight_step)
+                # the worker thread: engine state may be touched only once it is done. (A step
+                # cancelled while still queued never ran: there is nothing to wait for.)
+                for output in await asyncio.wrap_future(step):
+                    self._deliver(output)
             while True:
                 self._apply_pending()
                 if not self.engine.has_unfinished_requests():
@@ -137,14 +192,18 @@ class AsyncEngine:
                 self._inflight_step = None
                 for output in outputs:
                     self._deliver(output)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # Cancelled, or closed by the garbage collector as a pending task of an event loop
+            # that was closed: the loop is gone, not the engine.
             raise
         except BaseException as e:  # the engine is broken: no stream may hang
+            if self._closed:
+                return  # shutdown() ends the streams; a step cut short by it is no engine fault
             logger.exception("engine loop failed")
-            self._dead = e
-            self._end_all_streams(EngineDeadError(f"the engine loop failed: {e!r}"))
+            self._dead = EngineDeadError(f"the engine loop failed: {e!r}")
+            self._end_all_streams(self._dead)
 
-    def _end_all_streams(self, error: BaseException) -> None:
+    def _end_all_streams(self, error: EngineDeadError) -> None:
         """Aborts every live request (freeing its KV blocks, best effort) and ends every stream
         with `error`."""
         ids = list(dict.fromkeys([*self._streams, *self._pending_aborts]))
@@ -154,23 +213,29 @@ class AsyncEngine:
         except Exception:  # a broken engine may fail here too; the streams must end regardless
             logger.exception("could not abort the requests of a stopped engine")
         streams, self._streams = self._streams, {}
-        for queue in streams.values():
-            queue.put_nowait(error)
+        for stream in streams.values():
+            stream.queue.put_nowait(EngineDeadError(*error.args))
+        if self._aborts_applied is not None:
+            self._aborts_applied.set()  # callers waiting for an id see the engine is gone
 
     async def shutdown(self) -> None:
-        """Stops the loop; in-flight streams end with EngineDeadError, later generate() calls too."""
-        if self._loop_task is not None and not self._loop_task.done():
-            self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except asyncio.CancelledError:
-                pass
-        # Waits for a step still computing in the worker thread before touching engine state.
-        # Waiting for a step still in the worker thread must not block the event loop.
-        await asyncio.get_running_loop().run_in_executor(None, lambda: self._executor.shutdown(wait=True))
+        """Stops the loop; in-flight streams end with EngineDeadError("the engine was shut down"),
+        and so do generate() calls made from now on, even while shutdown is still in progress."""
+        self._closed = True
         if self._dead is None:
-            self._dead = EngineDeadError("the engine was shut down")
-        self._end_all_streams(EngineDeadError("the engine was shut down"))
+            self._dead = EngineDeadError(_SHUT_DOWN)
+        task = self._loop_task
+        if task is not None and not task.done():
+            task.cancel()
+            if task.get_loop() is asyncio.get_running_loop():  # a task of a stopped loop never ends
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        # Waits for a step still computing in the worker thread before touching engine state,
+        # without blocking the event loop.
+        await asyncio.get_running_loop().run_in_executor(None, lambda: self._executor.shutdown(wait=True))
+        self._end_all_streams(self._dead)
 
     def stats(self) -> dict[str, float]:
         return self.engine.stats()

@@ -13,7 +13,7 @@ from asyncspec.engine.output_processor import OutputProcessor
 from asyncspec.errors import InvalidRequestError, ModelLoadError, QueueFullError
 from asyncspec.outputs import RequestOutput
 from asyncspec.request import Request
-from asyncspec.sampling_params import SamplingParams
+from asyncspec.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 PromptType = Union[str, Sequence[int]]
 
@@ -56,8 +56,13 @@ class LLMEngine:
             raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
         if self.output_processor.has_request(request_id):
             raise InvalidRequestError(f"request_id {request_id!r} is already in use by a running request")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        if isinstance(priority, bool) or not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
+            raise InvalidRequestError(f"priority must be a 64-bit signed integer, got {priority!r}")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError(
+                "stop strings need a tokenizer, but this engine was started with skip_tokenizer_init=True: "
+                "pass stop_token_ids instead"
+            )
         prompt_token_ids = self._tokenize(prompt)
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequestError(
@@ -103,7 +108,11 @@ class LLMEngine:
         self.output_processor.add_request(
             request.request_id, request.prompt_token_ids, request.sampling_params, stream_deltas
         )
-        self.engine_core.add_request(request)
+        try:
+            self.engine_core.add_request(request)
+        except BaseException:
+            self.output_processor.remove_request(request.request_id)  # all or nothing
+            raise
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Ends the requests at once, frees their KV blocks, returns their final "abort" outputs."""
@@ -121,10 +130,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         core_outputs = self.engine_core.step()
-        outputs, stopped = self.output_processor.process_outputs(core_outputs)
-        if stopped:
-            self.engine_core.finish_stopped(stopped)
-        return outputs
+        processed = self.output_processor.process_outputs(core_outputs)
+        if processed.stopped:
+            self.engine_core.finish_stopped(processed.stopped)
+        if processed.failed:
+            self.engine_core.fail_requests(processed.failed)
+        return processed.outputs
 
     def stats(self) -> dict[str, float]:
         scheduler = self.engine_core.scheduler

@@ -1,6 +1,7 @@
 """Turns EngineCoreOutputs into RequestOutputs: incremental detokenization and stop strings."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -10,6 +11,20 @@ from asyncspec.core.scheduler_output import EngineCoreOutput, TokenLogprobs
 from asyncspec.engine.detokenizer import IncrementalDetokenizer
 from asyncspec.outputs import RequestOutput
 from asyncspec.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ProcessedOutputs:
+    """What one step's output processing produced."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    """Outputs to deliver to clients."""
+    stopped: list[str] = field(default_factory=list)
+    """Requests a stop string ended: the core must free them."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Requests whose output processing failed (id -> reason): the core must end them as errors."""
 
 
 @dataclass
@@ -46,38 +61,66 @@ class OutputProcessor:
     def has_request(self, request_id: str) -> bool:
         return request_id in self.states
 
-    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs to deliver and the ids that a stop string ended (to free in the core)."""
-        results: list[RequestOutput] = []
-        stopped_by_string: list[str] = []
+    def remove_request(self, request_id: str) -> None:
+        """Forgets a request without an output (its admission to the core failed)."""
+        self.states.pop(request_id, None)
+
+    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        """The outputs to deliver, plus the ids the core must still end: those a stop string ended
+        and those whose output processing failed (they fail alone)."""
+        processed = ProcessedOutputs()
         for core in core_outputs:
             state = self.states.get(core.request_id)
             if state is None:
                 continue
-            finish_reason, stop_reason = core.finish_reason, core.stop_reason
-            state.token_ids.extend(core.new_token_ids)
-            if core.new_logprobs:
-                state.logprobs.extend(core.new_logprobs)
-            detok = state.detokenizer
-            if detok is not None:
-                text_token_ids = core.new_token_ids
-                if finish_reason == "stop" and text_token_ids and not state.sampling_params.include_stop_str_in_output:
-                    # As vLLM: the EOS / stop token that ended the request stays in token_ids but its
-                    # text is left out, unless include_stop_str_in_output.
-                    text_token_ids = text_token_ids[:-1]
-                stop_string = detok.update(text_token_ids)
-                if stop_string is not None:
-                    # Tokens after the one that completed the stop string are never delivered.
-                    del state.token_ids[detok.num_output_tokens :]
-                    del state.logprobs[detok.num_output_tokens :]
-                    if finish_reason is None or finish_reason == "length":
-                        if finish_reason is None:
-                            stopped_by_string.append(core.request_id)
-                        finish_reason, stop_reason = "stop", stop_string
-            output = self._make_output(state, finish_reason, stop_reason, core.num_cached_tokens)
+            try:
+                output = self._process_one(state, core, processed.stopped)
+            except Exception as e:  # a detokenizer failure ends this request, not the engine
+                logger.warning("output processing failed for request %s: %r", core.request_id, e)
+                error = f"output processing failed: {e!r}"
+                if core.finish_reason is None:
+                    processed.failed[core.request_id] = error
+                output = self._make_error_output(state, error, core.num_cached_tokens)
             if output is not None:
-                results.append(output)
-        return results, stopped_by_string
+                processed.outputs.append(output)
+        return processed
+
+    def _process_one(self, state: RequestState, core: EngineCoreOutput, stopped: list[str]) -> Optional[RequestOutput]:
+        if core.finish_reason == "error":
+            return self._make_error_output(state, core.error or "the request failed", core.num_cached_tokens)
+        finish_reason, stop_reason = core.finish_reason, core.stop_reason
+        state.token_ids.extend(core.new_token_ids)
+        if core.new_logprobs:
+            state.logprobs.extend(core.new_logprobs)
+        detok = state.detokenizer
+        if detok is not None:
+            text_token_ids = core.new_token_ids
+            if finish_reason == "stop" and text_token_ids and not state.sampling_params.include_stop_str_in_output:
+                # As vLLM: the EOS / stop token that ended the request stays in token_ids but its
+                # text is left out, unless include_stop_str_in_output.
+                text_token_ids = text_token_ids[:-1]
+            stop_string = detok.update(text_token_ids)
+            if stop_string is not None:
+                # Tokens after the one that completed the stop string are never delivered.
+                del state.token_ids[detok.num_output_tokens :]
+                del state.logprobs[detok.num_output_tokens :]
+                if finish_reason is None or finish_reason == "length":
+                    if finish_reason is None:
+                        stopped.append(core.request_id)
+                    finish_reason, stop_reason = "stop", stop_string
+        return self._make_output(state, finish_reason, stop_reason, core.num_cached_tokens)
+
+    def _make_error_output(self, state: RequestState, error: str, num_cached_tokens: int) -> RequestOutput:
+        """The final output of a request that failed alone; it carries no new tokens."""
+        self.states.pop(state.request_id, None)
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt_token_ids=state.prompt_token_ids,
+            token_ids=[] if state.stream_deltas else list(state.token_ids),
+            finish_reason="error",
+            num_cached_tokens=num_cached_tokens,
+            error=error,
+        )
 
     def abort(self, request_id: str) -> Optional[RequestOutput]:
         """Ends a request's output stream with finish_reason "abort"."""

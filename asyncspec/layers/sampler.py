@@ -18,11 +18,51 @@ from torch import Tensor, nn
 from asyncspec.sampling_params import SAMPLING_EPS, SamplingParams
 
 
+INVALID_TOKEN_ID = -1
+"""What the sampler returns for a row with no valid token (NaN logits, or every token masked)."""
+
+_UINT64_MASK = 2**64 - 1
+# Layout of torch's CPU generator state (CPUGeneratorImplStateLegacy): the initial seed (u64),
+# `left` and `seeded` (i32 each), `next` (u64), then the 624 words of MT19937 (one u64 each).
+_MT_STATE_OFFSET, _MT_STATE_WORDS, _CPU_STATE_BYTES = 24, 624, 5056
+
+
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
-    """A generator for one seeded request; it must live on the device the logits live on."""
-    gen = torch.Generator(device=torch.device(device))
-    gen.manual_seed(seed)
+    """A generator for one seeded request, on the device the logits live on.
+
+    Every one of the seed's 64 bits (two's complement for negative seeds) reaches the generator's
+    state, so distinct seeds give distinct streams on every device:
+    - CUDA's Philox generator takes the 64-bit value as its key directly.
+    - The CPU generator is an MT19937 whose `manual_seed` keeps only the low 32 bits (1 and
+      2**32 + 1 would collide). Here numpy's SeedSequence hashes the full 64-bit value into the
+      624-word MT19937 state, which is installed with `set_state`.
+    """
+    device = torch.device(device)
+    seed64 = seed & _UINT64_MASK
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed64)
+    if device.type == "cpu":
+        gen.set_state(_mt19937_state(gen.get_state(), seed64))
     return gen
+
+
+def _mt19937_state(state: Tensor, seed64: int) -> Tensor:
+    """`state` (of a generator just seeded with seed64) with its MT19937 words replaced by the
+    SeedSequence expansion of seed64; checks the layout first rather than corrupt a generator."""
+    raw = state.numpy().copy()
+    header = np.frombuffer(raw[:_MT_STATE_OFFSET].tobytes(), dtype="<u8")
+    words = raw[_MT_STATE_OFFSET : _MT_STATE_OFFSET + 8 * _MT_STATE_WORDS].view("<u8")
+    if raw.size != _CPU_STATE_BYTES or header[0] != seed64 or words[0] != seed64 & 0xFFFFFFFF:
+        raise RuntimeError(
+            "unexpected layout of torch's CPU generator state (torch version change?): "
+            "64-bit request seeds cannot be installed"
+        )
+    key = np.random.MT19937(np.random.SeedSequence(seed64)).state["state"]["key"]
+    words[:] = key.astype(np.uint64)
+    # left = 1, next = 0: the next draw regenerates the state from these words, as after seeding.
+    raw[8:12] = np.array([1], dtype="<i4").view(np.uint8)
+    raw[16:24] = np.zeros(8, dtype=np.uint8)
+    return torch.from_numpy(raw)
 
 
 def _to_device(t: Tensor, device: torch.device) -> Tensor:
@@ -282,8 +322,18 @@ def random_sample(
     return probs.div(q).argmax(dim=-1)
 
 
+def invalid_rows(scores: Tensor) -> Tensor:
+    """[N] bool: rows with no token to sample: a NaN anywhere, or no finite positive score left
+    (logits all -inf, or a probability row that is not a distribution)."""
+    return torch.isnan(scores).any(dim=-1) | ~(scores.amax(dim=-1) > float("-inf"))
+
+
 class Sampler(nn.Module):
-    """Samples one token per row; see the module docstring for the order of operations."""
+    """Samples one token per row; see the module docstring for the order of operations.
+
+    A row with no valid token gets INVALID_TOKEN_ID (never a token drawn from NaNs, which would
+    be 0 for every such row); the caller fails that request alone.
+    """
 
     def forward(
         self,
@@ -314,11 +364,17 @@ class Sampler(nn.Module):
         if metadata.all_greedy:
             assert greedy is not None
             sampled = greedy
+            invalid = invalid_rows(logits)
         else:
             probs = process_logits(logits, metadata).softmax(dim=-1)
             sampled = random_sample(probs, metadata.generators, default_generator)
+            # A NaN in the raw logits propagates to every probability of its row.
+            invalid = invalid_rows(probs)
             if greedy is not None:
-                sampled = torch.where(metadata.temperature < SAMPLING_EPS, greedy, sampled)
+                is_greedy = metadata.temperature < SAMPLING_EPS
+                sampled = torch.where(is_greedy, greedy, sampled)
+                invalid = torch.where(is_greedy, invalid_rows(logits), invalid)
+        sampled = sampled.masked_fill(invalid, INVALID_TOKEN_ID)
 
         out = SamplerOutput(sampled_token_ids=sampled)
         if raw_logprobs is not None:

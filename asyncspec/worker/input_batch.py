@@ -85,9 +85,20 @@ class InputBatch:
         self._parked_generators: dict[str, torch.Generator] = {}
 
     def add_request(self, data: NewRequestData) -> RowState:
+        """Gives the request a row. All or nothing: if anything fails (a value its device tables
+        cannot hold, say), the row is free again and the error propagates to the caller, which
+        fails this request alone."""
         if not self._free_rows:
             raise RuntimeError("input batch is full: more running requests than max_num_seqs")
         row = self._free_rows.pop()
+        try:
+            return self._fill_row(row, data)
+        except BaseException:
+            self.rows.pop(data.request_id, None)
+            self._free_rows.append(row)
+            raise
+
+    def _fill_row(self, row: int, data: NewRequestData) -> RowState:
         n = len(data.token_ids)
         self.token_ids[row, :n] = torch.tensor(data.token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         params = data.sampling_params
@@ -100,16 +111,19 @@ class InputBatch:
             sampling_params=params,
             prompt_token_ids=data.token_ids[: data.num_prompt_tokens],
             output_token_ids=data.token_ids[data.num_prompt_tokens :],
-            generator=self._parked_generators.pop(data.request_id, None),
+            generator=self._parked_generators.get(data.request_id),
         )
         if state.generator is None and params.seed is not None:
             state.generator = make_generator(params.seed, self.device)
-        self.rows[data.request_id] = state
         for name, value in _row_sampling_values(params).items():
             self.sampling_tensors[name][row] = value
         if params.uses_penalties:
             self._init_penalty_row(state)
         self.append_blocks(state, data.block_ids)
+        self.rows[data.request_id] = state
+        if data.request_id in self._parked_generators:
+            # Only now that the row is complete: a failed admission keeps a resumed stream's state.
+            del self._parked_generators[data.request_id]
         return state
 
     def _init_penalty_row(self, state: RowState) -> None:
@@ -130,10 +144,12 @@ class InputBatch:
             self.output_token_counts[row].index_add_(0, outputs, torch.ones(len(state.output_token_ids), device=self.device))
 
     def record_sampled(self, batch_rows: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Counts the sampled tokens of rows [N] in the device output statistics (if any row is penalised)."""
+        """Counts the sampled tokens of rows [N] in the device output statistics (if any row is
+        penalised). An invalid (negative) id counts nothing: as an index it would wrap around."""
         if self.output_token_counts is not None:
-            ones = torch.ones(token_ids.shape, dtype=torch.float32, device=self.device)
-            self.output_token_counts.index_put_((batch_rows, token_ids), ones, accumulate=True)
+            valid = token_ids >= 0
+            weights = valid.to(torch.float32)
+            self.output_token_counts.index_put_((batch_rows, token_ids.clamp_min(0)), weights, accumulate=True)
 
     def append_blocks(self, state: RowState, block_ids: list[int]) -> None:
         if block_ids:

@@ -3,6 +3,7 @@ the forward pass and samples."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from typing import Optional
 
@@ -15,11 +16,13 @@ from asyncspec.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, 
 from asyncspec.errors import ConfigError
 from asyncspec.layers.attention import select_backend
 from asyncspec.layers.attention_metadata import AttentionMetadata
-from asyncspec.layers.sampler import Sampler, SamplingMetadata, make_generator
+from asyncspec.layers.sampler import INVALID_TOKEN_ID, Sampler, SamplingMetadata, make_generator
 from asyncspec.models.loader import load_model
 from asyncspec.models.model_config import ModelConfig
 from asyncspec.sampling_params import SamplingParams
 from asyncspec.worker.input_batch import InputBatch, RowState
+
+logger = logging.getLogger(__name__)
 
 # Share of available host memory the KV pool may take on the CPU when no size is given.
 _CPU_KV_MEMORY_FRACTION = 0.25
@@ -171,14 +174,21 @@ class ModelRunner:
         ]
 
     # -- one step -----------------------------------------------------------------------
-    def _update_states(self, so: SchedulerOutput) -> None:
+    def _update_states(self, so: SchedulerOutput) -> dict[str, str]:
+        """Applies the step's differences to the persistent batch. Returns the new requests that
+        could not be admitted (id -> reason): they fail alone and sit out the step."""
         batch = self.input_batch
         for request_id in so.finished_req_ids:
             batch.remove_request(request_id)
         for request_id in so.preempted_req_ids:
             batch.remove_request(request_id, preempted=True)
+        failed: dict[str, str] = {}
         for data in so.scheduled_new_reqs:
-            batch.add_request(data)
+            try:
+                batch.add_request(data)
+            except Exception as e:  # one request's bad data must not end the others' streams
+                logger.warning("request %s failed at admission to the worker: %r", data.request_id, e)
+                failed[data.request_id] = f"the worker could not admit the request: {e!r}"
         cached = so.scheduled_cached_reqs
         for request_id, new_blocks, num_computed in zip(
             cached.request_ids, cached.new_block_ids, cached.num_computed_tokens
@@ -186,6 +196,7 @@ class ModelRunner:
             state = batch.rows[request_id]
             batch.append_blocks(state, new_blocks)
             state.num_computed_tokens = num_computed
+        return failed
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         # Triton launches on the thread's current device, and AsyncEngine steps in its own thread.
@@ -197,18 +208,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self._update_states(so)
-        if so.is_empty:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        req_ids = list(so.num_scheduled_tokens)
+        failed = self._update_states(so)
+        req_ids = [r for r in so.num_scheduled_tokens if r not in failed]
+        if not req_ids:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], failed_requests=failed)
         states = [self.input_batch.rows[r] for r in req_ids]
         num_scheduled = [so.num_scheduled_tokens[r] for r in req_ids]
+        total_num_scheduled = sum(num_scheduled)
         # Only requests whose scheduled tokens reach their last known token sample this step.
         sampling_rows = [
             i for i, (s, n) in enumerate(zip(states, num_scheduled)) if s.num_computed_tokens + n >= s.num_tokens
         ]
         attn_metadata, positions, input_ids = self._prepare_inputs(
-            states, num_scheduled, sampling_rows, so.total_num_scheduled_tokens
+            states, num_scheduled, sampling_rows, total_num_scheduled
         )
         hidden_states = self.model(input_ids, positions, self.kv_caches, attn_metadata)
         for state, n in zip(states, num_scheduled):
@@ -231,12 +243,19 @@ class ModelRunner:
             self.input_batch.record_sampled(batch_rows, out.sampled_token_ids)
             sampled_host = out.sampled_token_ids.tolist()
             for i, state, token_id in zip(sampling_rows, sampling_states, sampled_host):
+                if token_id == INVALID_TOKEN_ID:
+                    failed[state.request_id] = (
+                        "the sampler found no valid token: the logits were NaN, or every token was masked"
+                    )
+                    continue
                 state.num_tokens += 1
                 state.output_token_ids.append(token_id)
                 sampled_per_req[i] = [token_id]
             if metadata.max_num_logprobs is not None:
                 logprobs_per_req = self._collect_logprobs(out, sampling_rows, sampling_states, len(req_ids))
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_per_req, logprobs=logprobs_per_req)
+        return ModelRunnerOutput(
+            req_ids=req_ids, sampled_token_ids=sampled_per_req, logprobs=logprobs_per_req, failed_requests=failed
+        )
 
     def _prepare_inputs(
         self, states: list[RowState], num_scheduled: list[int], sampling_rows: list[int], total_tokens: int

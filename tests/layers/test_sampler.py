@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from asyncspec.layers.sampler import (
+    INVALID_TOKEN_ID,
     Sampler,
     SamplingMetadata,
     apply_penalties,
@@ -119,6 +120,69 @@ def test_unseeded_rows_follow_default_generator() -> None:
 def test_seeded_row_needs_generator() -> None:
     with pytest.raises(ValueError, match="seed"):
         SamplingMetadata.from_params([SamplingParams(seed=3)])
+
+
+# -- 64-bit seeds (regression: the CPU generator kept only the low 32 bits) -----------------------
+SEED_PAIRS = [(1, 2**32 + 1), (0, -(2**63)), (7, 7 + 5 * 2**32), (-1, 2**32 - 1), (2**63 - 1, -1)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("a,b", SEED_PAIRS)
+def test_seeds_differing_only_in_high_bits_give_distinct_streams(device: str, a: int, b: int) -> None:
+    def stream(seed: int) -> list[float]:
+        return torch.rand(8, generator=make_generator(seed, device), device=device).tolist()
+
+    assert stream(a) == stream(a) and stream(b) == stream(b)
+    assert stream(a) != stream(b)
+
+
+def test_seeded_sampling_uses_all_64_bits_through_the_sampler() -> None:
+    logits = torch.zeros(1, 1000)  # uniform: the stream is all randomness
+    tokens = {}
+    for seed in (3, 3 + 2**32, 3 - 2**63):
+        gen = make_generator(seed, "cpu")
+        md = SamplingMetadata.from_params([SamplingParams(temperature=1.0, seed=seed)], generators={0: gen})
+        tokens[seed] = [sampler(logits, md).sampled_token_ids.item() for _ in range(6)]
+    assert len({tuple(t) for t in tokens.values()}) == 3, tokens
+
+
+def test_seeded_cpu_generator_draws_are_uniform() -> None:
+    """The installed MT19937 state is a proper one: draws are uniform (chi-square over 10 bins)."""
+    draws = torch.rand(20_000, generator=make_generator(2**40 + 17, "cpu"))
+    counts = torch.histc(draws, bins=10, min=0.0, max=1.0)
+    chi2 = (((counts - 2000.0) ** 2) / 2000.0).sum().item()
+    assert chi2 < CHI2_CRIT_1E4[9]
+
+
+# -- rows with no valid token (regression: NaN rows sampled token 0) ---------------------------
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_nan_or_fully_masked_row_yields_invalid_token_not_token_zero(temperature: float) -> None:
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    logits[1, 7] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, 5] = float("inf")  # inf - inf in the softmax
+    params = [SamplingParams(temperature=temperature, seed=i) for i in range(4)]
+    out = sampler(logits, meta(params), torch.Generator().manual_seed(0)).sampled_token_ids
+    assert out[0].item() != INVALID_TOKEN_ID and 0 <= out[0].item() < 50
+    if temperature == 0.0:
+        assert out[0].item() == logits[0].argmax().item()
+        # Greedy over a +inf logit is still well defined: that token.
+        assert out[3].item() == 5
+        assert out[1:3].tolist() == [INVALID_TOKEN_ID] * 2
+    else:
+        assert out[1:].tolist() == [INVALID_TOKEN_ID] * 3
+
+
+def test_tiny_repetition_penalty_cannot_make_a_nan_row() -> None:
+    """At the smallest allowed repetition penalty, a seen token's logit stays finite."""
+    from asyncspec.sampling_params import MIN_REPETITION_PENALTY
+
+    logits = torch.full((1, 20), 30.0)
+    logits[0, 3] = 80.0
+    p = SamplingParams(temperature=1.0, repetition_penalty=MIN_REPETITION_PENALTY, seed=0)
+    md = meta([p], output_token_ids=[[3]], prompt_token_ids=[[4]])
+    out = sampler(logits, md).sampled_token_ids
+    assert out.item() == 3  # 80 / 1e-4 dominates; no NaN, no token 0
 
 
 # -- truncation sets against a numpy reference ---------------------------------------------------
