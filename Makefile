@@ -9,19 +9,44 @@ TORCH_VERSION ?= 2.13.0
 TRITON_VERSION ?= 3.6.0
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-fast generate bench clean
+.PHONY: venv test test-fast lint lint-tree lint-mypy lint-imports generate bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION) triton==$(TRITON_VERSION)
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,lint]'
 	touch $@
 
 venv: $(VENV)/.installed
 
 test: venv
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=900 $(PYTEST_ARGS)
+
+# ruff, mypy and import-linter; `.pre-commit-config.yaml` runs the same checks. lint-mypy and lint-imports
+# need no venv bootstrap, so the pre-commit hooks can call them directly.
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(MAKE) --no-print-directory lint-mypy lint-imports
+
+# mypy and import-linter cannot read setuptools' package-dir mapping (kernels/ installs as asyncspec.kernels),
+# so mirror the installed layout with symlinks: build/lint-tree/asyncspec/{<asyncspec entries>,kernels}.
+# Rebuilt on every run (cheap), so new modules are always seen.
+LINT_TREE := build/lint-tree
+lint-tree:
+	rm -rf $(LINT_TREE)
+	mkdir -p $(LINT_TREE)/asyncspec
+	for f in asyncspec/*; do ln -s "$(CURDIR)/$$f" $(LINT_TREE)/asyncspec/; done
+	ln -s "$(CURDIR)/kernels" $(LINT_TREE)/asyncspec/kernels
+
+lint-mypy: lint-tree
+	$(VENV)/bin/mypy
+
+# lint-imports puts its working directory first on sys.path: run it inside the tree so that
+# `asyncspec` resolves there and asyncspec.kernels is part of the import graph.
+lint-imports: lint-tree
+	cd $(LINT_TREE) && $(abspath $(VENV))/bin/lint-imports --no-cache --no-logo $(CURDIR)/pyproject.toml
 
 generate: venv
 	$(PY) -m asyncspec.cli --prompt "import os\nimport sys\n\n\ndef main(" --max-tokens 64

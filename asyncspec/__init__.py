@@ -1,4 +1,5 @@
 """asyncspec: an asynchronous LLM inference engine with built-in speculative decoding."""
+
 from asyncspec.config import EngineConfig
 from asyncspec.engine.async_engine import AsyncEngine
 from asyncspec.engine.llm import LLM

@@ -2,14 +2,18 @@
 
 Engine flags are EngineConfig's fields with dashes, generated from the dataclass so they never drift.
 """
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import sys
 import time
+import types
 import typing
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from asyncspec.config import EngineConfig
 
@@ -18,7 +22,8 @@ def _field_parser(tp: Any):
     """The argparse `type` for a field annotation (Optional[X] accepts "none")."""
     origin = typing.get_origin(tp)
     args = [a for a in typing.get_args(tp) if a is not type(None)]
-    if origin is typing.Union and len(args) == 1:
+    # `Optional[X]` has origin typing.Union, `X | None` has types.UnionType (the same object from 3.14).
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:
         inner = _field_parser(args[0])
         return lambda s: None if s.lower() == "none" else inner(s)
     if origin is typing.Literal:
@@ -58,11 +63,16 @@ def _field_docs() -> dict[str, str]:
     import inspect
 
     tree = ast.parse(inspect.getsource(EngineConfig))
+    body = next(node for node in tree.body if isinstance(node, ast.ClassDef)).body
     docs: dict[str, str] = {}
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = str(nxt.value.value).replace("%", "%%")  # type: ignore[attr-defined]
+    for node, nxt in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+        ):
+            docs[node.target.id] = str(nxt.value.value).replace("%", "%%")
     return docs
 
 
@@ -70,7 +80,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     from asyncspec import LLM, SamplingParams
 
     parser = argparse.ArgumentParser(description="Generate text with asyncspec.")

@@ -1,9 +1,10 @@
 """Engine configuration. Each field is documented once; the CLI flags are the same names with dashes."""
+
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 
@@ -18,11 +19,11 @@ class EngineConfig:
 
     model: str = "models/stdlib-coder-target"
     """Path to a Hugging Face model directory (config.json + safetensors weights)."""
-    tokenizer: Optional[str] = None
+    tokenizer: str | None = None
     """Directory holding tokenizer.json; defaults to `model`."""
-    device: Optional[str] = None
+    device: str | None = None
     """"cpu" or "cuda[:N]"; None picks cuda when a GPU is present, else cpu."""
-    dtype: Optional[str] = None
+    dtype: str | None = None
     """"float32", "float16" or "bfloat16"; None picks bfloat16 on cuda and float32 on cpu."""
     load_format: Literal["safetensors", "dummy"] = "safetensors"
     """"dummy" initialises random weights of the model's config (benchmarks of large shapes)."""
@@ -30,13 +31,13 @@ class EngineConfig:
     """Start without a tokenizer: prompts must be token ids and outputs carry no text."""
     seed: int = 0
     """Seed of the default random generator (unseeded requests, dummy weights)."""
-    max_model_len: Optional[int] = None
+    max_model_len: int | None = None
     """Longest sequence (prompt + output) a request may reach; None uses the model's limit."""
     block_size: int = 16
     """Tokens per KV-cache block."""
-    num_kv_blocks: Optional[int] = None
+    num_kv_blocks: int | None = None
     """Size of the KV pool in blocks; None sizes it from `kv_cache_bytes` or free memory."""
-    kv_cache_bytes: Optional[int] = None
+    kv_cache_bytes: int | None = None
     """Size of the KV pool in bytes (used when `num_kv_blocks` is None)."""
     gpu_memory_utilization: float = 0.9
     """Fraction of GPU memory the engine may use in total (weights, activations, KV pool)."""
@@ -56,9 +57,9 @@ class EngineConfig:
     """Most requests queued before new ones are refused."""
     max_stop_strings: int = 16
     """Most stop strings one request may give."""
-    speculative_method: Optional[Literal["draft_model", "ngram"]] = None
+    speculative_method: Literal["draft_model", "ngram"] | None = None
     """Speculative decoding proposer; None disables it."""
-    draft_model: Optional[str] = None
+    draft_model: str | None = None
     """Draft model directory for `speculative_method="draft_model"`."""
     num_speculative_tokens: int = 0
     """Draft tokens proposed per step (k)."""
@@ -129,9 +130,7 @@ class EngineConfig:
                 "use speculative_method=None"
             )
         if self.async_scheduling:
-            raise ConfigError(
-                "async_scheduling=True is not available in this build yet; use async_scheduling=False"
-            )
+            raise ConfigError("async_scheduling=True is not available in this build yet; use async_scheduling=False")
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -143,7 +142,7 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
-def make_config(model: Optional[str] = None, **kwargs: object) -> EngineConfig:
+def make_config(model: str | None = None, **kwargs: object) -> EngineConfig:
     """Builds an EngineConfig from flattened keyword arguments, naming unknown ones."""
     unknown = sorted(set(kwargs) - set(EngineConfig.field_names()))
     if unknown:
@@ -151,4 +150,3 @@ def make_config(model: Optional[str] = None, **kwargs: object) -> EngineConfig:
     if model is not None:
         kwargs["model"] = model
     return EngineConfig(**kwargs)  # type: ignore[arg-type]
-

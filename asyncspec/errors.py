@@ -1,4 +1,5 @@
 """Typed errors. Every user-facing failure raises one of these with an actionable message."""
+
 from __future__ import annotations
 
 

@@ -1,10 +1,17 @@
 """RequestOutput: what clients receive, as streamed deltas or as a final cumulative result."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
-from asyncspec.core.scheduler_output import TokenLogprobs
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of one generated token: the sampled token first, then the top-n alternatives."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_token_rank: int
 
 
 @dataclass
@@ -17,11 +24,11 @@ class RequestOutput:
     """Generated token ids (the new ones, for a delta)."""
     text: str = ""
     """Generated text (the new part, for a delta); never contains a stop string unless asked."""
-    finish_reason: Optional[str] = None
+    finish_reason: str | None = None
     """"stop", "length", "abort" or "error" on the last output; None before."""
-    stop_reason: Optional[int | str] = None
+    stop_reason: int | str | None = None
     """The stop string or stop token id that ended the request, if one did."""
-    logprobs: Optional[list[TokenLogprobs]] = None
+    logprobs: list[TokenLogprobs] | None = None
     """Per generated token, when SamplingParams.logprobs was set."""
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
@@ -29,7 +36,7 @@ class RequestOutput:
     """Draft tokens proposed for this request (speculative decoding)."""
     num_accepted_tokens: int = 0
     """Draft tokens the target accepted."""
-    error: Optional[str] = None
+    error: str | None = None
     """Why this request alone failed (finish_reason "error"); AsyncEngine raises RequestFailedError
     with it instead of yielding the output."""
 

@@ -1,10 +1,10 @@
 """Request: the scheduler's record of one generation."""
+
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 from asyncspec.sampling_params import SamplingParams
 
@@ -51,7 +51,7 @@ class Request:
     """Prompt tokens served from the prefix cache at first scheduling (-1: not yet scheduled)."""
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    stop_reason: Optional[int | str] = None
+    stop_reason: int | str | None = None
     """The stop token id or stop string that ended the request, if any."""
 
     def __post_init__(self) -> None:
@@ -75,7 +75,7 @@ class Request:
         return self.status.is_finished
 
     @property
-    def finish_reason(self) -> Optional[str]:
+    def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:

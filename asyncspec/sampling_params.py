@@ -3,13 +3,14 @@
 Every check raises InvalidSamplingParamsError naming the field, the value and the allowed
 range, so the gRPC layer can turn it into INVALID_ARGUMENT without guessing.
 """
+
 from __future__ import annotations
 
 import math
 import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -79,7 +80,7 @@ class SamplingParams:
     """Keep the k most likely tokens; 0 or -1 disables."""
     min_p: float = 0.0
     """Drop tokens whose probability is below min_p times the top token's, in [0, 1]."""
-    seed: Optional[int] = None
+    seed: int | None = None
     """Seed of this request's own generator (any 64-bit signed integer): its tokens then do not
     depend on batch neighbours. All 64 bits count: distinct seeds give distinct streams on every
     device (see `asyncspec.layers.sampler.make_generator` for how the seed becomes generator state)."""
@@ -89,7 +90,7 @@ class SamplingParams:
     """Subtracted once per earlier occurrence of a token in the output, in [-2, 2]."""
     repetition_penalty: float = 1.0
     """Divides positive / multiplies negative logits of prompt and output tokens, >= 1e-4 (1 = off)."""
-    max_tokens: Optional[int] = 16
+    max_tokens: int | None = 16
     """Most tokens to generate, >= 1; None means up to max_model_len."""
     min_tokens: int = 0
     """EOS and stop token ids are blocked, and stop strings ignored, until this many tokens exist."""
@@ -101,7 +102,7 @@ class SamplingParams:
     """Token ids that end generation (in addition to EOS); None is accepted."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the output text."""
-    logprobs: Optional[int] = None
+    logprobs: int | None = None
     """Return the sampled token's logprob plus this many top logprobs (0..20); None = none."""
     skip_special_tokens: bool = True
     """Leave special tokens (e.g. <|endoftext|>) out of the output text."""
@@ -177,7 +178,7 @@ class SamplingParams:
             raise _err("stop_token_ids", ids, "a list of non-negative integers or None")
         out = []
         for t in ids:
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t <= INT64_MAX:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= int(t) <= INT64_MAX:
                 raise _err("stop_token_ids", ids, "a list of non-negative integers (token ids)")
             out.append(int(t))
         return out

@@ -8,6 +8,7 @@ Models: the bundled stdlib-coder-target, and a Llama-3.2-1B shape with random we
 Baselines: transformers `generate` with a static cache (compiled) at batch 1, and
 `generate_batch` (continuous batching, CUDA graphs) at 32 streams.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,18 +30,35 @@ sys.path.insert(0, str(REPO))
 from asyncspec import LLM, SamplingParams  # noqa: E402
 
 LLAMA_1B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
-    "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "head_dim": 64, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "tie_word_embeddings": True,
-    "rope_theta": 500000.0, "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu",
-    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192},
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": True,
+    "rope_theta": 500000.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
 }
 
 
 def load_prompts(n: int) -> list[list[int]]:
     with open(REPO / "benchmarks" / "data" / "prompts-code.jsonl") as f:
-        return [json.loads(line)["prompt_token_ids"] for _, line in zip(range(n), f)]
+        return [json.loads(line)["prompt_token_ids"] for _, line in zip(range(n), f, strict=False)]
 
 
 def _sync_time() -> float:
@@ -60,19 +78,30 @@ def _median_time(fn, trials: int = 3) -> float:
 def _tpot_ms(run_prefill_only, run_full, new_tokens: int) -> float:
     """(full - prefill-only) / (new_tokens - 1): the decode time per token, each a median of 3 after
     one untimed call of each (so no JIT compilation lands in a timed call)."""
-    run_prefill_only(); run_full()
+    run_prefill_only()
+    run_full()
     return (_median_time(run_full) - _median_time(run_prefill_only)) / (new_tokens - 1) * 1e3
 
 
 def bench_asyncspec(model_dir: str, dummy: bool, prompts: list[list[int]], new_tokens: int, streams: int) -> dict:
-    llm = LLM(model_dir, device="cuda", load_format="dummy" if dummy else "safetensors", skip_tokenizer_init=dummy,
-              max_model_len=2048, max_num_seqs=max(streams, 1), max_num_batched_tokens=4096,
-              enable_prefix_caching=False, gpu_memory_utilization=0.5)
+    llm = LLM(
+        model_dir,
+        device="cuda",
+        load_format="dummy" if dummy else "safetensors",
+        skip_tokenizer_init=dummy,
+        max_model_len=2048,
+        max_num_seqs=max(streams, 1),
+        max_num_batched_tokens=4096,
+        enable_prefix_caching=False,
+        gpu_memory_utilization=0.5,
+    )
     greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     tpot_ms = _tpot_ms(lambda: llm.generate([prompts[0]], one), lambda: llm.generate([prompts[0]], greedy), new_tokens)
     llm.generate(prompts[:streams], greedy)  # warm-up at this batch shape
-    t0 = _sync_time(); outs = llm.generate(prompts[:streams], greedy); elapsed = _sync_time() - t0
+    t0 = _sync_time()
+    outs = llm.generate(prompts[:streams], greedy)
+    elapsed = _sync_time() - t0
     generated = sum(len(o.token_ids) for o in outs)
     return {"tpot_ms_batch1": tpot_ms, "throughput_tok_s": generated / elapsed, "generated": generated}
 
@@ -83,8 +112,15 @@ def bench_hf(model, prompts: list[list[int]], new_tokens: int, streams: int) -> 
 
     def gen(prompt: list[int], n: int) -> None:
         ids = torch.tensor([prompt], device="cuda")
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                       do_sample=False, cache_implementation="static", pad_token_id=0)
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            cache_implementation="static",
+            pad_token_id=0,
+        )
 
     gen(prompts[0], new_tokens)  # compilation
     tpot_ms = _tpot_ms(lambda: gen(prompts[0], 1), lambda: gen(prompts[0], new_tokens), new_tokens)
@@ -133,16 +169,35 @@ def main() -> int:
     if args.one:
         print("RESULT " + json.dumps(run_one(*args.one, args.new_tokens, args.streams)), flush=True)
         return 0
-    results = {"card": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-               "torch": torch.__version__, "python": platform.python_version(),
-               "command": " ".join(sys.argv), "new_tokens": args.new_tokens, "streams": args.streams, "rows": []}
+    results = {
+        "card": torch.cuda.get_device_name(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "command": " ".join(sys.argv),
+        "new_tokens": args.new_tokens,
+        "streams": args.streams,
+        "rows": [],
+    }
     for model in args.models.split(","):
         row = {"model": model}
         for engine in args.engines.split(","):
             proc = subprocess.run(
-                [sys.executable, __file__, "--one", model, engine, "--new-tokens", str(args.new_tokens),
-                 "--streams", str(args.streams)], capture_output=True, text=True)
-            lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+                [
+                    sys.executable,
+                    __file__,
+                    "--one",
+                    model,
+                    engine,
+                    "--new-tokens",
+                    str(args.new_tokens),
+                    "--streams",
+                    str(args.streams),
+                ],
+                capture_output=True,
+                text=True,
+            )
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
             row[engine] = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-500:]}
         results["rows"].append(row)
         print(json.dumps(row), flush=True)

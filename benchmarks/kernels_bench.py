@@ -1,14 +1,15 @@
 """Micro-benchmark: Triton kernels vs their torch references on a decode batch and a prefill batch (GPU).
 
-    python benchmarks/kernels_bench.py [out.json]      (default benchmarks/results/kernels.json)
+python benchmarks/kernels_bench.py [out.json]      (default benchmarks/results/kernels.json)
 """
+
 from __future__ import annotations
 
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import triton
@@ -48,7 +49,7 @@ def make_case(specs: list[tuple[int, int]], heads: int, kv_heads: int, head_dim:
     perm = torch.randperm(num_blocks, generator=gen)
     block_tables = torch.zeros(len(specs), max(blocks), dtype=torch.int32)
     used, positions = 0, []
-    for b, ((s, q), n) in enumerate(zip(specs, blocks)):
+    for b, ((s, q), n) in enumerate(zip(specs, blocks, strict=True)):
         block_tables[b, :n] = perm[used : used + n].to(torch.int32)
         used += n
         positions += range(s - q, s)
@@ -61,9 +62,12 @@ def make_case(specs: list[tuple[int, int]], heads: int, kv_heads: int, head_dim:
         value=torch.randn(t, kv_heads, head_dim, device=dev, dtype=dt),
         k_cache=torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim, device=dev, dtype=dt),
         v_cache=torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim, device=dev, dtype=dt),
-        qsl=qsl.to(dev), seq_lens=torch.tensor([s for s, _ in specs], dtype=torch.int32, device=dev),
-        block_tables=block_tables.to(dev), positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-        kv_tokens=sum(s for s, _ in specs), num_tokens=t,
+        qsl=qsl.to(dev),
+        seq_lens=torch.tensor([s for s, _ in specs], dtype=torch.int32, device=dev),
+        block_tables=block_tables.to(dev),
+        positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+        kv_tokens=sum(s for s, _ in specs),
+        num_tokens=t,
     )
 
 
@@ -83,8 +87,15 @@ def bench_case(name: str, c: dict, head_dim: int) -> list[dict]:
         ("kv_cache_write", lambda: write_kv_cache(*kv_args), lambda: write_kv_cache_ref(*kv_args)),
     ]:
         t_us, r_us = time_us(tri), time_us(ref, iters=5)
-        row = dict(case=name, kernel=kernel, num_tokens=c["num_tokens"], kv_tokens=c["kv_tokens"],
-                   triton_us=round(t_us, 1), torch_us=round(r_us, 1), speedup=round(r_us / t_us, 1))
+        row = dict(
+            case=name,
+            kernel=kernel,
+            num_tokens=c["num_tokens"],
+            kv_tokens=c["kv_tokens"],
+            triton_us=round(t_us, 1),
+            torch_us=round(r_us, 1),
+            speedup=round(r_us / t_us, 1),
+        )
         if kernel == "paged_attention":
             row.update(max_abs_err=err, kv_read_gb_s=round(kv_bytes / t_us / 1e3, 1))
         rows.append(row)
@@ -110,11 +121,18 @@ def main() -> None:
     print("-" * len(header))
     for r in rows:
         extra = f"err {r['max_abs_err']:.1e}, KV {r['kv_read_gb_s']} GB/s" if "max_abs_err" in r else ""
-        print(f"{r['case']:28} {r['kernel']:16} {r['num_tokens']:6} {r['triton_us']:10} {r['torch_us']:10} "
-              f"{r['speedup']:8}  {extra}")
+        print(
+            f"{r['case']:28} {r['kernel']:16} {r['num_tokens']:6} {r['triton_us']:10} {r['torch_us']:10} "
+            f"{r['speedup']:8}  {extra}"
+        )
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                block_size=BLOCK_SIZE, dtype="bfloat16")
+    meta = dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        block_size=BLOCK_SIZE,
+        dtype="bfloat16",
+    )
     out_path.write_text(json.dumps(dict(meta=meta, results=rows), indent=2))
     print(f"wrote {out_path}")
 

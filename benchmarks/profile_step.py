@@ -1,7 +1,8 @@
 """Profiles a few decode steps on the GPU (torch.profiler) and prints the top CPU and CUDA ops.
 
-    python benchmarks/profile_step.py [--model-config PATH_TO_CONFIG_DIR] [--streams N]
+python benchmarks/profile_step.py [--model-config PATH_TO_CONFIG_DIR] [--streams N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,16 @@ def main() -> int:
     tmp = tempfile.mkdtemp()
     with open(Path(tmp) / "config.json", "w") as f:
         json.dump(LLAMA_1B, f)
-    llm = LLM(tmp, device="cuda", load_format="dummy", skip_tokenizer_init=True, max_model_len=2048,
-              max_num_seqs=max(args.streams, 1), enable_prefix_caching=False, gpu_memory_utilization=0.5)
+    llm = LLM(
+        tmp,
+        device="cuda",
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=2048,
+        max_num_seqs=max(args.streams, 1),
+        enable_prefix_caching=False,
+        gpu_memory_utilization=0.5,
+    )
     prompts = load_prompts(args.streams)
     params = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True)
     llm.generate(prompts, params)

@@ -6,6 +6,7 @@ is preempted, prefix caching on), measured with and without lookahead KV slots.
 
     python benchmarks/scheduler_overhead.py [--num-requests 256] [--steps 2000] [--output PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,9 +75,7 @@ def summarise(ns: list[int]) -> dict:
 def run_case(num_requests: int, lookahead: int, steps: int, warmup: int, seed: int) -> dict:
     sched = build(num_requests, 128, 16, lookahead, warmup + steps, seed)
     # Prefill everything, then warm up on pure decode steps.
-    while len(sched.running) < num_requests or any(
-        r.num_computed_tokens < r.num_prompt_tokens for r in sched.running
-    ):
+    while len(sched.running) < num_requests or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
         so = sched.schedule()
         sched.update_from_output(so, fake_output(so, sched, 7))
     for i in range(warmup):
@@ -132,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     args.output.write_text(json.dumps(result, indent=2) + "\n")
 
     print(f"scheduler step, {args.num_requests} running decodes, {args.steps} timed steps (µs)")
-    print(f"{'lookahead':>9} | {'schedule mean':>13} {'p50':>8} {'p99':>8} | {'sched+update mean':>17} {'p50':>8} {'p99':>8}")
+    stats = f"{'p50':>8} {'p99':>8}"
+    print(f"{'lookahead':>9} | {'schedule mean':>13} {stats} | {'sched+update mean':>17} {stats}")
     for c in cases:
         s, u = c["schedule"], c["schedule_plus_update"]
         print(

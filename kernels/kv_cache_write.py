@@ -1,4 +1,5 @@
 """Reference (pure torch) scatter of new keys/values into the paged KV cache."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Triton scatter of new keys/values into the paged KV cache (same contract as `write_kv_cache_ref`)."""
+
 from __future__ import annotations
 
 import torch
@@ -8,9 +9,21 @@ import triton.language as tl
 
 @triton.jit
 def _kv_cache_write_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    k_stride_t, k_stride_h, v_stride_t, v_stride_h,
-    kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h,
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    k_stride_t,
+    k_stride_h,
+    v_stride_t,
+    v_stride_h,
+    kc_stride_b,
+    kc_stride_s,
+    kc_stride_h,
+    vc_stride_b,
+    vc_stride_s,
+    vc_stride_h,
     block_size,
     num_kv_heads,
     head_dim,
@@ -54,10 +67,24 @@ def write_kv_cache(
         assert t.stride(-1) == 1, "the head dim must be contiguous"
     assert slot_mapping.shape[0] >= num_tokens and slot_mapping.is_contiguous()
     _kv_cache_write_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_size, num_kv_heads, head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_size,
+        num_kv_heads,
+        head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
     )

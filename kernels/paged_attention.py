@@ -1,4 +1,5 @@
 """Reference (pure torch) paged attention over a mixed batch of prefill chunks and decodes."""
+
 from __future__ import annotations
 
 import torch
@@ -31,7 +32,7 @@ def paged_attention_ref(
         out = torch.zeros_like(query)
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    out[qsl[-1]:] = 0
+    out[qsl[-1] :] = 0
     for b, seq_len in enumerate(lens):
         start, end = qsl[b], qsl[b + 1]
         q_len = end - start

@@ -10,6 +10,7 @@ The grid is an upper bound computed from shapes only (no host sync): program ids
 ids past the last request zero the padded query rows. Padded rows (t >= query_start_loc[-1]) are therefore
 always WRITTEN AS ZEROS, whether or not `out` is passed, matching the reference.
 """
+
 from __future__ import annotations
 
 import math
@@ -65,10 +66,23 @@ def _tile_start(qsl_ptr, b, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    qsl_ptr, seq_lens_ptr, block_tables_ptr,
-    q_stride_t, q_stride_h, o_stride_t, o_stride_h,
-    kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    q_stride_t,
+    q_stride_h,
+    o_stride_t,
+    o_stride_h,
+    kc_stride_b,
+    kc_stride_s,
+    kc_stride_h,
+    vc_stride_b,
+    vc_stride_s,
+    vc_stride_h,
     bt_stride,
     qk_scale,  # softmax scale * log2(e): exp2 is cheaper than exp
     num_reqs,
@@ -145,10 +159,20 @@ def _paged_attention_kernel(
         # Physical slot of every key: its block from the block table, its offset within the block.
         block = tl.load(bt_row + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
         in_block = k_pos % block_size
-        k_ptrs = (k_cache_ptr + block[None, :] * kc_stride_b + in_block[None, :] * kc_stride_s
-                  + kv_head * kc_stride_h + d[:, None])
-        v_ptrs = (v_cache_ptr + block[:, None] * vc_stride_b + in_block[:, None] * vc_stride_s
-                  + kv_head * vc_stride_h + d[None, :])
+        k_ptrs = (
+            k_cache_ptr
+            + block[None, :] * kc_stride_b
+            + in_block[None, :] * kc_stride_s
+            + kv_head * kc_stride_h
+            + d[:, None]
+        )
+        v_ptrs = (
+            v_cache_ptr
+            + block[:, None] * vc_stride_b
+            + in_block[:, None] * vc_stride_s
+            + kv_head * vc_stride_h
+            + d[None, :]
+        )
         # other=0 for keys past the sequence: 0 * NaN from unwritten slots would poison the row.
         k = tl.load(k_ptrs, mask=k_ok[None, :] & d_mask[:, None], other=0.0).to(q.dtype)
         v = tl.load(v_ptrs, mask=k_ok[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
@@ -221,18 +245,37 @@ def paged_attention(
     # Upper bound on tiles: request b uses ids [qsl[b] // BQ + b, qsl[b+1] // BQ + b + 1); the rest pad.
     grid = (num_tokens // block_q + num_reqs + 1, num_kv_heads)
     _paged_attention_kernel[grid](
-        query, k_cache, v_cache, out,
-        query_start_loc, seq_lens, block_tables,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        query,
+        k_cache,
+        v_cache,
+        out,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
         scale * math.log2(math.e),
-        num_reqs, num_tokens, block_size, head_dim,
+        num_reqs,
+        num_tokens,
+        block_size,
+        head_dim,
         sliding_window if sliding_window is not None else 0,
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP=group,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=2,
+        num_warps=num_warps,
+        num_stages=2,
     )
     return out

@@ -1,4 +1,5 @@
 """Reference (pure torch) computation of each token's flat KV-cache slot."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Triton computation of each token's flat KV-cache slot (same contract as `compute_slot_mapping_ref`)."""
+
 from __future__ import annotations
 
 import torch
@@ -67,8 +68,16 @@ def compute_slot_mapping(
     assert block_tables.stride(1) == 1 and query_start_loc.is_contiguous() and positions.is_contiguous()
     grid = (triton.cdiv(num_tokens, _BLOCK_T),)
     _slot_mapping_kernel[grid](
-        block_tables, block_tables.stride(0), query_start_loc, positions, out,
-        num_tokens, num_reqs, max_blocks, block_size,
-        SEARCH_STEPS=max(1, int(num_reqs).bit_length()), BLOCK_T=_BLOCK_T,
+        block_tables,
+        block_tables.stride(0),
+        query_start_loc,
+        positions,
+        out,
+        num_tokens,
+        num_reqs,
+        max_blocks,
+        block_size,
+        SEARCH_STEPS=max(1, int(num_reqs).bit_length()),
+        BLOCK_T=_BLOCK_T,
     )
     return out

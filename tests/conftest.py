@@ -1,4 +1,5 @@
 """Shared fixtures: the bundled models, the benchmark prompts, and the gpu marker."""
+
 from __future__ import annotations
 
 import json
@@ -10,13 +11,16 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 TARGET_MODEL = REPO / "models" / "stdlib-coder-target"
 DRAFT_MODEL = REPO / "models" / "stdlib-coder-draft"
-_PROMPT_FILES = [REPO.parent / "shared" / "data" / "prompts-code.jsonl", REPO / "benchmarks" / "data" / "prompts-code.jsonl"]
+_PROMPT_FILES = [
+    REPO.parent / "shared" / "data" / "prompts-code.jsonl",
+    REPO / "benchmarks" / "data" / "prompts-code.jsonl",
+]
 
 
 def load_prompts(n: int) -> list[list[int]]:
     path = next(p for p in _PROMPT_FILES if p.is_file())
     with open(path) as f:
-        return [json.loads(line)["prompt_token_ids"] for _, line in zip(range(n), f)]
+        return [json.loads(line)["prompt_token_ids"] for _, line in zip(range(n), f, strict=False)]
 
 
 @pytest.fixture(scope="session")

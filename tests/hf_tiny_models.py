@@ -1,4 +1,5 @@
 """Randomly initialised tiny Hugging Face models of each supported family, saved as checkpoints."""
+
 from __future__ import annotations
 
 from pathlib import Path

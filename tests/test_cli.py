@@ -1,4 +1,5 @@
 """The CLI flags are EngineConfig's fields with dashes, parsed into the same types."""
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,20 @@ def test_every_config_field_is_a_flag_and_defaults_match():
 
 def test_flags_parse_into_typed_fields():
     args = _parser().parse_args(
-        ["--max-num-seqs", "8", "--gpu-memory-utilization", "0.5", "--enable-prefix-caching", "false",
-         "--num-kv-blocks", "none", "--max-model-len", "256", "--scheduling-policy", "priority"]
+        [
+            "--max-num-seqs",
+            "8",
+            "--gpu-memory-utilization",
+            "0.5",
+            "--enable-prefix-caching",
+            "false",
+            "--num-kv-blocks",
+            "none",
+            "--max-model-len",
+            "256",
+            "--scheduling-policy",
+            "priority",
+        ]
     )
     config = engine_config_from_args(args)
     assert config.max_num_seqs == 8 and config.gpu_memory_utilization == 0.5
@@ -46,7 +59,24 @@ def test_bad_values_are_refused():
 
 
 def test_generate_command_runs_on_the_bundled_model(capsys):
-    assert main(["--model", str(TARGET_MODEL), "--device", "cpu", "--prompt", "def f(x):\\n", "--max-tokens", "8",
-                 "--max-model-len", "256", "--num-kv-blocks", "32"]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(TARGET_MODEL),
+                "--device",
+                "cpu",
+                "--prompt",
+                "def f(x):\\n",
+                "--max-tokens",
+                "8",
+                "--max-model-len",
+                "256",
+                "--num-kv-blocks",
+                "32",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "finish: length, 8 tokens" in out and out.splitlines()[1].startswith("def f(x):")

@@ -1,9 +1,10 @@
 """EngineConfig validation: every bad value or combination is a ConfigError naming the field."""
+
 from __future__ import annotations
 
 import pytest
 
-from asyncspec import EngineConfig, LLM, SamplingParams
+from asyncspec import LLM, EngineConfig, SamplingParams
 from asyncspec.config import make_config
 from asyncspec.errors import ConfigError
 from tests.conftest import TARGET_MODEL

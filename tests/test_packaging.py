@@ -1,4 +1,5 @@
 """`kernels/` installs as `asyncspec.kernels`, never as a top-level `kernels` (a PyPI name transformers probes)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -27,7 +28,18 @@ def test_installed_package_imports_kernels_under_asyncspec(tmp_path):
 
 def test_built_wheel_places_kernels_inside_the_package(tmp_path):
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
         check=True,
         capture_output=True,
     )

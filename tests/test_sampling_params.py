@@ -1,4 +1,5 @@
 """SamplingParams validation: every bad value is refused with a message naming the field."""
+
 from __future__ import annotations
 
 import math
@@ -14,30 +15,85 @@ from asyncspec.sampling_params import MAX_STOP_STRINGS, SamplingParams
 NAN, INF = float("nan"), float("inf")
 
 BAD_VALUES = [
-    ("temperature", -0.1), ("temperature", NAN), ("temperature", INF), ("temperature", True),
-    ("temperature", "1.0"), ("temperature", None),
-    ("top_p", 0.0), ("top_p", 1.01), ("top_p", -0.5), ("top_p", NAN), ("top_p", False),
-    ("top_k", -2), ("top_k", 1.5), ("top_k", 3.0), ("top_k", True), ("top_k", None),
-    ("min_p", -0.01), ("min_p", 1.01), ("min_p", NAN), ("min_p", INF),
-    ("seed", 2**63), ("seed", -(2**63) - 1), ("seed", 1.0), ("seed", True), ("seed", "7"),
-    ("presence_penalty", 2.01), ("presence_penalty", -2.01), ("presence_penalty", NAN),
-    ("frequency_penalty", 2.5), ("frequency_penalty", -INF), ("frequency_penalty", True),
-    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", INF),
+    ("temperature", -0.1),
+    ("temperature", NAN),
+    ("temperature", INF),
+    ("temperature", True),
+    ("temperature", "1.0"),
+    ("temperature", None),
+    ("top_p", 0.0),
+    ("top_p", 1.01),
+    ("top_p", -0.5),
+    ("top_p", NAN),
+    ("top_p", False),
+    ("top_k", -2),
+    ("top_k", 1.5),
+    ("top_k", 3.0),
+    ("top_k", True),
+    ("top_k", None),
+    ("min_p", -0.01),
+    ("min_p", 1.01),
+    ("min_p", NAN),
+    ("min_p", INF),
+    ("seed", 2**63),
+    ("seed", -(2**63) - 1),
+    ("seed", 1.0),
+    ("seed", True),
+    ("seed", "7"),
+    ("presence_penalty", 2.01),
+    ("presence_penalty", -2.01),
+    ("presence_penalty", NAN),
+    ("frequency_penalty", 2.5),
+    ("frequency_penalty", -INF),
+    ("frequency_penalty", True),
+    ("repetition_penalty", 0.0),
+    ("repetition_penalty", -1.0),
+    ("repetition_penalty", INF),
     ("repetition_penalty", NAN),
-    ("max_tokens", 0), ("max_tokens", -5), ("max_tokens", 1.0), ("max_tokens", True), ("max_tokens", INF),
-    ("min_tokens", -1), ("min_tokens", 2.0), ("min_tokens", False),
-    ("ignore_eos", 1), ("ignore_eos", "yes"), ("include_stop_str_in_output", None),
+    ("max_tokens", 0),
+    ("max_tokens", -5),
+    ("max_tokens", 1.0),
+    ("max_tokens", True),
+    ("max_tokens", INF),
+    ("min_tokens", -1),
+    ("min_tokens", 2.0),
+    ("min_tokens", False),
+    ("ignore_eos", 1),
+    ("ignore_eos", "yes"),
+    ("include_stop_str_in_output", None),
     ("skip_special_tokens", 0),
-    ("stop", [""]), ("stop", ""), ("stop", ["ok", ""]), ("stop", [1]), ("stop", 5), ("stop", b"x"),
-    ("stop", ["x" * 1025]), ("stop", [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]),
-    ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", [True]), ("stop_token_ids", 3),
-    ("logprobs", -1), ("logprobs", 21), ("logprobs", 1.0), ("logprobs", True),
+    ("stop", [""]),
+    ("stop", ""),
+    ("stop", ["ok", ""]),
+    ("stop", [1]),
+    ("stop", 5),
+    ("stop", b"x"),
+    ("stop", ["x" * 1025]),
+    ("stop", [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]),
+    ("stop_token_ids", [-1]),
+    ("stop_token_ids", [1.0]),
+    ("stop_token_ids", [True]),
+    ("stop_token_ids", 3),
+    ("logprobs", -1),
+    ("logprobs", 21),
+    ("logprobs", 1.0),
+    ("logprobs", True),
     # Values that passed validation and then failed in the worker's int64 / float32 device tables
     # (regression: one of them used to end every stream of the AsyncEngine).
-    ("top_k", 2**63), ("top_k", 2**100), ("temperature", 1e39), ("temperature", 3.5e38),
-    ("repetition_penalty", 1e39), ("repetition_penalty", 1e-38), ("repetition_penalty", 1e-46),
-    ("repetition_penalty", 5e-324), ("top_p", 1e-46), ("max_tokens", 2**63), ("min_tokens", 2**64),
-    ("stop_token_ids", [2**63]), ("temperature", 10**400), ("min_p", 10**400),
+    ("top_k", 2**63),
+    ("top_k", 2**100),
+    ("temperature", 1e39),
+    ("temperature", 3.5e38),
+    ("repetition_penalty", 1e39),
+    ("repetition_penalty", 1e-38),
+    ("repetition_penalty", 1e-46),
+    ("repetition_penalty", 5e-324),
+    ("top_p", 1e-46),
+    ("max_tokens", 2**63),
+    ("min_tokens", 2**64),
+    ("stop_token_ids", [2**63]),
+    ("temperature", 10**400),
+    ("min_p", 10**400),
 ]
 
 
@@ -51,8 +107,14 @@ def test_bad_value_raises_naming_field(name: str, value: object) -> None:
 
 def test_edge_of_device_ranges_is_accepted() -> None:
     """The largest values the device tables hold pass: the bounds are the tables', not tighter."""
-    p = SamplingParams(top_k=2**63 - 1, temperature=3.4e38, seed=-(2**63), max_tokens=2**63 - 1,
-                       repetition_penalty=sp_module.MIN_REPETITION_PENALTY, stop_token_ids=[2**63 - 1])
+    p = SamplingParams(
+        top_k=2**63 - 1,
+        temperature=3.4e38,
+        seed=-(2**63),
+        max_tokens=2**63 - 1,
+        repetition_penalty=sp_module.MIN_REPETITION_PENALTY,
+        stop_token_ids=[2**63 - 1],
+    )
     assert p.top_k == 2**63 - 1 and p.max_tokens == 2**63 - 1
 
 

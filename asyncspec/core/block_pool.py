@@ -3,11 +3,12 @@
 Pure Python and O(1) per block: the scheduler calls into it for every running
 request on every step, so nothing here scans all blocks except the explicit reset.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Optional
 
 from asyncspec.errors import AsyncSpecError
 
@@ -24,7 +25,7 @@ class KVCacheBlock:
     """Index of the block in the paged KV tensors."""
     ref_cnt: int = 0
     """Number of request block tables holding this block."""
-    block_hash: Optional[bytes] = None
+    block_hash: bytes | None = None
     """Chained hash of the block's tokens while it is registered in the prefix cache."""
 
 
@@ -42,9 +43,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
         # OrderedDict = doubly linked list in C: O(1) popleft, append and remove-from-middle.
-        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
-            (b.block_id, b) for b in self.blocks
-        )
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
         """block_hash -> the one block registered under it (referenced or free)."""
 
@@ -93,7 +92,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 free_queue[block.block_id] = block
 
-    def get_cached_block(self, block_hash: bytes) -> Optional[KVCacheBlock]:
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached_blocks.get(block_hash)
 
     def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> bool:

@@ -4,12 +4,14 @@ The scheduler asks for slots every step for every running request, so the common
 call (no new block needed) is a dict lookup and a little arithmetic. Hashing happens once
 per full committed block per request, never per step.
 """
+
 from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Protocol
 
 from asyncspec.core.block_pool import BlockPool, KVCacheBlock
 from asyncspec.errors import ConfigError
@@ -175,9 +177,9 @@ class KVCacheManager:
         request: RequestLike,
         num_new_tokens: int,
         num_lookahead_tokens: int = 0,
-        new_computed_blocks: Optional[list[int]] = None,
+        new_computed_blocks: list[int] | None = None,
         num_new_computed_tokens: int = 0,
-    ) -> Optional[list[int]]:
+    ) -> list[int] | None:
         """Reserve slots for `num_new_tokens` (+ lookahead draft slots) after the computed ones.
 
         Returns the ids of the blocks appended by this call (prefix-hit blocks excluded), or
@@ -191,9 +193,7 @@ class KVCacheManager:
         request_id = request.request_id
         block_ids = self._req_blocks.get(request_id)
         num_held = len(block_ids) if block_ids is not None else 0
-        total = (
-            request.num_computed_tokens + num_new_computed_tokens + num_new_tokens + num_lookahead_tokens
-        )
+        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens + num_lookahead_tokens
         pool = self.pool
         if not new_computed_blocks:
             # Hot path: a decode step; usually the last block still has room.
@@ -211,18 +211,16 @@ class KVCacheManager:
             else:
                 block_ids.extend(new_ids)
             return new_ids
-        return self._allocate_with_prefix(
-            request, block_ids, total, new_computed_blocks, num_new_computed_tokens
-        )
+        return self._allocate_with_prefix(request, block_ids, total, new_computed_blocks, num_new_computed_tokens)
 
     def _allocate_with_prefix(
         self,
         request: RequestLike,
-        block_ids: Optional[list[int]],
+        block_ids: list[int] | None,
         total: int,
         new_computed_blocks: list[int],
         num_new_computed_tokens: int,
-    ) -> Optional[list[int]]:
+    ) -> list[int] | None:
         """allocate_slots for a first schedule with prefix hits (rare path: validates more)."""
         request_id = request.request_id
         pool = self.pool

@@ -1,10 +1,12 @@
 """Waiting queues: FCFS, or by priority (lower value first, then arrival)."""
+
 from __future__ import annotations
 
 import heapq
 import itertools
 from collections import deque
-from typing import Iterator, Protocol
+from collections.abc import Iterator
+from typing import Protocol
 
 from asyncspec.request import Request
 

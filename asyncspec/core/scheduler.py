@@ -1,8 +1,9 @@
 """Token-budget scheduler: running requests first, then prefill chunks; preemption by recompute."""
+
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Optional
 
 from asyncspec.core.kv_cache import KVCacheManager
 from asyncspec.core.request_queue import make_request_queue
@@ -265,7 +266,9 @@ class Scheduler:
         running_status = RequestStatus.RUNNING
         num_prompt_computed = 0
         num_generated = 0
-        for i, (request_id, sampled) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
+        for i, (request_id, sampled) in enumerate(
+            zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
+        ):
             request = requests.get(request_id)
             if request is None or request.status != running_status:
                 continue  # finished or preempted while this step ran: its results are void
@@ -285,7 +288,7 @@ class Scheduler:
             output_ids = request.output_token_ids
             all_ids = request.all_token_ids
             max_tokens = params.max_tokens
-            status: Optional[RequestStatus] = None
+            status: RequestStatus | None = None
             num_new = 0
             for token_id in sampled:
                 output_ids.append(token_id)
@@ -333,7 +336,7 @@ class Scheduler:
             for r in failed
         ]
 
-    def _check_stop(self, request: Request, token_id: int) -> Optional[RequestStatus]:
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
         num_output = request.num_output_tokens
         # Like the sampler's mask: stop ids are blocked while fewer than min_tokens tokens

@@ -1,9 +1,10 @@
 """What crosses from the scheduler to the worker (SchedulerOutput) and back (ModelRunnerOutput)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
+from asyncspec.outputs import TokenLogprobs
 from asyncspec.sampling_params import SamplingParams
 
 
@@ -52,22 +53,13 @@ class SchedulerOutput:
 
 
 @dataclass
-class TokenLogprobs:
-    """Logprobs of one generated token: the sampled token first, then the top-n alternatives."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    sampled_token_rank: int
-
-
-@dataclass
 class ModelRunnerOutput:
     """Results of one step, one entry per scheduled request in batch order."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     """Tokens sampled per request; empty for a prefill chunk that did not reach the end."""
-    logprobs: Optional[list[Optional[list[TokenLogprobs]]]] = None
+    logprobs: list[list[TokenLogprobs] | None] | None = None
     """Per request, per sampled token; None when no request asked for logprobs."""
     failed_requests: dict[str, str] = field(default_factory=dict)
     """Requests that failed alone this step (id -> reason): not admitted to the worker, or no
@@ -80,10 +72,10 @@ class EngineCoreOutput:
 
     request_id: str
     new_token_ids: list[int]
-    finish_reason: Optional[str] = None
+    finish_reason: str | None = None
     """"stop", "length", "abort" or "error"; None while the request runs on."""
-    stop_reason: Optional[int | str] = None
-    error: Optional[str] = None
+    stop_reason: int | str | None = None
+    error: str | None = None
     """Why the request failed, with finish_reason "error"."""
-    new_logprobs: Optional[list[TokenLogprobs]] = None
+    new_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0

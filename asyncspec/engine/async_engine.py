@@ -9,7 +9,6 @@ import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional, Union
 
 from asyncspec.config import EngineConfig
 from asyncspec.engine.llm_engine import LLMEngine, PromptType
@@ -27,7 +26,7 @@ _SHUT_DOWN = "the engine was shut down"
 class _Stream:
     """One client's stream: where its outputs go, and the event loop its consumer runs on."""
 
-    queue: asyncio.Queue[Union[RequestOutput, BaseException]]
+    queue: asyncio.Queue[RequestOutput | BaseException]
     loop: asyncio.AbstractEventLoop
 
 
@@ -46,12 +45,12 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._pending_adds: list[Request] = []
         self._pending_aborts: list[str] = []
-        self._wakeup: Optional[asyncio.Event] = None
-        self._aborts_applied: Optional[asyncio.Event] = None
-        self._loop_task: Optional[asyncio.Task[None]] = None
-        self._dead: Optional[EngineDeadError] = None
+        self._wakeup: asyncio.Event | None = None
+        self._aborts_applied: asyncio.Event | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._dead: EngineDeadError | None = None
         self._closed = False
-        self._inflight_step: Optional[concurrent.futures.Future[list[RequestOutput]]] = None
+        self._inflight_step: concurrent.futures.Future[list[RequestOutput]] | None = None
 
     @property
     def is_running(self) -> bool:
@@ -60,8 +59,8 @@ class AsyncEngine:
     async def generate(
         self,
         prompt: PromptType,
-        sampling_params: Optional[SamplingParams] = None,
-        request_id: Optional[str] = None,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Streams RequestOutput deltas; the last one has finish_reason set. Raises a typed error

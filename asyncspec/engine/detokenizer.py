@@ -5,9 +5,10 @@ of the tokens before it, and text is emitted only once it no longer ends in U+FF
 character still split across tokens). Decoding the window, not the token alone, keeps
 tokenizers whose decoders look at neighbours (sentencepiece spaces) correct.
 """
+
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 
@@ -41,7 +42,7 @@ class IncrementalDetokenizer:
         """Text of the output tokens so far (truncated at a matched stop string)."""
         self.num_output_tokens = 0
         """Output tokens consumed; tokens after the one that completed a stop string are dropped."""
-        self.stop_reason: Optional[str] = None
+        self.stop_reason: str | None = None
         """The stop string that ended the request, once one matched."""
         context = list(prompt_token_ids[-INITIAL_CONTEXT_TOKENS:])
         self._token_ids = context
@@ -51,7 +52,7 @@ class IncrementalDetokenizer:
         self._flushed = False
 
     # -- decoding ------------------------------------------------------------------------
-    def _decode(self, start: int, end: Optional[int] = None) -> str:
+    def _decode(self, start: int, end: int | None = None) -> str:
         return self.tokenizer.decode(self._token_ids[start:end], skip_special_tokens=self.skip_special_tokens)
 
     def _pending_text(self, allow_partial: bool) -> str:
@@ -63,7 +64,7 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._token_ids)
         return new_text[len(prefix_text) :]
 
-    def update(self, new_token_ids: Sequence[int]) -> Optional[str]:
+    def update(self, new_token_ids: Sequence[int]) -> str | None:
         """Appends the tokens' text; returns the stop string if one now matches, else None.
 
         Tokens are taken one at a time, so the result does not depend on how they were grouped
@@ -89,7 +90,7 @@ class IncrementalDetokenizer:
         earliest-starting one (ties: the shortest). Matches completed by an earlier token were
         handled then, so the first stop string to appear in the stream wins."""
         text = self.output_text
-        best: Optional[tuple[int, int, str]] = None
+        best: tuple[int, int, str] | None = None
         for stop in self.stop:
             # Only matches ending inside the new text are new; earlier ones were already checked.
             index = text.find(stop, max(len(text) - new_char_count - len(stop) + 1, 0))

@@ -1,7 +1,8 @@
 """EngineCore: scheduler + KV cache manager + model runner, one synchronous step at a time."""
+
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from asyncspec.config import EngineConfig
 from asyncspec.core.kv_cache import KVCacheManager
@@ -19,9 +20,7 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
     if config.max_model_len is None:
         return limit
     if config.max_model_len > limit:
-        raise ConfigError(
-            f"max_model_len={config.max_model_len} exceeds the model's limit of {limit} positions"
-        )
+        raise ConfigError(f"max_model_len={config.max_model_len} exceeds the model's limit of {limit} positions")
     return config.max_model_len
 
 

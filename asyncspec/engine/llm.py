@@ -1,7 +1,9 @@
 """LLM: the synchronous, offline entry point (`LLM(model, **config).generate(prompts, params)`)."""
+
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 from asyncspec.config import make_config
 from asyncspec.engine.llm_engine import LLMEngine, PromptType
@@ -13,32 +15,31 @@ from asyncspec.sampling_params import SamplingParams
 class LLM:
     """Offline batch generation. Keyword arguments are the fields of EngineConfig."""
 
-    def __init__(self, model: Optional[str] = None, **kwargs: object) -> None:
+    def __init__(self, model: str | None = None, **kwargs: object) -> None:
         self.config = make_config(model, **kwargs)
         self.engine = LLMEngine(self.config)
         self._next_id = 0
 
     def generate(
         self,
-        prompts: Union[PromptType, Sequence[PromptType]],
-        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-        priority: Optional[Sequence[int]] = None,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """One finished RequestOutput per prompt, in prompt order."""
-        if hasattr(prompts, "tolist"):  # a tensor / array: one prompt (1-D) or a batch (2-D)
-            prompts = prompts.tolist()  # type: ignore[union-attr]
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        # A tensor / array is one prompt (1-D) or a batch (2-D).
+        raw: Any = prompts.tolist() if hasattr(prompts, "tolist") else prompts
+        batch: list[PromptType] = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
+        prompts = batch
         params = self._expand(sampling_params, len(prompts), "sampling_params")
         priorities = self._expand(priority, len(prompts), "priority") if priority is not None else [0] * len(prompts)
         # Validate everything first: a bad prompt anywhere leaves the engine untouched.
         requests = []
-        for prompt, p, prio in zip(prompts, params, priorities):
+        for prompt, p, prio in zip(prompts, params, priorities, strict=True):
             requests.append(self.engine.make_request(prompt, p, f"llm-{self._next_id}", prio))
             self._next_id += 1
         order = {r.request_id: i for i, r in enumerate(requests)}
-        results: list[Optional[RequestOutput]] = [None] * len(requests)
+        results: list[RequestOutput | None] = [None] * len(requests)
         try:
             for request in requests:
                 self.engine.add_request(request, stream_deltas=False, enforce_queue_limit=False)
@@ -47,7 +48,7 @@ class LLM:
                     if output.finished:
                         results[order[output.request_id]] = output
         finally:
-            unfinished = [r.request_id for r, out in zip(requests, results) if out is None]
+            unfinished = [r.request_id for r, out in zip(requests, results, strict=True) if out is None]
             if unfinished:
                 self.engine.abort_requests(unfinished)
         return results  # type: ignore[return-value]

@@ -1,9 +1,11 @@
 """LLMEngine: request validation, tokenization, the engine core and output processing, synchronously."""
+
 from __future__ import annotations
 
 import os
 import uuid
-from typing import Iterable, Optional, Sequence, Union
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -15,7 +17,7 @@ from asyncspec.outputs import RequestOutput
 from asyncspec.request import Request
 from asyncspec.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
-PromptType = Union[str, Sequence[int]]
+PromptType = str | Sequence[int]
 
 
 def load_tokenizer(path: str) -> Tokenizer:
@@ -42,8 +44,8 @@ class LLMEngine:
     def make_request(
         self,
         prompt: PromptType,
-        params: Optional[SamplingParams] = None,
-        request_id: Optional[str] = None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
         priority: int = 0,
     ) -> Request:
         """Validates and tokenizes without touching engine state (so a bad request changes nothing)."""
@@ -83,7 +85,8 @@ class LLMEngine:
                 raise InvalidRequestError("this engine was started without a tokenizer: pass token ids")
             ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
         elif isinstance(prompt, Sequence) or hasattr(prompt, "tolist"):
-            ids = list(prompt.tolist() if hasattr(prompt, "tolist") else prompt)
+            raw: Any = prompt.tolist() if hasattr(prompt, "tolist") else prompt  # a tensor / array, or a list
+            ids = list(raw)
             for i, t in enumerate(ids):
                 if isinstance(t, bool) or not isinstance(t, int):
                     raise InvalidRequestError(f"prompt token {i} is {t!r}, not an integer token id")

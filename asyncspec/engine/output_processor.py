@@ -1,15 +1,15 @@
 """Turns EngineCoreOutputs into RequestOutputs: incremental detokenization and stop strings."""
+
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
 
 from tokenizers import Tokenizer
 
-from asyncspec.core.scheduler_output import EngineCoreOutput, TokenLogprobs
+from asyncspec.core.scheduler_output import EngineCoreOutput
 from asyncspec.engine.detokenizer import IncrementalDetokenizer
-from asyncspec.outputs import RequestOutput
+from asyncspec.outputs import RequestOutput, TokenLogprobs
 from asyncspec.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class RequestState:
     sampling_params: SamplingParams
     stream_deltas: bool
     """True: each output carries only what is new; False: one cumulative output at the end."""
-    detokenizer: Optional[IncrementalDetokenizer]
+    detokenizer: IncrementalDetokenizer | None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_sent_tokens: int = 0
@@ -46,7 +46,7 @@ class RequestState:
 class OutputProcessor:
     """Owns every live request's output state."""
 
-    def __init__(self, tokenizer: Optional[Tokenizer]) -> None:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
 
@@ -85,7 +85,7 @@ class OutputProcessor:
                 processed.outputs.append(output)
         return processed
 
-    def _process_one(self, state: RequestState, core: EngineCoreOutput, stopped: list[str]) -> Optional[RequestOutput]:
+    def _process_one(self, state: RequestState, core: EngineCoreOutput, stopped: list[str]) -> RequestOutput | None:
         if core.finish_reason == "error":
             return self._make_error_output(state, core.error or "the request failed", core.num_cached_tokens)
         finish_reason, stop_reason = core.finish_reason, core.stop_reason
@@ -122,7 +122,7 @@ class OutputProcessor:
             error=error,
         )
 
-    def abort(self, request_id: str) -> Optional[RequestOutput]:
+    def abort(self, request_id: str) -> RequestOutput | None:
         """Ends a request's output stream with finish_reason "abort"."""
         state = self.states.get(request_id)
         if state is None:
@@ -130,8 +130,8 @@ class OutputProcessor:
         return self._make_output(state, "abort", None, 0)
 
     def _make_output(
-        self, state: RequestState, finish_reason: Optional[str], stop_reason, num_cached_tokens: int
-    ) -> Optional[RequestOutput]:
+        self, state: RequestState, finish_reason: str | None, stop_reason, num_cached_tokens: int
+    ) -> RequestOutput | None:
         finished = finish_reason is not None
         if finished:
             del self.states[state.request_id]

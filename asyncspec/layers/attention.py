@@ -1,9 +1,10 @@
 """Attention front-end: write the step's K/V into the paged cache, then attend over it."""
+
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -28,9 +29,7 @@ class AttentionBackend:
     """slot_mapping(block_tables, query_start_loc, positions, block_size) -> slots, -1 for padding."""
 
 
-TORCH_REFERENCE = AttentionBackend(
-    "torch_reference", write_kv_cache_ref, paged_attention_ref, compute_slot_mapping_ref
-)
+TORCH_REFERENCE = AttentionBackend("torch_reference", write_kv_cache_ref, paged_attention_ref, compute_slot_mapping_ref)
 
 
 # The Triton kernels are imported on first call, not here: importing triton is slow and optional on the CPU,

@@ -1,4 +1,5 @@
 """Per-step attention inputs, built by the model runner and read by every attention layer."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """RMSNorm computed in fp32 and cast back, exactly like Hugging Face's LlamaRMSNorm."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Rotary position embedding (default, linear and llama3 scaling) with a cos/sin cache indexed by position."""
+
 from __future__ import annotations
 
 import math
@@ -16,7 +17,8 @@ def compute_inv_freq(
     """Inverse frequencies [head_dim // 2] in fp32, computed with the same ops as transformers."""
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).to(torch.float) / head_dim
     inv_freq = 1.0 / (rope_theta**exponent)
-    rope_type = (rope_scaling or {}).get("rope_type", "default")
+    rope_scaling = rope_scaling or {}
+    rope_type = rope_scaling.get("rope_type", "default")
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":

@@ -6,17 +6,17 @@ of seeded requests, which use each request's own generator so that a seeded requ
 never depend on its batch neighbours or position. Nothing here reads a device tensor back to
 the host, so the sampler adds no hidden host-device sync to the hot loop.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from asyncspec.sampling_params import SAMPLING_EPS, SamplingParams
-
 
 INVALID_TOKEN_ID = -1
 """What the sampler returns for a row with no valid token (NaN logits, or every token masked)."""
@@ -91,48 +91,48 @@ class SamplingMetadata:
 
     temperature: Tensor
     """[N] float32; 0 for greedy rows."""
-    top_k: Optional[Tensor]
+    top_k: Tensor | None
     """[N] int64, 0 = off; None when no row uses it."""
-    top_p: Optional[Tensor]
+    top_p: Tensor | None
     """[N] float32, 1 = off; None when no row uses it."""
-    min_p: Optional[Tensor]
+    min_p: Tensor | None
     """[N] float32, 0 = off; None when no row uses it."""
     generators: dict[int, torch.Generator]
     """Row -> the request's own generator (seeded requests only)."""
-    presence_penalty: Optional[Tensor]
+    presence_penalty: Tensor | None
     """[N] float32; None when no row uses any penalty (then the other penalty fields are None too)."""
-    frequency_penalty: Optional[Tensor]
+    frequency_penalty: Tensor | None
     """[N] float32."""
-    repetition_penalty: Optional[Tensor]
+    repetition_penalty: Tensor | None
     """[N] float32, 1 = off."""
-    prompt_token_ids: Optional[list[list[int]]]
+    prompt_token_ids: list[list[int]] | None
     """Per row, the prompt ids (repetition penalty); None means no prompt tokens are penalised."""
-    output_token_ids: list[list[int]]
+    output_token_ids: Sequence[Sequence[int]]
     """Per row, the tokens generated so far (penalties)."""
     blocked_token_ids: dict[int, list[int]]
     """Row -> token ids forbidden this step (EOS / stop ids while min_tokens is not reached)."""
-    max_num_logprobs: Optional[int]
+    max_num_logprobs: int | None
     """Largest `logprobs` among the rows; None when no row asks for logprobs."""
     all_greedy: bool = False
     """Host-side hint: every row is greedy (skips the random path). False = unknown."""
     all_random: bool = False
     """Host-side hint: no row is greedy (skips the argmax). False = unknown."""
-    output_token_counts: Optional[Tensor] = None
+    output_token_counts: Tensor | None = None
     """[N, V] float32 occurrences of each token in each row's output, kept on the device by the
     caller; when set, penalties use it (and prompt_token_mask) instead of the id lists."""
-    prompt_token_mask: Optional[Tensor] = None
+    prompt_token_mask: Tensor | None = None
     """[N, V] bool: the token occurs in the row's prompt (with output_token_counts)."""
 
     @classmethod
     def from_params(
         cls,
         params: Sequence[SamplingParams],
-        generators: Optional[dict[int, torch.Generator]] = None,
-        prompt_token_ids: Optional[Sequence[Sequence[int]]] = None,
-        output_token_ids: Optional[Sequence[Sequence[int]]] = None,
+        generators: dict[int, torch.Generator] | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        output_token_ids: Sequence[Sequence[int]] | None = None,
         eos_token_ids: Iterable[int] = (),
         device: torch.device | str = "cpu",
-    ) -> "SamplingMetadata":
+    ) -> SamplingMetadata:
         """Builds the metadata of one step. Seeded random rows need their persistent generator
         in `generators` (a fresh one per step would repeat the same draw every step)."""
         device = torch.device(device)
@@ -150,7 +150,7 @@ class SamplingMetadata:
             return _to_device(torch.tensor(values, dtype=torch.float32), device)
 
         greedy = [p.is_greedy for p in params]
-        random_rows = [p for p, g in zip(params, greedy) if not g]
+        random_rows = [p for p, g in zip(params, greedy, strict=True) if not g]
         # Truncation parameters only matter for random rows; greedy rows take the argmax.
         top_k = top_p = min_p = None
         if any(p.top_k > 0 for p in random_rows):
@@ -179,7 +179,7 @@ class SamplingMetadata:
 
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
-            temperature=f32([0.0 if g else p.temperature for p, g in zip(params, greedy)]),
+            temperature=f32([0.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]),
             top_k=top_k,
             top_p=top_p,
             min_p=min_p,
@@ -202,11 +202,11 @@ class SamplerOutput:
 
     sampled_token_ids: Tensor
     """[N] int64."""
-    logprob_token_ids: Optional[Tensor] = None
+    logprob_token_ids: Tensor | None = None
     """[N, 1 + max_num_logprobs] int64: the sampled token first, then the top-n ids."""
-    logprobs: Optional[Tensor] = None
+    logprobs: Tensor | None = None
     """[N, 1 + max_num_logprobs] float32 logprobs (of the raw logits) matching logprob_token_ids."""
-    sampled_token_ranks: Optional[Tensor] = None
+    sampled_token_ranks: Tensor | None = None
     """[N] int64 rank of the sampled token in the raw distribution (1 = most likely)."""
 
 
@@ -224,13 +224,13 @@ def apply_blocked_tokens(logits: Tensor, blocked: dict[int, list[int]]) -> Tenso
 
 def apply_penalties(
     logits: Tensor,
-    prompt_token_ids: Optional[Sequence[Sequence[int]]],
+    prompt_token_ids: Sequence[Sequence[int]] | None,
     output_token_ids: Sequence[Sequence[int]],
     presence_penalty: Tensor,
     frequency_penalty: Tensor,
     repetition_penalty: Tensor,
-    output_token_counts: Optional[Tensor] = None,
-    prompt_token_mask: Optional[Tensor] = None,
+    output_token_counts: Tensor | None = None,
+    prompt_token_mask: Tensor | None = None,
 ) -> Tensor:
     """Repetition penalty over prompt + output tokens, then presence / frequency over output.
 
@@ -261,7 +261,7 @@ def apply_penalties(
     return logits - presence_penalty.unsqueeze(1) * in_output.to(logits.dtype)
 
 
-def apply_top_k_top_p(logits: Tensor, top_k: Optional[Tensor], top_p: Optional[Tensor]) -> Tensor:
+def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
     """Masks to -inf all but the top-k tokens, then all but the smallest nucleus of mass >= p.
 
     One ascending sort serves both; top-p works on the distribution renormalised after top-k.
@@ -305,7 +305,7 @@ def process_logits(logits: Tensor, metadata: SamplingMetadata) -> Tensor:
 def random_sample(
     probs: Tensor,
     generators: dict[int, torch.Generator],
-    default_generator: Optional[torch.Generator] = None,
+    default_generator: torch.Generator | None = None,
 ) -> Tensor:
     """Exponential race: argmax(probs / q), q ~ Exp(1), samples exactly from probs.
 
@@ -339,7 +339,7 @@ class Sampler(nn.Module):
         self,
         logits: Tensor,
         metadata: SamplingMetadata,
-        default_generator: Optional[torch.Generator] = None,
+        default_generator: torch.Generator | None = None,
     ) -> SamplerOutput:
         # Contiguous float32 copy: never modify the caller's tensor; bf16 is too coarse for cumsums.
         logits = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).copy_(logits)

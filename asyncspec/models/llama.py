@@ -1,5 +1,9 @@
 """One decoder covering Llama, Mistral, Qwen2 and Qwen3 (flags: qkv bias, per-head q/k norm, sliding window)."""
+
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +108,11 @@ class LlamaModel(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
 
+    @property
+    def decoder_layers(self) -> Iterable[LlamaDecoderLayer]:
+        """`layers` with its element type (nn.ModuleList is not generic, so iterating it yields nn.Module)."""
+        return cast("Iterable[LlamaDecoderLayer]", self.layers)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -148,15 +157,20 @@ class LlamaForCausalLM(nn.Module):
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """HF checkpoint tensor name -> the parameter (or slice of a fused parameter) it fills."""
         out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.model.embed_tokens.weight}
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(self.model.decoder_layers):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             for kind in ("weight", "bias"):
                 fused = getattr(attn.qkv_proj, kind)
                 if fused is not None:
                     q, k, v = fused.split([attn.q_size, attn.kv_size, attn.kv_size], dim=0)
-                    out.update({f"{p}self_attn.q_proj.{kind}": q, f"{p}self_attn.k_proj.{kind}": k,
-                                f"{p}self_attn.v_proj.{kind}": v})
+                    out.update(
+                        {
+                            f"{p}self_attn.q_proj.{kind}": q,
+                            f"{p}self_attn.k_proj.{kind}": k,
+                            f"{p}self_attn.v_proj.{kind}": v,
+                        }
+                    )
                 if getattr(attn.o_proj, kind) is not None:
                     out[f"{p}self_attn.o_proj.{kind}"] = getattr(attn.o_proj, kind)
                 fused = getattr(mlp.gate_up_proj, kind)

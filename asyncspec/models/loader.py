@@ -1,4 +1,5 @@
 """Build a model on the meta device, materialise it on the target device/dtype, and fill it from safetensors."""
+
 from __future__ import annotations
 
 import glob
@@ -10,6 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from asyncspec.errors import ModelLoadError
+from asyncspec.models.llama import LlamaForCausalLM
 from asyncspec.models.model_config import ModelConfig
 from asyncspec.models.registry import get_model_class
 
@@ -27,7 +29,7 @@ def load_model(
     device: torch.device,
     load_format: str = "safetensors",
     seed: int = 0,
-) -> nn.Module:
+) -> LlamaForCausalLM:
     """The model of `model_config` on `device` in `dtype`, in eval mode, with weights from `model_path`."""
     device = torch.device(device)
     if load_format not in ("safetensors", "dummy"):
@@ -51,8 +53,9 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is not None:
-                module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device),
-                                                        requires_grad=False)
+                module._parameters[name] = nn.Parameter(
+                    torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False
+                )
         reset = getattr(module, "reset_non_persistent_buffers", None)
         if reset is not None:
             reset(device)
@@ -78,8 +81,9 @@ def _find_weight_files(model_path: str) -> dict[str, str]:
     if not os.path.isfile(candidates[0]):
         candidates = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
     if not candidates:
-        pickles = sorted({os.path.basename(p) for pat in _PICKLE_PATTERNS
-                          for p in glob.glob(os.path.join(model_path, pat))})
+        pickles = sorted(
+            {os.path.basename(p) for pat in _PICKLE_PATTERNS for p in glob.glob(os.path.join(model_path, pat))}
+        )
         if pickles:
             raise ModelLoadError(
                 f"{model_path}: only pickle weights found ({', '.join(pickles)}); pickle weights are not loaded "

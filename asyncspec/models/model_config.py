@@ -1,10 +1,11 @@
 """ModelConfig: the subset of a Hugging Face config.json the engine needs, validated once."""
+
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -166,6 +167,10 @@ class ModelConfig:
         )
 
 
+@overload
+def _read_json(path: str, required: Literal[True]) -> dict[str, Any]: ...
+@overload
+def _read_json(path: str, required: bool) -> dict[str, Any] | None: ...
 def _read_json(path: str, required: bool) -> dict[str, Any] | None:
     if not os.path.isfile(path):
         if required:

@@ -1,8 +1,8 @@
 """Persistent per-request state of the worker: one row per request, kept across steps."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ class RowState:
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    generator: Optional[torch.Generator]
+    generator: torch.Generator | None
     block_ids: list[int] = field(default_factory=list)
 
 
@@ -66,8 +66,8 @@ class InputBatch:
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         # Allocated when the first penalised request arrives: [max_num_reqs, vocab] each.
-        self.output_token_counts: Optional[torch.Tensor] = None
-        self.prompt_token_mask: Optional[torch.Tensor] = None
+        self.output_token_counts: torch.Tensor | None = None
+        self.prompt_token_mask: torch.Tensor | None = None
         self.max_model_len = max_model_len
         self.max_blocks_per_req = -(-max_model_len // block_size)
         self.device = device
@@ -77,8 +77,7 @@ class InputBatch:
         # Sampling parameters per row, on the device: a step gathers its rows instead of
         # building new tensors on the host.
         self.sampling_tensors = {
-            name: torch.zeros(max_num_reqs, dtype=dtype, device=device)
-            for name, dtype in _SAMPLING_FIELDS.items()
+            name: torch.zeros(max_num_reqs, dtype=dtype, device=device) for name, dtype in _SAMPLING_FIELDS.items()
         }
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         # Seeded generators of preempted requests, so a resumed request continues its stream.
@@ -141,7 +140,9 @@ class InputBatch:
         self.prompt_token_mask[row].index_fill_(0, prompt, True)
         if state.output_token_ids:
             outputs = torch.tensor(state.output_token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-            self.output_token_counts[row].index_add_(0, outputs, torch.ones(len(state.output_token_ids), device=self.device))
+            self.output_token_counts[row].index_add_(
+                0, outputs, torch.ones(len(state.output_token_ids), device=self.device)
+            )
 
     def record_sampled(self, batch_rows: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Counts the sampled tokens of rows [N] in the device output statistics (if any row is
@@ -169,4 +170,3 @@ class InputBatch:
 
     def __len__(self) -> int:
         return len(self.rows)
-

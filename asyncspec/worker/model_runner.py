@@ -1,24 +1,25 @@
 """Model runner: applies a SchedulerOutput to the persistent batch, builds inputs on the device, runs
 the forward pass and samples."""
+
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
-from typing import Optional
 
 import numpy as np
 import torch
 
 from asyncspec.config import EngineConfig
 from asyncspec.core.kv_cache import num_blocks_for_bytes
-from asyncspec.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from asyncspec.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncspec.errors import ConfigError
 from asyncspec.layers.attention import select_backend
 from asyncspec.layers.attention_metadata import AttentionMetadata
 from asyncspec.layers.sampler import INVALID_TOKEN_ID, Sampler, SamplingMetadata, make_generator
 from asyncspec.models.loader import load_model
 from asyncspec.models.model_config import ModelConfig
+from asyncspec.outputs import TokenLogprobs
 from asyncspec.sampling_params import SamplingParams
 from asyncspec.worker.input_batch import InputBatch, RowState
 
@@ -55,9 +56,7 @@ class ModelRunner:
             )
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
-        self.model = load_model(
-            config.model, model_config, self.dtype, self.device, config.load_format, config.seed
-        )
+        self.model = load_model(config.model, model_config, self.dtype, self.device, config.load_format, config.seed)
         self.sampler = Sampler()
         self.compute_slot_mapping = select_backend(self.device).slot_mapping
         self.default_generator = make_generator(config.seed, self.device)
@@ -80,7 +79,7 @@ class ModelRunner:
         # Rows of meta: batch row, num_computed_tokens, num_scheduled_tokens, sampling indices.
         self._meta_host = [torch.zeros((4, n), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._block_table_host = [torch.zeros((n, cols), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        self._copy_done: list[Optional[torch.cuda.Event]] = [None, None]
+        self._copy_done: list[torch.cuda.Event | None] = [None, None]
         self._buffer_index = 0
         self._meta_dev = torch.zeros((4, n), dtype=torch.int64, device=self.device)
         self._block_table_dev = torch.zeros((n, cols), dtype=torch.int32, device=self.device)
@@ -191,7 +190,7 @@ class ModelRunner:
                 failed[data.request_id] = f"the worker could not admit the request: {e!r}"
         cached = so.scheduled_cached_reqs
         for request_id, new_blocks, num_computed in zip(
-            cached.request_ids, cached.new_block_ids, cached.num_computed_tokens
+            cached.request_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
         ):
             state = batch.rows[request_id]
             batch.append_blocks(state, new_blocks)
@@ -217,16 +216,18 @@ class ModelRunner:
         total_num_scheduled = sum(num_scheduled)
         # Only requests whose scheduled tokens reach their last known token sample this step.
         sampling_rows = [
-            i for i, (s, n) in enumerate(zip(states, num_scheduled)) if s.num_computed_tokens + n >= s.num_tokens
+            i
+            for i, (s, n) in enumerate(zip(states, num_scheduled, strict=True))
+            if s.num_computed_tokens + n >= s.num_tokens
         ]
         attn_metadata, positions, input_ids = self._prepare_inputs(
             states, num_scheduled, sampling_rows, total_num_scheduled
         )
         hidden_states = self.model(input_ids, positions, self.kv_caches, attn_metadata)
-        for state, n in zip(states, num_scheduled):
+        for state, n in zip(states, num_scheduled, strict=True):
             state.num_computed_tokens += n
         sampled_per_req: list[list[int]] = [[] for _ in req_ids]
-        logprobs_per_req: Optional[list[Optional[list[TokenLogprobs]]]] = None
+        logprobs_per_req: list[list[TokenLogprobs] | None] | None = None
         if sampling_rows:
             num_sampling = len(sampling_rows)
             sample_index = self._meta_dev[3, :num_sampling]
@@ -242,7 +243,7 @@ class ModelRunner:
             self.input_batch.token_ids[batch_rows, token_cols] = out.sampled_token_ids
             self.input_batch.record_sampled(batch_rows, out.sampled_token_ids)
             sampled_host = out.sampled_token_ids.tolist()
-            for i, state, token_id in zip(sampling_rows, sampling_states, sampled_host):
+            for i, state, token_id in zip(sampling_rows, sampling_states, sampled_host, strict=True):
                 if token_id == INVALID_TOKEN_ID:
                     failed[state.request_id] = (
                         "the sampler found no valid token: the logits were NaN, or every token was masked"
@@ -265,8 +266,9 @@ class ModelRunner:
         num_reqs = len(states)
         i = self._buffer_index
         self._buffer_index ^= 1
-        if self._copy_done[i] is not None:
-            self._copy_done[i].synchronize()
+        copy_done = self._copy_done[i]
+        if copy_done is not None:
+            copy_done.synchronize()
         meta_host, block_table_host = self._meta_host[i], self._block_table_host[i]
         meta = meta_host.numpy()
         rows = [s.row for s in states]
@@ -275,7 +277,7 @@ class ModelRunner:
         meta[2, :num_reqs] = num_scheduled
         meta[3, : len(sampling_rows)] = sampling_rows
         self._meta_dev.copy_(meta_host, non_blocking=True)
-        seq_lens_host = [s.num_computed_tokens + n for s, n in zip(states, num_scheduled)]
+        seq_lens_host = [s.num_computed_tokens + n for s, n in zip(states, num_scheduled, strict=True)]
         max_seq_len = max(seq_lens_host)
         num_block_cols = -(-max_seq_len // self.block_size)
         np.take(self.input_batch.block_table, rows, axis=0, out=block_table_host.numpy()[:num_reqs])
@@ -285,7 +287,11 @@ class ModelRunner:
             event.record()
             self._copy_done[i] = event
 
-        row_dev, num_computed, num_sched = self._meta_dev[0, :num_reqs], self._meta_dev[1, :num_reqs], self._meta_dev[2, :num_reqs]
+        row_dev, num_computed, num_sched = (
+            self._meta_dev[0, :num_reqs],
+            self._meta_dev[1, :num_reqs],
+            self._meta_dev[2, :num_reqs],
+        )
         query_start_loc = self._query_start_loc[: num_reqs + 1]
         torch.cumsum(num_sched, 0, out=query_start_loc[1:])
         req_index = torch.repeat_interleave(self._arange[:num_reqs], num_sched, output_size=total_tokens)
@@ -311,12 +317,12 @@ class ModelRunner:
         tensors = self.input_batch.sampling_tensors
         random_params = [p for p in params if not p.is_greedy]
 
-        def rows_of(name: str, used: bool) -> Optional[torch.Tensor]:
+        def rows_of(name: str, used: bool) -> torch.Tensor | None:
             return tensors[name].index_select(0, batch_rows) if used else None
 
         uses_penalties = any(p.uses_penalties for p in params)
         blocked: dict[int, list[int]] = {}
-        for i, (state, p) in enumerate(zip(states, params)):
+        for i, (state, p) in enumerate(zip(states, params, strict=True)):
             if p.min_tokens and len(state.output_token_ids) < p.min_tokens:
                 ids = p.all_stop_token_ids(self.eos_token_ids)
                 if ids:
@@ -342,18 +348,20 @@ class ModelRunner:
         )
 
     @staticmethod
-    def _penalty_rows(table: Optional[torch.Tensor], batch_rows: torch.Tensor, used: bool) -> Optional[torch.Tensor]:
+    def _penalty_rows(table: torch.Tensor | None, batch_rows: torch.Tensor, used: bool) -> torch.Tensor | None:
         return table.index_select(0, batch_rows) if used and table is not None else None
 
     @staticmethod
     def _collect_logprobs(out, sampling_rows: list[int], states: list[RowState], num_reqs: int):
-        result: list[Optional[list[TokenLogprobs]]] = [None] * num_reqs
+        result: list[list[TokenLogprobs] | None] = [None] * num_reqs
         ids = out.logprob_token_ids.tolist()
         values = out.logprobs.tolist()
         ranks = out.sampled_token_ranks.tolist()
-        for j, (i, state) in enumerate(zip(sampling_rows, states)):
+        for j, (i, state) in enumerate(zip(sampling_rows, states, strict=True)):
             n = state.sampling_params.logprobs
             if n is None:
                 continue
-            result[i] = [TokenLogprobs(token_ids=ids[j][: n + 1], logprobs=values[j][: n + 1], sampled_token_rank=ranks[j])]
+            result[i] = [
+                TokenLogprobs(token_ids=ids[j][: n + 1], logprobs=values[j][: n + 1], sampled_token_rank=ranks[j])
+            ]
         return result

@@ -4,11 +4,12 @@
 block table) purely from the SchedulerOutput diffs, checks that those diffs are coherent
 with the scheduler's own state, and "samples" deterministic token ids.
 """
+
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 from asyncspec.core.kv_cache import KVCacheManager
 from asyncspec.core.scheduler import Scheduler, SchedulerConfig
@@ -24,9 +25,7 @@ def default_token(request_id: str, position: int) -> int:
     return 1000 + (zlib.crc32(request_id.encode()) % 97) * 31 + position  # never an EOS / stop id used in tests
 
 
-def make_scheduler(
-    num_blocks: int = 64, block_size: int = 4, enable_prefix_caching: bool = True, **cfg
-) -> Scheduler:
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, enable_prefix_caching: bool = True, **cfg) -> Scheduler:
     defaults = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256)
     defaults.update(cfg)
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
@@ -38,7 +37,7 @@ def make_request(
     prompt: list[int] | int,
     eos: frozenset[int] = frozenset(),
     priority: int = 0,
-    arrival_time: Optional[float] = None,
+    arrival_time: float | None = None,
     **params,
 ) -> Request:
     if isinstance(prompt, int):
@@ -71,7 +70,9 @@ class FakeRunner:
             assert new.request_id not in self.rows, f"{new.request_id} sent as new twice"
             self.rows[new.request_id] = _Row(len(new.token_ids), new.num_computed_tokens, list(new.block_ids))
         cached = so.scheduled_cached_reqs
-        for rid, blocks, computed in zip(cached.request_ids, cached.new_block_ids, cached.num_computed_tokens):
+        for rid, blocks, computed in zip(
+            cached.request_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
             row = self.rows[rid]
             if self.check:
                 # Sync mode: the worker's view after the last step is exactly the scheduler's.

@@ -1,4 +1,5 @@
 """BlockPool: LRU free queue, eviction of cached free blocks, touch, reset."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """KVCacheManager: exact slot allocation, all-or-nothing failure, prefix cache, LRU eviction."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -7,7 +8,6 @@ import pytest
 
 from asyncspec.core.kv_cache import KVCacheManager, PrefixCacheStats, num_blocks_for_bytes
 from asyncspec.errors import ConfigError
-
 from asyncspec.request import Request
 from asyncspec.sampling_params import SamplingParams
 
@@ -173,7 +173,7 @@ def test_concurrent_duplicate_keeps_first_mapping() -> None:
     m.cache_blocks(a, 4)
     m.cache_blocks(b, 4)
     assert {h: blk.block_id for h, blk in m.pool.cached_blocks.items()} == dict(
-        zip(m.block_hashes("a"), m.get_block_ids("a"))
+        zip(m.block_hashes("a"), m.get_block_ids("a"), strict=True)
     )
     assert all(m.pool.blocks[i].block_hash is None for i in m.get_block_ids("b"))
     b.all_token_ids += [5, 6]  # b's later blocks chain off the content hash and register

@@ -3,6 +3,7 @@
 A shadow model records which token every slot holds, so prefix hits are also checked
 for content: a hit block must hold exactly the request's tokens.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -12,7 +13,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from asyncspec.core.kv_cache import KVCacheManager
-
 from asyncspec.request import Request
 from asyncspec.sampling_params import SamplingParams
 
@@ -72,7 +72,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         else:
             table = self.m.get_block_ids(req.request_id)
             assert len(table) == max(-(-total // bs), held)  # never short, never more than needed
-            assert table[len(table) - len(result):] == result
+            assert table[len(table) - len(result) :] == result
 
     # ------------------------------------------------------------ rules
     @rule(prompt=st.lists(ALPHABET, min_size=1, max_size=20), lookahead=st.integers(0, 4))

@@ -1,4 +1,5 @@
 """Scheduler: token budget, decode-first chunked prefill, prefix hits, preemption, stop checks, aborts."""
+
 from __future__ import annotations
 
 import pytest

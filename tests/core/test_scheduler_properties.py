@@ -1,4 +1,5 @@
 """Property test: random arrivals / aborts / steps against a small pool keep every scheduler invariant."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -45,7 +46,9 @@ add_op = st.tuples(
     st.integers(0, 3),  # priority
 )
 ops = st.lists(
-    st.one_of(add_op, add_op, st.tuples(st.just("abort"), st.integers(0, 1000)), st.just(("step",)), st.just(("step",))),
+    st.one_of(
+        add_op, add_op, st.tuples(st.just("abort"), st.integers(0, 1000)), st.just(("step",)), st.just(("step",))
+    ),
     min_size=4,
     max_size=80,
 )

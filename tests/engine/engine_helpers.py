@@ -1,4 +1,5 @@
 """Shared helpers of the engine-level tests (not a test module)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -51,8 +52,11 @@ async def wait_kv_free(engine, timeout: float = 20.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         stats = engine.stats()
-        if stats["num_free_kv_blocks"] == stats["num_kv_blocks"] and stats["num_running_requests"] == 0 \
-                and stats["num_waiting_requests"] == 0:
+        if (
+            stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+            and stats["num_running_requests"] == 0
+            and stats["num_waiting_requests"] == 0
+        ):
             return stats
         if time.monotonic() > deadline:
             raise AssertionError(f"KV blocks not freed within {timeout}s: {stats}")

@@ -3,6 +3,7 @@
 No pytest-asyncio: each test runs its own event loop with asyncio.run. One AsyncEngine instance is shared by
 the module (its loop task is restarted by each new event loop), and must be whole (no KV used) between tests.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,11 +20,10 @@ from asyncspec.errors import (
     QueueFullError,
 )
 from tests.conftest import TARGET_MODEL, load_prompts
-from tests.engine.engine_helpers import (  # noqa: F401
+from tests.engine.engine_helpers import (
     assert_ids_in_vocab,
     assert_kv_free,
     bundled_llm,
-    one_thread,
     wait_kv_free,
 )
 
@@ -84,7 +84,7 @@ def test_deltas_concatenate_to_llm_output_and_interleave(engine, prompts, refere
         return await asyncio.gather(*(_collect(engine, p, GREEDY, f"cat-{i}", log) for i, p in enumerate(prompts)))
 
     results = _run(main())
-    for i, (deltas, ref) in enumerate(zip(results, reference)):
+    for i, (deltas, ref) in enumerate(zip(results, reference, strict=True)):
         assert all(d.request_id == f"cat-{i}" for d in deltas)
         assert [d.finish_reason for d in deltas[:-1]] == [None] * (len(deltas) - 1)
         assert deltas[-1].finish_reason == "length"
@@ -243,8 +243,9 @@ def test_invalid_request_is_typed_error_and_others_unharmed(engine, prompts, ref
         kwargs = dict(prompt=prompts[1], params=GREEDY, request_id="bad", priority=0)
         kwargs.update(bad)
         with pytest.raises(error):
-            async for _ in engine.generate(kwargs["prompt"], kwargs["params"], request_id=kwargs["request_id"],
-                                           priority=kwargs["priority"]):
+            async for _ in engine.generate(
+                kwargs["prompt"], kwargs["params"], request_id=kwargs["request_id"], priority=kwargs["priority"]
+            ):
                 pass
         return await good
 
@@ -254,8 +255,14 @@ def test_invalid_request_is_typed_error_and_others_unharmed(engine, prompts, ref
 
 
 def test_invalid_sampling_params_rejected_at_construction():
-    for kwargs in (dict(temperature=-1.0), dict(top_p=0.0), dict(max_tokens=0), dict(logprobs=21),
-                   dict(min_tokens=5, max_tokens=2), dict(stop=[""])):
+    for kwargs in (
+        dict(temperature=-1.0),
+        dict(top_p=0.0),
+        dict(max_tokens=0),
+        dict(logprobs=21),
+        dict(min_tokens=5, max_tokens=2),
+        dict(stop=[""]),
+    ):
         with pytest.raises(InvalidSamplingParamsError):
             SamplingParams(**kwargs)
     assert issubclass(InvalidSamplingParamsError, AsyncSpecError)
@@ -344,8 +351,9 @@ def test_streamed_logprobs_and_stop_string_match_llm(engine, prompts, reference)
     ends with the stop string, exactly as LLM.generate returns it."""
     text = reference[2].text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2, stop=[stop],
-                            include_stop_str_in_output=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2, stop=[stop], include_stop_str_in_output=True
+    )
     expected = bundled_llm(**CONFIG).generate([prompts[2]], params)[0]
 
     deltas = _run(_collect(engine, prompts[2], params, "lp"))

@@ -1,5 +1,6 @@
 """IncrementalDetokenizer on the bundled byte-level BPE tokenizer: streaming equals a full
 decode (multibyte characters included), and stop strings truncate exactly and never leak."""
+
 from __future__ import annotations
 
 import random
@@ -186,8 +187,7 @@ def test_random_stop_strings_never_leak(tok: Tokenizer) -> None:
         # completed by the same token, the earliest start (then the shortest) wins.
         lengths = _text_length_after_each_token(tok, tok.encode(text).ids)
         first = min(
-            (_first_token_showing(lengths, text.find(s) + len(s)), text.find(s), len(s))
-            for s in stops if s in text
+            (_first_token_showing(lengths, text.find(s) + len(s)), text.find(s), len(s)) for s in stops if s in text
         )[1:]
         want = text[: first[0] + first[1]] if include else text[: first[0]]
         assert stop is not None

@@ -1,4 +1,5 @@
 """GPU (bf16) engine checks, run on the device tool: closeness to Hugging Face and no KV leak at scale."""
+
 from __future__ import annotations
 
 import math
@@ -40,7 +41,7 @@ def _bf16_ulp(x: float) -> float:
 
 
 def _assert_close_greedy(ours: list[int], our_top5: list[set[int]], ref: list[int], ref_logits) -> None:
-    for i, (a, b) in enumerate(zip(ours, ref)):
+    for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
         if a == b:
             continue
         logit_ref, logit_ours = ref_logits[i][b].item(), ref_logits[i][a].item()
@@ -66,7 +67,7 @@ def test_bundled_target_bf16_close_to_hf():
     hf = AutoModelForCausalLM.from_pretrained(TARGET_MODEL, dtype=torch.bfloat16).cuda().eval()
     prompts = load_prompts(8)
     llm = LLM(str(TARGET_MODEL), device="cuda", max_model_len=1024, max_num_batched_tokens=512)
-    for prompt, (ours, our_top5) in zip(prompts, _run_ours(llm, prompts, 32)):
+    for prompt, (ours, our_top5) in zip(prompts, _run_ours(llm, prompts, 32), strict=True):
         ref, ref_logprobs = _hf_greedy_with_top5(hf, prompt, 32)
         _assert_close_greedy(ours, our_top5, ref, ref_logprobs)
 
@@ -76,8 +77,13 @@ def test_tiny_families_bf16_close_to_hf(family, tmp_path):
     import transformers
 
     common = dict(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
     )
     config_cls = {
         "llama": transformers.LlamaConfig,
@@ -94,7 +100,7 @@ def test_tiny_families_bf16_close_to_hf(family, tmp_path):
     rng = random.Random(0)
     prompts = [[rng.randrange(2, 512) for _ in range(rng.randrange(5, 80))] for _ in range(6)]
     llm = LLM(str(tmp_path), device="cuda", skip_tokenizer_init=True, max_model_len=256, max_num_batched_tokens=64)
-    for prompt, (ours, our_top5) in zip(prompts, _run_ours(llm, prompts, 24)):
+    for prompt, (ours, our_top5) in zip(prompts, _run_ours(llm, prompts, 24), strict=True):
         ref, ref_logprobs = _hf_greedy_with_top5(hf, prompt, 24)
         _assert_close_greedy(ours, our_top5, ref, ref_logprobs)
 
@@ -122,16 +128,36 @@ def test_prefill_chunks_that_outrun_the_gpu_keep_their_own_inputs(tmp_path):
     import json
 
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1024, "hidden_size": 8192,
-        "intermediate_size": 32768, "num_hidden_layers": 2, "num_attention_heads": 64, "num_key_value_heads": 8,
-        "head_dim": 128, "rms_norm_eps": 1e-5, "max_position_embeddings": 16384, "tie_word_embeddings": False,
-        "rope_theta": 10000.0, "eos_token_id": 0, "hidden_act": "silu",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 1024,
+        "hidden_size": 8192,
+        "intermediate_size": 32768,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 16384,
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,
+        "eos_token_id": 0,
+        "hidden_act": "silu",
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
     rng = random.Random(3)
     prompt = [rng.randrange(1, 1024) for _ in range(15984)]
-    llm = LLM(str(tmp_path), device="cuda", load_format="dummy", skip_tokenizer_init=True, max_model_len=16384,
-              max_num_batched_tokens=2048, max_num_seqs=4, num_kv_blocks=1100, enable_prefix_caching=False)
+    llm = LLM(
+        str(tmp_path),
+        device="cuda",
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=16384,
+        max_num_batched_tokens=2048,
+        max_num_seqs=4,
+        num_kv_blocks=1100,
+        enable_prefix_caching=False,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     free_running = llm.generate([prompt], params)[0].token_ids
     runner = llm.engine.engine_core.runner

@@ -1,4 +1,5 @@
 """The engine's greedy output equals Hugging Face transformers' greedy output, token for token (fp32, CPU)."""
+
 from __future__ import annotations
 
 import pytest
@@ -52,7 +53,7 @@ def test_bundled_target_matches_hf_under_batching_chunking_prefix_cache_and_pree
     assert stats["num_preemptions"] > 0, "the KV pool was meant to force preemption"
     assert stats["prefix_cache_hits"] > 0, "the repeated prefixes were meant to hit the prefix cache"
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"], "KV blocks leaked"
-    for prompt, out in zip(prompts, outputs):
+    for prompt, out in zip(prompts, outputs, strict=True):
         assert out.finish_reason == "length"
         assert out.prompt_token_ids == prompt
         expected = hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)

@@ -1,5 +1,6 @@
 """LLM: the offline API. Validation before any work, per-prompt params, output fields and order, text and
 token-id prompts, logprobs against an HF forward pass, stats counters."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,21 +10,29 @@ from transformers import AutoModelForCausalLM
 from asyncspec import LLM, RequestOutput, SamplingParams
 from asyncspec.errors import ConfigError, InvalidRequestError, InvalidSamplingParamsError
 from tests.conftest import TARGET_MODEL, load_prompts
-from tests.engine.engine_helpers import (  # noqa: F401
+from tests.engine.engine_helpers import (
     BUNDLED_VOCAB,
     assert_ids_in_vocab,
     assert_kv_free,
     bundled_llm,
-    one_thread,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 STAT_KEYS = {
-    "num_steps", "num_preemptions", "num_prompt_tokens_computed", "num_generation_tokens", "num_finished_requests",
-    "num_running_requests", "num_waiting_requests", "prefix_cache_queries", "prefix_cache_hits", "num_kv_blocks",
-    "num_free_kv_blocks", "kv_cache_usage",
+    "num_steps",
+    "num_preemptions",
+    "num_prompt_tokens_computed",
+    "num_generation_tokens",
+    "num_finished_requests",
+    "num_running_requests",
+    "num_waiting_requests",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "num_kv_blocks",
+    "num_free_kv_blocks",
+    "kv_cache_usage",
 }
 
 
@@ -56,7 +65,7 @@ def test_output_fields_and_prompt_order(llm, prompts, reference):
     assert len(outs) == len(prompts)
     assert len({o.request_id for o in outs}) == len(outs)
     tok = llm.get_tokenizer()
-    for prompt, p, out, ref in zip(prompts, params, outs, reference):
+    for prompt, p, out, ref in zip(prompts, params, outs, reference, strict=True):
         assert isinstance(out, RequestOutput)
         assert isinstance(out.request_id, str) and out.request_id
         assert out.prompt_token_ids == prompt
@@ -164,13 +173,13 @@ def hf_model():
 )
 def test_logprobs_match_hf(llm, prompts, hf_model, params):
     outs = llm.generate(prompts[:2], params)
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts[:2], outs, strict=True):
         assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
         full = torch.tensor([prompt + out.token_ids])
         with torch.no_grad():
             logits = hf_model(full).logits[0].float()
         ref = torch.log_softmax(logits, dim=-1)
-        for i, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        for i, (token, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
             row = ref[len(prompt) - 1 + i]
             assert lp.token_ids[0] == token
             assert len(lp.token_ids) == len(lp.logprobs) == 4
@@ -191,7 +200,8 @@ def test_logprobs_zero_and_truncated_by_stop_string(llm, prompts, reference):
     assert [len(lp.token_ids) for lp in out.logprobs] == [1] * 8
     text = reference[0].text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
-    out = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2,
-                                                    stop=[stop]))[0]
+    out = llm.generate(
+        [prompts[0]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2, stop=[stop])
+    )[0]
     assert out.finish_reason == "stop"
     assert len(out.logprobs) == len(out.token_ids)

@@ -1,5 +1,6 @@
 """Penalties through the engine (device-resident token statistics) against a hand-rolled reference
 loop over Hugging Face logits: greedy decoding of the penalised logits, token for token."""
+
 from __future__ import annotations
 
 import pytest
@@ -43,15 +44,26 @@ def test_penalised_greedy_matches_reference_with_neighbours_and_preemption(hf_mo
     params = [
         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=2.0),
         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, frequency_penalty=2.0),
-        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, presence_penalty=2.0,
-                       repetition_penalty=0.9),
-        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, frequency_penalty=1.0, presence_penalty=1.0),
+        SamplingParams(
+            temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, presence_penalty=2.0, repetition_penalty=0.9
+        ),
+        SamplingParams(
+            temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, frequency_penalty=1.0, presence_penalty=1.0
+        ),
         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),  # unpenalised neighbour
     ]
     preempted_after_output = []
     original_preempt = None
-    llm = LLM(str(TARGET_MODEL), device=device, dtype="float32", max_model_len=96, block_size=8,
-              num_kv_blocks=24, max_num_batched_tokens=48, max_num_seqs=5)
+    llm = LLM(
+        str(TARGET_MODEL),
+        device=device,
+        dtype="float32",
+        max_model_len=96,
+        block_size=8,
+        num_kv_blocks=24,
+        max_num_batched_tokens=48,
+        max_num_seqs=5,
+    )
     scheduler = llm.engine.engine_core.scheduler
     original_preempt = scheduler._preempt
 
@@ -64,7 +76,7 @@ def test_penalised_greedy_matches_reference_with_neighbours_and_preemption(hf_mo
     outs = llm.generate(prompts, params)
     # A penalised request resumed after preemption must get its output statistics back.
     assert preempted_after_output, "the small pool was meant to preempt a penalised request mid-output"
-    for prompt, p, out in zip(prompts, params, outs):
+    for prompt, p, out in zip(prompts, params, outs, strict=True):
         assert out.token_ids == reference_greedy_with_penalties(hf_model, prompt, p)
     plain = outs[4].token_ids
     assert outs[0].token_ids != plain or outs[1].token_ids != plain  # the penalties did change something

@@ -24,11 +24,10 @@ from asyncspec.errors import (
 )
 from asyncspec.worker.input_batch import InputBatch
 from tests.conftest import TARGET_MODEL, load_prompts
-from tests.engine.engine_helpers import (  # noqa: F401  (one_thread is a fixture)
+from tests.engine.engine_helpers import (
     assert_ids_in_vocab,
     assert_kv_free,
     bundled_llm,
-    one_thread,
     wait_kv_free,
 )
 

@@ -19,10 +19,9 @@ from asyncspec import AsyncEngine, SamplingParams
 from asyncspec.config import make_config
 from asyncspec.errors import AsyncSpecError, InvalidRequestError, InvalidSamplingParamsError, RequestFailedError
 from tests.conftest import TARGET_MODEL, load_prompts
-from tests.engine.engine_helpers import (  # noqa: F401  (one_thread is a fixture)
+from tests.engine.engine_helpers import (
     assert_ids_in_vocab,
     bundled_llm,
-    one_thread,
     wait_kv_free,
 )
 
@@ -33,11 +32,56 @@ NEIGHBOUR = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
 
 EDGE_VALUES = [
-    0, 1, -1, 2, 3, 20, 21, 2**31 - 1, 2**31, 2**32 + 1, 2**53 + 1, 2**63 - 1, 2**63, 2**64, -(2**63),
-    -(2**63) - 1, 10**30, 10**400,
-    0.0, -0.0, 1e-46, 5e-324, 1e-38, 1e-5, 0.5, 1.0, 1.5, 2.0, 2.5, 1e4, 3.4e38, 3.5e38, 1e39, 1e308,
-    float("nan"), float("inf"), float("-inf"), -1e39,
-    True, False, None, "", "1", "\n", b"x", [], [1], {}, (0,), 1j,
+    0,
+    1,
+    -1,
+    2,
+    3,
+    20,
+    21,
+    2**31 - 1,
+    2**31,
+    2**32 + 1,
+    2**53 + 1,
+    2**63 - 1,
+    2**63,
+    2**64,
+    -(2**63),
+    -(2**63) - 1,
+    10**30,
+    10**400,
+    0.0,
+    -0.0,
+    1e-46,
+    5e-324,
+    1e-38,
+    1e-5,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    1e4,
+    3.4e38,
+    3.5e38,
+    1e39,
+    1e308,
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    -1e39,
+    True,
+    False,
+    None,
+    "",
+    "1",
+    "\n",
+    b"x",
+    [],
+    [1],
+    {},
+    (0,),
+    1j,
 ]
 scalar = st.sampled_from(EDGE_VALUES) | st.integers() | st.floats() | st.floats(0.0, 2.0) | st.integers(-2, 40)
 listish = (

@@ -1,12 +1,13 @@
 """Seeded sampling: a request's tokens depend only on its seed, never on batch neighbours, their order, the
 token budget (chunking) or preemption. Unseeded sampling is reproducible from the engine seed."""
+
 from __future__ import annotations
 
 import pytest
 
 from asyncspec import SamplingParams
 from tests.conftest import load_prompts
-from tests.engine.engine_helpers import assert_ids_in_vocab, assert_kv_free, bundled_llm, one_thread  # noqa: F401
+from tests.engine.engine_helpers import assert_ids_in_vocab, assert_kv_free, bundled_llm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,15 +52,21 @@ def test_seeded_output_independent_of_neighbours_and_order(llm, prompts, alone):
 
 
 def test_different_seeds_differ(llm, prompts, alone):
-    outs = llm.generate([prompts[0]] * 3, [
-        SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=MAX_TOKENS, ignore_eos=True) for s in (124, 125, 126)
-    ])
+    outs = llm.generate(
+        [prompts[0]] * 3,
+        [
+            SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=MAX_TOKENS, ignore_eos=True)
+            for s in (124, 125, 126)
+        ],
+    )
     assert all(o.token_ids != alone for o in outs)
     assert len({tuple(o.token_ids) for o in outs}) > 1
 
 
 def test_seeded_output_independent_of_token_budget(prompts, alone):
-    small = bundled_llm(**{**CONFIG, "max_num_batched_tokens": 16, "max_num_seqs": 16})  # 40-token prompts take 3 chunks
+    small = bundled_llm(
+        **{**CONFIG, "max_num_batched_tokens": 16, "max_num_seqs": 16}
+    )  # 40-token prompts take 3 chunks
     outs = small.generate([prompts[1], prompts[0], prompts[2]], [UNSEEDED, SEEDED, GREEDY])
     assert outs[1].token_ids == alone
 

@@ -3,6 +3,7 @@
 Greedy (deterministic) runs first tell where a token or a string appears; a second run with that stop
 condition must end exactly there, and the KV pool must be whole again after every test.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +18,7 @@ from asyncspec import LLM, AsyncEngine, SamplingParams
 from asyncspec.config import make_config
 from asyncspec.errors import InvalidRequestError
 from tests.conftest import TARGET_MODEL, load_prompts
-from tests.engine.engine_helpers import assert_ids_in_vocab, assert_kv_free, bundled_llm, one_thread  # noqa: F401
+from tests.engine.engine_helpers import assert_ids_in_vocab, assert_kv_free, bundled_llm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -50,7 +51,7 @@ def _kv_whole_after(request):
 def test_max_tokens_exact(llm, prompts, greedy_runs):
     for n in (1, 2, 7):
         outs = llm.generate(prompts, SamplingParams(max_tokens=n, **GREEDY))
-        for out, ref in zip(outs, greedy_runs):
+        for out, ref in zip(outs, greedy_runs, strict=True):
             assert out.finish_reason == "length" and out.stop_reason is None
             assert out.token_ids == ref.token_ids[:n]
             assert_ids_in_vocab(out.token_ids)
@@ -79,7 +80,7 @@ def test_stop_token_ids_exact(llm, prompts, greedy_runs):
         expected.append((ref.token_ids[:cut], stop_id))
     outs = llm.generate(prompts, params)
     tok = llm.get_tokenizer()
-    for out, (tokens, stop_id) in zip(outs, expected):
+    for out, (tokens, stop_id) in zip(outs, expected, strict=True):
         assert out.token_ids == tokens, "the output must end at the first stop token, inclusive"
         assert out.finish_reason == "stop" and out.stop_reason == stop_id
         # As vLLM: the stop token's text is left out of the text (kept with include_stop_str_in_output).
@@ -87,7 +88,7 @@ def test_stop_token_ids_exact(llm, prompts, greedy_runs):
     for p in params:
         p.include_stop_str_in_output = True
     outs = llm.generate(prompts, params)
-    for out, (tokens, stop_id) in zip(outs, expected):
+    for out, (tokens, _stop_id) in zip(outs, expected, strict=True):
         assert out.token_ids == tokens and out.text == tok.decode(tokens)
 
 
@@ -103,8 +104,7 @@ def test_stop_token_at_max_tokens_is_stop(llm, prompts, greedy_runs):
 def test_min_tokens_blocks_stop_token_ids(llm, prompts, greedy_runs):
     ref = greedy_runs[2]
     stop_id = ref.token_ids[1]
-    out = llm.generate([prompts[2]], SamplingParams(max_tokens=12, min_tokens=6, stop_token_ids=[stop_id],
-                                                    **GREEDY))[0]
+    out = llm.generate([prompts[2]], SamplingParams(max_tokens=12, min_tokens=6, stop_token_ids=[stop_id], **GREEDY))[0]
     assert stop_id not in out.token_ids[:6], "a stop token was sampled before min_tokens"
     assert len(out.token_ids) >= 6
     if out.finish_reason == "stop":
@@ -142,7 +142,7 @@ def test_stop_string_exact(llm, prompts, greedy_runs, include):
         params.append(SamplingParams(max_tokens=40, stop=[stop], include_stop_str_in_output=include, **GREEDY))
         cases.append((stop, before, n_tokens))
     outs = llm.generate(prompts, params)
-    for out, ref, (stop, before, n_tokens) in zip(outs, greedy_runs, cases):
+    for out, ref, (stop, before, n_tokens) in zip(outs, greedy_runs, cases, strict=True):
         assert out.finish_reason == "stop" and out.stop_reason == stop
         assert out.text == (before + stop if include else before)
         assert out.token_ids == ref.token_ids[:n_tokens], "no token past the one completing the stop string"
@@ -170,15 +170,24 @@ def test_stop_string_never_streamed(prompts, greedy_runs, llm):
     for i, ref in enumerate(greedy_runs[:4]):
         stop, before, n_tokens = _stop_string_case(tok, ref, 10 + 2 * i)
         cases.append((stop, before, n_tokens, ref))
-    engine = AsyncEngine(make_config(str(TARGET_MODEL), device="cpu", dtype="float32", max_model_len=128,
-                                     num_kv_blocks=48, max_num_batched_tokens=64))
+    engine = AsyncEngine(
+        make_config(
+            str(TARGET_MODEL),
+            device="cpu",
+            dtype="float32",
+            max_model_len=128,
+            num_kv_blocks=48,
+            max_num_batched_tokens=64,
+        )
+    )
 
     async def one(i, prompt, stop, before):
         text = ""
         tokens = []
         last = None
-        async for delta in engine.generate(prompt, SamplingParams(max_tokens=40, stop=[stop], **GREEDY),
-                                           request_id=f"s{i}"):
+        async for delta in engine.generate(
+            prompt, SamplingParams(max_tokens=40, stop=[stop], **GREEDY), request_id=f"s{i}"
+        ):
             assert stop not in delta.text
             text += delta.text
             tokens += delta.token_ids
@@ -193,7 +202,7 @@ def test_stop_string_never_streamed(prompts, greedy_runs, llm):
             await engine.shutdown()
 
     results = asyncio.run(main())
-    for (text, tokens, last), (stop, before, n_tokens, ref) in zip(results, cases):
+    for (text, tokens, last), (stop, before, n_tokens, ref) in zip(results, cases, strict=True):
         assert text == before
         assert tokens == ref.token_ids[:n_tokens]
         assert last.finish_reason == "stop" and last.stop_reason == stop
@@ -222,9 +231,19 @@ VOCAB = 256
 def tiny_eos_model(tmp_path_factory, one_thread):
     path = tmp_path_factory.mktemp("tiny-eos")
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      initializer_range=0.2, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.2,
+        eos_token_id=2,
+        bos_token_id=1,
+        pad_token_id=0,
+    )
     hf = LlamaForCausalLM(cfg).eval()
     hf.save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -247,9 +266,16 @@ def tiny_eos_model(tmp_path_factory, one_thread):
 
 def _hf_generate(hf, prompt, eos, max_new, min_new=0):
     ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, min_new_tokens=min_new,
-                      do_sample=False, eos_token_id=eos, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = hf.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new,
+        min_new_tokens=min_new,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_eos_stops_exactly_and_min_tokens_blocks_it(tiny_eos_model):
@@ -257,7 +283,7 @@ def test_eos_stops_exactly_and_min_tokens_blocks_it(tiny_eos_model):
     llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=32, block_size=4)
     assert eos in llm.engine.eos_token_ids
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20))
-    for prompt, out, ref in zip(prompts, outs, free):
+    for prompt, out, ref in zip(prompts, outs, free, strict=True):
         if eos in ref.token_ids:
             cut = ref.token_ids.index(eos) + 1
             assert out.token_ids == ref.token_ids[:cut], "EOS is the last token, inclusive"
@@ -272,7 +298,7 @@ def test_eos_stops_exactly_and_min_tokens_blocks_it(tiny_eos_model):
     assert [o.token_ids for o in again] == [r.token_ids for r in free]
     for min_tokens in (3, 8):
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, min_tokens=min_tokens))
-        for prompt, out in zip(prompts, outs):
+        for prompt, out in zip(prompts, outs, strict=True):
             assert eos not in out.token_ids[:min_tokens]
             assert out.token_ids == _hf_generate(hf, prompt, eos, 20, min_new=min_tokens)
     assert_kv_free(llm.stats())

@@ -1,5 +1,6 @@
 """Engine greedy output equals HF `generate(do_sample=False)` token for token, for tiny random models of every
 supported family, with mixed-length prompts batched together, chunked prefill and forced preemption."""
+
 from __future__ import annotations
 
 import shutil
@@ -18,9 +19,9 @@ from transformers import (
 )
 
 from asyncspec import LLM, SamplingParams
+from asyncspec.errors import InvalidRequestError
 from tests.conftest import TARGET_MODEL
 from tests.hf_tiny_models import save_random_hf_model
-from tests.engine.engine_helpers import one_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -103,7 +104,7 @@ def test_tiny_family_matches_hf_greedy(family, tmp_path) -> None:
     stats = llm.stats()
     assert stats["num_preemptions"] > 0, "the tiny KV pool was meant to force preemption"
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"], "KV blocks leaked"
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         assert out.prompt_token_ids == prompt
         assert out.finish_reason == "length"
         assert all(0 <= t < VOCAB for t in out.token_ids)
@@ -117,13 +118,20 @@ def test_tiny_model_without_tokenizer_and_stop_at_eos(tmp_path) -> None:
     """skip_tokenizer_init: token ids in, token ids out, no text; EOS stops exactly where HF stops."""
     cfg_cls, model_cls, overrides = FAMILIES["llama-untied"]
     hf = _build(cfg_cls, model_cls, overrides, tmp_path)
-    llm = LLM(str(tmp_path), device="cpu", dtype="float32", skip_tokenizer_init=True, block_size=BLOCK_SIZE,
-              max_model_len=MAX_MODEL_LEN, num_kv_blocks=64)
+    llm = LLM(
+        str(tmp_path),
+        device="cpu",
+        dtype="float32",
+        skip_tokenizer_init=True,
+        block_size=BLOCK_SIZE,
+        max_model_len=MAX_MODEL_LEN,
+        num_kv_blocks=64,
+    )
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 9, 14)]
     free = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
     # Stop on the 4th greedy token id: the output ends at its first occurrence, inclusive.
-    for prompt, out in zip(prompts, free):
+    for prompt, out in zip(prompts, free, strict=True):
         assert out.text == ""
         assert out.token_ids == _hf_greedy(hf, prompt, 10)
         stop_id = out.token_ids[3]
@@ -131,7 +139,7 @@ def test_tiny_model_without_tokenizer_and_stop_at_eos(tmp_path) -> None:
         again = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[stop_id]))[0]
         assert again.token_ids == out.token_ids[: first + 1]
         assert again.finish_reason == "stop" and again.stop_reason == stop_id
-    with pytest.raises(Exception):
+    with pytest.raises(InvalidRequestError, match="without a tokenizer"):
         llm.generate(["text needs a tokenizer"], SamplingParams(max_tokens=2))
     stats = llm.stats()
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]

@@ -1,4 +1,5 @@
 """The pure-torch kernel references against naive, unpaged computations."""
+
 from __future__ import annotations
 
 import math
@@ -37,7 +38,7 @@ def test_slot_mapping_matches_python_loop() -> None:
     for block_size in (1, 3, 16):
         seq_lens, q_lens, block_tables, qsl, _ = _random_batch(gen, 7, block_size, 40)
         positions = []
-        for s, q in zip(seq_lens.tolist(), q_lens):
+        for s, q in zip(seq_lens.tolist(), q_lens, strict=True):
             positions += list(range(s - q, s))
         num_pad = 5
         positions_t = torch.tensor(positions + [123456] * num_pad, dtype=torch.int64)  # garbage in padding
@@ -112,8 +113,9 @@ def test_paged_attention_matches_dense(block_size, heads, head_dim, sliding_wind
     query = torch.randn(num_tokens + num_pad, num_heads, head_dim, generator=gen)
     out = torch.full_like(query, float("nan"))
     scale = 1 / math.sqrt(head_dim)
-    got = paged_attention_ref(query, k_cache, v_cache, qsl, seq_lens, block_tables, scale, out=out,
-                              sliding_window=sliding_window)
+    got = paged_attention_ref(
+        query, k_cache, v_cache, qsl, seq_lens, block_tables, scale, out=out, sliding_window=sliding_window
+    )
     assert got is out
     for b in range(len(q_lens)):
         rows = slice(int(qsl[b]), int(qsl[b + 1]))

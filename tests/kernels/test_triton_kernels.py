@@ -8,6 +8,7 @@ run compiled kernels. Hence `TestInterpreted` runs in-process only when that alr
 variable set, so it works whatever other test modules imported before and leaves this process (and its
 GPU tests) compiled.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,11 +43,17 @@ def interpreted():
     """The kernel modules, checked to be running in the interpreter (not silently compiled)."""
     from asyncspec.kernels import kv_cache_write_triton, paged_attention_triton, slot_mapping_triton
 
-    for kernel in (slot_mapping_triton._slot_mapping_kernel, kv_cache_write_triton._kv_cache_write_kernel,
-                   paged_attention_triton._paged_attention_kernel):
+    for kernel in (
+        slot_mapping_triton._slot_mapping_kernel,
+        kv_cache_write_triton._kv_cache_write_kernel,
+        paged_attention_triton._paged_attention_kernel,
+    ):
         assert isinstance(kernel, InterpretedFunction), "kernels are not interpreted"
-    return {"slot_mapping_triton": slot_mapping_triton, "kv_cache_write_triton": kv_cache_write_triton,
-            "paged_attention_triton": paged_attention_triton}
+    return {
+        "slot_mapping_triton": slot_mapping_triton,
+        "kv_cache_write_triton": kv_cache_write_triton,
+        "paged_attention_triton": paged_attention_triton,
+    }
 
 
 @pytest.mark.skipif(INTERPRETING, reason="TestInterpreted runs in this process")
@@ -57,7 +64,11 @@ def test_interpreter_suite() -> None:
     here = Path(__file__).resolve()
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", f"{here}::TestInterpreted", "-q", "-p", "no:cacheprovider", "-rfEs"],
-        cwd=here.parents[2], env=env, capture_output=True, text=True, timeout=600,
+        cwd=here.parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     report = proc.stdout[-6000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, report
@@ -83,15 +94,16 @@ class Batch:
         return int(self.query_start_loc[-1])
 
 
-def make_batch(gen: torch.Generator, specs: list[tuple[int, int]], block_size: int, num_pad: int,
-               device: str = "cpu") -> Batch:
+def make_batch(
+    gen: torch.Generator, specs: list[tuple[int, int]], block_size: int, num_pad: int, device: str = "cpu"
+) -> Batch:
     """specs: (seq_len, q_len) per request. Block tables are a shuffled pool with spare blocks left over."""
     blocks_needed = [-(-s // block_size) for s, _ in specs]
     num_blocks = sum(blocks_needed) + 5
     perm = torch.randperm(num_blocks, generator=gen)
     block_tables = torch.zeros(len(specs), max(blocks_needed) + 2, dtype=torch.int32)
     used, positions = 0, []
-    for b, ((s, q), n) in enumerate(zip(specs, blocks_needed)):
+    for b, ((s, q), n) in enumerate(zip(specs, blocks_needed, strict=True)):
         block_tables[b, :n] = perm[used : used + n].to(torch.int32)
         used += n
         positions += list(range(s - q, s))
@@ -99,12 +111,20 @@ def make_batch(gen: torch.Generator, specs: list[tuple[int, int]], block_size: i
     qsl[1:] = torch.cumsum(torch.tensor([q for _, q in specs]), 0)
     positions_t = torch.tensor(positions + [10**6 + 7] * num_pad, dtype=torch.int64)
     seq_lens = torch.tensor([s for s, _ in specs], dtype=torch.int32)
-    return Batch(seq_lens.to(device), [q for _, q in specs], qsl.to(device), block_tables.to(device),
-                 positions_t.to(device), num_blocks, num_pad)
+    return Batch(
+        seq_lens.to(device),
+        [q for _, q in specs],
+        qsl.to(device),
+        block_tables.to(device),
+        positions_t.to(device),
+        num_blocks,
+        num_pad,
+    )
 
 
-def fill_cache(gen: torch.Generator, batch: Batch, block_size: int, kvh: int, d: int, dtype: torch.dtype,
-               device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def fill_cache(
+    gen: torch.Generator, batch: Batch, block_size: int, kvh: int, d: int, dtype: torch.dtype, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """NaN-poisoned caches with real K/V at every position < seq_len of every request."""
     k_cache = torch.full((batch.num_blocks, block_size, kvh, d), float("nan"), dtype=dtype, device=device)
     v_cache = torch.full_like(k_cache, float("nan"))
@@ -117,8 +137,9 @@ def fill_cache(gen: torch.Generator, batch: Batch, block_size: int, kvh: int, d:
     return k_cache, v_cache
 
 
-def check_attention(paged_attention, batch: Batch, k_cache, v_cache, gen, num_heads: int, dtype, window,
-                    atol: float) -> None:
+def check_attention(
+    paged_attention, batch: Batch, k_cache, v_cache, gen, num_heads: int, dtype, window, atol: float
+) -> None:
     num_tokens, d = batch.num_tokens, k_cache.shape[3]
     device = k_cache.device
     query = torch.randn(num_tokens + batch.num_pad, num_heads, d, generator=gen).to(device=device, dtype=dtype)
@@ -200,14 +221,25 @@ class TestInterpreted:
         batch = make_batch(gen, specs, block_size, num_pad=3)
         k_cache, v_cache = fill_cache(gen, batch, block_size, kvh, d, dtype)
         atol = 2e-2 if dtype == torch.bfloat16 else 2e-5
-        check_attention(interpreted["paged_attention_triton"].paged_attention, batch, k_cache, v_cache, gen,
-                        num_heads, dtype, window, atol)
+        check_attention(
+            interpreted["paged_attention_triton"].paged_attention,
+            batch,
+            k_cache,
+            v_cache,
+            gen,
+            num_heads,
+            dtype,
+            window,
+            atol,
+        )
 
     if given is not None:
+
         @settings(max_examples=8, deadline=None, derandomize=True)
         @given(
             specs=st.lists(st.tuples(st.integers(1, 90), st.integers(0, 90)), min_size=1, max_size=5).map(
-                lambda xs: [(s, min(q, s)) for s, q in xs]),
+                lambda xs: [(s, min(q, s)) for s, q in xs]
+            ),
             block_size=st.sampled_from([1, 16, 32]),
             group=st.sampled_from([1, 2, 3]),
             d=st.sampled_from([32, 64]),
@@ -218,8 +250,17 @@ class TestInterpreted:
             gen = torch.Generator().manual_seed(len(specs) + block_size + group)
             batch = make_batch(gen, specs, block_size, num_pad=num_pad)
             k_cache, v_cache = fill_cache(gen, batch, block_size, 1, d, torch.float32)
-            check_attention(interpreted["paged_attention_triton"].paged_attention, batch, k_cache, v_cache, gen,
-                            group, torch.float32, window, 2e-5)
+            check_attention(
+                interpreted["paged_attention_triton"].paged_attention,
+                batch,
+                k_cache,
+                v_cache,
+                gen,
+                group,
+                torch.float32,
+                window,
+                2e-5,
+            )
 
     def test_backend_pipeline_matches_reference(self, interpreted, monkeypatch) -> None:
         """slot mapping -> KV write -> attention through the Attention layer with the forced Triton backend."""
@@ -233,9 +274,17 @@ class TestInterpreted:
         batch = make_batch(gen, MIXED, block_size, num_pad=4)
         caches = fill_cache(gen, batch, block_size, kvh, d, torch.float32)  # earlier steps' KV, then overwritten
         slots = interpreted["slot_mapping_triton"].compute_slot_mapping(
-            batch.block_tables, batch.query_start_loc, batch.positions, block_size)
-        meta = AttentionMetadata(slots, batch.query_start_loc, batch.seq_lens, batch.block_tables,
-                                 max(batch.q_lens), int(batch.seq_lens.max()), block_size)
+            batch.block_tables, batch.query_start_loc, batch.positions, block_size
+        )
+        meta = AttentionMetadata(
+            slots,
+            batch.query_start_loc,
+            batch.seq_lens,
+            batch.block_tables,
+            max(batch.q_lens),
+            int(batch.seq_lens.max()),
+            block_size,
+        )
         t_pad = batch.num_tokens + batch.num_pad
         q, k, v = (torch.randn(t_pad, n, d, generator=gen) for n in (h, kvh, kvh))
         outs = []
@@ -282,12 +331,15 @@ def _gpu_specs(gen: torch.Generator, num_reqs: int = 64, max_seq: int = 2048) ->
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,heads,d,window", [
-    (torch.bfloat16, (32, 8), 128, None),
-    (torch.bfloat16, (6, 2), 64, None),
-    (torch.bfloat16, (32, 8), 128, 256),
-    (torch.float32, (8, 8), 64, None),
-])
+@pytest.mark.parametrize(
+    "dtype,heads,d,window",
+    [
+        (torch.bfloat16, (32, 8), 128, None),
+        (torch.bfloat16, (6, 2), 64, None),
+        (torch.bfloat16, (32, 8), 128, 256),
+        (torch.float32, (8, 8), 64, None),
+    ],
+)
 def test_gpu_attention_matches_reference(dtype, heads, d, window) -> None:
     from asyncspec.kernels.paged_attention_triton import paged_attention
 
@@ -311,8 +363,9 @@ def test_gpu_slot_mapping_and_kv_write_match_reference() -> None:
     t_pad = batch.positions.shape[0]
     key = torch.randn(t_pad, 8, 128, device="cuda", dtype=torch.bfloat16)
     value = torch.randn_like(key)
-    caches = [torch.full((batch.num_blocks, 16, 8, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
-              for _ in range(4)]
+    caches = [
+        torch.full((batch.num_blocks, 16, 8, 128), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(4)
+    ]
     write_kv_cache(key, value, caches[0], caches[1], slots)
     write_kv_cache_ref(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[0].nan_to_num(7.0), caches[2].nan_to_num(7.0))
@@ -335,8 +388,9 @@ def test_gpu_kernels_do_not_sync() -> None:
     def step() -> torch.Tensor:
         slots = compute_slot_mapping(batch.block_tables, batch.query_start_loc, batch.positions, 16)
         write_kv_cache(k, v, k_cache, v_cache, slots)
-        return paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
-                               0.125, sliding_window=None)
+        return paged_attention(
+            q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, 0.125, sliding_window=None
+        )
 
     step()  # compile outside the check
     torch.cuda.synchronize()

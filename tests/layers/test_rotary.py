@@ -1,4 +1,5 @@
 """RoPE against transformers' own rotary embedding (default, linear, llama3), bit for bit."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,13 @@ from asyncspec.models.model_config import ModelConfig
 SCALINGS = [
     None,
     {"rope_type": "linear", "factor": 4.0},
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 64},
+    {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
 ]
 
 

@@ -1,5 +1,6 @@
 """Sampler: greedy, seeded reproducibility, truncation sets, exact distributions, penalties,
 blocked ids and logprobs, each against a direct per-row reference computation."""
+
 from __future__ import annotations
 
 import math
@@ -78,7 +79,9 @@ def _run_batch(requests: list[tuple[int, SamplingParams]], default_seed: int) ->
     tokens: list[list[int]] = [[] for _ in requests]
     for step in range(STEPS):
         md = SamplingMetadata.from_params(
-            [p for _, p in requests], generators=gens, output_token_ids=tokens,
+            [p for _, p in requests],
+            generators=gens,
+            output_token_ids=tokens,
             prompt_token_ids=[[1, 2, 3]] * len(requests),
         )
         batch_logits = torch.stack([lg[step] for lg in logits])
@@ -216,12 +219,14 @@ def test_top_k_top_p_min_p_support_matches_reference() -> None:
     n, vocab = 200, 40
     params = []
     for _ in range(n):
-        params.append(SamplingParams(
-            temperature=float(rng.choice([0.3, 0.7, 1.0, 2.0])),
-            top_k=int(rng.choice([0, 0, 1, 3, 10, 39, 40, 100])),
-            top_p=float(rng.choice([1.0, 0.1, 0.5, 0.8, 0.95])),
-            min_p=float(rng.choice([0.0, 0.0, 0.01, 0.1, 0.5])),
-        ))
+        params.append(
+            SamplingParams(
+                temperature=float(rng.choice([0.3, 0.7, 1.0, 2.0])),
+                top_k=int(rng.choice([0, 0, 1, 3, 10, 39, 40, 100])),
+                top_p=float(rng.choice([1.0, 0.1, 0.5, 0.8, 0.95])),
+                min_p=float(rng.choice([0.0, 0.0, 0.01, 0.1, 0.5])),
+            )
+        )
     logits = torch.from_numpy(rng.normal(size=(n, vocab)) * 3).float()
     processed = process_logits(logits.clone(), meta(params))
     checked = 0
@@ -246,8 +251,11 @@ def test_samples_stay_in_support() -> None:
     torch.manual_seed(0)
     vocab = 30
     base = torch.randn(vocab)
-    params = [SamplingParams(temperature=1.0, top_k=4), SamplingParams(temperature=2.0, top_p=0.6),
-              SamplingParams(temperature=1.5, min_p=0.2)]
+    params = [
+        SamplingParams(temperature=1.0, top_k=4),
+        SamplingParams(temperature=2.0, top_p=0.6),
+        SamplingParams(temperature=1.5, min_p=0.2),
+    ]
     for p in params:
         support, _ = _reference_support(base.double().numpy(), p)
         md = meta([p] * 5000)
@@ -310,9 +318,7 @@ def test_penalties_match_hand_computation() -> None:
     prompts = [[1, 2, 2, 5], [], [0, 11]]
     outputs = [[2, 3, 3, 3, 7], [4, 4], []]
     pres, freq, rep = [0.5, -1.0, 2.0], [0.25, 0.1, 0.0], [1.5, 1.0, 0.8]
-    got = apply_penalties(
-        logits.clone(), prompts, outputs, torch.tensor(pres), torch.tensor(freq), torch.tensor(rep)
-    )
+    got = apply_penalties(logits.clone(), prompts, outputs, torch.tensor(pres), torch.tensor(freq), torch.tensor(rep))
     want = logits.clone()
     for r in range(3):
         for t in range(vocab):
@@ -333,8 +339,7 @@ def test_penalties_change_greedy_choice_and_ignore_placeholders() -> None:
     assert sampler(logits, md).sampled_token_ids.tolist() == [2]  # 5 - 2 < 4
     md = meta(params, output_token_ids=[[-1, 9]], prompt_token_ids=[[3]])  # -1 / out of range: ignored
     assert sampler(logits, md).sampled_token_ids.tolist() == [1]
-    md = meta([SamplingParams(temperature=0.0, repetition_penalty=2.0)], output_token_ids=[[]],
-              prompt_token_ids=[[1]])
+    md = meta([SamplingParams(temperature=0.0, repetition_penalty=2.0)], output_token_ids=[[]], prompt_token_ids=[[1]])
     assert sampler(logits, md).sampled_token_ids.tolist() == [2]  # 5 / 2 < 4
 
 
@@ -359,8 +364,9 @@ def test_blocked_ids_never_sampled_until_min_tokens() -> None:
     assert md.blocked_token_ids == {}
     assert (sampler(logits, md).sampled_token_ids[0::2] == eos).all()
     # ignore_eos: EOS is never a stop id, so it is not blocked either; stop ids still are.
-    md = meta([SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True, stop_token_ids=[stop_id])],
-              eos_token_ids=[eos])
+    md = meta(
+        [SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True, stop_token_ids=[stop_id])], eos_token_ids=[eos]
+    )
     assert md.blocked_token_ids == {0: [stop_id]}
 
 
@@ -409,9 +415,22 @@ def test_logprobs_zero_gives_only_sampled_token() -> None:
 def test_cuda_seeded_and_no_sync() -> None:
     dev = "cuda"
     logits = torch.randn(8, 1000, device=dev, dtype=torch.bfloat16)
-    params = [SamplingParams(temperature=0.8, seed=11, top_p=0.9, top_k=50, min_p=0.01, logprobs=2,
-                             repetition_penalty=1.2, min_tokens=2)] + [SamplingParams(temperature=t) for t in
-                                                                        (0.0, 1.0) * 3] + [SamplingParams()]
+    params = (
+        [
+            SamplingParams(
+                temperature=0.8,
+                seed=11,
+                top_p=0.9,
+                top_k=50,
+                min_p=0.01,
+                logprobs=2,
+                repetition_penalty=1.2,
+                min_tokens=2,
+            )
+        ]
+        + [SamplingParams(temperature=t) for t in (0.0, 1.0) * 3]
+        + [SamplingParams()]
+    )
     md_a = meta(params, device=dev, output_token_ids=[[1]] * 8, prompt_token_ids=[[2]] * 8, eos_token_ids=[0])
     md_b = meta(params[:1], device=dev, output_token_ids=[[1]], prompt_token_ids=[[2]], eos_token_ids=[0])
     torch.cuda.set_sync_debug_mode("error")

@@ -1,4 +1,5 @@
 """load_model: weights land where they belong, dummy weights, and one test per ModelLoadError case."""
+
 from __future__ import annotations
 
 import json
@@ -13,9 +14,16 @@ from asyncspec.models.loader import load_model
 from asyncspec.models.model_config import ModelConfig
 
 CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-    "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 32,
+    "hidden_size": 16,
+    "intermediate_size": 24,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
 }
 CPU = torch.device("cpu")
 
@@ -27,12 +35,19 @@ def _expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     for n in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{n}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
     if not cfg["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (v, h)
     return shapes
@@ -89,8 +104,11 @@ def test_tied_embeddings_share_storage_and_ignore_lm_head(tmp_path) -> None:
     cfg = {**CONFIG, "tie_word_embeddings": True}
     tensors = _write_model(tmp_path, cfg)
     # Some exporters still write the tied head and the rotary buffer; both are harmless.
-    extra = {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"].clone(),
-             "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(2)}
+    extra = {
+        **tensors,
+        "lm_head.weight": tensors["model.embed_tokens.weight"].clone(),
+        "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(2),
+    }
     save_file(extra, str(tmp_path / "model.safetensors"))
     model = _load(tmp_path)
     assert model.lm_head is None

@@ -1,4 +1,5 @@
 """ModelConfig.from_pretrained against transformers' own config classes and hand-written config.json files."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,12 @@ from asyncspec.errors import ModelLoadError
 from asyncspec.models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 BASE = {
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 3, "num_attention_heads": 8,
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 100,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 8,
 }
 
 
@@ -23,18 +28,45 @@ def _write(tmp_path, cfg: dict, gen: dict | None = None) -> str:
     return str(tmp_path)
 
 
-@pytest.mark.parametrize("hf_cls,arch", [(LlamaConfig, "LlamaForCausalLM"), (MistralConfig, "MistralForCausalLM"),
-                                         (Qwen2Config, "Qwen2ForCausalLM"), (Qwen3Config, "Qwen3ForCausalLM")])
+@pytest.mark.parametrize(
+    "hf_cls,arch",
+    [
+        (LlamaConfig, "LlamaForCausalLM"),
+        (MistralConfig, "MistralForCausalLM"),
+        (Qwen2Config, "Qwen2ForCausalLM"),
+        (Qwen3Config, "Qwen3ForCausalLM"),
+    ],
+)
 def test_fields_match_transformers_config(tmp_path, hf_cls, arch) -> None:
-    hf = hf_cls(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8,
-                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                eos_token_id=7, bos_token_id=6, architectures=[arch])
+    hf = hf_cls(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        eos_token_id=7,
+        bos_token_id=6,
+        architectures=[arch],
+    )
     hf.save_pretrained(str(tmp_path))
     cfg = ModelConfig.from_pretrained(str(tmp_path))
     assert cfg.architecture == arch
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
-                 "bos_token_id"):
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "bos_token_id",
+    ):
         assert getattr(cfg, name) == getattr(hf, name), name
     assert cfg.head_dim == (getattr(hf, "head_dim", None) or 64 // 8)
     assert cfg.rope_theta == hf.rope_parameters["rope_theta"] and cfg.rope_scaling is None
@@ -54,23 +86,36 @@ def test_defaults_for_optional_keys(tmp_path) -> None:
 
 
 def test_legacy_rope_keys_and_llama3_scaling(tmp_path) -> None:
-    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
-    cfg = ModelConfig.from_pretrained(_write(tmp_path, {**BASE, "rope_theta": 500000.0, "rope_scaling": scaling,
-                                                        "torch_dtype": "bfloat16"}))
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    cfg = ModelConfig.from_pretrained(
+        _write(tmp_path, {**BASE, "rope_theta": 500000.0, "rope_scaling": scaling, "torch_dtype": "bfloat16"})
+    )
     assert cfg.rope_theta == 500000.0 and cfg.rope_scaling == scaling and cfg.torch_dtype == "bfloat16"
 
 
 def test_rope_parameters_form_and_linear_with_old_type_key(tmp_path) -> None:
-    cfg = ModelConfig.from_pretrained(_write(tmp_path, {**BASE, "rope_parameters": {
-        "rope_theta": 1000.0, "rope_type": "linear", "factor": 2.0}}))
+    cfg = ModelConfig.from_pretrained(
+        _write(tmp_path, {**BASE, "rope_parameters": {"rope_theta": 1000.0, "rope_type": "linear", "factor": 2.0}})
+    )
     assert cfg.rope_theta == 1000.0 and cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     cfg = ModelConfig.from_pretrained(_write(tmp_path, {**BASE, "rope_scaling": {"type": "linear", "factor": 3.0}}))
     assert cfg.rope_scaling == {"rope_type": "linear", "factor": 3.0}
 
 
-@pytest.mark.parametrize("rope", [{"rope_type": "yarn", "factor": 4.0}, {"rope_type": "dynamic", "factor": 2.0},
-                                  {"rope_type": "llama3", "factor": 8.0}])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "yarn", "factor": 4.0},
+        {"rope_type": "dynamic", "factor": 2.0},
+        {"rope_type": "llama3", "factor": 8.0},
+    ],
+)
 def test_unsupported_or_incomplete_rope_is_rejected(tmp_path, rope) -> None:
     with pytest.raises(ModelLoadError, match=rope["rope_type"]):
         ModelConfig.from_pretrained(_write(tmp_path, {**BASE, "rope_scaling": rope}))
@@ -84,9 +129,16 @@ def test_eos_ids_merge_config_and_generation_config(tmp_path) -> None:
 
 
 def test_qwen_sliding_window_layers(tmp_path) -> None:
-    hf = Qwen2Config(num_hidden_layers=4, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
-                     use_sliding_window=True, sliding_window=16, max_window_layers=2,
-                     architectures=["Qwen2ForCausalLM"])
+    hf = Qwen2Config(
+        num_hidden_layers=4,
+        hidden_size=64,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=16,
+        max_window_layers=2,
+        architectures=["Qwen2ForCausalLM"],
+    )
     hf.save_pretrained(str(tmp_path))
     cfg = ModelConfig.from_pretrained(str(tmp_path))
     assert [cfg.sliding_window_for_layer(i) for i in range(4)] == [None, None, 16, 16]
@@ -94,8 +146,12 @@ def test_qwen_sliding_window_layers(tmp_path) -> None:
 
 def test_unknown_architecture_names_it_and_the_supported_list(tmp_path) -> None:
     with pytest.raises(ModelLoadError) as info:
-        ModelConfig.from_pretrained(_write(tmp_path, {**BASE, "architectures": ["GPT2LMHeadModel"],
-                                                      "auto_map": {"AutoModelForCausalLM": "evil.Model"}}))
+        ModelConfig.from_pretrained(
+            _write(
+                tmp_path,
+                {**BASE, "architectures": ["GPT2LMHeadModel"], "auto_map": {"AutoModelForCausalLM": "evil.Model"}},
+            )
+        )
     assert "GPT2LMHeadModel" in str(info.value)
     assert all(a in str(info.value) for a in SUPPORTED_ARCHITECTURES)
 

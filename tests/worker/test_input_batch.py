@@ -1,4 +1,5 @@
 """InputBatch: rows, block tables, device sampling parameters and penalty statistics."""
+
 from __future__ import annotations
 
 import torch

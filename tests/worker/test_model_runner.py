@@ -1,4 +1,5 @@
 """Model runner: device selection errors, KV pool sizing, and the device-resident token buffer."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,7 +24,9 @@ def test_pool_smaller_than_one_max_len_request_is_refused():
 def test_pool_sized_in_bytes():
     # 8 layers x 2 (K, V) x 2 KV heads x 64 dims x 4 bytes (fp32) = 8192 bytes per token.
     bytes_per_block = 8 * 2 * 2 * 64 * 4 * 16
-    llm = LLM(str(TARGET_MODEL), device="cpu", dtype="float32", max_model_len=256, kv_cache_bytes=40 * bytes_per_block + 5)
+    llm = LLM(
+        str(TARGET_MODEL), device="cpu", dtype="float32", max_model_len=256, kv_cache_bytes=40 * bytes_per_block + 5
+    )
     assert llm.stats()["num_kv_blocks"] == 40
     with pytest.raises(ConfigError):
         LLM(str(TARGET_MODEL), device="cpu", dtype="float32", max_model_len=256, kv_cache_bytes=bytes_per_block - 1)
@@ -49,7 +52,9 @@ def test_device_token_buffer_holds_prompt_and_sampled_tokens():
 
 def test_unchunked_prefill_needs_a_budget_of_max_model_len():
     with pytest.raises(ConfigError, match="enable_chunked_prefill=False"):
-        LLM(str(TARGET_MODEL), device="cpu", max_model_len=512, enable_chunked_prefill=False, max_num_batched_tokens=256)
+        LLM(
+            str(TARGET_MODEL), device="cpu", max_model_len=512, enable_chunked_prefill=False, max_num_batched_tokens=256
+        )
 
 
 def test_prefix_cache_queries_count_each_admission_once():
