@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
 
 from asyncspec.errors import ConfigError
+
+MAX_SPECULATIVE_TOKENS = 8
+"""Largest k: budgets, lookahead slots and draft buffers are sized for k + 1 tokens per request."""
+BUNDLED_TARGET, BUNDLED_DRAFT = "stdlib-coder-target", "stdlib-coder-draft"
+"""Directory names of the embedded default pair (models/)."""
+
+
+def _is_bundled_target(model: str) -> bool:
+    path = Path(model)
+    return path.name == BUNDLED_TARGET and (path.resolve().parent / BUNDLED_DRAFT).is_dir()
+
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -58,11 +70,15 @@ class EngineConfig:
     max_stop_strings: int = 16
     """Most stop strings one request may give."""
     speculative_method: Literal["draft_model", "ngram"] | None = None
-    """Speculative decoding proposer; None disables it."""
+    """Speculative decoding proposer: "draft_model", "ngram" (prompt lookup), or None (off)."""
     draft_model: str | None = None
-    """Draft model directory for `speculative_method="draft_model"`."""
+    """Draft model directory for "draft_model"; None uses the bundled draft when `model` is the bundled target."""
     num_speculative_tokens: int = 0
-    """Draft tokens proposed per step (k)."""
+    """Draft tokens proposed and verified per step (k), 1 to 8 with a speculative_method; 0 without."""
+    prompt_lookup_min: int = 2
+    """Shortest n-gram the "ngram" proposer matches against earlier tokens."""
+    prompt_lookup_max: int = 5
+    """Longest n-gram the "ngram" proposer tries first."""
     async_scheduling: bool = False
     """Overlap scheduling of step N+1 with execution of step N."""
 
@@ -124,13 +140,52 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ConfigError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        if self.speculative_method is not None:
-            raise ConfigError(
-                f"speculative_method={self.speculative_method!r} is not available in this build yet; "
-                "use speculative_method=None"
-            )
+        self._validate_speculative()
         if self.async_scheduling:
             raise ConfigError("async_scheduling=True is not available in this build yet; use async_scheduling=False")
+
+    def _validate_speculative(self) -> None:
+        method, k = self.speculative_method, self.num_speculative_tokens
+        if method not in (None, "draft_model", "ngram"):
+            raise ConfigError(f"speculative_method must be 'draft_model', 'ngram' or None, got {method!r}")
+        if method is None:
+            if k != 0:
+                raise ConfigError(f"num_speculative_tokens={k} needs a speculative_method ('draft_model' or 'ngram')")
+            if self.draft_model is not None:
+                raise ConfigError("draft_model is set but speculative_method is not 'draft_model'")
+            return
+        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}] with speculative_method="
+                f"{method!r}, got {k}"
+            )
+        if method == "ngram":
+            if self.draft_model is not None:
+                raise ConfigError("draft_model is only used with speculative_method='draft_model'")
+            _check_int("prompt_lookup_min", self.prompt_lookup_min, minimum=1)
+            _check_int("prompt_lookup_max", self.prompt_lookup_max, minimum=self.prompt_lookup_min)
+        elif self.draft_model is None and not _is_bundled_target(self.model):
+            raise ConfigError(
+                "speculative_method='draft_model' needs draft_model=<directory> (the bundled draft is the "
+                "default only for the bundled target)"
+            )
+        needed = self.max_num_seqs * (k + 1)
+        if self.max_num_batched_tokens < needed:
+            raise ConfigError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} cannot hold a decode step of "
+                f"max_num_seqs={self.max_num_seqs} requests with {k} draft tokens each: it needs "
+                f"max_num_seqs * (num_speculative_tokens + 1) = {needed}; raise max_num_batched_tokens "
+                f"to {needed} or lower max_num_seqs"
+            )
+
+    @property
+    def draft_model_path(self) -> str | None:
+        """The draft directory in use: `draft_model`, or the bundled draft beside the bundled target."""
+        if self.speculative_method != "draft_model":
+            return None
+        if self.draft_model is not None:
+            return self.draft_model
+        return str(Path(self.model).resolve().parent / BUNDLED_DRAFT)
 
     @classmethod
     def field_names(cls) -> list[str]:

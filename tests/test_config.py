@@ -28,7 +28,26 @@ from tests.conftest import TARGET_MODEL
         ({"load_format": "pt"}, "load_format"),
         ({"max_num_batched_tokens": 8, "max_num_seqs": 16}, "max_num_batched_tokens"),
         ({"long_prefill_token_threshold": 64, "enable_chunked_prefill": False}, "long_prefill_token_threshold"),
-        ({"speculative_method": "ngram", "num_speculative_tokens": 4}, "speculative_method"),
+        ({"speculative_method": "eagle", "num_speculative_tokens": 4}, "speculative_method"),
+        ({"speculative_method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"speculative_method": "ngram", "num_speculative_tokens": 9}, "num_speculative_tokens"),
+        ({"num_speculative_tokens": 2}, "num_speculative_tokens"),
+        ({"draft_model": "models/stdlib-coder-draft"}, "draft_model"),
+        (
+            {"speculative_method": "ngram", "num_speculative_tokens": 4, "max_num_batched_tokens": 128},
+            "max_num_batched_tokens",
+        ),
+        ({"speculative_method": "draft_model", "num_speculative_tokens": 4, "model": "/tmp/some-model"}, "draft_model"),
+        ({"speculative_method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min"),
+        (
+            {
+                "speculative_method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_min": 4,
+                "prompt_lookup_max": 3,
+            },
+            "prompt_lookup_max",
+        ),
         ({"async_scheduling": True}, "async_scheduling"),
     ],
 )

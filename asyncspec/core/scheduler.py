@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from asyncspec.core.kv_cache import KVCacheManager
 from asyncspec.core.request_queue import make_request_queue
@@ -34,7 +34,9 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     """Look up cached prefix blocks when a request is admitted."""
     num_lookahead_tokens: int = 0
-    """KV slots reserved per decode beyond the committed token (k draft tokens)."""
+    """KV slots reserved per decode beyond the scheduled tokens (the drafter's k proposals)."""
+    num_speculative_tokens: int = 0
+    """Draft tokens verified per decode: a decode is scheduled for 1 + k tokens (0: no speculation)."""
     policy: str = "fcfs"
     """"fcfs" or "priority"."""
 
@@ -48,6 +50,14 @@ class SchedulerStats:
     num_prompt_tokens_computed: int = 0
     num_generation_tokens: int = 0
     num_finished_requests: int = 0
+    num_drafts: int = 0
+    """Verification steps of a request that had at least one draft token."""
+    num_draft_tokens: int = 0
+    """Draft tokens proposed and verified."""
+    num_accepted_tokens: int = 0
+    """Draft tokens accepted and kept (none past a stop condition)."""
+    accepted_per_position: list[int] = field(default_factory=list)
+    """Accepted draft tokens by position in the run (index 0 = first draft)."""
 
 
 class Scheduler:
@@ -113,6 +123,7 @@ class Scheduler:
         allocate_slots = kv.allocate_slots
         threshold = cfg.long_prefill_token_threshold
         lookahead_k = cfg.num_lookahead_tokens
+        spec_k = cfg.num_speculative_tokens
         max_model_len = cfg.max_model_len
         cached_ids = cached.request_ids
         cached_blocks = cached.new_block_ids
@@ -126,6 +137,9 @@ class Scheduler:
             # Chunk any multi-token catch-up: a prompt, or a preempted request's recompute.
             if threshold > 0 and num_new > 1:
                 num_new = min(num_new, threshold)
+            elif num_new == 1 and spec_k and request.output_token_ids:
+                # A decode after a sampling step: the worker holds up to k drafts to verify.
+                num_new += self._num_drafts_for(request, computed, spec_k, max_model_len)
             if num_new > token_budget:
                 num_new = token_budget
             if num_new <= 0:
@@ -218,6 +232,16 @@ class Scheduler:
         return output
 
     @staticmethod
+    def _num_drafts_for(request: Request, computed: int, k: int, max_model_len: int) -> int:
+        """Draft positions to verify: k, but none whose token could not be kept (past
+        max_model_len or max_tokens)."""
+        num_drafts = min(k, max_model_len - computed - 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            num_drafts = min(num_drafts, max_tokens - len(request.output_token_ids) - 1)
+        return max(num_drafts, 0)
+
+    @staticmethod
     def _lookahead_for(end: int, num_tokens: int, k: int, max_model_len: int) -> int:
         # Draft slots only for a request that samples this step (decode or last prefill chunk:
         # `end` reaches its last known token), and never past max_model_len: no token there can
@@ -257,6 +281,7 @@ class Scheduler:
         if runner_output.failed_requests:
             outputs.extend(self._fail_requests(runner_output.failed_requests))
         logprobs = runner_output.logprobs
+        num_drafts = runner_output.num_draft_tokens
         requests = self.requests
         num_scheduled_map = scheduler_output.num_scheduled_tokens
         kv = self.kv_cache_manager
@@ -278,12 +303,13 @@ class Scheduler:
             num_prompt = len(request.prompt_token_ids)
             if start < num_prompt:
                 num_prompt_computed += min(num_sched, num_prompt - start)
-            # Tokens before `start` were committed (and offered to the prefix cache) by an earlier
-            # step, so only a step that completes a block can register anything new.
-            if cache_blocks is not None and computed // block_size > start // block_size:
-                cache_blocks(request, computed)
             if not sampled:
-                continue  # a prefill chunk that did not reach the end of the prompt
+                # A prefill chunk that did not reach the end of the prompt: all of it is committed.
+                # Tokens before `start` were offered to the prefix cache by an earlier step, so only
+                # a step that completes a block can register anything new.
+                if cache_blocks is not None and computed // block_size > start // block_size:
+                    cache_blocks(request, computed)
+                continue
             params = request.sampling_params
             output_ids = request.output_token_ids
             all_ids = request.all_token_ids
@@ -305,12 +331,25 @@ class Scheduler:
                     if status is not None:
                         break
             num_generated += num_new
+            # Reconcile the optimistic view: the scheduled draft positions that were rejected (or cut
+            # by a stop) are not computed. Every kept token but the newest has its KV in the cache.
+            computed = len(all_ids) - 1
+            request.num_computed_tokens = computed
+            # Only verified tokens reach the prefix cache.
+            if cache_blocks is not None and computed // block_size > start // block_size:
+                cache_blocks(request, computed)
+            num_accepted = 0
+            if num_drafts is not None and num_drafts[i]:
+                num_accepted = min(num_new, len(sampled) - 1)  # drafts among the kept tokens
+                self._count_drafts(num_drafts[i], num_accepted)
             token_logprobs = logprobs[i] if logprobs is not None else None
             output = EngineCoreOutput(
                 request_id=request_id,
                 new_token_ids=list(sampled) if num_new == len(sampled) else sampled[:num_new],
                 new_logprobs=token_logprobs[:num_new] if token_logprobs else None,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
+                num_draft_tokens=num_drafts[i] if num_drafts is not None else 0,
+                num_accepted_tokens=num_accepted,
             )
             if status is not None:
                 self.running.remove(request)
@@ -321,6 +360,17 @@ class Scheduler:
         stats.num_prompt_tokens_computed += num_prompt_computed
         stats.num_generation_tokens += num_generated
         return outputs
+
+    def _count_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_accepted
+        per_position = stats.accepted_per_position
+        if len(per_position) < num_drafts:
+            per_position.extend([0] * (num_drafts - len(per_position)))
+        for position in range(num_accepted):
+            per_position[position] += 1
 
     def _fail_requests(self, reasons: dict[str, str]) -> list[EngineCoreOutput]:
         """Ends requests that failed alone (finish_reason "error"), freeing their blocks."""

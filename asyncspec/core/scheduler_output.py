@@ -61,6 +61,9 @@ class ModelRunnerOutput:
     """Tokens sampled per request; empty for a prefill chunk that did not reach the end."""
     logprobs: list[list[TokenLogprobs] | None] | None = None
     """Per request, per sampled token; None when no request asked for logprobs."""
+    num_draft_tokens: list[int] | None = None
+    """Per request, the valid draft tokens verified this step (the emitted run is the accepted
+    drafts plus one token); None when no request had drafts."""
     failed_requests: dict[str, str] = field(default_factory=dict)
     """Requests that failed alone this step (id -> reason): not admitted to the worker, or no
     valid token to sample. The scheduler ends them with finish_reason "error"."""
@@ -77,5 +80,9 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     error: str | None = None
     """Why the request failed, with finish_reason "error"."""
+    num_draft_tokens: int = 0
+    """Draft tokens verified for this request this step."""
+    num_accepted_tokens: int = 0
+    """Of them, accepted and kept."""
     new_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0

@@ -29,6 +29,11 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.speculative_method is not None:
+            raise ConfigError(
+                f"speculative_method={config.speculative_method!r} is not available in this build yet; "
+                "use speculative_method=None"
+            )
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
@@ -57,6 +62,7 @@ class EngineCore:
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 enable_prefix_caching=config.enable_prefix_caching,
                 num_lookahead_tokens=config.num_lookahead_tokens,
+                num_speculative_tokens=config.num_lookahead_tokens,
                 policy=config.scheduling_policy,
             ),
             self.kv_cache_manager,

@@ -150,6 +150,15 @@ class LLMEngine:
             "num_prompt_tokens_computed": scheduler.stats.num_prompt_tokens_computed,
             "num_generation_tokens": scheduler.stats.num_generation_tokens,
             "num_finished_requests": scheduler.stats.num_finished_requests,
+            "spec_num_drafts": scheduler.stats.num_drafts,
+            "spec_num_draft_tokens": scheduler.stats.num_draft_tokens,
+            "spec_num_accepted_tokens": scheduler.stats.num_accepted_tokens,
+            "spec_mean_acceptance_length": (
+                1.0 + scheduler.stats.num_accepted_tokens / scheduler.stats.num_drafts
+                if scheduler.stats.num_drafts
+                else 0.0
+            ),
+            **{f"spec_accepted_at_position_{i}": n for i, n in enumerate(scheduler.stats.accepted_per_position)},
             "num_running_requests": len(scheduler.running),
             "num_waiting_requests": len(scheduler.waiting),
             "prefix_cache_queries": prefix.queries,

@@ -41,6 +41,8 @@ class RequestState:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_sent_tokens: int = 0
     num_sent_logprobs: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class OutputProcessor:
@@ -89,6 +91,8 @@ class OutputProcessor:
         if core.finish_reason == "error":
             return self._make_error_output(state, core.error or "the request failed", core.num_cached_tokens)
         finish_reason, stop_reason = core.finish_reason, core.stop_reason
+        state.num_draft_tokens += core.num_draft_tokens
+        state.num_accepted_tokens += core.num_accepted_tokens
         state.token_ids.extend(core.new_token_ids)
         if core.new_logprobs:
             state.logprobs.extend(core.new_logprobs)
@@ -160,4 +164,6 @@ class OutputProcessor:
             stop_reason=stop_reason,
             logprobs=logprobs if state.sampling_params.logprobs is not None else None,
             num_cached_tokens=num_cached_tokens,
+            num_draft_tokens=state.num_draft_tokens,
+            num_accepted_tokens=state.num_accepted_tokens,
         )
