@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 TRITON_VERSION ?= 3.6.0
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-fast lint lint-tree lint-mypy lint-imports generate bench clean
+.PHONY: venv test test-slow test-fast lint lint-tree lint-mypy lint-imports generate bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,8 +20,12 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# CI runs everything but the long settings marked slow (make test-slow runs those).
 test: venv
-	$(PY) -m pytest -q -p no:cacheprovider --timeout=900 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=900 -m "not slow" $(PYTEST_ARGS)
+
+test-slow: venv
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=1800 -m slow $(PYTEST_ARGS)
 
 # ruff, mypy and import-linter; `.pre-commit-config.yaml` runs the same checks. lint-mypy and lint-imports
 # need no venv bootstrap, so the pre-commit hooks can call them directly.
