@@ -29,7 +29,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.speculative_method is not None:
+        if config.speculative_method not in (None, "ngram"):
             raise ConfigError(
                 f"speculative_method={config.speculative_method!r} is not available in this build yet; "
                 "use speculative_method=None"

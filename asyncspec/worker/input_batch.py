@@ -61,7 +61,13 @@ class InputBatch:
     """
 
     def __init__(
-        self, max_num_reqs: int, max_model_len: int, block_size: int, vocab_size: int, device: torch.device
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        block_size: int,
+        vocab_size: int,
+        device: torch.device,
+        num_spare_token_slots: int = 0,
     ) -> None:
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
@@ -71,7 +77,11 @@ class InputBatch:
         self.max_model_len = max_model_len
         self.max_blocks_per_req = -(-max_model_len // block_size)
         self.device = device
-        self.token_ids = torch.zeros((max_num_reqs, max_model_len), dtype=torch.int64, device=device)
+        # Spare columns past max_model_len: a verification run's unused tail may be written there
+        # (masked) without clamping indices onto a real position.
+        self.token_ids = torch.zeros(
+            (max_num_reqs, max_model_len + num_spare_token_slots), dtype=torch.int64, device=device
+        )
         self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
         self.rows: dict[str, RowState] = {}
         # Sampling parameters per row, on the device: a step gathers its rows instead of

@@ -16,11 +16,13 @@ from asyncspec.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncspec.errors import ConfigError
 from asyncspec.layers.attention import select_backend
 from asyncspec.layers.attention_metadata import AttentionMetadata
-from asyncspec.layers.sampler import INVALID_TOKEN_ID, Sampler, SamplingMetadata, make_generator
+from asyncspec.layers.sampler import INVALID_TOKEN_ID, Sampler, SamplerOutput, SamplingMetadata, make_generator
 from asyncspec.models.loader import load_model
 from asyncspec.models.model_config import ModelConfig
 from asyncspec.outputs import TokenLogprobs
-from asyncspec.sampling_params import SamplingParams
+from asyncspec.sampling_params import SAMPLING_EPS, SamplingParams
+from asyncspec.spec.factory import make_speculative_decoder
+from asyncspec.spec.spec_decoder import SpeculativeDecoder, VerifyInputs
 from asyncspec.worker.input_batch import InputBatch, RowState
 
 logger = logging.getLogger(__name__)
@@ -61,10 +63,18 @@ class ModelRunner:
         self.compute_slot_mapping = select_backend(self.device).slot_mapping
         self.default_generator = make_generator(config.seed, self.device)
         self.input_batch = InputBatch(
-            config.max_num_seqs, max_model_len, config.block_size, model_config.vocab_size, self.device
+            config.max_num_seqs,
+            max_model_len,
+            config.block_size,
+            model_config.vocab_size,
+            self.device,
+            num_spare_token_slots=config.num_lookahead_tokens + 1,
         )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.eos_token_ids = list(model_config.eos_token_ids)
+        self.spec: SpeculativeDecoder | None = make_speculative_decoder(
+            config, model_config.vocab_size, config.max_num_seqs, self.device
+        )
         self._init_step_buffers()
 
     def _init_step_buffers(self) -> None:
@@ -184,10 +194,13 @@ class ModelRunner:
         failed: dict[str, str] = {}
         for data in so.scheduled_new_reqs:
             try:
-                batch.add_request(data)
+                state = batch.add_request(data)
             except Exception as e:  # one request's bad data must not end the others' streams
                 logger.warning("request %s failed at admission to the worker: %r", data.request_id, e)
                 failed[data.request_id] = f"the worker could not admit the request: {e!r}"
+            else:
+                if self.spec is not None:
+                    self.spec.reset_rows([state.row])
         cached = so.scheduled_cached_reqs
         for request_id, new_blocks, num_computed in zip(
             cached.request_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
@@ -220,12 +233,27 @@ class ModelRunner:
             for i, (s, n) in enumerate(zip(states, num_scheduled, strict=True))
             if s.num_computed_tokens + n >= s.num_tokens
         ]
+        # Planned draft positions per sampling request (the scheduler's 1 + k for a decode).
+        num_draft_positions = [
+            states[i].num_computed_tokens + num_scheduled[i] - states[i].num_tokens for i in sampling_rows
+        ]
+        if self.spec is not None and any(num_draft_positions):
+            self.spec.insert_drafts(
+                self.input_batch.token_ids,
+                [states[i].row for i in sampling_rows],
+                [states[i].num_tokens for i in sampling_rows],
+                num_draft_positions,
+            )
         attn_metadata, positions, input_ids = self._prepare_inputs(
             states, num_scheduled, sampling_rows, total_num_scheduled
         )
         hidden_states = self.model(input_ids, positions, self.kv_caches, attn_metadata)
         for state, n in zip(states, num_scheduled, strict=True):
             state.num_computed_tokens += n
+        if self.spec is not None:
+            return self._verify_and_propose(
+                req_ids, states, num_scheduled, sampling_rows, num_draft_positions, hidden_states, failed
+            )
         sampled_per_req: list[list[int]] = [[] for _ in req_ids]
         logprobs_per_req: list[list[TokenLogprobs] | None] | None = None
         if sampling_rows:
@@ -257,6 +285,134 @@ class ModelRunner:
         return ModelRunnerOutput(
             req_ids=req_ids, sampled_token_ids=sampled_per_req, logprobs=logprobs_per_req, failed_requests=failed
         )
+
+    def _verify_and_propose(
+        self,
+        req_ids: list[str],
+        states: list[RowState],
+        num_scheduled: list[int],
+        sampling_rows: list[int],
+        num_draft_positions: list[int],
+        hidden_states: torch.Tensor,
+        failed: dict[str, str],
+    ) -> ModelRunnerOutput:
+        """Speculative sampling: every sampling request emits its accepted drafts plus one token
+        (a request without drafts: one sampled token), then proposes its next drafts."""
+        assert self.spec is not None
+        sampled_per_req: list[list[int]] = [[] for _ in req_ids]
+        num_drafts_per_req = [0] * len(req_ids)
+        logprobs_per_req: list[list[TokenLogprobs] | None] | None = None
+        if not sampling_rows:
+            return ModelRunnerOutput(req_ids, sampled_per_req, failed_requests=failed)
+        ends = np.cumsum(num_scheduled)
+        num_positions = max(num_draft_positions) + 1
+        # Hidden rows of each request's last known token and its draft positions (padding repeats
+        # the last row: its verdict is never read).
+        index = [
+            int(ends[i]) - 1 - d + min(j, d)
+            for i, d in zip(sampling_rows, num_draft_positions, strict=True)
+            for j in range(num_positions)
+        ]
+        gather = torch.tensor(index, dtype=torch.int64).to(self.device, non_blocking=True)
+        logits = self.model.compute_logits(hidden_states.index_select(0, gather))
+        logits = logits.view(len(sampling_rows), num_positions, -1)
+        sampling_states = [states[i] for i in sampling_rows]
+        row_ids = [s.row for s in sampling_states]
+        rows = torch.tensor(row_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        metadata = self._sampling_metadata(sampling_states, rows)
+        blocked: dict[int, list[int]] = {}
+        for i, state in enumerate(sampling_states):
+            p = state.sampling_params
+            for j in range(num_positions):
+                if p.min_tokens and len(state.output_token_ids) + j < p.min_tokens:
+                    ids = p.all_stop_token_ids(self.eos_token_ids)
+                    if ids:
+                        blocked[i * num_positions + j] = sorted(ids)
+        is_greedy = metadata.temperature < SAMPLING_EPS
+        result = self.spec.verify(
+            VerifyInputs(
+                rows=rows,
+                row_ids=row_ids,
+                num_tokens=[s.num_tokens for s in sampling_states],
+                num_draft_positions=num_draft_positions,
+                logits=logits,
+                metadata=metadata,
+                blocked_token_ids=blocked,
+                is_greedy=is_greedy,
+            ),
+            metadata.generators,
+            self.default_generator,
+        )
+        out, num_accepted = result.output_token_ids, result.num_accepted
+        # The emitted tokens become known tokens on the device: positions num_tokens + j, j <= accepted.
+        token_ids = self.input_batch.token_ids
+        base = torch.tensor([s.num_tokens for s in sampling_states], dtype=torch.int64).to(self.device)
+        cols = base.unsqueeze(1) + torch.arange(num_positions, device=self.device)
+        row_grid = rows.unsqueeze(1).expand_as(cols)
+        keep = out >= 0
+        token_ids[row_grid, cols] = torch.where(keep, out, token_ids[row_grid, cols])
+        self.input_batch.record_sampled(row_grid.reshape(-1), out.reshape(-1))
+        new_num_tokens = base + num_accepted + 1
+        bound = min(max(s.num_tokens for s in sampling_states) + num_positions, token_ids.shape[1])
+        self.spec.propose(token_ids, rows, new_num_tokens, bound)
+        logprob_out = None
+        if metadata.max_num_logprobs is not None:
+            raw = logits.float().log_softmax(dim=-1).view(-1, logits.shape[-1])
+            logprob_out = SamplerOutput(sampled_token_ids=out.clamp_min(0).view(-1))
+            Sampler._gather_logprobs(logprob_out, raw, metadata.max_num_logprobs)
+        # The step's one device-to-host copy: emitted runs, accepted and verified draft counts.
+        host = torch.cat([out.view(-1), num_accepted, result.num_valid_drafts]).tolist()
+        num_sampling = len(sampling_rows)
+        flat_out = host[: num_sampling * num_positions]
+        accepted = host[num_sampling * num_positions : num_sampling * (num_positions + 1)]
+        valid = host[num_sampling * (num_positions + 1) :]
+        any_drafts = False
+        for n, (i, state) in enumerate(zip(sampling_rows, sampling_states, strict=True)):
+            run = flat_out[n * num_positions : n * num_positions + accepted[n] + 1]
+            if run[-1] == INVALID_TOKEN_ID:
+                failed[state.request_id] = (
+                    "the sampler found no valid token: the logits were NaN, or every token was masked"
+                )
+                continue
+            state.num_tokens += len(run)
+            state.output_token_ids.extend(run)
+            sampled_per_req[i] = run
+            num_drafts_per_req[i] = valid[n]
+            any_drafts = any_drafts or valid[n] > 0
+        if logprob_out is not None:
+            logprobs_per_req = self._collect_run_logprobs(
+                logprob_out, sampling_rows, sampling_states, num_positions, sampled_per_req, len(req_ids)
+            )
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            sampled_token_ids=sampled_per_req,
+            logprobs=logprobs_per_req,
+            num_draft_tokens=num_drafts_per_req if any_drafts else None,
+            failed_requests=failed,
+        )
+
+    @staticmethod
+    def _collect_run_logprobs(
+        out: SamplerOutput,
+        sampling_rows: list[int],
+        states: list[RowState],
+        num_positions: int,
+        sampled_per_req: list[list[int]],
+        num_reqs: int,
+    ) -> list[list[TokenLogprobs] | None]:
+        assert out.logprob_token_ids is not None and out.logprobs is not None and out.sampled_token_ranks is not None
+        ids, values, ranks = out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.sampled_token_ranks.tolist()
+        result: list[list[TokenLogprobs] | None] = [None] * num_reqs
+        for n, (i, state) in enumerate(zip(sampling_rows, states, strict=True)):
+            top = state.sampling_params.logprobs
+            if top is None:
+                continue
+            rows = range(n * num_positions, n * num_positions + len(sampled_per_req[i]))
+            result[i] = [
+                TokenLogprobs(token_ids=ids[r][: top + 1], logprobs=values[r][: top + 1], sampled_token_rank=ranks[r])
+                for r in rows
+            ]
+        return result
 
     def _prepare_inputs(
         self, states: list[RowState], num_scheduled: list[int], sampling_rows: list[int], total_tokens: int

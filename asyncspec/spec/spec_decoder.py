@@ -1,0 +1,126 @@
+"""Speculative decoding beside the model runner: per-row draft buffers, verification of the drafts
+by rejection sampling, and proposal of the next drafts.
+
+Drafts never leave the device. The scheduler plans each decode for 1 + k tokens without knowing
+how many drafts a request really has (the n-gram proposer may find none): the valid count lives in
+`num_draft_tokens` on the device, draft positions past it hold a real padding token, and
+verification stops there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from asyncspec.layers.sampler import SamplingMetadata
+from asyncspec.spec.ngram_proposer import NgramProposer
+from asyncspec.spec.rejection_sampler import RejectionSampler
+from asyncspec.spec.verification import verification_probs
+
+
+@dataclass
+class VerifyInputs:
+    """One step's sampling requests, as the runner sees them (host facts plus device tensors)."""
+
+    rows: Tensor
+    """[S] int64 device: buffer row of each sampling request."""
+    row_ids: list[int]
+    """The same rows, on the host."""
+    num_tokens: list[int]
+    """Known (verified) tokens of each request before this step."""
+    num_draft_positions: list[int]
+    """Draft positions the scheduler planned per request (0 for a request without drafts)."""
+    logits: Tensor
+    """[S, P, V] target logits at the last token and each draft position (P = max draft positions + 1)."""
+    metadata: SamplingMetadata
+    """Per-request sampling metadata (penalty tables included)."""
+    blocked_token_ids: dict[int, list[int]]
+    """Flat row (s * P + j) -> token ids forbidden there (stop ids below min_tokens)."""
+    is_greedy: Tensor
+    """[S] bool device."""
+
+
+@dataclass
+class VerifyResult:
+    """Per sampling request: the emitted run (accepted drafts + one token; -1 after it)."""
+
+    output_token_ids: Tensor
+    """[S, P] int64 device."""
+    num_accepted: Tensor
+    """[S] int64 device."""
+    num_valid_drafts: Tensor
+    """[S] int64 device: drafts that were really verified."""
+
+
+class SpeculativeDecoder:
+    """Owns the draft state of every row; the runner calls it at three points of a step."""
+
+    def __init__(
+        self,
+        num_speculative_tokens: int,
+        proposer: NgramProposer,
+        max_num_reqs: int,
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
+        self.k = num_speculative_tokens
+        self.proposer = proposer
+        self.vocab_size = vocab_size
+        self.device = device
+        self.draft_token_ids = torch.zeros((max_num_reqs, self.k), dtype=torch.int64, device=device)
+        self.num_draft_tokens = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
+        self.rejection_sampler = RejectionSampler(device)
+
+    # -- 1. new rows have no drafts ---------------------------------------------------------
+    def reset_rows(self, rows: Sequence[int]) -> None:
+        if rows:
+            self.num_draft_tokens.index_fill_(0, _index(rows, self.device), 0)
+
+    # -- 2. the drafts become the target's input --------------------------------------------
+    def insert_drafts(self, token_ids: Tensor, rows: Sequence[int], num_tokens: Sequence[int], counts: Sequence[int]):
+        """Writes each row's first `count` draft slots after its known tokens in the device token
+        buffer, where the runner's input gather finds them (they are overwritten once verified)."""
+        flat_rows = [r for r, c in zip(rows, counts, strict=True) for _ in range(c)]
+        if not flat_rows:
+            return
+        cols = [t + j for t, c in zip(num_tokens, counts, strict=True) for j in range(c)]
+        slot = [j for c in counts for j in range(c)]
+        r, c, j = (_index(x, self.device) for x in (flat_rows, cols, slot))
+        token_ids[r, c] = self.draft_token_ids[r, j]
+
+    # -- 3. verification ----------------------------------------------------------------------
+    def verify(
+        self,
+        inputs: VerifyInputs,
+        generators: dict[int, torch.Generator],
+        default_generator: torch.Generator | None,
+    ) -> VerifyResult:
+        num_rows, num_positions, _ = inputs.logits.shape
+        k = num_positions - 1
+        planned = _index(inputs.num_draft_positions, self.device)
+        drafts = self.draft_token_ids.index_select(0, inputs.rows)[:, :k]
+        num_valid = torch.minimum(self.num_draft_tokens.index_select(0, inputs.rows), planned)
+        probs = verification_probs(inputs.logits, inputs.metadata, drafts, num_valid, inputs.blocked_token_ids)
+        # The n-gram proposer's drafts are deterministic: None means q is one-hot at the draft.
+        draft_probs = None
+        out, num_accepted = self.rejection_sampler(
+            probs, drafts, draft_probs, num_valid, inputs.is_greedy, generators, default_generator
+        )
+        return VerifyResult(out, num_accepted, num_valid)
+
+    # -- 4. the next drafts -------------------------------------------------------------------
+    def propose(self, token_ids: Tensor, rows: Tensor, num_tokens: Tensor, max_num_tokens: int) -> None:
+        """Proposes for the sampling rows from their verified tokens [0, num_tokens)."""
+        drafts, counts = self.proposer.propose(token_ids, rows, num_tokens, max_num_tokens)
+        self.draft_token_ids[rows] = drafts
+        self.num_draft_tokens[rows] = counts
+
+
+def _index(values: Sequence[int], device: torch.device) -> Tensor:
+    tensor = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor

@@ -1,0 +1,92 @@
+"""The target's distribution at every draft position, exactly as sampling without speculation sees it.
+
+Position j of a request's verification run comes after its j first drafts: penalties count those
+drafts as generated tokens, and `min_tokens` blocks stop tokens by the same count, so an accepted
+run is what one-token-per-step decoding would have produced.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from asyncspec.layers.sampler import SamplingMetadata, apply_blocked_tokens, apply_penalties, process_logits
+
+
+def expand_rows(metadata: SamplingMetadata, positions: int) -> SamplingMetadata:
+    """The per-request metadata repeated for `positions` consecutive rows per request (no
+    penalties or blocked ids: the caller applies those per position)."""
+
+    def rep(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.repeat_interleave(positions, dim=0)
+
+    return SamplingMetadata(
+        temperature=rep(metadata.temperature),  # type: ignore[arg-type]  # never None
+        top_k=rep(metadata.top_k),
+        top_p=rep(metadata.top_p),
+        min_p=rep(metadata.min_p),
+        generators={},
+        presence_penalty=None,
+        frequency_penalty=None,
+        repetition_penalty=None,
+        prompt_token_ids=None,
+        output_token_ids=[],
+        blocked_token_ids={},
+        max_num_logprobs=None,
+    )
+
+
+def verification_probs(
+    logits: Tensor,
+    metadata: SamplingMetadata,
+    draft_token_ids: Tensor,
+    num_valid_drafts: Tensor,
+    blocked_token_ids: dict[int, list[int]],
+) -> Tensor:
+    """Target probabilities [S, P, V] (float32) at P = K + 1 positions per request.
+
+    logits: [S, P, V] raw target logits; metadata: one row per request (penalty tables included);
+    draft_token_ids: [S, K]; num_valid_drafts: [S] (drafts past it never count as context);
+    blocked_token_ids: flat row (s * P + j) -> ids forbidden at that position.
+    """
+    num_rows, num_positions, vocab_size = logits.shape
+    flat = torch.empty((num_rows * num_positions, vocab_size), dtype=torch.float32, device=logits.device)
+    flat.copy_(logits.reshape(num_rows * num_positions, vocab_size))
+    if blocked_token_ids:
+        apply_blocked_tokens(flat, blocked_token_ids)
+    if metadata.presence_penalty is not None:
+        assert metadata.frequency_penalty is not None and metadata.repetition_penalty is not None
+        counts = _counts_per_position(metadata, draft_token_ids, num_valid_drafts, num_positions, vocab_size)
+        prompt_mask = metadata.prompt_token_mask
+        if prompt_mask is not None:
+            prompt_mask = prompt_mask.repeat_interleave(num_positions, dim=0)
+        flat = apply_penalties(
+            flat,
+            None,
+            [],
+            metadata.presence_penalty.repeat_interleave(num_positions),
+            metadata.frequency_penalty.repeat_interleave(num_positions),
+            metadata.repetition_penalty.repeat_interleave(num_positions),
+            counts,
+            prompt_mask,
+        )
+    probs = process_logits(flat, expand_rows(metadata, num_positions)).softmax(dim=-1)
+    return probs.view(num_rows, num_positions, vocab_size)
+
+
+def _counts_per_position(
+    metadata: SamplingMetadata, drafts: Tensor, num_valid: Tensor, num_positions: int, vocab_size: int
+) -> Tensor:
+    """[S * P, V] output-token counts at each position: the request's counts plus its earlier drafts."""
+    base = metadata.output_token_counts
+    num_rows = drafts.shape[0]
+    if base is None:
+        base = torch.zeros((num_rows, vocab_size), dtype=torch.float32, device=drafts.device)
+    increments = torch.zeros((num_rows, num_positions, vocab_size), dtype=torch.float32, device=drafts.device)
+    if num_positions > 1:
+        k = num_positions - 1
+        valid = torch.arange(k, device=drafts.device).unsqueeze(0) < num_valid.unsqueeze(1)
+        # Position j + 1 sees draft j as generated (if it is valid).
+        increments[:, 1:, :].scatter_(2, drafts[:, :k].unsqueeze(-1), valid.to(torch.float32).unsqueeze(-1))
+        increments = increments.cumsum(dim=1)
+    return (base.unsqueeze(1) + increments).reshape(num_rows * num_positions, vocab_size)
