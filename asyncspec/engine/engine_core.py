@@ -29,11 +29,6 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.speculative_method not in (None, "ngram"):
-            raise ConfigError(
-                f"speculative_method={config.speculative_method!r} is not available in this build yet; "
-                "use speculative_method=None"
-            )
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from asyncspec.layers.sampler import SamplingMetadata
+from asyncspec.spec.draft_model_proposer import DraftModelProposer, DraftStep
 from asyncspec.spec.ngram_proposer import NgramProposer
 from asyncspec.spec.rejection_sampler import RejectionSampler
 from asyncspec.spec.verification import verification_probs
@@ -61,7 +62,7 @@ class SpeculativeDecoder:
     def __init__(
         self,
         num_speculative_tokens: int,
-        proposer: NgramProposer,
+        proposer: NgramProposer | DraftModelProposer,
         max_num_reqs: int,
         vocab_size: int,
         device: torch.device,
@@ -70,9 +71,26 @@ class SpeculativeDecoder:
         self.proposer = proposer
         self.vocab_size = vocab_size
         self.device = device
+        self.max_num_reqs = max_num_reqs
         self.draft_token_ids = torch.zeros((max_num_reqs, self.k), dtype=torch.int64, device=device)
         self.num_draft_tokens = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
+        # The draft model's sampling distributions q, per row and draft position: allocated with
+        # the first sampled (non-greedy) proposal.
+        self.draft_probs: Tensor | None = None
         self.rejection_sampler = RejectionSampler(device)
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return isinstance(self.proposer, DraftModelProposer)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes the proposer keeps per token (the draft model's own cache), beside the target's."""
+        return self.proposer.kv_bytes_per_token if isinstance(self.proposer, DraftModelProposer) else 0
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.initialize_kv_cache(num_blocks)
 
     # -- 1. new rows have no drafts ---------------------------------------------------------
     def reset_rows(self, rows: Sequence[int]) -> None:
@@ -104,17 +122,37 @@ class SpeculativeDecoder:
         drafts = self.draft_token_ids.index_select(0, inputs.rows)[:, :k]
         num_valid = torch.minimum(self.num_draft_tokens.index_select(0, inputs.rows), planned)
         probs = verification_probs(inputs.logits, inputs.metadata, drafts, num_valid, inputs.blocked_token_ids)
-        # The n-gram proposer's drafts are deterministic: None means q is one-hot at the draft.
+        # None means q is one-hot at the draft: the n-gram proposer's drafts are deterministic (and
+        # greedy rows never read q).
         draft_probs = None
+        if self.draft_probs is not None and not inputs.metadata.all_greedy and k > 0:
+            draft_probs = self.draft_probs.index_select(0, inputs.rows)[:, :k]
         out, num_accepted = self.rejection_sampler(
             probs, drafts, draft_probs, num_valid, inputs.is_greedy, generators, default_generator
         )
         return VerifyResult(out, num_accepted, num_valid)
 
     # -- 4. the next drafts -------------------------------------------------------------------
-    def propose(self, token_ids: Tensor, rows: Tensor, num_tokens: Tensor, max_num_tokens: int) -> None:
-        """Proposes for the sampling rows from their verified tokens [0, num_tokens)."""
-        drafts, counts = self.proposer.propose(token_ids, rows, num_tokens, max_num_tokens)
+    def propose(
+        self, token_ids: Tensor, rows: Tensor, num_tokens: Tensor, max_num_tokens: int, draft_step: DraftStep | None
+    ) -> None:
+        """Proposes for the sampling rows (`rows`, with verified tokens [0, num_tokens)). The draft
+        model needs the whole step (`draft_step`) to keep its KV in lockstep, sampling or not."""
+        if isinstance(self.proposer, DraftModelProposer):
+            assert draft_step is not None
+            drafts, q = self.proposer.propose(draft_step)
+            if rows.shape[0] == 0:
+                return
+            counts = torch.full((rows.shape[0],), self.k, dtype=torch.int64, device=self.device)
+            if q is not None:
+                if self.draft_probs is None:
+                    shape = (self.max_num_reqs, self.k, q.shape[-1])
+                    self.draft_probs = torch.zeros(shape, dtype=torch.float32, device=self.device)
+                self.draft_probs[rows] = q
+        else:
+            if rows.shape[0] == 0:
+                return
+            drafts, counts = self.proposer.propose(token_ids, rows, num_tokens, max_num_tokens)
         self.draft_token_ids[rows] = drafts
         self.num_draft_tokens[rows] = counts
 

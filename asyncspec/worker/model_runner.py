@@ -21,6 +21,7 @@ from asyncspec.models.loader import load_model
 from asyncspec.models.model_config import ModelConfig
 from asyncspec.outputs import TokenLogprobs
 from asyncspec.sampling_params import SAMPLING_EPS, SamplingParams
+from asyncspec.spec.draft_model_proposer import DraftStep
 from asyncspec.spec.factory import make_speculative_decoder
 from asyncspec.spec.spec_decoder import SpeculativeDecoder, VerifyInputs
 from asyncspec.worker.input_batch import InputBatch, RowState
@@ -73,7 +74,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.eos_token_ids = list(model_config.eos_token_ids)
         self.spec: SpeculativeDecoder | None = make_speculative_decoder(
-            config, model_config.vocab_size, config.max_num_seqs, self.device
+            config, model_config, max_model_len, self.dtype, self.device
         )
         self._init_step_buffers()
 
@@ -99,7 +100,9 @@ class ModelRunner:
     # -- KV cache ---------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
-        return self.model_config.kv_bytes_per_token(self.dtype) * self.block_size
+        """Target KV plus the draft model's KV (same block ids) per block."""
+        draft = self.spec.kv_bytes_per_token if self.spec is not None else 0
+        return (self.model_config.kv_bytes_per_token(self.dtype) + draft) * self.block_size
 
     def determine_num_kv_blocks(self) -> int:
         """The pool size from the config, or from available host memory on the CPU."""
@@ -181,6 +184,8 @@ class ModelRunner:
             )
             for _ in range(mc.num_hidden_layers)
         ]
+        if self.spec is not None:
+            self.spec.initialize_kv_cache(num_blocks)
 
     # -- one step -----------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> dict[str, str]:
@@ -252,7 +257,7 @@ class ModelRunner:
             state.num_computed_tokens += n
         if self.spec is not None:
             return self._verify_and_propose(
-                req_ids, states, num_scheduled, sampling_rows, num_draft_positions, hidden_states, failed
+                req_ids, states, num_scheduled, sampling_rows, num_draft_positions, hidden_states, input_ids, failed
             )
         sampled_per_req: list[list[int]] = [[] for _ in req_ids]
         logprobs_per_req: list[list[TokenLogprobs] | None] | None = None
@@ -294,6 +299,7 @@ class ModelRunner:
         sampling_rows: list[int],
         num_draft_positions: list[int],
         hidden_states: torch.Tensor,
+        input_ids: torch.Tensor,
         failed: dict[str, str],
     ) -> ModelRunnerOutput:
         """Speculative sampling: every sampling request emits its accepted drafts plus one token
@@ -303,6 +309,11 @@ class ModelRunner:
         num_drafts_per_req = [0] * len(req_ids)
         logprobs_per_req: list[list[TokenLogprobs] | None] | None = None
         if not sampling_rows:
+            if self.spec.uses_draft_model:  # the draft's KV follows every prefill chunk
+                empty = torch.empty((0, 1), dtype=torch.int64, device=self.device)
+                no_rows = empty.view(0)
+                step = self._draft_step(states, num_scheduled, [], [], input_ids, empty, no_rows, None)
+                self.spec.propose(self.input_batch.token_ids, no_rows, no_rows, 0, step)
             return ModelRunnerOutput(req_ids, sampled_per_req, failed_requests=failed)
         ends = np.cumsum(num_scheduled)
         num_positions = max(num_draft_positions) + 1
@@ -354,7 +365,12 @@ class ModelRunner:
         self.input_batch.record_sampled(row_grid.reshape(-1), out.reshape(-1))
         new_num_tokens = base + num_accepted + 1
         bound = min(max(s.num_tokens for s in sampling_states) + num_positions, token_ids.shape[1])
-        self.spec.propose(token_ids, rows, new_num_tokens, bound)
+        draft_step = None
+        if self.spec.uses_draft_model:
+            draft_step = self._draft_step(
+                states, num_scheduled, sampling_rows, num_draft_positions, input_ids, out, num_accepted, metadata
+            )
+        self.spec.propose(token_ids, rows, new_num_tokens, bound, draft_step)
         logprob_out = None
         if metadata.max_num_logprobs is not None:
             raw = logits.float().log_softmax(dim=-1).view(-1, logits.shape[-1])
@@ -389,6 +405,32 @@ class ModelRunner:
             logprobs=logprobs_per_req,
             num_draft_tokens=num_drafts_per_req if any_drafts else None,
             failed_requests=failed,
+        )
+
+    def _draft_step(
+        self,
+        states: list[RowState],
+        num_scheduled: list[int],
+        sampling_rows: list[int],
+        num_draft_positions: list[int],
+        input_ids: torch.Tensor,
+        out: torch.Tensor,
+        num_accepted: torch.Tensor,
+        metadata: SamplingMetadata | None,
+    ) -> DraftStep:
+        if metadata is None:  # no request samples: the draft only catches up
+            metadata = SamplingMetadata.from_params([], device=self.device)
+        return DraftStep(
+            num_computed=[s.num_computed_tokens - n for s, n in zip(states, num_scheduled, strict=True)],
+            num_scheduled=num_scheduled,
+            sampling_index=sampling_rows,
+            num_draft_positions=num_draft_positions,
+            input_ids=input_ids,
+            block_tables=self._block_table_dev[: len(states)],
+            output_token_ids=out,
+            num_accepted=num_accepted,
+            metadata=metadata,
+            default_generator=self.default_generator,
         )
 
     @staticmethod
