@@ -72,6 +72,12 @@ def _to_device(t: Tensor, device: torch.device) -> Tensor:
     return t.to(device)
 
 
+def host_list_to_device(values: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int64) -> Tensor:
+    """A small list of host integers as a device tensor: pinned and asynchronous on CUDA, so the
+    step's host work never waits for the GPU."""
+    return _to_device(torch.tensor(values, dtype=dtype), device)
+
+
 def _padded_ids(rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> Tensor:
     """[N, L] int64 of the rows' token ids; padding and out-of-range ids map to the spare column V."""
     width = max(1, max((len(r) for r in rows), default=0))

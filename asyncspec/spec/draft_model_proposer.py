@@ -19,7 +19,7 @@ from torch import Tensor
 from asyncspec.errors import ConfigError
 from asyncspec.layers.attention import select_backend
 from asyncspec.layers.attention_metadata import AttentionMetadata
-from asyncspec.layers.sampler import SamplingMetadata, process_logits, random_sample
+from asyncspec.layers.sampler import SamplingMetadata, host_list_to_device, process_logits, random_sample
 from asyncspec.models.loader import load_model
 from asyncspec.models.model_config import ModelConfig
 from asyncspec.spec.verification import expand_rows
@@ -132,8 +132,8 @@ class DraftModelProposer:
             step.num_computed[i] + step.num_scheduled[i] - step.num_draft_positions[n]
             for n, i in enumerate(step.sampling_index)
         ]
-        position = _to_device(num_tokens, dev) + step.num_accepted
-        block_tables = step.block_tables.index_select(0, _to_device(step.sampling_index, dev))
+        position = host_list_to_device(num_tokens, dev) + step.num_accepted
+        block_tables = step.block_tables.index_select(0, host_list_to_device(step.sampling_index, dev))
         query_start_loc = torch.arange(num_sampling + 1, dtype=torch.int32, device=dev)
         for j in range(self.k):
             token, q = self._sample(logits, expanded, step)
@@ -190,25 +190,25 @@ class DraftModelProposer:
             lengths.append(length)
             start += n
         source = torch.cat([step.input_ids, step.output_token_ids.reshape(-1).clamp_min(0)])
-        input_ids = source.index_select(0, _to_device(source_index, dev))
-        position_tensor = _to_device(positions, dev)
+        input_ids = source.index_select(0, host_list_to_device(source_index, dev))
+        position_tensor = host_list_to_device(positions, dev)
         cumulative = [0]
         for length in lengths:
             cumulative.append(cumulative[-1] + length)
-        query_start_loc = torch.tensor(cumulative, dtype=torch.int32).to(dev)
+        query_start_loc = host_list_to_device(cumulative, dev, torch.int32)
         seq_lens = [c + length for c, length in zip(step.num_computed, lengths, strict=True)]
         slots = self.compute_slot_mapping(step.block_tables, query_start_loc, position_tensor, self.block_size)
         metadata = AttentionMetadata(
             slot_mapping=slots,
             query_start_loc=query_start_loc,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
+            seq_lens=host_list_to_device(seq_lens, dev, torch.int32),
             block_tables=step.block_tables,
             max_query_len=max(lengths),
             max_seq_len=max(seq_lens),
             block_size=self.block_size,
         )
         hidden = self.model(input_ids, position_tensor, self.kv_caches, metadata)
-        last_index = _to_device(new_token_base, dev) + step.num_accepted if new_token_base else None
+        last_index = host_list_to_device(new_token_base, dev) + step.num_accepted if new_token_base else None
         return hidden, last_index if last_index is not None else torch.empty(0, dtype=torch.int64, device=dev)
 
     @staticmethod
@@ -223,10 +223,3 @@ class DraftModelProposer:
         sampled = random_sample(q, step.metadata.generators, step.default_generator)
         is_greedy = step.metadata.temperature < 1e-5
         return torch.where(is_greedy, greedy, sampled), q
-
-
-def _to_device(values: list[int], device: torch.device) -> Tensor:
-    tensor = torch.tensor(values, dtype=torch.int64)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from asyncspec.layers.sampler import SamplingMetadata
+from asyncspec.layers.sampler import SamplingMetadata, host_list_to_device
 from asyncspec.spec.draft_model_proposer import DraftModelProposer, DraftStep
 from asyncspec.spec.ngram_proposer import NgramProposer
 from asyncspec.spec.rejection_sampler import RejectionSampler
@@ -95,7 +95,7 @@ class SpeculativeDecoder:
     # -- 1. new rows have no drafts ---------------------------------------------------------
     def reset_rows(self, rows: Sequence[int]) -> None:
         if rows:
-            self.num_draft_tokens.index_fill_(0, _index(rows, self.device), 0)
+            self.num_draft_tokens.index_fill_(0, host_list_to_device(rows, self.device), 0)
 
     # -- 2. the drafts become the target's input --------------------------------------------
     def insert_drafts(self, token_ids: Tensor, rows: Sequence[int], num_tokens: Sequence[int], counts: Sequence[int]):
@@ -106,7 +106,7 @@ class SpeculativeDecoder:
             return
         cols = [t + j for t, c in zip(num_tokens, counts, strict=True) for j in range(c)]
         slot = [j for c in counts for j in range(c)]
-        r, c, j = (_index(x, self.device) for x in (flat_rows, cols, slot))
+        r, c, j = (host_list_to_device(x, self.device) for x in (flat_rows, cols, slot))
         token_ids[r, c] = self.draft_token_ids[r, j]
 
     # -- 3. verification ----------------------------------------------------------------------
@@ -118,7 +118,7 @@ class SpeculativeDecoder:
     ) -> VerifyResult:
         num_rows, num_positions, _ = inputs.logits.shape
         k = num_positions - 1
-        planned = _index(inputs.num_draft_positions, self.device)
+        planned = host_list_to_device(inputs.num_draft_positions, self.device)
         drafts = self.draft_token_ids.index_select(0, inputs.rows)[:, :k]
         num_valid = torch.minimum(self.num_draft_tokens.index_select(0, inputs.rows), planned)
         probs = verification_probs(inputs.logits, inputs.metadata, drafts, num_valid, inputs.blocked_token_ids)
@@ -155,10 +155,3 @@ class SpeculativeDecoder:
             drafts, counts = self.proposer.propose(token_ids, rows, num_tokens, max_num_tokens)
         self.draft_token_ids[rows] = drafts
         self.num_draft_tokens[rows] = counts
-
-
-def _index(values: Sequence[int], device: torch.device) -> Tensor:
-    tensor = torch.tensor(values, dtype=torch.int64)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor

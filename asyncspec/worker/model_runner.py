@@ -16,7 +16,14 @@ from asyncspec.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncspec.errors import ConfigError
 from asyncspec.layers.attention import select_backend
 from asyncspec.layers.attention_metadata import AttentionMetadata
-from asyncspec.layers.sampler import INVALID_TOKEN_ID, Sampler, SamplerOutput, SamplingMetadata, make_generator
+from asyncspec.layers.sampler import (
+    INVALID_TOKEN_ID,
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    host_list_to_device,
+    make_generator,
+)
 from asyncspec.models.loader import load_model
 from asyncspec.models.model_config import ModelConfig
 from asyncspec.outputs import TokenLogprobs
@@ -324,12 +331,12 @@ class ModelRunner:
             for i, d in zip(sampling_rows, num_draft_positions, strict=True)
             for j in range(num_positions)
         ]
-        gather = torch.tensor(index, dtype=torch.int64).to(self.device, non_blocking=True)
+        gather = host_list_to_device(index, self.device)
         logits = self.model.compute_logits(hidden_states.index_select(0, gather))
         logits = logits.view(len(sampling_rows), num_positions, -1)
         sampling_states = [states[i] for i in sampling_rows]
         row_ids = [s.row for s in sampling_states]
-        rows = torch.tensor(row_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        rows = host_list_to_device(row_ids, self.device)
         metadata = self._sampling_metadata(sampling_states, rows)
         blocked: dict[int, list[int]] = {}
         for i, state in enumerate(sampling_states):
@@ -357,7 +364,7 @@ class ModelRunner:
         out, num_accepted = result.output_token_ids, result.num_accepted
         # The emitted tokens become known tokens on the device: positions num_tokens + j, j <= accepted.
         token_ids = self.input_batch.token_ids
-        base = torch.tensor([s.num_tokens for s in sampling_states], dtype=torch.int64).to(self.device)
+        base = host_list_to_device([s.num_tokens for s in sampling_states], self.device)
         cols = base.unsqueeze(1) + torch.arange(num_positions, device=self.device)
         row_grid = rows.unsqueeze(1).expand_as(cols)
         keep = out >= 0
