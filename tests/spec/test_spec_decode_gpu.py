@@ -48,3 +48,43 @@ def test_bf16_speculative_runs_sampled_and_greedy(prompts, method):
     stats = llm.stats()
     assert stats["spec_num_accepted_tokens"] > 0
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
+def _syncs_in_steps(llm: LLM, num_steps: int) -> list[int]:
+    """Host-device synchronisations torch reports in each of the next engine steps."""
+    import warnings
+
+    import torch
+
+    counts = []
+    for _ in range(num_steps):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                llm.engine.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum("synchroniz" in str(w.message) for w in caught))
+    return counts
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_speculative_step_adds_no_host_sync(prompts, method):
+    """A decode step with speculation synchronises with the device no more often than one without
+    (the one copy of the sampled tokens)."""
+    counts = {}
+    for spec in (None, method):
+        kwargs = dict(speculative_method=spec, num_speculative_tokens=4) if spec else {}
+        llm = LLM(str(TARGET_MODEL), dtype="bfloat16", **kwargs, **CONFIG)
+        for i, p in enumerate(prompts[:8]):
+            llm.engine.add_request(
+                llm.engine.make_request(
+                    p, SamplingParams(temperature=0.0 if i % 2 else 0.7, max_tokens=40, seed=i), f"r{i}"
+                )
+            )
+        for _ in range(3):  # prefill, then decodes with drafts
+            llm.engine.step()
+        counts[spec] = _syncs_in_steps(llm, 4)
+    print(counts)
+    assert max(counts[method]) <= max(counts[None]), counts
