@@ -1,13 +1,17 @@
 """Triton rejection sampler for speculative decoding (contract of `rejection_sample_ref`, bit-identical to it).
 
-One launch, one program per row. Pass 1 finds a, the number of leading accepted drafts: stochastic rows
-test all K drafts at once (two scalar loads per draft); greedy rows walk the positions while the draft
-equals the argmax, one blocked scan over V per position. Pass 2 scans position a once over V in blocks,
-racing both the residual max(p_a - q_a, 0) and p_a against the row's exponentials, and keeps whichever the
-row needs (the residual after a rejection, unless it has no mass; p_a otherwise) together with the
-validity flags (non-finite values, no positive mass). Argmaxes keep, per lane, the first index holding the
-lane's maximum, then take the lowest index among lanes at the global maximum: the first index overall,
-as torch.argmax. Nothing is read back on the host, so the launch never syncs with the device.
+One launch, one program per row, which branches on the row's kind:
+- A greedy row scans positions 0..c together in [positions, vocab] tiles, keeping each position's argmax
+  (and whether it holds a non-finite value or any positive mass); a is the first position whose draft is
+  not that argmax, and the token at a is its argmax. Positions past c are never read.
+- A stochastic row first tests all K drafts at once (two scalar loads per draft: u_j * q_j(x_j) < p_j(x_j)),
+  then scans position a once over V in blocks, racing both the residual max(p_a - q_a, 0) and p_a against
+  the row's exponentials, and keeps the residual's winner after a rejection (unless the residual has no
+  mass) and p_a's otherwise, with the validity flags (non-finite values, no positive mass).
+Argmaxes keep, per lane, the first index holding the lane's maximum, then take the lowest index among the
+lanes at the global maximum: the first index overall, as torch.argmax. Inputs must be float32 / int64 / bool
+as documented (other dtypes and non-contiguous inputs are copied first). Nothing is read back on the host,
+so the launch never syncs with the device.
 """
 
 from __future__ import annotations
@@ -17,94 +21,77 @@ import triton
 import triton.language as tl
 
 _MAX_BLOCK_V = 2048
+_GREEDY_TILE = 4096  # elements of the [positions, vocab] tile a greedy row scans per step
 
 
 @triton.jit
-def _argmax_scan(row_ptr, V: tl.constexpr, BLOCK_V: tl.constexpr):
-    """(first index of the max, any non-finite value) of row_ptr[0:V]; NaNs never win."""
-    offs = tl.arange(0, BLOCK_V)
-    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    best_idx = tl.full([BLOCK_V], 0, tl.int32)
-    bad = tl.full([BLOCK_V], 0, tl.int1)
-    for v0 in range(0, V, BLOCK_V):
+def _greedy_row(p_row, x_row, c, K: tl.constexpr, V: tl.constexpr, BLOCK_K1: tl.constexpr, BLOCK_VG: tl.constexpr):
+    """(a, argmax(p_a), p_a invalid) of a greedy row: positions 0..c scanned together, [BLOCK_K1, BLOCK_VG]
+    tiles (more loads in flight than a position-by-position walk; positions past c are never read)."""
+    j = tl.arange(0, BLOCK_K1)
+    jj = j[:, None]
+    need = jj <= c  # a <= c, so later positions are never needed
+    offs = tl.arange(0, BLOCK_VG)[None, :]
+    best = tl.full([BLOCK_K1, BLOCK_VG], float("-inf"), tl.float32)
+    best_idx = tl.full([BLOCK_K1, BLOCK_VG], 0, tl.int32)
+    bad = tl.full([BLOCK_K1, BLOCK_VG], 0, tl.int1)
+    positive = tl.full([BLOCK_K1, BLOCK_VG], 0, tl.int1)
+    for v0 in tl.range(0, V, BLOCK_VG, num_stages=3):  # loads pipelined 3 deep: the scan is latency-bound
         v = v0 + offs
-        m = v < V
-        s = tl.load(row_ptr + v, mask=m, other=float("-inf")).to(tl.float32)
+        m = need & (v < V)
+        s = tl.load(p_row + jj * V + v, mask=m, other=float("-inf")).to(tl.float32)
         bad = bad | (m & ((s != s) | (tl.abs(s) == float("inf"))))
-        upd = s > best
+        positive = positive | (m & (s > 0))
+        upd = s > best  # NaNs never win; they are flagged in `bad`
         best = tl.where(upd, s, best)
         best_idx = tl.where(upd, v, best_idx)
-    top = tl.max(best, axis=0)
-    idx = tl.min(tl.where(best == top, best_idx, V), axis=0)
-    return idx, tl.max(bad.to(tl.int32), axis=0) != 0
+    top = tl.max(best, axis=1)
+    argmax = tl.min(tl.where(best == top[:, None], best_idx, V), axis=1)
+    nonfinite = tl.max(bad.to(tl.int32), axis=1) != 0
+    invalid = nonfinite | (tl.max(positive.to(tl.int32), axis=1) == 0)
+    x = tl.load(x_row + j, mask=j < c, other=-1)
+    match = (j < c) & (x == argmax) & (~nonfinite)
+    a = tl.min(tl.where(match, BLOCK_K1, j), axis=0)  # first mismatch, <= c
+    token = tl.sum(tl.where(j == a, argmax, 0), axis=0)
+    invalid_a = tl.sum(tl.where(j == a, invalid.to(tl.int32), 0), axis=0) != 0
+    return a.to(tl.int32), token.to(tl.int64), invalid_a
 
 
 @triton.jit
-def _rejection_sample_kernel(
-    p_ptr,  # [N, K+1, V]
-    sp_n,
-    sp_k,
-    x_ptr,  # [N, K] int64
-    sx_n,
-    q_ptr,  # [N, K, V] (unused unless HAS_Q)
-    sq_n,
-    sq_k,
-    c_ptr,  # [N] int64
-    g_ptr,  # [N] uint8 (bool)
-    u_ptr,  # [N, K]
-    su_n,
-    e_ptr,  # [N, V]
-    se_n,
-    out_ptr,  # [N, K+1] int64
-    so_n,
-    acc_ptr,  # [N] int64
+def _stochastic_row(
+    p_row,
+    x_row,
+    q_row,
+    u_row,
+    e_row,
+    c,
     K: tl.constexpr,
     V: tl.constexpr,
     HAS_Q: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_K1: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.load(c_ptr + row)
-    c = tl.minimum(tl.maximum(c, 0), K).to(tl.int32)
-    greedy = tl.load(g_ptr + row) != 0
-    p_row = p_ptr + row * sp_n
-    x_row = x_ptr + row * sx_n
-    q_row = q_ptr + row * sq_n
-
-    # ---- pass 1a (stochastic rows): accept draft j iff u_j * q_j(x_j) < p_j(x_j); a = first rejection
+    """(a, token at a, invalid) of a stochastic row."""
+    # Pass 1: accept draft j iff u_j * q_j(x_j) < p_j(x_j), all K at once; a = the first rejection.
     jk = tl.arange(0, BLOCK_K)
     x = tl.load(x_row + jk, mask=jk < K, other=-1).to(tl.int64)
     in_range = (x >= 0) & (x < V)
     xs = tl.where(in_range, x, 0)
-    live = (jk < c) & in_range & (~greedy)
-    px = tl.load(p_row + jk * sp_k + xs, mask=live, other=0.0).to(tl.float32)
+    live = (jk < c) & in_range
+    px = tl.load(p_row + jk * V + xs, mask=live, other=0.0).to(tl.float32)
     if HAS_Q:
-        qx = tl.load(q_row + jk * sq_k + xs, mask=live, other=0.0).to(tl.float32)
+        qx = tl.load(q_row + jk * V + xs, mask=live, other=0.0).to(tl.float32)
     else:
         qx = tl.full([BLOCK_K], 1.0, tl.float32)  # deterministic proposer: q_j is one-hot at x_j
-    u = tl.load(u_ptr + row * su_n + jk, mask=live, other=1.0).to(tl.float32)
+    u = tl.load(u_row + jk, mask=live, other=1.0).to(tl.float32)
     accept = live & (u * qx < px)
-    a_stochastic = tl.min(tl.where(accept, BLOCK_K, jk), axis=0)  # <= c: position c is never accepted
+    a = tl.min(tl.where(accept, BLOCK_K, jk), axis=0).to(tl.int32)  # <= c: position c is never accepted
 
-    # ---- pass 1b (greedy rows): accept while the draft is the (finite) argmax
-    a_greedy = c * 0
-    going = greedy & (c > 0)
-    while going:
-        idx, nonfinite = _argmax_scan(p_row + a_greedy.to(tl.int64) * sp_k, V, BLOCK_V)
-        draft = tl.load(x_row + a_greedy)
-        match = (draft == idx) & (~nonfinite)
-        a_greedy = a_greedy + match.to(tl.int32)
-        going = match & (a_greedy < c)
-    a = tl.where(greedy, a_greedy, a_stochastic).to(tl.int32)
-
-    # ---- pass 2: race the residual and p_a at position a (exponential race; plain argmax for greedy rows)
-    rejected = (a < c) & (~greedy)
-    pa_row = p_row + a.to(tl.int64) * sp_k
-    qa_row = q_row + a.to(tl.int64) * sq_k
+    # Pass 2: race the residual max(p_a - q_a, 0) and p_a against the exponentials in one scan.
+    rejected = a < c
+    pa_row = p_row + a * V
+    qa_row = q_row + a * V
     x_a = tl.load(x_row + a, mask=rejected, other=-1)
-    e_row = e_ptr + row * se_n
     offs = tl.arange(0, BLOCK_V)
     best_r = tl.full([BLOCK_V], float("-inf"), tl.float32)
     idx_r = tl.full([BLOCK_V], 0, tl.int32)
@@ -113,7 +100,7 @@ def _rejection_sample_kernel(
     bad = tl.full([BLOCK_V], 0, tl.int1)
     positive = tl.full([BLOCK_V], 0, tl.int1)
     has_residual = tl.full([BLOCK_V], 0, tl.int1)
-    for v0 in range(0, V, BLOCK_V):
+    for v0 in tl.range(0, V, BLOCK_V, num_stages=3):
         v = v0 + offs
         m = v < V
         pv = tl.load(pa_row + v, mask=m, other=0.0).to(tl.float32)
@@ -121,16 +108,15 @@ def _rejection_sample_kernel(
             qv = tl.load(qa_row + v, mask=m & rejected, other=0.0).to(tl.float32)
         else:
             qv = tl.where((v == x_a) & rejected, 1.0, 0.0)
-        ev = tl.load(e_row + v, mask=m & (~greedy), other=1.0).to(tl.float32)
+        ev = tl.load(e_row + v, mask=m, other=1.0).to(tl.float32)
         p_bad = (pv != pv) | (tl.abs(pv) == float("inf"))
         q_bad = (qv != qv) | (tl.abs(qv) == float("inf"))
         bad = bad | (m & (p_bad | (rejected & q_bad)))
         positive = positive | (m & (pv > 0))
         diff = pv - qv
         has_residual = has_residual | (m & (diff > 0))
-        residual = tl.where(diff > 0, diff, 0.0)
-        score_r = tl.where(m, residual / ev, float("-inf"))
-        score_t = tl.where(m, tl.where(greedy, pv, pv / ev), float("-inf"))
+        score_r = tl.where(m, tl.where(diff > 0, diff, 0.0) / ev, float("-inf"))
+        score_t = tl.where(m, pv / ev, float("-inf"))
         upd_r = score_r > best_r
         best_r = tl.where(upd_r, score_r, best_r)
         idx_r = tl.where(upd_r, v, idx_r)
@@ -144,18 +130,46 @@ def _rejection_sample_kernel(
     use_residual = rejected & (tl.max(has_residual.to(tl.int32), axis=0) != 0)
     token = tl.where(use_residual, token_r, token_t).to(tl.int64)
     invalid = (tl.max(bad.to(tl.int32), axis=0) != 0) | (tl.max(positive.to(tl.int32), axis=0) == 0)
-    token = tl.where(invalid, -1, token)
+    return a, token, invalid
 
-    # ---- output: accepted drafts, the token at a, then -1
+
+@triton.jit
+def _rejection_sample_kernel(
+    p_ptr,  # [N, K+1, V] contiguous
+    x_ptr,  # [N, K] int64 contiguous
+    q_ptr,  # [N, K, V] contiguous (unused unless HAS_Q)
+    c_ptr,  # [N] int64
+    g_ptr,  # [N] uint8 (bool)
+    u_ptr,  # [N, K] contiguous
+    e_ptr,  # [N, V] contiguous
+    out_ptr,  # [N, K+1] int64
+    acc_ptr,  # [N] int64
+    K: tl.constexpr,
+    V: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_K1: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_VG: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.load(c_ptr + row)
+    c = tl.minimum(tl.maximum(c, 0), K).to(tl.int32)
+    p_row = p_ptr + row * ((K + 1) * V)
+    x_row = x_ptr + row * K
+    if tl.load(g_ptr + row) != 0:
+        a, token, invalid = _greedy_row(p_row, x_row, c, K, V, BLOCK_K1, BLOCK_VG)
+    else:
+        a, token, invalid = _stochastic_row(
+            p_row, x_row, q_ptr + row * (K * V), u_ptr + row * K, e_ptr + row * V, c, K, V, HAS_Q, BLOCK_K, BLOCK_V
+        )
+    token = tl.where(invalid, -1, token)
+    # Accepted drafts, the token at a, then -1.
     jo = tl.arange(0, BLOCK_K1)
     drafts = tl.load(x_row + jo, mask=jo < a, other=-1).to(tl.int64)
     out = tl.where(jo < a, drafts, tl.where(jo == a, token, -1))
-    tl.store(out_ptr + row * so_n + jo, out, mask=jo < K + 1)
+    tl.store(out_ptr + row * (K + 1) + jo, out, mask=jo < K + 1)
     tl.store(acc_ptr + row, a.to(tl.int64))
-
-
-def _unit_stride(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def rejection_sample_triton(
@@ -169,7 +183,8 @@ def rejection_sample_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """target_probs [N, K+1, V] f32, draft_token_ids [N, K] i64, draft_probs [N, K, V] f32 | None,
     num_draft_tokens [N] i64, is_greedy [N] bool, uniform [N, K] f32, exponential [N, V] f32 (> 0)
-    -> (output_token_ids [N, K+1] i64, num_accepted [N] i64). One kernel launch; only shapes are read."""
+    -> (output_token_ids [N, K+1] i64, num_accepted [N] i64). One kernel launch (plus copies of inputs
+    that are not contiguous or have other dtypes); only shapes are read on the host."""
     n, k1, vocab = target_probs.shape
     k = k1 - 1
     device = target_probs.device
@@ -177,42 +192,35 @@ def rejection_sample_triton(
     num_accepted = torch.empty((n,), dtype=torch.int64, device=device)
     if n == 0:
         return out, num_accepted
-    p = _unit_stride(target_probs)
-    e = _unit_stride(exponential)
+    p = target_probs.contiguous()
     greedy = is_greedy.to(torch.bool).contiguous().view(torch.uint8)
     counts = num_draft_tokens.to(torch.int64).contiguous()
     if k > 0:
-        x = _unit_stride(draft_token_ids.to(torch.int64))
-        u = _unit_stride(uniform)
-    else:  # empty [N, 0] tensors: hand the kernel a real pointer it never reads
-        x, u = counts.view(n, 1), p[:, 0]
-    q = p if draft_probs is None or k == 0 else _unit_stride(draft_probs)
+        x = draft_token_ids.to(torch.int64).contiguous()
+        u = uniform.contiguous()
+    else:  # empty [N, 0] tensors: hand the kernel real pointers it never reads
+        x, u = counts, p
     has_q = draft_probs is not None and k > 0
+    q = draft_probs.contiguous() if has_q and draft_probs is not None else p
+    block_k1 = triton.next_power_of_2(k1)
     block_v = min(_MAX_BLOCK_V, triton.next_power_of_2(vocab))
     _rejection_sample_kernel[(n,)](
         p,
-        p.stride(0),
-        p.stride(1),
         x,
-        x.stride(0),
         q,
-        q.stride(0) if has_q else 0,
-        q.stride(1) if has_q else 0,
         counts,
         greedy,
         u,
-        u.stride(0),
-        e,
-        e.stride(0),
+        exponential.contiguous(),
         out,
-        out.stride(0),
         num_accepted,
         K=k,
         V=vocab,
         HAS_Q=has_q,
         BLOCK_K=triton.next_power_of_2(max(k, 1)),
-        BLOCK_K1=triton.next_power_of_2(k1),
+        BLOCK_K1=block_k1,
         BLOCK_V=block_v,
+        BLOCK_VG=max(16, min(_GREEDY_TILE // block_k1, triton.next_power_of_2(vocab))),
         num_warps=8 if block_v >= 1024 else 4,
     )
     return out, num_accepted

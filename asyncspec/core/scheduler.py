@@ -335,9 +335,12 @@ class Scheduler:
             # by a stop) are not computed. Every kept token but the newest has its KV in the cache.
             computed = len(all_ids) - 1
             request.num_computed_tokens = computed
-            # Only verified tokens reach the prefix cache.
-            if cache_blocks is not None and computed // block_size > start // block_size:
-                cache_blocks(request, computed)
+            # Only verified tokens reach the prefix cache, and with stop strings only those that
+            # precede this step's run: the output processor may still cut the run at a stop string
+            # (the next step registers the run, if the request goes on).
+            cacheable = computed - num_new + 1 if params.stop else computed
+            if cache_blocks is not None and cacheable // block_size > start // block_size:
+                cache_blocks(request, cacheable)
             num_accepted = 0
             if num_drafts is not None and num_drafts[i]:
                 num_accepted = min(num_new, len(sampled) - 1)  # drafts among the kept tokens
@@ -371,6 +374,16 @@ class Scheduler:
             per_position.extend([0] * (num_drafts - len(per_position)))
         for position in range(num_accepted):
             per_position[position] += 1
+
+    def uncount_cut_run(self, num_cut: int, counted: int, kept: int) -> None:
+        """Takes back the tail of one run of tokens that a stop string cut (found by the output
+        processor after this step was counted): `num_cut` generated tokens, and the accepted drafts
+        at positions kept..counted-1, were never delivered."""
+        stats = self.stats
+        stats.num_generation_tokens -= num_cut
+        stats.num_accepted_tokens -= counted - kept
+        for position in range(kept, counted):
+            stats.accepted_per_position[position] -= 1
 
     def _fail_requests(self, reasons: dict[str, str]) -> list[EngineCoreOutput]:
         """Ends requests that failed alone (finish_reason "error"), freeing their blocks."""

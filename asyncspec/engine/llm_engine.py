@@ -138,6 +138,8 @@ class LLMEngine:
             self.engine_core.finish_stopped(processed.stopped)
         if processed.failed:
             self.engine_core.fail_requests(processed.failed)
+        for num_cut, counted, kept in processed.cut_runs:
+            self.engine_core.scheduler.uncount_cut_run(num_cut, counted, kept)
         return processed.outputs
 
     def stats(self) -> dict[str, float]:

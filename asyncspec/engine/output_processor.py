@@ -25,6 +25,9 @@ class ProcessedOutputs:
     """Requests a stop string ended: the core must free them."""
     failed: dict[str, str] = field(default_factory=dict)
     """Requests whose output processing failed (id -> reason): the core must end them as errors."""
+    cut_runs: list[tuple[int, int, int]] = field(default_factory=list)
+    """(tokens cut, accepted drafts as counted, accepted drafts kept) for every run of tokens that a
+    stop string cut: the core's counters must drop what was never delivered."""
 
 
 @dataclass
@@ -76,7 +79,7 @@ class OutputProcessor:
             if state is None:
                 continue
             try:
-                output = self._process_one(state, core, processed.stopped)
+                output = self._process_one(state, core, processed)
             except Exception as e:  # a detokenizer failure ends this request, not the engine
                 logger.warning("output processing failed for request %s: %r", core.request_id, e)
                 error = f"output processing failed: {e!r}"
@@ -87,12 +90,14 @@ class OutputProcessor:
                 processed.outputs.append(output)
         return processed
 
-    def _process_one(self, state: RequestState, core: EngineCoreOutput, stopped: list[str]) -> RequestOutput | None:
+    def _process_one(
+        self, state: RequestState, core: EngineCoreOutput, processed: ProcessedOutputs
+    ) -> RequestOutput | None:
         if core.finish_reason == "error":
             return self._make_error_output(state, core.error or "the request failed", core.num_cached_tokens)
         finish_reason, stop_reason = core.finish_reason, core.stop_reason
         state.num_draft_tokens += core.num_draft_tokens
-        state.num_accepted_tokens += core.num_accepted_tokens
+        num_accepted = core.num_accepted_tokens
         state.token_ids.extend(core.new_token_ids)
         if core.new_logprobs:
             state.logprobs.extend(core.new_logprobs)
@@ -105,13 +110,20 @@ class OutputProcessor:
                 text_token_ids = text_token_ids[:-1]
             stop_string = detok.update(text_token_ids)
             if stop_string is not None:
-                # Tokens after the one that completed the stop string are never delivered.
+                # Tokens after the one that completed the stop string are never delivered, nor
+                # counted as accepted drafts.
+                num_cut = len(state.token_ids) - detok.num_output_tokens
+                if num_cut > 0:
+                    kept = min(num_accepted, max(len(core.new_token_ids) - num_cut, 0))
+                    processed.cut_runs.append((num_cut, num_accepted, kept))
+                    num_accepted = kept
                 del state.token_ids[detok.num_output_tokens :]
                 del state.logprobs[detok.num_output_tokens :]
                 if finish_reason is None or finish_reason == "length":
                     if finish_reason is None:
-                        stopped.append(core.request_id)
+                        processed.stopped.append(core.request_id)
                     finish_reason, stop_reason = "stop", stop_string
+        state.num_accepted_tokens += num_accepted
         return self._make_output(state, finish_reason, stop_reason, core.num_cached_tokens)
 
     def _make_error_output(self, state: RequestState, error: str, num_cached_tokens: int) -> RequestOutput:

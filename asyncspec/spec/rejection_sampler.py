@@ -65,20 +65,33 @@ def draw_rejection_randomness(
     generators: dict[int, torch.Generator],
     default_generator: torch.Generator | None,
     device: torch.device | str,
+    *,
+    max_num_spec: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(uniform [N, K] in [0, 1), exponential [N, V] ~ Exp(1) clamped to >= float32 tiny), float32.
 
     Row r in `generators` draws its K uniforms, then its V exponentials, from its own generator (always
     that amount); the other rows draw from `default_generator` (None: torch's default) in one batched
-    call per tensor. Rows of `generators` outside [0, num_rows) are ignored."""
+    call per tensor. Rows of `generators` outside [0, num_rows) are ignored.
+
+    max_num_spec: when the step's K varies with the batch (K = the widest row's drafts), pass the
+    configured number of speculative tokens: seeded rows then always draw max_num_spec uniforms (the
+    first K are used), so their streams stay independent of the neighbours' draft counts."""
     uniform = torch.empty((num_rows, num_spec), dtype=torch.float32, device=device)
     exponential = torch.empty((num_rows, vocab_size), dtype=torch.float32, device=device)
     seeded = {r: g for r, g in generators.items() if 0 <= r < num_rows}
     if len(seeded) < num_rows:
         uniform.uniform_(generator=default_generator)
         exponential.exponential_(generator=default_generator)
+    num_seeded_uniforms = num_spec if max_num_spec is None else max_num_spec
+    if num_seeded_uniforms < num_spec:
+        raise ValueError(f"max_num_spec={max_num_spec} is smaller than this step's {num_spec} draft positions")
     for row, gen in seeded.items():
-        uniform[row].uniform_(generator=gen)
+        if num_seeded_uniforms == num_spec:
+            uniform[row].uniform_(generator=gen)
+        else:
+            draws = torch.empty(num_seeded_uniforms, dtype=torch.float32, device=device).uniform_(generator=gen)
+            uniform[row].copy_(draws[:num_spec])
         exponential[row].exponential_(generator=gen)
     # Exp(1) may round to 0; p / 0 would be inf (or NaN for p == 0) and win the race.
     exponential.clamp_min_(torch.finfo(torch.float32).tiny)
@@ -93,9 +106,11 @@ class RejectionSampler:
     position is not a distribution (NaN, inf, no positive mass) gets -1 there too: fail that request.
     """
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, num_speculative_tokens: int | None = None) -> None:
         self.device = torch.device(device)
         self.kernel: RejectionKernel = select_rejection_kernel(self.device)
+        self.num_speculative_tokens = num_speculative_tokens
+        """The configured k, when a step's K may be smaller (see draw_rejection_randomness's max_num_spec)."""
 
     def __call__(
         self,
@@ -113,7 +128,13 @@ class RejectionSampler:
         num_draft_tokens [N] int64 in [0, K], is_greedy [N] bool."""
         num_rows, k1, vocab_size = target_probs.shape
         uniform, exponential = draw_rejection_randomness(
-            num_rows, k1 - 1, vocab_size, generators, default_generator, target_probs.device
+            num_rows,
+            k1 - 1,
+            vocab_size,
+            generators,
+            default_generator,
+            target_probs.device,
+            max_num_spec=self.num_speculative_tokens,
         )
         return self.kernel(
             target_probs, draft_token_ids, draft_probs, num_draft_tokens, is_greedy, uniform, exponential

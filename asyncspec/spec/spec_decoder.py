@@ -77,7 +77,9 @@ class SpeculativeDecoder:
         # The draft model's sampling distributions q, per row and draft position: allocated with
         # the first sampled (non-greedy) proposal.
         self.draft_probs: Tensor | None = None
-        self.rejection_sampler = RejectionSampler(device)
+        # Seeded rows draw randomness for k positions whatever the step's widest row: their
+        # streams must not depend on their neighbours.
+        self.rejection_sampler = RejectionSampler(device, num_speculative_tokens=num_speculative_tokens)
 
     @property
     def uses_draft_model(self) -> bool:

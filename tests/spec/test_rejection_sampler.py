@@ -101,7 +101,7 @@ def random_case(gen: torch.Generator, n: int, k: int, vocab: int, with_q: bool =
     greedy = rand(n) < 0.4
     u = rand(n, k)
     e = exponentials(gen, n, vocab)
-    if edge and n >= 8:
+    if edge and n >= 8 and k > 0:
         u[0] = 0.0  # accept iff p(x) > 0
         e[1, : vocab // 2] = TINY
         x[2, 0] = vocab + 3  # out-of-range valid draft: never accepted
@@ -500,6 +500,31 @@ def test_seeded_rows_do_not_depend_on_neighbours() -> None:
     expected_u = torch.empty(k).uniform_(generator=gen)
     expected_e = torch.empty(vocab).exponential_(generator=gen).clamp_min(TINY)
     assert torch.equal(alone[0][0], expected_u) and torch.equal(alone[0][1], expected_e)
+
+
+def test_seeded_rows_with_a_fixed_uniform_budget_ignore_the_step_width() -> None:
+    """With max_num_spec, a seeded row's stream does not depend on the step's K (the widest row's drafts)."""
+    vocab = 32
+
+    def two_steps(num_spec: int) -> list[Tensor]:
+        gens = {1: make_generator(9, "cpu")}
+        first = draw_rejection_randomness(3, num_spec, vocab, gens, None, "cpu", max_num_spec=4)
+        second = draw_rejection_randomness(3, 4, vocab, gens, None, "cpu", max_num_spec=4)
+        return [first[0][1], first[1][1], second[0][1], second[1][1]]
+
+    narrow, wide = two_steps(2), two_steps(4)
+    assert torch.equal(narrow[0], wide[0][:2])
+    for a, b in zip(narrow[1:], wide[1:], strict=True):
+        assert torch.equal(a, b)
+    # Without the budget, the same seeded row drifts once the width changes (why the option exists).
+    gens = {0: make_generator(9, "cpu")}
+    draw_rejection_randomness(1, 2, vocab, gens, None, "cpu")
+    drifted = draw_rejection_randomness(1, 4, vocab, gens, None, "cpu")[1][0]
+    assert not torch.equal(drifted, wide[3])
+    with pytest.raises(ValueError, match="max_num_spec"):
+        draw_rejection_randomness(1, 5, vocab, gens, None, "cpu", max_num_spec=4)
+    sampler = RejectionSampler("cpu", num_speculative_tokens=4)
+    assert sampler.num_speculative_tokens == 4
 
 
 def test_seeded_request_output_does_not_depend_on_neighbours() -> None:
