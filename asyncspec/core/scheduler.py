@@ -191,8 +191,11 @@ class Scheduler:
                     if not cfg.enable_chunked_prefill:
                         break
                     num_new = token_budget
+                # A chunk that completes the prompt samples, and then the drafter writes k slots ahead.
+                end = request.num_computed_tokens + num_hit + num_new
+                lookahead = self._lookahead_for(end, request.num_tokens, cfg.num_lookahead_tokens, cfg.max_model_len)
                 new_block_ids = kv.allocate_slots(
-                    request, num_new, 0, new_computed_blocks=computed_blocks, num_new_computed_tokens=num_hit
+                    request, num_new, lookahead, new_computed_blocks=computed_blocks, num_new_computed_tokens=num_hit
                 )
                 if new_block_ids is None:
                     break
@@ -234,8 +237,9 @@ class Scheduler:
     @staticmethod
     def _num_drafts_for(request: Request, computed: int, k: int, max_model_len: int) -> int:
         """Draft positions to verify: k, but none whose token could not be kept (past
-        max_model_len or max_tokens)."""
-        num_drafts = min(k, max_model_len - computed - 1)
+        max_model_len or max_tokens). With d drafts the run's last token lands at position
+        computed + d + 1, which must stay below max_model_len."""
+        num_drafts = min(k, max_model_len - computed - 2)
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
             num_drafts = min(num_drafts, max_tokens - len(request.output_token_ids) - 1)

@@ -41,6 +41,9 @@ class DraftStep:
     """[total] int64 device: the target's input ids."""
     block_tables: Tensor
     """[num_reqs, max_blocks_per_req] int32 device: every column of each request's block table."""
+    num_slots: list[int]
+    """Per request, the KV slots its blocks hold: the draft never writes past them (a column past a
+    request's blocks may name another request's block)."""
     output_token_ids: Tensor
     """[S, P] int64 device: the emitted runs (-1 after each run)."""
     num_accepted: Tensor
@@ -134,6 +137,7 @@ class DraftModelProposer:
         ]
         position = host_list_to_device(num_tokens, dev) + step.num_accepted
         block_tables = step.block_tables.index_select(0, host_list_to_device(step.sampling_index, dev))
+        capacity = host_list_to_device([step.num_slots[i] for i in step.sampling_index], dev)
         query_start_loc = torch.arange(num_sampling + 1, dtype=torch.int32, device=dev)
         for j in range(self.k):
             token, q = self._sample(logits, expanded, step)
@@ -145,8 +149,9 @@ class DraftModelProposer:
             position = position + 1
             safe = position.clamp_max(self.max_model_len - 1)
             slots = self.compute_slot_mapping(block_tables, query_start_loc, safe, self.block_size)
-            # Past max_model_len no slot is reserved: compute (a useless draft) but write nothing.
-            slots = torch.where(position < self.max_model_len, slots, torch.full_like(slots, -1))
+            # Past the request's reserved slots (at most max_model_len): compute a useless draft,
+            # write nothing.
+            slots = torch.where(position < capacity, slots, torch.full_like(slots, -1))
             metadata = AttentionMetadata(
                 slot_mapping=slots,
                 query_start_loc=query_start_loc,
@@ -198,6 +203,8 @@ class DraftModelProposer:
         query_start_loc = host_list_to_device(cumulative, dev, torch.int32)
         seq_lens = [c + length for c, length in zip(step.num_computed, lengths, strict=True)]
         slots = self.compute_slot_mapping(step.block_tables, query_start_loc, position_tensor, self.block_size)
+        capacity = [c for c, length in zip(step.num_slots, lengths, strict=True) for _ in range(length)]
+        slots = torch.where(position_tensor < host_list_to_device(capacity, dev), slots, torch.full_like(slots, -1))
         metadata = AttentionMetadata(
             slot_mapping=slots,
             query_start_loc=query_start_loc,

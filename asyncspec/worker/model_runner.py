@@ -434,6 +434,7 @@ class ModelRunner:
             num_draft_positions=num_draft_positions,
             input_ids=input_ids,
             block_tables=self._block_table_dev[: len(states)],
+            num_slots=[min(len(s.block_ids) * self.block_size, self.max_model_len) for s in states],
             output_token_ids=out,
             num_accepted=num_accepted,
             metadata=metadata,

@@ -271,8 +271,8 @@ def test_lookahead_slots_reserved_for_decodes():
     s.add_request(make_request("a", 6, max_tokens=12))
     s.add_request(make_request("b", 30, max_tokens=2))
     so, _ = step(s, runner)
-    # A new request gets no lookahead at admission: exactly the prompt's blocks.
-    assert len(s.kv_cache_manager.get_block_ids("a")) == cdiv(6, bs)
+    # Admission with the whole prompt samples, so the drafter's k slots are reserved too.
+    assert len(s.kv_cache_manager.get_block_ids("a")) == cdiv(6 + k, bs)
     while "a" in s.requests:
         a = s.requests["a"]
         computed = a.num_computed_tokens
