@@ -102,6 +102,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(prompts[outputs.index(out)] + out.text + "\n")
     n = sum(len(o.token_ids) for o in outputs)
     sys.stdout.write(f"--- {n} tokens in {elapsed:.2f} s ({n / elapsed:.1f} tok/s)\n")
+    if config.speculative_method is not None:
+        stats = llm.stats()
+        sys.stdout.write(
+            f"--- speculation ({config.speculative_method}, k={config.num_speculative_tokens}): "
+            f"{stats['spec_num_accepted_tokens']}/{stats['spec_num_draft_tokens']} drafts accepted, "
+            f"{stats['spec_mean_acceptance_length']:.2f} tokens per target step\n"
+        )
     return 0
 
 

@@ -80,3 +80,15 @@ def test_generate_command_runs_on_the_bundled_model(capsys):
     )
     out = capsys.readouterr().out
     assert "finish: length, 8 tokens" in out and out.splitlines()[1].startswith("def f(x):")
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_generate_command_with_speculation_prints_the_same_text(capsys, method):
+    common = ["--model", str(TARGET_MODEL), "--device", "cpu", "--dtype", "float32", "--prompt", "import os\\n"]
+    common += ["--max-tokens", "24", "--max-model-len", "256", "--num-kv-blocks", "64"]
+    assert main(common) == 0
+    plain = capsys.readouterr().out.split("\n")[:2]
+    assert main([*common, "--speculative-method", method, "--num-speculative-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.split("\n")[:2] == plain
+    assert f"speculation ({method}, k=4)" in out and "tokens per target step" in out
