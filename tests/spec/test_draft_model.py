@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from asyncspec import LLM, EngineConfig, SamplingParams
 from asyncspec.errors import ConfigError
@@ -117,3 +118,49 @@ def test_missing_draft_directory_is_a_clear_error(tmp_path):
             num_speculative_tokens=2,
             **CONFIG,
         )
+
+
+def _tiny_pair(tmp_path: Path, family: str) -> tuple[Path, Path]:
+    """A random tiny target of `family` and an unrelated random tiny Llama draft (same vocabulary,
+    special ids and tokenizer): the draft is mostly wrong, so most drafts are rejected."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.engine.test_tiny_families import _TINY, FAMILIES
+    from tests.hf_tiny_models import save_random_hf_model
+
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    cfg_cls, model_cls, overrides = FAMILIES[family]
+    save_random_hf_model(cfg_cls, model_cls, {**_TINY, **overrides}, target)
+    small = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2)
+    save_random_hf_model(LlamaConfig, LlamaForCausalLM, {**_TINY, **small}, draft)
+    for path in (target, draft):
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(TARGET_MODEL / name, path / name)
+    return target, draft
+
+
+@pytest.mark.parametrize("family", ["llama-untied", "llama-tied-bias", "llama3-rope", "mistral", "qwen2", "qwen3"])
+def test_random_tiny_draft_many_rejections_greedy_unchanged(one_thread, tmp_path, family):
+    target, draft = _tiny_pair(tmp_path, family)
+    config = dict(
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        max_model_len=64,
+        num_kv_blocks=24,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        skip_tokenizer_init=True,
+    )
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (12 + 3 * i,), generator=gen).tolist() for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = LLM(str(target), **config).generate(prompts, params)
+    llm = LLM(str(target), speculative_method="draft_model", draft_model=str(draft), num_speculative_tokens=3, **config)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    stats = llm.stats()
+    assert stats["spec_num_draft_tokens"] > 50
+    assert stats["spec_num_accepted_tokens"] < 0.5 * stats["spec_num_draft_tokens"], "expected many rejections"
+    assert stats["num_preemptions"] > 0
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
