@@ -142,6 +142,9 @@ class ModelRunner:
         # Penalty statistics are allocated on the first penalised request, after the pool exists:
         # keep room for them (float32 counts + bool mask per row and vocab entry).
         penalty_tables = self.config.max_num_seqs * self.model_config.vocab_size * 5
+        # Likewise the draft model's sampling distributions (float32 per row, draft position and token).
+        if self.spec is not None and self.spec.uses_draft_model:
+            penalty_tables += self.config.max_num_seqs * self.spec.k * self.model_config.vocab_size * 4
         budget = int(total * self.config.gpu_memory_utilization) - peak_torch - max(non_torch, 0) - penalty_tables
         torch.cuda.empty_cache()
         if budget < self.bytes_per_block:
