@@ -80,6 +80,23 @@ def select_backend(device: torch.device) -> AttentionBackend:
     return TORCH_REFERENCE
 
 
+def allocate_paged_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (k_cache, v_cache) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(num_layers)
+    ]
+
+
 class Attention(nn.Module):
     """Paged multi-head attention with GQA over one layer's (k_cache, v_cache)."""
 

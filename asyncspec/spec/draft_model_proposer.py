@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from asyncspec.errors import ConfigError
-from asyncspec.layers.attention import select_backend
+from asyncspec.layers.attention import allocate_paged_kv_cache, select_backend
 from asyncspec.layers.attention_metadata import AttentionMetadata
 from asyncspec.layers.sampler import SamplingMetadata, host_list_to_device, process_logits, random_sample
 from asyncspec.models.loader import load_model
@@ -109,14 +109,15 @@ class DraftModelProposer:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config
-        shape = (num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(mc.num_hidden_layers)
-        ]
+        self.kv_caches = allocate_paged_kv_cache(
+            mc.num_hidden_layers,
+            num_blocks,
+            self.block_size,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            self.dtype,
+            self.device,
+        )
 
     def propose(self, step: DraftStep) -> tuple[Tensor, Tensor | None]:
         """Catches up on the step, then proposes k tokens per sampling request.

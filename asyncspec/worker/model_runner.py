@@ -14,7 +14,7 @@ from asyncspec.config import EngineConfig
 from asyncspec.core.kv_cache import num_blocks_for_bytes
 from asyncspec.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncspec.errors import ConfigError
-from asyncspec.layers.attention import select_backend
+from asyncspec.layers.attention import allocate_paged_kv_cache, select_backend
 from asyncspec.layers.attention_metadata import AttentionMetadata
 from asyncspec.layers.sampler import (
     INVALID_TOKEN_ID,
@@ -186,14 +186,15 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config
-        shape = (num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(mc.num_hidden_layers)
-        ]
+        self.kv_caches = allocate_paged_kv_cache(
+            mc.num_hidden_layers,
+            num_blocks,
+            self.block_size,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            self.dtype,
+            self.device,
+        )
         if self.spec is not None:
             self.spec.initialize_kv_cache(num_blocks)
 
