@@ -1,0 +1,60 @@
+"""Triton SwiGLU activation (same contract as `silu_and_mul_ref`).
+
+A 2-D grid of (row, column block) programs: each reads BLOCK_I gate and up values of one row, evaluates silu in
+fp32, rounds it to the input dtype, multiplies in fp32 and rounds again, exactly the two roundings of
+`F.silu(gate) * up` (below gate = -88, where exp(-gate) overflows, silu is -0 here and a
+subnormal in torch). Only shapes are read on the host, so the launch never syncs with the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_MAX_BLOCK_I = 1024
+
+
+@triton.jit
+def _round(x, DTYPE: tl.constexpr):
+    """fp32 x rounded to nearest even in DTYPE. bf16 is rounded by hand on the bits: Triton's interpreter
+    truncates a plain fp32 -> bf16 cast (a GPU rounds it to nearest even, as this does)."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, x_stride, out_ptr, out_stride, inter, BLOCK_I: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = cols < inter
+    x_row = x_ptr + row * x_stride
+    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    act = _round(gate / (1.0 + tl.exp(-gate)), x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * out_stride + cols, _round(act * up, out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(x[:, :I]) * x[:, I:] for x [T, 2 * I] -> [T, I] in x.dtype; see `silu_and_mul_ref`.
+
+    Rows may be strided (the last dim must be dense, else it is copied).
+    """
+    assert x.dim() == 2 and x.shape[1] % 2 == 0, x.shape
+    num_rows, inter = x.shape[0], x.shape[1] // 2
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty((num_rows, inter), dtype=x.dtype, device=x.device)
+    assert out.shape == (num_rows, inter) and out.stride(-1) == 1 and out.dtype == x.dtype
+    if num_rows == 0 or inter == 0:
+        return out
+    block_i = min(triton.next_power_of_2(inter), _MAX_BLOCK_I)
+    num_warps = 4 if block_i >= 512 else 1
+    grid = (num_rows, triton.cdiv(inter, block_i))
+    _silu_and_mul_kernel[grid](x, x.stride(0), out, out.stride(0), inter, BLOCK_I=block_i, num_warps=num_warps)
+    return out
