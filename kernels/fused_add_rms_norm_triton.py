@@ -12,20 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncspec.kernels.triton_rounding import round_to_dtype
+
 _MAX_BLOCK_H = 65536  # rows are held whole in registers
 _TILE = 4096  # elements per program when several rows share one
-
-
-@triton.jit
-def _round(x, DTYPE: tl.constexpr):
-    """fp32 x rounded to nearest even in DTYPE. bf16 is rounded by hand on the bits: Triton's interpreter
-    truncates a plain fp32 -> bf16 cast (a GPU rounds it to nearest even, as this does)."""
-    if DTYPE == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(DTYPE)
 
 
 @triton.jit
@@ -53,15 +43,17 @@ def _fused_add_rms_norm_kernel(
     x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + rows[:, None] * res_stride + cols[None, :], mask=mask, other=0.0)
-        x = _round(x.to(tl.float32) + r.to(tl.float32), x_ptr.dtype.element_ty)
+        x = round_to_dtype(x.to(tl.float32) + r.to(tl.float32), x_ptr.dtype.element_ty)
     if STORE_RESIDUAL:
         tl.store(res_out_ptr + rows[:, None] * res_out_stride + cols[None, :], x, mask=mask)
     h = x.to(tl.float32)
     mean_sq = tl.sum(h * h, axis=1) / H
     h = h * tl.math.rsqrt(mean_sq + eps)[:, None]
     w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-    y = _round(h, x_ptr.dtype.element_ty).to(tl.float32) * w[None, :]
-    tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], _round(y, out_ptr.dtype.element_ty), mask=mask)
+    y = round_to_dtype(h, x_ptr.dtype.element_ty).to(tl.float32) * w[None, :]
+    tl.store(
+        out_ptr + rows[:, None] * out_stride + cols[None, :], round_to_dtype(y, out_ptr.dtype.element_ty), mask=mask
+    )
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -12,19 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncspec.kernels.triton_rounding import round_to_dtype
+
 _MAX_BLOCK_I = 1024
-
-
-@triton.jit
-def _round(x, DTYPE: tl.constexpr):
-    """fp32 x rounded to nearest even in DTYPE. bf16 is rounded by hand on the bits: Triton's interpreter
-    truncates a plain fp32 -> bf16 cast (a GPU rounds it to nearest even, as this does)."""
-    if DTYPE == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(DTYPE)
 
 
 @triton.jit
@@ -35,8 +25,8 @@ def _silu_and_mul_kernel(x_ptr, x_stride, out_ptr, out_stride, inter, BLOCK_I: t
     x_row = x_ptr + row * x_stride
     gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    act = _round(gate / (1.0 + tl.exp(-gate)), x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * out_stride + cols, _round(act * up, out_ptr.dtype.element_ty), mask=mask)
+    act = round_to_dtype(gate / (1.0 + tl.exp(-gate)), x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * out_stride + cols, round_to_dtype(act * up, out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

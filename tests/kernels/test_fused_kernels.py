@@ -10,10 +10,6 @@ so `TestInterpreted` runs in-process only where that already holds, and otherwis
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -139,6 +135,8 @@ def test_silu_reference_rounds_twice_in_half_precision() -> None:
 triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+from tests.kernels.interpreter import run_interpreted_suite  # noqa: E402  (after the triton import guard)
+
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1" and isinstance(triton.language.zeros, InterpretedFunction)
 MIN_INTERPRETED_TESTS = 60
 
@@ -155,21 +153,7 @@ def kernels() -> SimpleNamespace:
 
 @pytest.mark.skipif(INTERPRETING, reason="TestInterpreted runs in this process")
 def test_interpreter_suite() -> None:
-    """Run TestInterpreted in a child pytest with TRITON_INTERPRET=1 set before triton is imported."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    here = Path(__file__).resolve()
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", f"{here}::TestInterpreted", "-q", "-p", "no:cacheprovider", "-rfEs"],
-        cwd=here.parents[2],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    report = proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, report
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= MIN_INTERPRETED_TESTS and "skipped" not in proc.stdout, report
+    run_interpreted_suite(__file__, MIN_INTERPRETED_TESTS, ())
 
 
 def check_norm(norm, x, residual, weight, *, strided_out: bool = False) -> None:

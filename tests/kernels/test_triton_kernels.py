@@ -13,11 +13,7 @@ from __future__ import annotations
 
 import math
 import os
-import re
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +30,8 @@ from asyncspec.kernels.slot_mapping import compute_slot_mapping_ref
 
 triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from tests.kernels.interpreter import run_interpreted_suite  # noqa: E402  (after the triton import guard)
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1" and isinstance(triton.language.zeros, InterpretedFunction)
 
@@ -58,22 +56,7 @@ def interpreted():
 
 @pytest.mark.skipif(INTERPRETING, reason="TestInterpreted runs in this process")
 def test_interpreter_suite() -> None:
-    """Run TestInterpreted in a child pytest with TRITON_INTERPRET=1 set before triton is imported."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop("ASYNCSPEC_ATTENTION_BACKEND", None)
-    here = Path(__file__).resolve()
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", f"{here}::TestInterpreted", "-q", "-p", "no:cacheprovider", "-rfEs"],
-        cwd=here.parents[2],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    report = proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, report
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= 10 and "skipped" not in proc.stdout, report
+    run_interpreted_suite(__file__, 10, ("ASYNCSPEC_ATTENTION_BACKEND",))
 
 
 # --------------------------------------------------------------------------------------------- batches
