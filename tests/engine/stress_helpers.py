@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from asyncspec import SamplingParams
 from asyncspec.outputs import RequestOutput
 from tests.conftest import TARGET_MODEL, load_prompts
-from tests.engine.engine_helpers import BUNDLED_VOCAB, bundled_llm
+from tests.engine.engine_helpers import BUNDLED_VOCAB, bundled_llm, wait_kv_free
 
 ENGINE_CONFIG = dict(
     device="cpu",
@@ -372,19 +372,12 @@ async def run_streams(engine, specs: list[StreamSpec], timeout: float) -> tuple[
 
 
 async def wait_engine_idle(engine, timeout: float = 20.0) -> dict | None:
-    """Polls until the pool is whole and nothing is running or waiting; None on timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = engine.stats()
-        if (
-            stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
-            and stats["num_running_requests"] == 0
-            and stats["num_waiting_requests"] == 0
-        ):
-            return stats
-        if time.monotonic() > deadline:
-            return None
-        await asyncio.sleep(0.01)
+    """The engine's stats once the pool is whole and nothing runs or waits; None on timeout (reported
+    as a failure by the caller rather than raised)."""
+    try:
+        return await wait_kv_free(engine, timeout)
+    except AssertionError:
+        return None
 
 
 # -- references ----------------------------------------------------------------------------
