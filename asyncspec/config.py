@@ -81,6 +81,10 @@ class EngineConfig:
     """Longest n-gram the "ngram" proposer tries first."""
     async_scheduling: bool = False
     """Overlap scheduling of step N+1 with execution of step N."""
+    enforce_eager: bool = False
+    """Run every step eagerly: no CUDA graphs (they are captured on CUDA with the Triton backend)."""
+    cuda_graph_max_batch_size: int | None = None
+    """Largest batch replayed from a CUDA graph (buckets 1, 2, 4, 8, 16, ...); None: max_num_seqs."""
 
     def __post_init__(self) -> None:
         self._validate()
@@ -126,7 +130,7 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         for name in ("long_prefill_token_threshold", "seed", "num_speculative_tokens"):
             _check_int(name, getattr(self, name), minimum=0)
-        for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len"):
+        for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len", "cuda_graph_max_batch_size"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
         if self.long_prefill_token_threshold > 0 and not self.enable_chunked_prefill:

@@ -168,4 +168,5 @@ class LLMEngine:
             "num_kv_blocks": kv.num_blocks,
             "num_free_kv_blocks": kv.num_free_blocks,
             "kv_cache_usage": kv.usage,
+            **self.engine_core.runner.graph_stats(),
         }

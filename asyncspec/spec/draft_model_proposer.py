@@ -11,6 +11,7 @@ it runs on the device with shapes known on the host: the accepted counts are nev
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -102,6 +103,14 @@ class DraftModelProposer:
         self.model = load_model(draft_path, self.model_config, dtype, device, load_format, seed)
         self.compute_slot_mapping = select_backend(device).slot_mapping
         self.kv_caches: list[tuple[Tensor, Tensor]] = []
+        self.forward: Callable[[Tensor, Tensor, AttentionMetadata, int | None], Tensor] = self._eager_forward
+        """forward(input_ids, positions, metadata, uniform query length or None) -> hidden states; the
+        worker swaps in its CUDA-graph replay once the graphs are captured."""
+
+    def _eager_forward(
+        self, input_ids: Tensor, positions: Tensor, metadata: AttentionMetadata, query_len: int | None
+    ) -> Tensor:
+        return self.model(input_ids, positions, self.kv_caches, metadata)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -162,7 +171,7 @@ class DraftModelProposer:
                 max_seq_len=self.max_model_len,
                 block_size=self.block_size,
             )
-            hidden = self.model(token, safe, self.kv_caches, metadata)
+            hidden = self.forward(token, safe, metadata, 1)
             logits = self.model.compute_logits(hidden)
         draft_probs = torch.stack(probs, dim=1) if probs else None
         return torch.stack(tokens, dim=1), draft_probs
@@ -215,7 +224,8 @@ class DraftModelProposer:
             max_seq_len=max(seq_lens),
             block_size=self.block_size,
         )
-        hidden = self.model(input_ids, position_tensor, self.kv_caches, metadata)
+        uniform = lengths[0] if lengths and min(lengths) == max(lengths) else None
+        hidden = self.forward(input_ids, position_tensor, metadata, uniform)
         last_index = host_list_to_device(new_token_base, dev) + step.num_accepted if new_token_base else None
         return hidden, last_index if last_index is not None else torch.empty(0, dtype=torch.int64, device=dev)
 

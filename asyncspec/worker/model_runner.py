@@ -28,9 +28,10 @@ from asyncspec.models.loader import load_model
 from asyncspec.models.model_config import ModelConfig
 from asyncspec.outputs import TokenLogprobs
 from asyncspec.sampling_params import SAMPLING_EPS, SamplingParams
-from asyncspec.spec.draft_model_proposer import DraftStep
+from asyncspec.spec.draft_model_proposer import DraftModelProposer, DraftStep
 from asyncspec.spec.factory import make_speculative_decoder
 from asyncspec.spec.spec_decoder import SpeculativeDecoder, VerifyInputs
+from asyncspec.worker.cuda_graphs import CudaGraphForward, batch_size_buckets
 from asyncspec.worker.input_batch import InputBatch, RowState
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,9 @@ class ModelRunner:
         self.spec: SpeculativeDecoder | None = make_speculative_decoder(
             config, model_config, max_model_len, self.dtype, self.device
         )
+        self.cuda_graphs: CudaGraphForward | None = None
+        """The target's graphs (captured with the KV cache); None runs every step eagerly."""
+        self.draft_cuda_graphs: CudaGraphForward | None = None
         self._init_step_buffers()
 
     def _init_step_buffers(self) -> None:
@@ -103,6 +107,10 @@ class ModelRunner:
         self._block_table_dev = torch.zeros((n, cols), dtype=torch.int32, device=self.device)
         self._query_start_loc = torch.zeros(n + 1, dtype=torch.int32, device=self.device)
         self._arange = torch.arange(max(n, self.config.max_num_batched_tokens), device=self.device)
+        # The step's one device-to-host copy lands here (sampled tokens, accepted and draft counts).
+        k = self.spec.k if self.spec is not None else 0
+        self._output_host = torch.zeros(n * (k + 3), dtype=torch.int64, pin_memory=pin)
+        self._output_ready = torch.cuda.Event() if pin else None
 
     # -- KV cache ---------------------------------------------------------------------
     @property
@@ -145,7 +153,14 @@ class ModelRunner:
         # Likewise the draft model's sampling distributions (float32 per row, draft position and token).
         if self.spec is not None and self.spec.uses_draft_model:
             penalty_tables += self.config.max_num_seqs * self.spec.k * self.model_config.vocab_size * 4
-        budget = int(total * self.config.gpu_memory_utilization) - peak_torch - max(non_torch, 0) - penalty_tables
+        graph_memory = self._estimate_cuda_graph_memory() if self.uses_cuda_graphs else 0
+        budget = (
+            int(total * self.config.gpu_memory_utilization)
+            - peak_torch
+            - max(non_torch, 0)
+            - penalty_tables
+            - graph_memory
+        )
         torch.cuda.empty_cache()
         if budget < self.bytes_per_block:
             raise ConfigError(
@@ -197,6 +212,123 @@ class ModelRunner:
         )
         if self.spec is not None:
             self.spec.initialize_kv_cache(num_blocks)
+        if self.uses_cuda_graphs:
+            with self._device_context():
+                self._capture_cuda_graphs()
+
+    # -- CUDA graphs ------------------------------------------------------------------------
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Graphs need CUDA and the Triton kernels (the torch reference attention reads lengths on
+        the host), and are off with enforce_eager."""
+        return (
+            self.device.type == "cuda"
+            and not self.config.enforce_eager
+            and select_backend(self.device).name == "triton"
+        )
+
+    def _graph_batch_sizes(self) -> list[int]:
+        limit = self.config.cuda_graph_max_batch_size or self.config.max_num_seqs
+        return batch_size_buckets(min(limit, self.config.max_num_seqs))
+
+    def _graph_plan(self) -> list[tuple[torch.nn.Module, ModelConfig, list[int]]]:
+        """(model, its config, query lengths of its uniform steps): the target's decode (1) or
+        verification (k + 1); the draft's proposal passes (1) and its catch-up over a verification
+        step (k + 2: the step's inputs plus the emitted token)."""
+        if self.spec is None:
+            return [(self.model, self.model_config, [1])]
+        k = self.spec.k
+        plan: list[tuple[torch.nn.Module, ModelConfig, list[int]]] = [(self.model, self.model_config, [k + 1])]
+        proposer = self.spec.proposer
+        if isinstance(proposer, DraftModelProposer):
+            plan.append((proposer.model, proposer.model_config, [1, k + 2]))
+        return plan
+
+    def _new_graphs(self, model, kv_caches, query_lens: list[int], batch_sizes: list[int]) -> CudaGraphForward:
+        return CudaGraphForward(
+            model,
+            kv_caches,
+            self.block_size,
+            self.input_batch.max_blocks_per_req,
+            batch_sizes,
+            query_lens,
+            self.device,
+        )
+
+    def _estimate_cuda_graph_memory(self) -> int:
+        """Captures the largest bucket of each model over a one-block KV cache and measures its
+        pool: the smaller graphs share that pool, so this is what the real capture will hold."""
+        largest = self._graph_batch_sizes()[-1:]
+        total = 0
+        for model, mc, query_lens in self._graph_plan():
+            caches = allocate_paged_kv_cache(
+                mc.num_hidden_layers, 1, self.block_size, mc.num_key_value_heads, mc.head_dim, self.dtype, self.device
+            )
+            with self._device_context():
+                total += self._new_graphs(model, caches, query_lens, largest).capture().memory_bytes
+            del caches
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        # Each smaller graph adds a little (kernel parameters, allocator rounding).
+        return int(total * 1.1)
+
+    def _capture_cuda_graphs(self) -> None:
+        batch_sizes = self._graph_batch_sizes()
+        for model, _, query_lens in self._graph_plan():
+            is_target = model is self.model
+            name = "target" if is_target else "draft"
+            kv_caches = self.kv_caches if is_target else self.spec.proposer.kv_caches  # type: ignore[union-attr]
+            graphs = self._new_graphs(model, kv_caches, query_lens, batch_sizes)
+
+            def progress(done: int, total: int, name: str = name) -> None:
+                if done == total or done % 8 == 0:
+                    logger.info("capturing CUDA graphs of the %s model: %d/%d", name, done, total)
+
+            stats = graphs.capture(progress)
+            logger.info(
+                "captured %d CUDA graphs of the %s model (batch sizes %s x query lengths %s) in %.2f s, %.1f MiB",
+                stats.num_graphs,
+                name,
+                batch_sizes,
+                query_lens,
+                stats.seconds,
+                stats.memory_bytes / 2**20,
+            )
+            if is_target:
+                self.cuda_graphs = graphs
+            else:
+                self.draft_cuda_graphs = graphs
+                self.spec.proposer.forward = graphs.forward  # type: ignore[union-attr]
+
+    def graph_stats(self) -> dict[str, int]:
+        """Forward passes replayed from a CUDA graph and run eagerly, target and draft together."""
+        graphs = [g for g in (self.cuda_graphs, self.draft_cuda_graphs) if g is not None]
+        return {
+            "cuda_graph_replays": sum(g.num_replays for g in graphs),
+            "cuda_graph_eager_forwards": sum(g.num_eager for g in graphs),
+        }
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, num_scheduled: list[int]
+    ) -> torch.Tensor:
+        """The target's forward pass: a graph replay for a uniform batch, else eager."""
+        if self.cuda_graphs is None:
+            return self.model(input_ids, positions, self.kv_caches, metadata)
+        query_len = num_scheduled[0] if min(num_scheduled) == max(num_scheduled) else None
+        return self.cuda_graphs.forward(input_ids, positions, metadata, query_len)
+
+    def _copy_to_host(self, tensors: list[torch.Tensor]) -> list[int]:
+        """The step's one device-to-host copy: int64 tensors, concatenated, non-blocking into pinned
+        memory, then an event. (The asynchronous loop awaits the event instead of blocking on it.)"""
+        flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1)
+        if self._output_ready is None:
+            return flat.tolist()
+        n = flat.shape[0]
+        host = self._output_host[:n]
+        host.copy_(flat, non_blocking=True)
+        self._output_ready.record()
+        self._output_ready.synchronize()
+        return host.tolist()
 
     # -- one step -----------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> dict[str, str]:
@@ -263,7 +395,7 @@ class ModelRunner:
         attn_metadata, positions, input_ids = self._prepare_inputs(
             states, num_scheduled, sampling_rows, total_num_scheduled
         )
-        hidden_states = self.model(input_ids, positions, self.kv_caches, attn_metadata)
+        hidden_states = self._forward(input_ids, positions, attn_metadata, num_scheduled)
         for state, n in zip(states, num_scheduled, strict=True):
             state.num_computed_tokens += n
         if self.spec is not None:
@@ -286,7 +418,7 @@ class ModelRunner:
             token_cols = attn_metadata.seq_lens.to(torch.int64).index_select(0, sample_index)
             self.input_batch.token_ids[batch_rows, token_cols] = out.sampled_token_ids
             self.input_batch.record_sampled(batch_rows, out.sampled_token_ids)
-            sampled_host = out.sampled_token_ids.tolist()
+            sampled_host = self._copy_to_host([out.sampled_token_ids])
             for i, state, token_id in zip(sampling_rows, sampling_states, sampled_host, strict=True):
                 if token_id == INVALID_TOKEN_ID:
                     failed[state.request_id] = (
@@ -388,7 +520,7 @@ class ModelRunner:
             logprob_out = SamplerOutput(sampled_token_ids=out.clamp_min(0).view(-1))
             Sampler._gather_logprobs(logprob_out, raw, metadata.max_num_logprobs)
         # The step's one device-to-host copy: emitted runs, accepted and verified draft counts.
-        host = torch.cat([out.view(-1), num_accepted, result.num_valid_drafts]).tolist()
+        host = self._copy_to_host([out, num_accepted, result.num_valid_drafts])
         num_sampling = len(sampling_rows)
         flat_out = host[: num_sampling * num_positions]
         accepted = host[num_sampling * num_positions : num_sampling * (num_positions + 1)]

@@ -1,0 +1,170 @@
+"""CUDA graphs of a model's forward pass for uniform batches (every request the same query length).
+
+A decode step (1 token per request) or a verification step (1 + k) replays a graph captured at
+start-up for the smallest batch-size bucket that holds it. Inputs go through static buffers; a
+batch of n requests in a bucket of B is padded with B - n zero-length requests, and the tail tokens
+[n * q, B * q) write no KV (slot -1) and are never sampled (the attention kernel zeroes their rows).
+Anything else (prefill chunks, mixed lengths, no bucket) runs eagerly. The same class graphs the
+draft model's proposal and catch-up passes: the proposer is handed `forward`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from asyncspec.layers.attention_metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+ModelForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, "int | None"], torch.Tensor]
+"""forward(input_ids [T], positions [T], metadata, uniform query length or None) -> hidden [T, H]."""
+
+
+def batch_size_buckets(max_num_reqs: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 8 up to max_num_reqs (which is always a bucket)."""
+    sizes = [b for b in (1, 2, 4) if b < max_num_reqs]
+    sizes += list(range(8, max_num_reqs, 8))
+    return sorted(set(sizes) | {max_num_reqs})
+
+
+@dataclass(frozen=True)
+class CaptureStats:
+    """What capture cost: reported at start-up."""
+
+    num_graphs: int
+    """Graphs captured (buckets times query lengths)."""
+    seconds: float
+    """Wall time of warm-up and capture."""
+    memory_bytes: int
+    """Device memory reserved by the graphs' private pool."""
+
+
+class CudaGraphForward:
+    """The graphs of one model over its KV cache. `forward` replays or falls back to eager."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        max_blocks_per_req: int,
+        batch_sizes: Iterable[int],
+        query_lens: Iterable[int],
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.query_lens = sorted(set(query_lens))
+        self.device = device
+        max_reqs = self.batch_sizes[-1]
+        max_tokens = max_reqs * self.query_lens[-1]
+        self._input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self._positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self._slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self._query_start_loc = torch.zeros(max_reqs + 1, dtype=torch.int32, device=device)
+        self._seq_lens = torch.zeros(max_reqs, dtype=torch.int32, device=device)
+        self._block_tables = torch.zeros((max_reqs, max_blocks_per_req), dtype=torch.int32, device=device)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool: Any = None  # the first graph's private memory pool handle
+        self.num_replays = 0
+        """Forward passes served by a graph (tests and benchmarks read it)."""
+        self.num_eager = 0
+        """Forward passes that ran eagerly."""
+
+    # -- capture -----------------------------------------------------------------------------
+    def _static_metadata(self, num_reqs: int, query_len: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self._slot_mapping[: num_reqs * query_len],
+            query_start_loc=self._query_start_loc[: num_reqs + 1],
+            seq_lens=self._seq_lens[:num_reqs],
+            block_tables=self._block_tables[:num_reqs],
+            max_query_len=query_len,
+            max_seq_len=self._block_tables.shape[1] * self.block_size,
+            block_size=self.block_size,
+        )
+
+    def _run_static(self, num_reqs: int, query_len: int) -> torch.Tensor:
+        n = num_reqs * query_len
+        return self.model(
+            self._input_ids[:n], self._positions[:n], self.kv_caches, self._static_metadata(num_reqs, query_len)
+        )
+
+    @torch.inference_mode()
+    def capture(self, progress: Callable[[int, int], None] | None = None) -> CaptureStats:
+        """Warms up and captures every (bucket, query length), largest first so that the smaller
+        graphs reuse the first one's private pool. Capture writes no KV (slots -1)."""
+        start = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        reserved_before = torch.cuda.memory_reserved(self.device)
+        keys = [(b, q) for q in self.query_lens for b in self.batch_sizes]
+        keys.sort(key=lambda key: key[0] * key[1], reverse=True)
+        self._slot_mapping.fill_(-1)
+        for i, (num_reqs, query_len) in enumerate(keys):
+            # Every request sees its own query_len keys of block 0: finite values, nothing written.
+            self._query_start_loc[: num_reqs + 1].copy_(
+                torch.arange(num_reqs + 1, dtype=torch.int32, device=self.device) * query_len
+            )
+            self._seq_lens[:num_reqs].fill_(query_len)
+            for _ in range(2):  # compile every Triton specialisation before capture
+                self._run_static(num_reqs, query_len)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self._run_static(num_reqs, query_len)
+            if self._pool is None:
+                self._pool = graph.pool()
+            self._graphs[(num_reqs, query_len)] = (graph, out)
+            if progress is not None:
+                progress(i + 1, len(keys))
+        torch.cuda.synchronize(self.device)
+        memory = torch.cuda.memory_reserved(self.device) - reserved_before
+        return CaptureStats(len(keys), time.perf_counter() - start, memory)
+
+    # -- replay ------------------------------------------------------------------------------
+    def bucket(self, num_reqs: int, query_len: int | None) -> int | None:
+        """The smallest captured batch size that holds num_reqs requests of query_len, if any."""
+        if query_len is None or query_len not in self.query_lens or not self._graphs:
+            return None
+        for size in self.batch_sizes:
+            if size >= num_reqs:
+                return size
+        return None
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, query_len: int | None
+    ) -> torch.Tensor:
+        """Hidden states [T, H] of the step; `query_len` is the host-known query length shared by
+        every request, or None for a mixed batch (eager)."""
+        num_reqs = metadata.num_reqs
+        bucket = self.bucket(num_reqs, query_len)
+        if bucket is None:
+            self.num_eager += 1
+            return self.model(input_ids, positions, self.kv_caches, metadata)
+        assert query_len is not None
+        num_tokens = input_ids.shape[0]
+        padded = bucket * query_len
+        self._input_ids[:num_tokens].copy_(input_ids)
+        self._positions[:num_tokens].copy_(positions)
+        self._slot_mapping[:num_tokens].copy_(metadata.slot_mapping)
+        self._query_start_loc[: num_reqs + 1].copy_(metadata.query_start_loc)
+        self._seq_lens[:num_reqs].copy_(metadata.seq_lens)
+        if bucket > num_reqs:
+            self._slot_mapping[num_tokens:padded].fill_(-1)
+            self._query_start_loc[num_reqs + 1 : bucket + 1].fill_(num_tokens)
+            self._seq_lens[num_reqs:bucket].fill_(0)
+        cols = metadata.block_tables.shape[1]
+        # Columns past `cols` keep stale ids: a request never reads past its own seq_len.
+        self._block_tables[:num_reqs, :cols].copy_(metadata.block_tables)
+        graph, out = self._graphs[(bucket, query_len)]
+        graph.replay()
+        self.num_replays += 1
+        return out[:num_tokens]

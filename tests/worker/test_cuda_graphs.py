@@ -1,0 +1,163 @@
+"""CUDA graphs of uniform steps: bucket choice, padding and the replay plumbing.
+
+On the CPU a stand-in "graph" runs the model eagerly over the same static, padded buffers a real
+replay reads (zero-length padding requests, tail tokens with slot -1, stale block-table columns), so
+the padding contract is checked token for token against the eager engine in CI. On a GPU the real
+graphs are captured and compared with `enforce_eager=True` over changing batch compositions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncspec import LLM, SamplingParams
+from asyncspec.worker.cuda_graphs import CudaGraphForward, batch_size_buckets
+from asyncspec.worker.model_runner import ModelRunner
+from tests.conftest import TARGET_MODEL, load_prompts
+from tests.spec.spec_helpers import assert_same_outputs, spec_kwargs
+
+# Six requests of different lengths in a batch of at most 8: the batch shrinks as they finish
+# (buckets 8, 4, 2, 1 with padding), and the small pool forces preemption and re-admission.
+CONFIG = dict(block_size=16, max_model_len=256, num_kv_blocks=20, max_num_batched_tokens=128, max_num_seqs=8)
+MAX_TOKENS = [5, 40, 17, 64, 29, 48]
+
+
+def _params() -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+
+
+def _prompts() -> list[list[int]]:
+    return [p[: 40 + 9 * i] for i, p in enumerate(load_prompts(len(MAX_TOKENS)))]
+
+
+@pytest.mark.parametrize(
+    ("max_num_reqs", "expected"),
+    [(1, [1]), (3, [1, 2, 3]), (8, [1, 2, 4, 8]), (20, [1, 2, 4, 8, 16, 20]), (64, [1, 2, 4, *range(8, 65, 8)])],
+)
+def test_batch_size_buckets(max_num_reqs, expected):
+    assert batch_size_buckets(max_num_reqs) == expected
+
+
+class _EagerStandIn:
+    """Replays by running the model over the static buffers, as the captured graph would."""
+
+    def __init__(self, graphs: CudaGraphForward, num_reqs: int, query_len: int, out: torch.Tensor) -> None:
+        self.graphs, self.num_reqs, self.query_len, self.out = graphs, num_reqs, query_len, out
+
+    def replay(self) -> None:
+        self.out.copy_(self.graphs._run_static(self.num_reqs, self.query_len))
+
+
+def _install_stand_ins(runner: ModelRunner) -> list[CudaGraphForward]:
+    installed = []
+    for model, mc, query_lens in runner._graph_plan():
+        is_target = model is runner.model
+        caches = runner.kv_caches if is_target else runner.spec.proposer.kv_caches
+        graphs = runner._new_graphs(model, caches, query_lens, runner._graph_batch_sizes())
+        # Poison the static buffers: a replay must overwrite (or never read) every stale value.
+        graphs._block_tables.fill_(10_000)
+        graphs._input_ids.fill_(7)
+        for q in graphs.query_lens:
+            for b in graphs.batch_sizes:
+                out = torch.full((b * q, mc.hidden_size), float("nan"))
+                graphs._graphs[(b, q)] = (_EagerStandIn(graphs, b, q, out), out)  # type: ignore[assignment]
+        if is_target:
+            runner.cuda_graphs = graphs
+        else:
+            runner.draft_cuda_graphs = graphs
+            runner.spec.proposer.forward = graphs.forward
+        installed.append(graphs)
+    return installed
+
+
+@pytest.mark.parametrize("method", [None, "ngram", "draft_model"])
+def test_padded_static_replay_equals_eager(method):
+    """Greedy fp32 outputs through the padded static buffers equal the eager engine's, while the
+    batch grows, shrinks, is preempted and re-admitted."""
+    kwargs = dict(device="cpu", dtype="float32", **CONFIG, **(spec_kwargs(method, 3) if method else {}))
+    eager = LLM(str(TARGET_MODEL), **kwargs)
+    ref = eager.generate(_prompts(), _params())
+    llm = LLM(str(TARGET_MODEL), **kwargs)
+    graphs = _install_stand_ins(llm.engine.engine_core.runner)
+    got = llm.generate(_prompts(), _params())
+    assert_same_outputs(ref, got, "stand-in graphs")
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0, "the small pool was meant to force preemption"
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    target = graphs[0]
+    assert target.num_replays > 10 and target.num_eager > 0  # decodes replayed, prefills eager
+    if method == "draft_model":
+        assert graphs[1].num_replays > 10
+    assert stats["cuda_graph_replays"] == sum(g.num_replays for g in graphs)
+
+
+def test_bucket_choice():
+    graphs = CudaGraphForward(
+        torch.nn.Identity(), [], 16, 4, batch_sizes=[1, 2, 4, 8], query_lens=[5], device=torch.device("cpu")
+    )
+    graphs._graphs[(1, 5)] = None  # type: ignore[assignment]  # any captured graph enables lookup
+    assert [graphs.bucket(n, 5) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert graphs.bucket(9, 5) is None  # larger than every bucket: eager
+    assert graphs.bucket(2, 1) is None and graphs.bucket(2, None) is None  # not captured / mixed
+
+
+def test_no_graphs_on_the_cpu_or_with_enforce_eager():
+    runner = LLM(str(TARGET_MODEL), device="cpu", dtype="float32", **CONFIG).engine.engine_core.runner
+    assert not runner.uses_cuda_graphs and runner.cuda_graphs is None
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+GPU_CONFIG = dict(device="cuda", **CONFIG)
+
+
+def _gpu_llm(method: str | None, dtype: str, enforce_eager: bool) -> LLM:
+    return LLM(
+        str(TARGET_MODEL),
+        dtype=dtype,
+        enforce_eager=enforce_eager,
+        **GPU_CONFIG,
+        **(spec_kwargs(method, 4) if method else {}),
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", [None, "ngram", "draft_model"])
+def test_graphs_equal_eager_on_gpu_fp32(method):
+    """Real CUDA graphs against enforce_eager, fp32 greedy, with joins, finishes and preemption."""
+    ref = _gpu_llm(method, "float32", True).generate(_prompts(), _params())
+    llm = _gpu_llm(method, "float32", False)
+    runner = llm.engine.engine_core.runner
+    assert runner.cuda_graphs is not None
+    assert (runner.draft_cuda_graphs is not None) == (method == "draft_model")
+    got = llm.generate(_prompts(), _params())
+    assert_same_outputs(ref, got, "CUDA graphs")
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["cuda_graph_replays"] > 20
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", [None, "ngram", "draft_model"])
+def test_graphed_steps_make_no_host_sync(method):
+    """Many steps, prefill and decode, under set_sync_debug_mode("error"): the step's one copy
+    of the sampled tokens goes through pinned memory and an event, nothing else syncs."""
+    llm = _gpu_llm(method, "bfloat16", False)
+    engine = llm.engine
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, top_k=40, seed=i, max_tokens=48) for i in range(6)]
+    for i, (prompt, p) in enumerate(zip(_prompts(), params, strict=True)):
+        engine.add_request(engine.make_request(prompt, p, f"r{i}"), stream_deltas=False)
+    engine.step()  # the first step allocates the generators' device state
+    torch.cuda.synchronize()
+    steps = 0
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert steps > 10
+    assert llm.stats()["cuda_graph_replays"] > 10
