@@ -9,10 +9,19 @@ The grid is an upper bound computed from shapes only (no host sync): program ids
 `query_start_loc[b] // BLOCK_Q + b` for request b (vLLM's trick; every request gets enough tiles), and the
 ids past the last request zero the padded query rows. Padded rows (t >= query_start_loc[-1]) are therefore
 always WRITTEN AS ZEROS, whether or not `out` is passed, matching the reference.
+
+Split-KV ("flash-decoding") path: a decode or speculative-verify batch of few requests has only
+(query tiles x KV heads) programs, far fewer than the SMs, and one program walks a whole long context. Then
+a third grid axis splits each tile's visible keys into num_splits contiguous ranges (computed in the kernel
+from the real seq_len, so the launch still depends on shapes only and stays CUDA-graph capturable); each
+split writes its fp32 partial (running max m, sum l, unnormalised acc) to scratch, and a small second kernel
+merges the splits by log-sum-exp and writes `out`, zeroing the padded rows. `choose_num_splits` picks the
+path from shapes only.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -59,9 +68,121 @@ if triton.knobs.runtime.interpret:
     _patch_interpreter()
 
 
+# Split-KV heuristic (see `choose_num_splits`).
+_MAX_AVG_QUERY = 16  # split only decode / speculative-verify batches; prefill-heavy ones already fill the GPU
+_MAX_SPLITS = 32  # more splits add scratch traffic and combine work for little extra parallelism
+_MIN_KEYS_PER_SPLIT = 256  # a split should walk a few BLOCK_N tiles, or launching it costs more than it saves
+_WAVES = 2  # aim for ~2 programs per SM so a short program's SM does not idle
+_DEFAULT_SMS = 132  # an H100 SXM; used where no CUDA device is asked (the interpreter on CPU)
+
+
 @triton.jit
 def _tile_start(qsl_ptr, b, BLOCK_Q: tl.constexpr):
     return tl.load(qsl_ptr + b) // BLOCK_Q + b
+
+
+@triton.jit
+def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
+    """The request owning query-tile id `pid`: the largest b in [0, num_reqs] whose first tile id is <= pid.
+    b == num_reqs means the padding tail."""
+    # `0 * pid` makes both loop-carried tensors even when Triton specialises num_reqs == 1 to a constant.
+    lo = 0 * pid
+    hi = num_reqs + 0 * pid
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _tile_start(qsl_ptr, mid, BLOCK_Q) <= pid:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _attend_keys(
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_row,
+    kv_head,
+    kc_stride_b,
+    kc_stride_s,
+    kc_stride_h,
+    vc_stride_b,
+    vc_stride_s,
+    vc_stride_h,
+    block_size,
+    d,
+    d_mask,
+    row_ok,
+    q_pos,
+    qk_scale,
+    sliding_window,
+    kv_begin,
+    kv_end,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax of the query rows over keys [kv_begin, kv_end) (kv_begin a multiple of BLOCK_N).
+
+    Returns fp32 (m, l, acc): running max of the log2-scaled scores, sum of exp2(score - m), unnormalised
+    output. A row that sees no key keeps m = -inf, l = 0, acc = 0; an empty range returns exactly that."""
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(kv_begin, kv_end, BLOCK_N):
+        k_pos = start_n + offs_n
+        k_ok = k_pos < kv_end
+        # Physical slot of every key: its block from the block table, its offset within the block.
+        block = tl.load(bt_row + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
+        in_block = k_pos % block_size
+        k_ptrs = (
+            k_cache_ptr
+            + block[None, :] * kc_stride_b
+            + in_block[None, :] * kc_stride_s
+            + kv_head * kc_stride_h
+            + d[:, None]
+        )
+        v_ptrs = (
+            v_cache_ptr
+            + block[:, None] * vc_stride_b
+            + in_block[:, None] * vc_stride_s
+            + kv_head * vc_stride_h
+            + d[None, :]
+        )
+        # other=0 for keys past the range: 0 * NaN from unwritten slots would poison the row.
+        k = tl.load(k_ptrs, mask=k_ok[None, :] & d_mask[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_ptrs, mask=k_ok[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
+
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
+        allowed = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if sliding_window > 0:
+            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(allowed, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Rows with nothing visible yet keep m = -inf; subtract 0 instead so no NaN (-inf - -inf) appears.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _visible_keys(context_len, q_tile, q_len, seq_len, sliding_window, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[kv_begin, kv_end) holding every key some query of the tile sees; kv_begin is a multiple of BLOCK_N.
+    Causal upper bound from the tile's last query, window lower bound from its first."""
+    kv_end = tl.minimum(context_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len), seq_len)
+    kv_begin = 0 * kv_end
+    if sliding_window > 0:
+        kv_begin = tl.maximum(context_len + q_tile * BLOCK_Q - sliding_window + 1, 0)
+    kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
+    return kv_begin, kv_end
 
 
 @triton.jit
@@ -97,20 +218,10 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs: TF32 would cost ~1e-3 relative error
 ):
+    """Single pass: each program walks all visible keys of its (query tile, KV head) and writes `out`."""
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-
-    # Binary search for the largest b in [0, num_reqs] whose first tile id is <= pid; b == num_reqs is padding.
-    # `0 * pid` makes both loop-carried tensors even when Triton specialises num_reqs == 1 to a constant.
-    lo = 0 * pid
-    hi = num_reqs + 0 * pid
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if _tile_start(qsl_ptr, mid, BLOCK_Q) <= pid:
-            lo = mid
-        else:
-            hi = mid - 1
-    req = lo
+    req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q)
     q_start = tl.load(qsl_ptr + req)
     q_tile = pid - _tile_start(qsl_ptr, req, BLOCK_Q)
 
@@ -141,61 +252,187 @@ def _paged_attention_kernel(
     q_ptrs = q_ptr + t[:, None] * q_stride_t + head[:, None] * q_stride_h + d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_mask[None, :], other=0.0)
 
-    # Keys this tile can see: causal upper bound from its last query, window lower bound from its first.
-    kv_end = tl.minimum(context_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len), seq_len)
-    kv_begin = 0 * pid
-    if sliding_window > 0:
-        kv_begin = tl.maximum(context_len + q_tile * BLOCK_Q - sliding_window + 1, 0)
-    kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    kv_begin, kv_end = _visible_keys(context_len, q_tile, q_len, seq_len, sliding_window, BLOCK_Q, BLOCK_N)
     bt_row = block_tables_ptr + req.to(tl.int64) * bt_stride
-    offs_n = tl.arange(0, BLOCK_N)
-    for start_n in range(kv_begin, kv_end, BLOCK_N):
-        k_pos = start_n + offs_n
-        k_ok = k_pos < kv_end
-        # Physical slot of every key: its block from the block table, its offset within the block.
-        block = tl.load(bt_row + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
-        in_block = k_pos % block_size
-        k_ptrs = (
-            k_cache_ptr
-            + block[None, :] * kc_stride_b
-            + in_block[None, :] * kc_stride_s
-            + kv_head * kc_stride_h
-            + d[:, None]
-        )
-        v_ptrs = (
-            v_cache_ptr
-            + block[:, None] * vc_stride_b
-            + in_block[:, None] * vc_stride_s
-            + kv_head * vc_stride_h
-            + d[None, :]
-        )
-        # other=0 for keys past the sequence: 0 * NaN from unwritten slots would poison the row.
-        k = tl.load(k_ptrs, mask=k_ok[None, :] & d_mask[:, None], other=0.0).to(q.dtype)
-        v = tl.load(v_ptrs, mask=k_ok[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
-
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
-        allowed = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        if sliding_window > 0:
-            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
-        s = tl.where(allowed, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # Rows with nothing visible yet keep m = -inf; subtract 0 instead so no NaN (-inf - -inf) appears.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = _attend_keys(
+        q,
+        k_cache_ptr,
+        v_cache_ptr,
+        bt_row,
+        kv_head,
+        kc_stride_b,
+        kc_stride_s,
+        kc_stride_h,
+        vc_stride_b,
+        vc_stride_s,
+        vc_stride_h,
+        block_size,
+        d,
+        d_mask,
+        row_ok,
+        q_pos,
+        qk_scale,
+        sliding_window,
+        kv_begin,
+        kv_end,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_D,
+        DOT_PRECISION,
+    )
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
     o_ptrs = out_ptr + t[:, None] * o_stride_t + head[:, None] * o_stride_h + d[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _paged_attention_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    m_part_ptr,  # [T, H, num_splits] fp32
+    l_part_ptr,  # [T, H, num_splits] fp32
+    acc_part_ptr,  # [T, H, num_splits, head_dim] fp32
+    qsl_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    q_stride_t,
+    q_stride_h,
+    kc_stride_b,
+    kc_stride_s,
+    kc_stride_h,
+    vc_stride_b,
+    vc_stride_s,
+    vc_stride_h,
+    bt_stride,
+    qk_scale,  # softmax scale * log2(e)
+    num_reqs,
+    num_heads,
+    block_size,
+    head_dim,
+    sliding_window,  # <= 0: no window
+    num_splits,  # a runtime value, not constexpr: one compiled kernel serves every split count
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Split pass: program (query tile, KV head, split) attends to the split-th share of the tile's visible
+    keys and writes its partial (m, l, acc) for every real row, even when its share is empty, so the
+    combine kernel can read all num_splits partials of every real token without knowing which are empty."""
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q)
+    if req == num_reqs:
+        return  # the padding tail is zeroed by the combine kernel
+    q_start = tl.load(qsl_ptr + req)
+    q_tile = pid - _tile_start(qsl_ptr, req, BLOCK_Q)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return  # the grid over-provisions tiles; this one has no queries
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_tile * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len
+    row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+    q_pos = context_len + q_idx
+
+    t = (q_start + q_idx).to(tl.int64)
+    q_ptrs = q_ptr + t[:, None] * q_stride_t + head[:, None] * q_stride_h + d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_mask[None, :], other=0.0)
+
+    # This split's share of the visible keys, from the real seq_len (the grid only knows shapes): whole
+    # BLOCK_N tiles, so every share starts aligned; trailing splits of a short context get nothing.
+    kv_begin, kv_end = _visible_keys(context_len, q_tile, q_len, seq_len, sliding_window, BLOCK_Q, BLOCK_N)
+    chunk = tl.cdiv(tl.cdiv(kv_end - kv_begin, BLOCK_N), num_splits) * BLOCK_N
+    split_begin = kv_begin + split * chunk
+    split_end = tl.minimum(split_begin + chunk, kv_end)
+    bt_row = block_tables_ptr + req.to(tl.int64) * bt_stride
+    m_i, l_i, acc = _attend_keys(
+        q,
+        k_cache_ptr,
+        v_cache_ptr,
+        bt_row,
+        kv_head,
+        kc_stride_b,
+        kc_stride_s,
+        kc_stride_h,
+        vc_stride_b,
+        vc_stride_s,
+        vc_stride_h,
+        block_size,
+        d,
+        d_mask,
+        row_ok,
+        q_pos,
+        qk_scale,
+        sliding_window,
+        split_begin,
+        split_end,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_D,
+        DOT_PRECISION,
+    )
+
+    part = (t * num_heads + head) * num_splits + split  # int64 [BLOCK_M]
+    tl.store(m_part_ptr + part, m_i, mask=row_ok)
+    tl.store(l_part_ptr + part, l_i, mask=row_ok)
+    acc_ptrs = acc_part_ptr + part[:, None] * head_dim + d[None, :]
+    tl.store(acc_ptrs, acc, mask=row_ok[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr,
+    m_part_ptr,
+    l_part_ptr,
+    acc_part_ptr,
+    qsl_ptr,
+    o_stride_t,
+    o_stride_h,
+    num_reqs,
+    num_heads,
+    head_dim,
+    num_splits,
+    BLOCK_S: tl.constexpr,  # next power of two >= num_splits
+    BLOCK_D: tl.constexpr,
+):
+    """Program (token, query head): log-sum-exp merge of the token's num_splits partials into `out`.
+    Tokens of the padding tail (t >= query_start_loc[-1]) are written as zeros."""
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    o_ptrs = out_ptr + t * o_stride_t + head * o_stride_h + d
+    if t >= tl.load(qsl_ptr + num_reqs):
+        # Padding tail (the partials of these rows were never written): zeros, as the single pass writes.
+        tl.store(o_ptrs, tl.zeros([BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=d_mask)
+        return
+
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < num_splits
+    part = (t * num_heads + head) * num_splits + s
+    m = tl.load(m_part_ptr + part, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(l_part_ptr + part, mask=s_ok, other=0.0)
+    acc = tl.load(acc_part_ptr + part[:, None] * head_dim + d[None, :], mask=s_ok[:, None] & d_mask[None, :], other=0.0)
+    # Rescale every split to the common max. Empty splits have m = -inf: with m_max finite their weight is
+    # exp2(-inf) = 0; if every split is empty use 0 as the max so no -inf - -inf = NaN appears (output 0).
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.math.exp2(m - m_safe)
+    l_tot = tl.sum(w * l_s, axis=0)
+    o = tl.sum(w[:, None] * acc, axis=0) / tl.where(l_tot == 0.0, 1.0, l_tot)
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def _tile_sizes(num_tokens: int, num_reqs: int, group: int, head_dim: int, elem_size: int) -> tuple[int, int, int]:
@@ -210,6 +447,31 @@ def _tile_sizes(num_tokens: int, num_reqs: int, group: int, head_dim: int, elem_
     return rows, block_n, num_warps
 
 
+def choose_num_splits(
+    num_reqs: int, num_tokens: int, num_kv_heads: int, block_q: int, max_context: int, num_sms: int
+) -> int:
+    """How many KV splits `paged_attention` uses; 1 is the single-pass kernel. Shapes only (no device data).
+
+    `block_q` is the query tokens per program, `max_context` the largest context a request can have (block
+    table width * block size). Split only small-query batches (average query <= 16 tokens) whose
+    (query tiles x KV heads) grid would leave SMs idle: enough splits for ~2 programs per SM, at most
+    _MAX_SPLITS, and no more than max_context / _MIN_KEYS_PER_SPLIT so each split has real work.
+    """
+    if num_reqs <= 0 or num_tokens <= 0 or num_tokens > _MAX_AVG_QUERY * num_reqs:
+        return 1
+    programs = max(num_reqs, -(-num_tokens // block_q)) * num_kv_heads
+    splits = min(_WAVES * num_sms // programs, _MAX_SPLITS, max_context // _MIN_KEYS_PER_SPLIT)
+    return max(splits, 1)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """SM count of a CUDA device (host-side, cached: no sync); a fixed H100-like default elsewhere."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return _DEFAULT_SMS
+
+
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -220,12 +482,15 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    *,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of query [T, H, D] over paged K/V [NB, BS, KVH, D]; returns [T, H, D] in query's dtype.
 
     Request b's q_len queries sit at the last q_len of its seq_lens[b] positions. Query head h reads
     KV head h // (H // KVH). With `sliding_window` w, a query at position p sees keys in (p - w, p].
     Padded rows (t >= query_start_loc[-1]) are written as zeros. No host sync: only shapes are read.
+    `num_splits` forces the number of KV splits (1: single pass); None lets `choose_num_splits` pick.
     """
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -242,20 +507,72 @@ def paged_attention(
 
     block_m, block_n, num_warps = _tile_sizes(num_tokens, num_reqs, group, head_dim, query.element_size())
     block_q = block_m // group
+    if num_splits is None:
+        max_context = block_tables.shape[1] * block_size
+        num_splits = choose_num_splits(num_reqs, num_tokens, num_kv_heads, block_q, max_context, _num_sms(query.device))
+    assert num_splits >= 1, "num_splits must be positive"
     # Upper bound on tiles: request b uses ids [qsl[b] // BQ + b, qsl[b+1] // BQ + b + 1); the rest pad.
-    grid = (num_tokens // block_q + num_reqs + 1, num_kv_heads)
-    _paged_attention_kernel[grid](
+    num_tiles = num_tokens // block_q + num_reqs + 1
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    dot_precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    qk_scale = scale * math.log2(math.e)
+    window = sliding_window if sliding_window is not None else 0
+
+    if num_splits == 1:
+        _paged_attention_kernel[(num_tiles, num_kv_heads)](
+            query,
+            k_cache,
+            v_cache,
+            out,
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            query.stride(0),
+            query.stride(1),
+            out.stride(0),
+            out.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
+            block_tables.stride(0),
+            qk_scale,
+            num_reqs,
+            num_tokens,
+            block_size,
+            head_dim,
+            window,
+            GROUP=group,
+            BLOCK_Q=block_q,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            DOT_PRECISION=dot_precision,
+            num_warps=num_warps,
+            num_stages=2,
+        )
+        return out
+
+    # Per-call scratch sized from shapes (a CUDA graph capture gives it a pool address). Only rows of real
+    # tokens are written and read; the combine kernel never reads the padding tail's rows.
+    dev = query.device
+    m_part = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=dev)
+    l_part = torch.empty_like(m_part)
+    acc_part = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=dev)
+    _paged_attention_split_kernel[(num_tiles, num_kv_heads, num_splits)](
         query,
         k_cache,
         v_cache,
-        out,
+        m_part,
+        l_part,
+        acc_part,
         query_start_loc,
         seq_lens,
         block_tables,
         query.stride(0),
         query.stride(1),
-        out.stride(0),
-        out.stride(1),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
@@ -263,19 +580,36 @@ def paged_attention(
         v_cache.stride(1),
         v_cache.stride(2),
         block_tables.stride(0),
-        scale * math.log2(math.e),
+        qk_scale,
         num_reqs,
-        num_tokens,
+        num_heads,
         block_size,
         head_dim,
-        sliding_window if sliding_window is not None else 0,
+        window,
+        num_splits,
         GROUP=group,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        BLOCK_D=block_d,
+        DOT_PRECISION=dot_precision,
         num_warps=num_warps,
         num_stages=2,
+    )
+    _combine_splits_kernel[(num_tokens, num_heads)](
+        out,
+        m_part,
+        l_part,
+        acc_part,
+        query_start_loc,
+        out.stride(0),
+        out.stride(1),
+        num_reqs,
+        num_heads,
+        head_dim,
+        num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_D=block_d,
+        num_warps=4,
     )
     return out

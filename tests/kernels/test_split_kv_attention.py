@@ -1,0 +1,364 @@
+"""Split-KV ("flash-decoding") path of the Triton paged attention against `paged_attention_ref`.
+
+Same layout as test_triton_kernels.py (whose docstring explains why): `TestInterpreted` runs under
+TRITON_INTERPRET=1, in a child pytest unless this process already interprets; the `gpu` tests run compiled
+on CUDA. `choose_num_splits` is a pure function of shapes and is tested directly in this process.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+
+import pytest
+import torch
+
+from asyncspec.kernels.paged_attention import paged_attention_ref
+
+triton = pytest.importorskip("triton")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from asyncspec.kernels.paged_attention_triton import choose_num_splits  # noqa: E402
+from tests.kernels.interpreter import run_interpreted_suite  # noqa: E402
+from tests.kernels.test_triton_kernels import Batch, fill_cache, make_batch  # noqa: E402
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1" and isinstance(triton.language.zeros, InterpretedFunction)
+
+# Decodes (q = 1) with short and long contexts mixed: one key, less than a BLOCK_N tile, several tiles.
+DECODE = [(1, 1), (17, 1), (300, 1), (1000, 1)]
+# Speculative verification: k + 1 = 5 query tokens per request.
+VERIFY = [(5, 5), (40, 5), (300, 5), (700, 5)]
+# Zero-length requests (as the CUDA-graph runner pads with) interleaved with real ones.
+WITH_IDLE = [(20, 0), (300, 1), (0, 0), (150, 5), (7, 0), (64, 1)]
+
+
+@pytest.fixture(scope="class")
+def attention() -> Callable[..., torch.Tensor]:
+    """`paged_attention`, checked to be running in the interpreter (not silently compiled)."""
+    from asyncspec.kernels import paged_attention_triton as mod
+
+    for kernel in (mod._paged_attention_kernel, mod._paged_attention_split_kernel, mod._combine_splits_kernel):
+        assert isinstance(kernel, InterpretedFunction), "kernels are not interpreted"
+    return mod.paged_attention
+
+
+@pytest.mark.skipif(INTERPRETING, reason="TestInterpreted runs in this process")
+def test_interpreter_suite() -> None:
+    run_interpreted_suite(__file__, 18)
+
+
+def check_split(
+    paged_attention: Callable[..., torch.Tensor],
+    batch: Batch,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    gen: torch.Generator,
+    num_heads: int,
+    window: int | None,
+    num_splits: int | None,
+    atol: float,
+    check_fresh_out: bool = False,
+) -> None:
+    """Kernel vs reference with `out` pre-filled with NaN: every real row close, every padded row exactly 0.
+    `check_fresh_out` also runs with out=None (a fresh, NaN-poisoned buffer under `nan_scratch`)."""
+    num_tokens, d, dtype = batch.num_tokens, k_cache.shape[3], k_cache.dtype
+    query = torch.randn(num_tokens + batch.num_pad, num_heads, d, generator=gen).to(k_cache.device, dtype)
+    args = (query, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, 1 / math.sqrt(d))
+    expected = paged_attention_ref(*args, sliding_window=window)
+    out = torch.full_like(query, float("nan"))  # any row the kernels forget stays NaN and fails
+    got = paged_attention(*args, out=out, sliding_window=window, num_splits=num_splits)
+    assert got is out and got.dtype == dtype
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.float(), expected.float(), rtol=atol, atol=atol)
+    assert (got[num_tokens:] == 0).all(), "padded rows must be zeroed"
+    if check_fresh_out:
+        fresh = paged_attention(*args, sliding_window=window, num_splits=num_splits)
+        assert torch.equal(fresh, got)
+
+
+def _atol(dtype: torch.dtype) -> float:
+    return 2e-2 if dtype == torch.bfloat16 else 2e-5
+
+
+# ------------------------------------------------------------------------------------ the heuristic
+
+
+def test_choose_num_splits_small_decode_batch_splits() -> None:
+    # Batch 1, 8 KV heads: 8 programs on 132 SMs; a 4096-key capacity allows 16 splits of >= 256 keys.
+    assert choose_num_splits(1, 1, 8, 16, 4096, 132) == 16
+    assert choose_num_splits(4, 20, 8, 2, 8192, 132) > 1  # speculative verify, q = 5, GQA 8
+    assert choose_num_splits(1, 1, 1, 16, 1 << 20, 132) == 32  # capped
+
+
+def test_choose_num_splits_keeps_single_pass() -> None:
+    assert choose_num_splits(256, 256, 8, 16, 8192, 132) == 1  # the grid already fills the SMs
+    assert choose_num_splits(1, 1, 8, 16, 256, 132) == 1  # context capacity too short to split
+    assert choose_num_splits(2, 2 * 17, 8, 16, 8192, 132) == 1  # prefill-heavy: average query > 16
+    assert choose_num_splits(0, 4, 8, 16, 8192, 132) == 1  # padding only
+    assert choose_num_splits(4, 0, 8, 16, 8192, 132) == 1
+
+
+def test_choose_num_splits_scales_with_sms_and_grid() -> None:
+    counts = [choose_num_splits(r, r, 8, 16, 1 << 16, 132) for r in (1, 2, 4, 8, 16, 32)]
+    assert counts == sorted(counts, reverse=True) and counts[0] > counts[-1] == 1
+    assert choose_num_splits(4, 4, 8, 16, 1 << 16, 264) >= choose_num_splits(4, 4, 8, 16, 1 << 16, 132)
+
+
+# --------------------------------------------------------------------------------------- interpreter
+
+
+class TestInterpreted:
+    # Collected only where triton interprets; elsewhere test_interpreter_suite runs it in a child process.
+    __test__ = INTERPRETING
+
+    @pytest.fixture(autouse=True)
+    def nan_scratch(self, monkeypatch) -> None:
+        """Fresh float buffers (the split scratch, `out` when not passed) start as NaN, not the allocator's
+        usual zeros, so a partial the split kernel forgets to write, or a row nobody writes, fails."""
+        empty, empty_like = torch.empty, torch.empty_like
+
+        def poison(t: torch.Tensor) -> torch.Tensor:
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+
+        monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
+        monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+
+    @pytest.mark.parametrize("num_splits", [1, 2, 7, 16])
+    def test_decode_forced_splits(self, attention, num_splits: int) -> None:
+        gen = torch.Generator().manual_seed(num_splits)
+        batch = make_batch(gen, DECODE, 16, num_pad=3)
+        k_cache, v_cache = fill_cache(gen, batch, 16, 1, 64, torch.float32)
+        check_split(attention, batch, k_cache, v_cache, gen, 4, None, num_splits, 2e-5)
+
+    @pytest.mark.parametrize(
+        "specs,block_size,heads,d,dtype,num_splits",
+        [
+            (DECODE, 16, (8, 1), 80, torch.bfloat16, 7),  # GQA 8, head_dim not a power of two
+            (DECODE, 32, (2, 2), 96, torch.float32, 3),  # GQA 1
+            (VERIFY, 16, (4, 1), 64, torch.float32, 5),  # GQA 4: tiles of 4 queries, 2 tiles per request
+            (VERIFY, 1, (8, 1), 64, torch.bfloat16, 9),  # GQA 8: tiles of 2 queries, one key per block
+            (VERIFY, 16, (2, 2), 128, torch.float32, 2),
+        ],
+    )
+    def test_shapes(self, attention, specs, block_size, heads, d, dtype, num_splits) -> None:
+        gen = torch.Generator().manual_seed(block_size + d + num_splits)
+        batch = make_batch(gen, specs, block_size, num_pad=2)
+        k_cache, v_cache = fill_cache(gen, batch, block_size, heads[1], d, dtype)
+        check_split(attention, batch, k_cache, v_cache, gen, heads[0], None, num_splits, _atol(dtype))
+
+    @pytest.mark.parametrize("window,specs", [(1, VERIFY), (33, DECODE), (200, VERIFY), (5000, DECODE)])
+    def test_sliding_window(self, attention, window: int, specs) -> None:
+        # Splits cover only the window's keys; with window 1 most splits of a tile are empty.
+        gen = torch.Generator().manual_seed(window)
+        batch = make_batch(gen, specs, 16, num_pad=1)
+        k_cache, v_cache = fill_cache(gen, batch, 16, 1, 64, torch.float32)
+        check_split(attention, batch, k_cache, v_cache, gen, 4, window, 6, 2e-5)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_zero_length_requests_and_padding_tail(self, attention, dtype) -> None:
+        gen = torch.Generator().manual_seed(5)
+        batch = make_batch(gen, WITH_IDLE, 16, num_pad=7)
+        k_cache, v_cache = fill_cache(gen, batch, 16, 2, 64, dtype)
+        fresh = dtype == torch.float32
+        check_split(attention, batch, k_cache, v_cache, gen, 4, None, 4, _atol(dtype), check_fresh_out=fresh)
+
+    def test_only_padding(self, attention) -> None:
+        """A graph-padded batch of idle requests: every row is padding and comes out zero."""
+        gen = torch.Generator().manual_seed(6)
+        batch = make_batch(gen, [(9, 0), (0, 0), (40, 0)], 16, num_pad=5)
+        k_cache, v_cache = fill_cache(gen, batch, 16, 1, 64, torch.float32)
+        check_split(attention, batch, k_cache, v_cache, gen, 2, None, 8, 2e-5, check_fresh_out=True)
+
+    def test_nan_poisoned_cache(self, attention) -> None:
+        """Unwritten slots (block tails, spare blocks, block-table padding) are NaN; none may leak.
+        seq_lens one past / one short of BLOCK_N and block boundaries put masked keys in every split."""
+        gen = torch.Generator().manual_seed(7)
+        batch = make_batch(gen, [(63, 1), (65, 1), (129, 5), (31, 1)], 32, num_pad=2)
+        k_cache, v_cache = fill_cache(gen, batch, 32, 2, 64, torch.float32)
+        written = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+        for b, s in enumerate(batch.seq_lens.tolist()):
+            pos = torch.arange(s)
+            written[batch.block_tables[b, pos // 32].long(), pos % 32] = True
+        assert k_cache[~written].isnan().all() and (~written).sum() > 0
+        check_split(attention, batch, k_cache, v_cache, gen, 2, None, 3, 2e-5)
+
+    def test_automatic_choice_splits(self, attention, monkeypatch) -> None:
+        """With num_splits=None the heuristic picks > 1 split for a small decode batch, the result matches,
+        and the choice depends on shapes only: other seq_lens / query_start_loc contents, same shapes, same
+        choice (what a CUDA-graph replay relies on)."""
+        from asyncspec.kernels import paged_attention_triton as mod
+
+        chosen: list[int] = []
+
+        def spy(*args: int) -> int:
+            chosen.append(choose_num_splits(*args))
+            return chosen[-1]
+
+        monkeypatch.setattr(mod, "choose_num_splits", spy)
+        gen = torch.Generator().manual_seed(8)
+        for specs in ([(1000, 1), (300, 1)], [(2, 1), (700, 1)], [(513, 0), (40, 2)]):
+            # Pad the block tables to a common width, as a graph runner's static buffers are.
+            batch = make_batch(gen, specs, 16, num_pad=1)
+            width = 70
+            batch.block_tables = torch.nn.functional.pad(batch.block_tables, (0, width - batch.block_tables.shape[1]))
+            k_cache, v_cache = fill_cache(gen, batch, 16, 2, 64, torch.float32)
+            check_split(attention, batch, k_cache, v_cache, gen, 4, None, None, 2e-5)
+        assert len(set(chosen)) == 1 and chosen[0] > 1, chosen
+        # A prefill-heavy batch keeps the single pass.
+        batch = make_batch(gen, [(90, 90)], 16, num_pad=0)
+        k_cache, v_cache = fill_cache(gen, batch, 16, 1, 64, torch.float32)
+        check_split(attention, batch, k_cache, v_cache, gen, 2, None, None, 2e-5)
+        assert chosen[-1] == 1
+
+
+# ------------------------------------------------------------------------------------- sm_90 compile
+
+
+def _compile_for_h100(fn, dtype: str, ints_equal_one: tuple[str, ...], constexprs: Mapping[str, object]):
+    """Compile `fn` for sm_90 on this host (no GPU needed): type errors between branches, returns inside
+    ifs and the like only show when compiled. `ints_equal_one` are int arguments Triton specialises to the
+    constant 1 at launch (num_reqs == 1 for a single request, sliding_window == 1, ...)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature: dict[str, str] = {}
+    for name in fn.arg_names:
+        if name in constexprs or name in ints_equal_one:
+            signature[name] = "constexpr"
+        elif name.endswith("_part_ptr"):
+            signature[name] = "*fp32"
+        elif name in ("qsl_ptr", "seq_lens_ptr", "block_tables_ptr"):
+            signature[name] = "*i32"
+        elif name.endswith("_ptr"):
+            signature[name] = f"*{dtype}"
+        else:
+            signature[name] = "fp32" if name == "qk_scale" else "i32"
+    values = {**constexprs, **dict.fromkeys(ints_equal_one, 1)}
+    source = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(n),): v for n, v in values.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+
+
+@pytest.mark.skipif(INTERPRETING, reason="compiles the kernels: needs triton not in interpreter mode")
+@pytest.mark.parametrize("dtype,ints_equal_one", [("bf16", ()), ("fp32", ("num_reqs", "sliding_window", "num_heads"))])
+def test_kernels_compile_for_sm90(dtype: str, ints_equal_one: tuple[str, ...]) -> None:
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        if not os.path.isfile(get_ptxas(90).path or ""):
+            raise FileNotFoundError("ptxas")
+    except Exception as e:  # a triton build without the CUDA backend or its bundled ptxas
+        pytest.skip(f"cannot compile for sm_90 here: {e!r}")
+    from asyncspec.kernels import paged_attention_triton as mod
+
+    precision = "ieee" if dtype == "fp32" else "tf32"
+    tiles = {"GROUP": 8, "BLOCK_Q": 2, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_D": 128, "DOT_PRECISION": precision}
+    for fn in (mod._paged_attention_kernel, mod._paged_attention_split_kernel):
+        ones = tuple(n for n in ints_equal_one if n in fn.arg_names)
+        assert "ld.global" in _compile_for_h100(fn, dtype, ones, tiles).asm["ptx"]
+    combine = {"BLOCK_S": 16, "BLOCK_D": 128}
+    ones = tuple(n for n in ints_equal_one if n in mod._combine_splits_kernel.arg_names)
+    assert "ex2.approx" in _compile_for_h100(mod._combine_splits_kernel, dtype, ones, combine).asm["ptx"]
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+
+
+def _gpu_batch(gen: torch.Generator, num_reqs: int, q_len: int, max_seq: int, num_pad: int) -> Batch:
+    """Decode / verify batch of real sizes with one idle request, as graph padding adds."""
+    specs = [(int(torch.randint(q_len, max_seq + 1, (1,), generator=gen)), q_len) for _ in range(num_reqs)]
+    specs[0] = (max_seq, q_len)  # always one full-length context
+    specs.append((37, 0))
+    return make_batch(gen, specs, 16, num_pad=num_pad, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 1, 4, 32])
+@pytest.mark.parametrize(
+    "num_reqs,q_len,heads,d,dtype,window",
+    [
+        (1, 1, (32, 8), 128, torch.bfloat16, None),
+        (4, 5, (32, 8), 128, torch.bfloat16, None),
+        (3, 1, (6, 2), 64, torch.bfloat16, 1000),
+        (2, 5, (8, 8), 80, torch.float32, None),
+        (5, 1, (12, 4), 96, torch.bfloat16, None),
+    ],
+)
+def test_gpu_split_matches_reference(num_reqs, q_len, heads, d, dtype, window, num_splits) -> None:
+    from asyncspec.kernels.paged_attention_triton import paged_attention
+
+    gen = torch.Generator().manual_seed(num_reqs * 10 + q_len)
+    batch = _gpu_batch(gen, num_reqs, q_len, 6000, num_pad=5)
+    k_cache, v_cache = fill_cache(gen, batch, 16, heads[1], d, dtype, device="cuda")
+    atol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    check_split(paged_attention, batch, k_cache, v_cache, gen, heads[0], window, num_splits, atol)
+
+
+@pytest.mark.gpu
+def test_gpu_split_cuda_graph_replay() -> None:
+    """Capture the auto-split launch once, replay it with other seq_lens, query_start_loc (including an idle
+    request and a different padding tail) and queries: every replay must match the reference."""
+    from asyncspec.kernels import paged_attention_triton as mod
+
+    gen = torch.Generator().manual_seed(3)
+    h, kvh, d, bs, width, num_reqs, t_pad = 32, 8, 128, 16, 512, 4, 24
+    block_q = mod._tile_sizes(t_pad, num_reqs, h // kvh, d, 2)[0] // (h // kvh)
+    num_sms = mod._num_sms(torch.device("cuda"))
+    assert mod.choose_num_splits(num_reqs, t_pad, kvh, block_q, width * bs, num_sms) > 1, "must take the split path"
+    num_blocks = num_reqs * width
+    k_cache = torch.randn(num_blocks, bs, kvh, d, generator=gen).to("cuda", torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    block_tables = torch.randperm(num_blocks, generator=gen).view(num_reqs, width).to("cuda", torch.int32)
+    query = torch.zeros(t_pad, h, d, device="cuda", dtype=torch.bfloat16)
+    qsl = torch.zeros(num_reqs + 1, device="cuda", dtype=torch.int32)
+    seq_lens = torch.ones(num_reqs, device="cuda", dtype=torch.int32)
+    out = torch.zeros_like(query)
+    args = (query, k_cache, v_cache, qsl, seq_lens, block_tables, d**-0.5)
+
+    def load(q_lens: list[int], lens: list[int]) -> None:
+        qsl[1:].copy_(torch.tensor(q_lens).cumsum(0))
+        seq_lens.copy_(torch.tensor(lens))
+        query.copy_(torch.randn(t_pad, h, d, generator=gen))
+        out.fill_(float("nan"))
+
+    load([5, 5, 5, 5], [8000, 6, 300, 5])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mod.paged_attention(*args, out=out)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mod.paged_attention(*args, out=out)
+    for q_lens, lens in (
+        ([5, 5, 5, 5], [8000, 6, 300, 5]),
+        ([1, 0, 5, 1], [1, 40, 8191, 2]),
+        ([5, 5, 0, 0], [9, 4000, 3, 1]),
+    ):
+        load(q_lens, lens)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = paged_attention_ref(*args)
+        num_real = sum(q_lens)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+        assert (out[num_real:] == 0).all()
+
+
+@pytest.mark.gpu
+def test_gpu_split_does_not_sync() -> None:
+    from asyncspec.kernels.paged_attention_triton import paged_attention
+
+    gen = torch.Generator().manual_seed(4)
+    batch = _gpu_batch(gen, 2, 5, 4000, num_pad=3)
+    k_cache, v_cache = fill_cache(gen, batch, 16, 8, 128, torch.bfloat16, device="cuda")
+    q = torch.randn(batch.num_tokens + 3, 32, 128, device="cuda", dtype=torch.bfloat16)
+    args = (q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, 0.1)
+    paged_attention(*args, num_splits=None)  # compile outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        paged_attention(*args, num_splits=None)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
