@@ -46,15 +46,58 @@ class CaptureStats:
     """Device memory reserved by the graphs' private pool."""
 
 
+@dataclass
+class StaticInputs:
+    """Input buffers at fixed addresses: graphs are captured over them, steps write into them."""
+
+    input_ids: torch.Tensor
+    """[max_tokens] int64."""
+    positions: torch.Tensor
+    """[max_tokens] int64."""
+    slot_mapping: torch.Tensor
+    """[max_tokens] int64; -1 for padding."""
+    query_start_loc: torch.Tensor
+    """[max_reqs + 1] int32."""
+    seq_lens: torch.Tensor
+    """[max_reqs] int32."""
+    block_tables: torch.Tensor
+    """[max_reqs, max_blocks_per_req] int32."""
+
+    @classmethod
+    def allocate(cls, max_reqs: int, max_tokens: int, max_blocks_per_req: int, device: torch.device) -> StaticInputs:
+        return cls(
+            input_ids=torch.zeros(max_tokens, dtype=torch.int64, device=device),
+            positions=torch.zeros(max_tokens, dtype=torch.int64, device=device),
+            slot_mapping=torch.full((max_tokens,), -1, dtype=torch.int64, device=device),
+            query_start_loc=torch.zeros(max_reqs + 1, dtype=torch.int32, device=device),
+            seq_lens=torch.zeros(max_reqs, dtype=torch.int32, device=device),
+            block_tables=torch.zeros((max_reqs, max_blocks_per_req), dtype=torch.int32, device=device),
+        )
+
+    def metadata(self, num_reqs: int, num_tokens: int, max_query_len: int, block_size: int) -> AttentionMetadata:
+        """The first num_reqs requests and num_tokens tokens, with every block-table column."""
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:num_tokens],
+            query_start_loc=self.query_start_loc[: num_reqs + 1],
+            seq_lens=self.seq_lens[:num_reqs],
+            block_tables=self.block_tables[:num_reqs],
+            max_query_len=max_query_len,
+            max_seq_len=self.block_tables.shape[1] * block_size,
+            block_size=block_size,
+        )
+
+
 class CudaGraphForward:
-    """The graphs of one model over its KV cache. `forward` replays or falls back to eager."""
+    """The graphs of one model over its KV cache and its static inputs. `replay` serves a step whose
+    inputs are already in the static buffers (the target's); `forward` copies them in first (the
+    draft's) or runs eagerly when no graph fits."""
 
     def __init__(
         self,
         model: nn.Module,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
-        max_blocks_per_req: int,
+        static: StaticInputs,
         batch_sizes: Iterable[int],
         query_lens: Iterable[int],
         device: torch.device,
@@ -62,17 +105,13 @@ class CudaGraphForward:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
+        self.static = static
         self.batch_sizes = sorted(set(batch_sizes))
         self.query_lens = sorted(set(query_lens))
         self.device = device
-        max_reqs = self.batch_sizes[-1]
-        max_tokens = max_reqs * self.query_lens[-1]
-        self._input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self._positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self._slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
-        self._query_start_loc = torch.zeros(max_reqs + 1, dtype=torch.int32, device=device)
-        self._seq_lens = torch.zeros(max_reqs, dtype=torch.int32, device=device)
-        self._block_tables = torch.zeros((max_reqs, max_blocks_per_req), dtype=torch.int32, device=device)
+        max_tokens = self.batch_sizes[-1] * self.query_lens[-1]
+        if static.query_start_loc.shape[0] <= self.batch_sizes[-1] or static.input_ids.shape[0] < max_tokens:
+            raise ValueError("the static inputs are smaller than the largest graph")
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool: Any = None  # the first graph's private memory pool handle
         self.num_replays = 0
@@ -81,22 +120,10 @@ class CudaGraphForward:
         """Forward passes that ran eagerly."""
 
     # -- capture -----------------------------------------------------------------------------
-    def _static_metadata(self, num_reqs: int, query_len: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self._slot_mapping[: num_reqs * query_len],
-            query_start_loc=self._query_start_loc[: num_reqs + 1],
-            seq_lens=self._seq_lens[:num_reqs],
-            block_tables=self._block_tables[:num_reqs],
-            max_query_len=query_len,
-            max_seq_len=self._block_tables.shape[1] * self.block_size,
-            block_size=self.block_size,
-        )
-
     def _run_static(self, num_reqs: int, query_len: int) -> torch.Tensor:
         n = num_reqs * query_len
-        return self.model(
-            self._input_ids[:n], self._positions[:n], self.kv_caches, self._static_metadata(num_reqs, query_len)
-        )
+        metadata = self.static.metadata(num_reqs, n, query_len, self.block_size)
+        return self.model(self.static.input_ids[:n], self.static.positions[:n], self.kv_caches, metadata)
 
     @torch.inference_mode()
     def capture(self, progress: Callable[[int, int], None] | None = None) -> CaptureStats:
@@ -107,13 +134,15 @@ class CudaGraphForward:
         reserved_before = torch.cuda.memory_reserved(self.device)
         keys = [(b, q) for q in self.query_lens for b in self.batch_sizes]
         keys.sort(key=lambda key: key[0] * key[1], reverse=True)
-        self._slot_mapping.fill_(-1)
+        static = self.static
+        static.slot_mapping.fill_(-1)
+        static.block_tables.zero_()
         for i, (num_reqs, query_len) in enumerate(keys):
             # Every request sees its own query_len keys of block 0: finite values, nothing written.
-            self._query_start_loc[: num_reqs + 1].copy_(
+            static.query_start_loc[: num_reqs + 1].copy_(
                 torch.arange(num_reqs + 1, dtype=torch.int32, device=self.device) * query_len
             )
-            self._seq_lens[:num_reqs].fill_(query_len)
+            static.seq_lens[:num_reqs].fill_(query_len)
             for _ in range(2):  # compile every Triton specialisation before capture
                 self._run_static(num_reqs, query_len)
             torch.cuda.synchronize(self.device)
@@ -139,6 +168,15 @@ class CudaGraphForward:
                 return size
         return None
 
+    def replay(self, bucket: int, query_len: int, num_tokens: int) -> torch.Tensor:
+        """Runs the graph of (bucket, query_len) over the static inputs, which the caller filled
+        for bucket requests (padding requests with no tokens) and bucket * query_len tokens (the
+        tail with slot -1). Returns the first num_tokens hidden states (valid until the next replay)."""
+        graph, out = self._graphs[(bucket, query_len)]
+        graph.replay()
+        self.num_replays += 1
+        return out[:num_tokens]
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, query_len: int | None
     ) -> torch.Tensor:
@@ -152,19 +190,17 @@ class CudaGraphForward:
         assert query_len is not None
         num_tokens = input_ids.shape[0]
         padded = bucket * query_len
-        self._input_ids[:num_tokens].copy_(input_ids)
-        self._positions[:num_tokens].copy_(positions)
-        self._slot_mapping[:num_tokens].copy_(metadata.slot_mapping)
-        self._query_start_loc[: num_reqs + 1].copy_(metadata.query_start_loc)
-        self._seq_lens[:num_reqs].copy_(metadata.seq_lens)
+        s = self.static
+        s.input_ids[:num_tokens].copy_(input_ids)
+        s.positions[:num_tokens].copy_(positions)
+        s.slot_mapping[:num_tokens].copy_(metadata.slot_mapping)
+        s.query_start_loc[: num_reqs + 1].copy_(metadata.query_start_loc)
+        s.seq_lens[:num_reqs].copy_(metadata.seq_lens)
         if bucket > num_reqs:
-            self._slot_mapping[num_tokens:padded].fill_(-1)
-            self._query_start_loc[num_reqs + 1 : bucket + 1].fill_(num_tokens)
-            self._seq_lens[num_reqs:bucket].fill_(0)
+            s.slot_mapping[num_tokens:padded].fill_(-1)
+            s.query_start_loc[num_reqs + 1 : bucket + 1].fill_(num_tokens)
+            s.seq_lens[num_reqs:bucket].fill_(0)
         cols = metadata.block_tables.shape[1]
         # Columns past `cols` keep stale ids: a request never reads past its own seq_len.
-        self._block_tables[:num_reqs, :cols].copy_(metadata.block_tables)
-        graph, out = self._graphs[(bucket, query_len)]
-        graph.replay()
-        self.num_replays += 1
-        return out[:num_tokens]
+        s.block_tables[:num_reqs, :cols].copy_(metadata.block_tables)
+        return self.replay(bucket, query_len, num_tokens)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -14,6 +16,7 @@ from asyncspec.config import EngineConfig
 from asyncspec.core.kv_cache import num_blocks_for_bytes
 from asyncspec.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncspec.errors import ConfigError
+from asyncspec.kernels.prepare_inputs import prepare_inputs_ref
 from asyncspec.layers.attention import allocate_paged_kv_cache, select_backend
 from asyncspec.layers.attention_metadata import AttentionMetadata
 from asyncspec.layers.sampler import (
@@ -31,7 +34,7 @@ from asyncspec.sampling_params import SAMPLING_EPS, SamplingParams
 from asyncspec.spec.draft_model_proposer import DraftModelProposer, DraftStep
 from asyncspec.spec.factory import make_speculative_decoder
 from asyncspec.spec.spec_decoder import SpeculativeDecoder, VerifyInputs
-from asyncspec.worker.cuda_graphs import CudaGraphForward, batch_size_buckets
+from asyncspec.worker.cuda_graphs import CudaGraphForward, StaticInputs, batch_size_buckets
 from asyncspec.worker.input_batch import InputBatch, RowState
 
 logger = logging.getLogger(__name__)
@@ -52,6 +55,33 @@ def _available_host_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def _triton_prepare_inputs(*args, **kwargs) -> None:
+    from asyncspec.kernels import prepare_inputs_triton  # imported late, as the attention kernels
+
+    prepare_inputs_triton.prepare_inputs(*args, **kwargs)
+
+
+def _select_prepare_inputs(device: torch.device) -> Callable[..., None]:
+    """One Triton launch builds the step's inputs where the attention backend is Triton."""
+    return _triton_prepare_inputs if select_backend(device).name == "triton" else prepare_inputs_ref
+
+
+@dataclass
+class StepInputs:
+    """A prepared step: the real requests' view, and how the forward pass runs."""
+
+    metadata: AttentionMetadata
+    """Attention inputs of the real requests (views of the static buffers)."""
+    positions: torch.Tensor
+    """[T] int64."""
+    input_ids: torch.Tensor
+    """[T] int64."""
+    graph_bucket: int | None
+    """The captured batch size that replays this step, or None (eager)."""
+    query_len: int
+    """Tokens per request when uniform (what the graph was captured for)."""
+
+
 class ModelRunner:
     """Holds the model, the KV cache tensors and the persistent input batch."""
 
@@ -69,7 +99,6 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model = load_model(config.model, model_config, self.dtype, self.device, config.load_format, config.seed)
         self.sampler = Sampler()
-        self.compute_slot_mapping = select_backend(self.device).slot_mapping
         self.default_generator = make_generator(config.seed, self.device)
         self.input_batch = InputBatch(
             config.max_num_seqs,
@@ -104,9 +133,11 @@ class ModelRunner:
         self._copy_done: list[torch.cuda.Event | None] = [None, None]
         self._buffer_index = 0
         self._meta_dev = torch.zeros((4, n), dtype=torch.int64, device=self.device)
-        self._block_table_dev = torch.zeros((n, cols), dtype=torch.int32, device=self.device)
-        self._query_start_loc = torch.zeros(n + 1, dtype=torch.int32, device=self.device)
-        self._arange = torch.arange(max(n, self.config.max_num_batched_tokens), device=self.device)
+        # The step's model inputs (and the target's CUDA graphs) live at these fixed addresses; the
+        # block tables are both the copy target of the host table and the graphs' input.
+        self._inputs = StaticInputs.allocate(n, self.config.max_num_batched_tokens, cols, self.device)
+        self._block_table_dev = self._inputs.block_tables
+        self._prepare_kernel = _select_prepare_inputs(self.device)
         # The step's one device-to-host copy lands here (sampled tokens, accepted and draft counts).
         k = self.spec.k if self.spec is not None else 0
         self._output_host = torch.zeros(n * (k + 3), dtype=torch.int64, pin_memory=pin)
@@ -244,16 +275,15 @@ class ModelRunner:
             plan.append((proposer.model, proposer.model_config, [1, k + 2]))
         return plan
 
-    def _new_graphs(self, model, kv_caches, query_lens: list[int], batch_sizes: list[int]) -> CudaGraphForward:
-        return CudaGraphForward(
-            model,
-            kv_caches,
-            self.block_size,
-            self.input_batch.max_blocks_per_req,
-            batch_sizes,
-            query_lens,
-            self.device,
-        )
+    def _new_graphs(
+        self, model, kv_caches, query_lens: list[int], batch_sizes: list[int], static: StaticInputs | None = None
+    ) -> CudaGraphForward:
+        """Graphs over `static` (the target's step buffers) or over buffers of their own (the draft's)."""
+        if static is None:
+            max_tokens = max(batch_sizes) * max(query_lens)
+            cols = self.input_batch.max_blocks_per_req
+            static = StaticInputs.allocate(max(batch_sizes), max_tokens, cols, self.device)
+        return CudaGraphForward(model, kv_caches, self.block_size, static, batch_sizes, query_lens, self.device)
 
     def _estimate_cuda_graph_memory(self) -> int:
         """Captures the largest bucket of each model over a one-block KV cache and measures its
@@ -278,7 +308,7 @@ class ModelRunner:
             is_target = model is self.model
             name = "target" if is_target else "draft"
             kv_caches = self.kv_caches if is_target else self.spec.proposer.kv_caches  # type: ignore[union-attr]
-            graphs = self._new_graphs(model, kv_caches, query_lens, batch_sizes)
+            graphs = self._new_graphs(model, kv_caches, query_lens, batch_sizes, self._inputs if is_target else None)
 
             def progress(done: int, total: int, name: str = name) -> None:
                 if done == total or done % 8 == 0:
@@ -308,14 +338,14 @@ class ModelRunner:
             "cuda_graph_eager_forwards": sum(g.num_eager for g in graphs),
         }
 
-    def _forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, num_scheduled: list[int]
-    ) -> torch.Tensor:
+    def _forward(self, step: StepInputs) -> torch.Tensor:
         """The target's forward pass: a graph replay for a uniform batch, else eager."""
-        if self.cuda_graphs is None:
-            return self.model(input_ids, positions, self.kv_caches, metadata)
-        query_len = num_scheduled[0] if min(num_scheduled) == max(num_scheduled) else None
-        return self.cuda_graphs.forward(input_ids, positions, metadata, query_len)
+        if step.graph_bucket is not None:
+            assert self.cuda_graphs is not None
+            return self.cuda_graphs.replay(step.graph_bucket, step.query_len, step.input_ids.shape[0])
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.num_eager += 1
+        return self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
 
     def _copy_to_host(self, tensors: list[torch.Tensor]) -> list[int]:
         """The step's one device-to-host copy: int64 tensors, concatenated, non-blocking into pinned
@@ -374,7 +404,6 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], failed_requests=failed)
         states = [self.input_batch.rows[r] for r in req_ids]
         num_scheduled = [so.num_scheduled_tokens[r] for r in req_ids]
-        total_num_scheduled = sum(num_scheduled)
         # Only requests whose scheduled tokens reach their last known token sample this step.
         sampling_rows = [
             i
@@ -392,10 +421,9 @@ class ModelRunner:
                 [states[i].num_tokens for i in sampling_rows],
                 num_draft_positions,
             )
-        attn_metadata, positions, input_ids = self._prepare_inputs(
-            states, num_scheduled, sampling_rows, total_num_scheduled
-        )
-        hidden_states = self._forward(input_ids, positions, attn_metadata, num_scheduled)
+        step = self._prepare_inputs(states, num_scheduled, sampling_rows)
+        attn_metadata, input_ids = step.metadata, step.input_ids
+        hidden_states = self._forward(step)
         for state, n in zip(states, num_scheduled, strict=True):
             state.num_computed_tokens += n
         if self.spec is not None:
@@ -600,12 +628,17 @@ class ModelRunner:
             ]
         return result
 
-    def _prepare_inputs(
-        self, states: list[RowState], num_scheduled: list[int], sampling_rows: list[int], total_tokens: int
-    ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
-        """One host-to-device copy of per-request counts; positions, input ids and slots are
-        derived from them on the device."""
+    def _prepare_inputs(self, states: list[RowState], num_scheduled: list[int], sampling_rows: list[int]) -> StepInputs:
+        """One host-to-device copy of per-request counts (and of the block tables); one kernel then
+        builds positions, input ids, slots, query starts and sequence lengths on the device, padded
+        to the graph bucket when one replays the step."""
         num_reqs = len(states)
+        total_tokens = sum(num_scheduled)
+        query_len = num_scheduled[0]
+        uniform = min(num_scheduled) == max(num_scheduled)
+        bucket = self.cuda_graphs.bucket(num_reqs, query_len if uniform else None) if self.cuda_graphs else None
+        padded_reqs = bucket if bucket is not None else num_reqs
+        padded_tokens = bucket * query_len if bucket is not None else total_tokens
         i = self._buffer_index
         self._buffer_index ^= 1
         copy_done = self._copy_done[i]
@@ -617,41 +650,39 @@ class ModelRunner:
         meta[0, :num_reqs] = rows
         meta[1, :num_reqs] = [s.num_computed_tokens for s in states]
         meta[2, :num_reqs] = num_scheduled
+        meta[:3, num_reqs:padded_reqs] = 0  # padding requests: no tokens
         meta[3, : len(sampling_rows)] = sampling_rows
         self._meta_dev.copy_(meta_host, non_blocking=True)
-        seq_lens_host = [s.num_computed_tokens + n for s, n in zip(states, num_scheduled, strict=True)]
-        max_seq_len = max(seq_lens_host)
-        num_block_cols = -(-max_seq_len // self.block_size)
         np.take(self.input_batch.block_table, rows, axis=0, out=block_table_host.numpy()[:num_reqs])
         self._block_table_dev[:num_reqs].copy_(block_table_host[:num_reqs], non_blocking=True)
         if self.device.type == "cuda":
             event = self._copy_done[i] or torch.cuda.Event()
             event.record()
             self._copy_done[i] = event
-
-        row_dev, num_computed, num_sched = (
-            self._meta_dev[0, :num_reqs],
-            self._meta_dev[1, :num_reqs],
-            self._meta_dev[2, :num_reqs],
+        inputs = self._inputs
+        self._prepare_kernel(
+            self._meta_dev,
+            padded_reqs,
+            padded_tokens,
+            self.input_batch.token_ids,
+            self._block_table_dev,
+            self.block_size,
+            inputs.input_ids,
+            inputs.positions,
+            inputs.slot_mapping,
+            inputs.query_start_loc,
+            inputs.seq_lens,
         )
-        query_start_loc = self._query_start_loc[: num_reqs + 1]
-        torch.cumsum(num_sched, 0, out=query_start_loc[1:])
-        req_index = torch.repeat_interleave(self._arange[:num_reqs], num_sched, output_size=total_tokens)
-        token_offset = self._arange[:total_tokens] - query_start_loc[req_index]
-        positions = num_computed[req_index] + token_offset
-        input_ids = self.input_batch.token_ids[row_dev[req_index], positions]
-        block_tables = self._block_table_dev[:num_reqs, :num_block_cols]
-        slot_mapping = self.compute_slot_mapping(block_tables, query_start_loc, positions, self.block_size)
-        metadata = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            query_start_loc=query_start_loc,
-            seq_lens=(num_computed + num_sched).to(torch.int32),
-            block_tables=block_tables,
-            max_query_len=max(num_scheduled),
-            max_seq_len=max_seq_len,
-            block_size=self.block_size,
+        max_seq_len = int((meta[1, :num_reqs] + meta[2, :num_reqs]).max())
+        metadata = inputs.metadata(num_reqs, total_tokens, max(num_scheduled), self.block_size)
+        metadata.max_seq_len = max_seq_len
+        return StepInputs(
+            metadata=metadata,
+            positions=inputs.positions[:total_tokens],
+            input_ids=inputs.input_ids[:total_tokens],
+            graph_bucket=bucket,
+            query_len=query_len,
         )
-        return metadata, positions, input_ids
 
     def _sampling_metadata(self, states: list[RowState], batch_rows: torch.Tensor) -> SamplingMetadata:
         """Gathers the rows' device-resident parameters; only rows' Python facts are read here."""

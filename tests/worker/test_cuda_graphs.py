@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from asyncspec import LLM, SamplingParams
-from asyncspec.worker.cuda_graphs import CudaGraphForward, batch_size_buckets
+from asyncspec.worker.cuda_graphs import CudaGraphForward, StaticInputs, batch_size_buckets
 from asyncspec.worker.model_runner import ModelRunner
 from tests.conftest import TARGET_MODEL, load_prompts
 from tests.spec.spec_helpers import assert_same_outputs, spec_kwargs
@@ -54,10 +54,12 @@ def _install_stand_ins(runner: ModelRunner) -> list[CudaGraphForward]:
     for model, mc, query_lens in runner._graph_plan():
         is_target = model is runner.model
         caches = runner.kv_caches if is_target else runner.spec.proposer.kv_caches
-        graphs = runner._new_graphs(model, caches, query_lens, runner._graph_batch_sizes())
+        graphs = runner._new_graphs(
+            model, caches, query_lens, runner._graph_batch_sizes(), runner._inputs if is_target else None
+        )
         # Poison the static buffers: a replay must overwrite (or never read) every stale value.
-        graphs._block_tables.fill_(10_000)
-        graphs._input_ids.fill_(7)
+        graphs.static.block_tables[len(runner.input_batch) :].fill_(10_000)
+        graphs.static.input_ids.fill_(7)
         for q in graphs.query_lens:
             for b in graphs.batch_sizes:
                 out = torch.full((b * q, mc.hidden_size), float("nan"))
@@ -93,9 +95,9 @@ def test_padded_static_replay_equals_eager(method):
 
 
 def test_bucket_choice():
-    graphs = CudaGraphForward(
-        torch.nn.Identity(), [], 16, 4, batch_sizes=[1, 2, 4, 8], query_lens=[5], device=torch.device("cpu")
-    )
+    cpu = torch.device("cpu")
+    static = StaticInputs.allocate(8, 40, 4, cpu)
+    graphs = CudaGraphForward(torch.nn.Identity(), [], 16, static, batch_sizes=[1, 2, 4, 8], query_lens=[5], device=cpu)
     graphs._graphs[(1, 5)] = None  # type: ignore[assignment]  # any captured graph enables lookup
     assert [graphs.bucket(n, 5) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
     assert graphs.bucket(9, 5) is None  # larger than every bucket: eager
