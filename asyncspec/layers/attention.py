@@ -1,4 +1,4 @@
-"""Attention front-end: write the step's K/V into the paged cache, then attend over it."""
+"""Attention front-end: write the step's K/V into the paged cache (alone, or fused with RoPE), then attend."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch import nn
 
 from asyncspec.kernels.kv_cache_write import write_kv_cache_ref
 from asyncspec.kernels.paged_attention import paged_attention_ref
+from asyncspec.kernels.rotary_kv_write import rotary_kv_write_ref
 from asyncspec.kernels.slot_mapping import compute_slot_mapping_ref
 from asyncspec.layers.attention_metadata import AttentionMetadata
 
@@ -27,9 +28,14 @@ class AttentionBackend:
     """attend(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out, sliding_window)."""
     slot_mapping: Callable[..., torch.Tensor]
     """slot_mapping(block_tables, query_start_loc, positions, block_size) -> slots, -1 for padding."""
+    rotary_kv_write: Callable[..., torch.Tensor]
+    """rotary_kv_write(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping, *, q_out) -> q_rot:
+    RoPE on q and k fused with write_kv."""
 
 
-TORCH_REFERENCE = AttentionBackend("torch_reference", write_kv_cache_ref, paged_attention_ref, compute_slot_mapping_ref)
+TORCH_REFERENCE = AttentionBackend(
+    "torch_reference", write_kv_cache_ref, paged_attention_ref, compute_slot_mapping_ref, rotary_kv_write_ref
+)
 
 
 # The Triton kernels are imported on first call, not here: importing triton is slow and optional on the CPU,
@@ -52,7 +58,13 @@ def _triton_slot_mapping(*args, **kwargs) -> torch.Tensor:
     return slot_mapping_triton.compute_slot_mapping(*args, **kwargs)
 
 
-TRITON = AttentionBackend("triton", _triton_write_kv, _triton_attend, _triton_slot_mapping)
+def _triton_rotary_kv_write(*args, **kwargs) -> torch.Tensor:
+    from asyncspec.kernels import rotary_kv_write_triton
+
+    return rotary_kv_write_triton.rotary_kv_write(*args, **kwargs)
+
+
+TRITON = AttentionBackend("triton", _triton_write_kv, _triton_attend, _triton_slot_mapping, _triton_rotary_kv_write)
 
 BACKEND_ENV = "ASYNCSPEC_ATTENTION_BACKEND"
 """Environment override: "torch" or "triton" (e.g. triton on the CPU under TRITON_INTERPRET=1)."""
@@ -111,6 +123,11 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.backend: AttentionBackend | None = None
 
+    def _backend(self, device: torch.device) -> AttentionBackend:
+        if self.backend is None:
+            self.backend = select_backend(device)
+        return self.backend
+
     def forward(
         self,
         q: torch.Tensor,
@@ -120,11 +137,36 @@ class Attention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
-        if self.backend is None:
-            self.backend = select_backend(q.device)
         k_cache, v_cache = kv_cache
-        self.backend.write_kv(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
-        return self.backend.attend(
+        self._backend(q.device).write_kv(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
+        return self.attend(q, kv_cache, attn_metadata)
+
+    def forward_rotary(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos_cache: torch.Tensor,
+        sin_cache: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """`forward` on q/k not yet rotated: RoPE at positions [T] from the fp32 cos/sin caches
+        [max_position, D // 2] and the K/V write in one kernel (q is rotated in place), then attention."""
+        k_cache, v_cache = kv_cache
+        backend = self._backend(q.device)
+        q = backend.rotary_kv_write(
+            q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, attn_metadata.slot_mapping, q_out=q
+        )
+        return self.attend(q, kv_cache, attn_metadata)
+
+    def attend(
+        self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """Attention of q [T, H, D] over the cache, which already holds this step's K/V -> [T, H, D]."""
+        k_cache, v_cache = kv_cache
+        return self._backend(q.device).attend(
             q,
             k_cache,
             v_cache,

@@ -1,14 +1,21 @@
-"""Rotary position embedding (default, linear and llama3 scaling) with a cos/sin cache indexed by position."""
+"""Rotary position embedding (default, linear and llama3 scaling) with a cos/sin cache indexed by position.
+
+Two ways to apply it, with the same numbers: `apply_rotary` (separate torch ops on cos/sin gathered once per
+forward), or, where the attention backend is Triton, one kernel per layer that also writes the KV cache
+(asyncspec/kernels/rotary_kv_write_triton.py) reading the fp32 caches at the positions itself.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from asyncspec.errors import ModelLoadError
+from asyncspec.layers.attention import select_backend
 
 
 def compute_inv_freq(
@@ -37,6 +44,22 @@ def compute_inv_freq(
     raise ModelLoadError(f"rope_type {rope_type!r} is not supported (default, linear, llama3)")
 
 
+@dataclass(frozen=True)
+class RotaryInputs:
+    """One forward's rotary inputs, shared by all layers."""
+
+    positions: torch.Tensor
+    """[T] int64 positions of the step's tokens."""
+    cos_cache: torch.Tensor
+    """[max_position, head_dim // 2] fp32 (RotaryEmbedding.cos_cache), read by the fused kernel."""
+    sin_cache: torch.Tensor
+    """[max_position, head_dim // 2] fp32."""
+    cos: torch.Tensor | None
+    """[T, head_dim // 2] in the activation dtype for `apply_rotary`; None when the layers use the fused kernel."""
+    sin: torch.Tensor | None
+    """As cos."""
+
+
 class RotaryEmbedding(nn.Module):
     """Holds cos/sin [max_position, head_dim // 2] in fp32; `forward` gathers them for the step's positions."""
 
@@ -63,6 +86,17 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, head_dim // 2] in `dtype` for positions [T]."""
         return self.cos_cache[positions].to(dtype), self.sin_cache[positions].to(dtype)
+
+    def step_inputs(self, positions: torch.Tensor, dtype: torch.dtype, fused: bool) -> RotaryInputs:
+        """The step's inputs for every layer: cos/sin gathered in `dtype` unless the layers use the fused kernel,
+        which gathers (and casts) them itself, saving those launches."""
+        cos, sin = (None, None) if fused else self(positions, dtype)
+        return RotaryInputs(positions, self.cos_cache, self.sin_cache, cos, sin)
+
+
+def select_fused_rotary(device: torch.device) -> bool:
+    """RoPE fused with the KV write where the attention backend is Triton (one switch for the GPU path)."""
+    return select_backend(device).name == "triton"
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

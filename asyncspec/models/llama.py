@@ -13,7 +13,7 @@ from asyncspec.layers.activation import select_silu_and_mul
 from asyncspec.layers.attention import Attention
 from asyncspec.layers.attention_metadata import AttentionMetadata
 from asyncspec.layers.norm import RMSNorm
-from asyncspec.layers.rotary import RotaryEmbedding, apply_rotary
+from asyncspec.layers.rotary import RotaryEmbedding, RotaryInputs, apply_rotary, select_fused_rotary
 from asyncspec.models.model_config import ModelConfig
 
 
@@ -44,20 +44,26 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RotaryInputs,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # Strided views of the fused output: the fused kernel reads them as they are.
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = self.attn(q, k, v, kv_cache, attn_metadata)
+        if rope.cos is None or rope.sin is None:
+            # Triton: RoPE and the K/V write in one kernel (q rotated in place), the same numbers as below.
+            o = self.attn.forward_rotary(
+                q, k, v, rope.positions, rope.cos_cache, rope.sin_cache, kv_cache, attn_metadata
+            )
+        else:
+            q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
+            o = self.attn(q, k, v, kv_cache, attn_metadata)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -92,14 +98,13 @@ class LlamaDecoderLayer(nn.Module):
         self,
         h: torch.Tensor,
         residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RotaryInputs,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this block's MLP output, the residual stream before it): the next norm adds them, fused."""
         x, residual = self.input_layernorm.forward_residual(h, residual)
-        x = self.self_attn(x, cos, sin, kv_cache, attn_metadata)
+        x = self.self_attn(x, rope, kv_cache, attn_metadata)
         x, residual = self.post_attention_layernorm.forward_residual(x, residual)
         return self.mlp(x), residual
 
@@ -115,6 +120,7 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
+        self._fused_rotary: bool | None = None
 
     @property
     def decoder_layers(self) -> Iterable[LlamaDecoderLayer]:
@@ -129,10 +135,12 @@ class LlamaModel(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, h.dtype)
+        if self._fused_rotary is None:
+            self._fused_rotary = select_fused_rotary(h.device)
+        rope = self.rotary_emb.step_inputs(positions, h.dtype, fused=self._fused_rotary)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h, residual = layer(h, residual, cos, sin, kv_cache, attn_metadata)
+            h, residual = layer(h, residual, rope, kv_cache, attn_metadata)
         return self.norm.forward_residual(h, residual)[0]
 
 
