@@ -79,6 +79,9 @@ class EngineConfig:
     """Shortest n-gram the "ngram" proposer matches against earlier tokens."""
     prompt_lookup_max: int = 5
     """Longest n-gram the "ngram" proposer tries first."""
+    adaptive_speculation: bool = True
+    """Choose the drafts verified per step (0, 1, k/2 or k) from the batch size, the measured acceptance and
+    the step costs measured at CUDA-graph capture; False (or no graphs) always verifies num_speculative_tokens."""
     async_scheduling: bool = False
     """Overlap scheduling of step N+1 with execution of step N."""
     enforce_eager: bool = False

@@ -14,6 +14,7 @@ from asyncspec.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from asyncspec.core.spec_policy import SpeculationPolicy
 from asyncspec.request import Request, RequestStatus
 
 
@@ -39,6 +40,8 @@ class SchedulerConfig:
     """Draft tokens verified per decode: a decode is scheduled for 1 + k tokens (0: no speculation)."""
     policy: str = "fcfs"
     """"fcfs" or "priority"."""
+    adaptive_speculation: bool = True
+    """Choose k per step (SpeculationPolicy); False: always num_speculative_tokens."""
 
 
 @dataclass
@@ -58,6 +61,8 @@ class SchedulerStats:
     """Draft tokens accepted and kept (none past a stop condition)."""
     accepted_per_position: list[int] = field(default_factory=list)
     """Accepted draft tokens by position in the run (index 0 = first draft)."""
+    steps_per_speculative_k: dict[int, int] = field(default_factory=dict)
+    """Steps that verified k drafts per decode, by k (adaptive speculation's choices)."""
 
 
 class Scheduler:
@@ -70,6 +75,7 @@ class Scheduler:
         self.waiting = make_request_queue(config.policy)
         self.running: list[Request] = []
         self.stats = SchedulerStats()
+        self.spec_policy = SpeculationPolicy(config.num_speculative_tokens, config.adaptive_speculation)
         self._finished_since_last_step: set[str] = set()
         self._step_id = 0
 
@@ -123,7 +129,7 @@ class Scheduler:
         allocate_slots = kv.allocate_slots
         threshold = cfg.long_prefill_token_threshold
         lookahead_k = cfg.num_lookahead_tokens
-        spec_k = cfg.num_speculative_tokens
+        spec_k = self.spec_policy.choose(len(running)) if cfg.num_speculative_tokens else 0
         max_model_len = cfg.max_model_len
         cached_ids = cached.request_ids
         cached_blocks = cached.new_block_ids
@@ -230,7 +236,11 @@ class Scheduler:
             total_num_scheduled_tokens=cfg.max_num_batched_tokens - token_budget,
             finished_req_ids=self._finished_since_last_step,
             preempted_req_ids=preempted_ids,
+            num_speculative_tokens=spec_k,
         )
+        if cfg.num_speculative_tokens:
+            counts = self.stats.steps_per_speculative_k
+            counts[spec_k] = counts.get(spec_k, 0) + 1
         self._finished_since_last_step = set()
         return output
 
@@ -349,6 +359,7 @@ class Scheduler:
             if num_drafts is not None and num_drafts[i]:
                 num_accepted = min(num_new, len(sampled) - 1)  # drafts among the kept tokens
                 self._count_drafts(num_drafts[i], num_accepted)
+                self.spec_policy.observe_run(num_drafts[i], len(sampled) - 1)
             token_logprobs = logprobs[i] if logprobs is not None else None
             output = EngineCoreOutput(
                 request_id=request_id,

@@ -46,6 +46,8 @@ class SchedulerOutput:
     """Requests that ended since the last step; the worker drops their rows."""
     preempted_req_ids: set[str]
     """Requests preempted this step; the worker drops their rows (they come back as new)."""
+    num_speculative_tokens: int = 0
+    """Drafts per decode planned this step (the adaptive choice); the worker proposes as many for the next."""
 
     @property
     def is_empty(self) -> bool:

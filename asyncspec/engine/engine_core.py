@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from asyncspec.config import EngineConfig
 from asyncspec.core.kv_cache import KVCacheManager
 from asyncspec.core.scheduler import Scheduler, SchedulerConfig
-from asyncspec.core.scheduler_output import EngineCoreOutput
+from asyncspec.core.scheduler_output import EngineCoreOutput, SchedulerOutput
 from asyncspec.errors import ConfigError
 from asyncspec.models.model_config import ModelConfig
 from asyncspec.request import Request, RequestStatus
@@ -59,9 +60,11 @@ class EngineCore:
                 num_lookahead_tokens=config.num_lookahead_tokens,
                 num_speculative_tokens=config.num_lookahead_tokens,
                 policy=config.scheduling_policy,
+                adaptive_speculation=config.adaptive_speculation,
             ),
             self.kv_cache_manager,
         )
+        self.scheduler.spec_policy.step_cost = self.runner.speculation_step_cost()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -80,5 +83,15 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
+        start = time.perf_counter()
         runner_output = self.runner.execute_model(scheduler_output)
+        if scheduler_output.num_speculative_tokens or self.config.num_speculative_tokens:
+            self._observe_decode_step(scheduler_output, time.perf_counter() - start)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _observe_decode_step(self, so: SchedulerOutput, seconds: float) -> None:
+        """Feeds a pure decode step's time to the speculation policy (its host-time estimate)."""
+        k = so.num_speculative_tokens
+        if so.scheduled_new_reqs or any(n != k + 1 for n in so.num_scheduled_tokens.values()):
+            return
+        self.scheduler.spec_policy.observe_step(len(so.num_scheduled_tokens), k, seconds)

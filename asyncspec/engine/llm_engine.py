@@ -161,6 +161,8 @@ class LLMEngine:
                 else 0.0
             ),
             **{f"spec_accepted_at_position_{i}": n for i, n in enumerate(scheduler.stats.accepted_per_position)},
+            **{f"spec_steps_with_k_{k}": n for k, n in sorted(scheduler.stats.steps_per_speculative_k.items())},
+            "spec_acceptance_rate_estimate": scheduler.spec_policy.acceptance_rate,
             "num_running_requests": len(scheduler.running),
             "num_waiting_requests": len(scheduler.waiting),
             "prefix_cache_queries": prefix.queries,

@@ -52,6 +52,8 @@ class DraftStep:
     metadata: SamplingMetadata
     """Per sampling request (temperature, top-k/p, min-p, generators)."""
     default_generator: torch.Generator | None
+    num_proposals: int
+    """Drafts to propose per sampling request (at most k; 0: catch up only)."""
 
 
 def check_draft_compatible(target: ModelConfig, draft: ModelConfig, target_path: str, draft_path: str) -> None:
@@ -130,11 +132,13 @@ class DraftModelProposer:
 
     def propose(self, step: DraftStep) -> tuple[Tensor, Tensor | None]:
         """Catches up on the step, then proposes k tokens per sampling request.
-        Returns (draft_token_ids [S, k], draft_probs [S, k, V] or None when every row is greedy)."""
+        Returns (draft_token_ids [S, n], draft_probs [S, n, V] or None when every row is greedy),
+        n = step.num_proposals."""
         dev = self.device
         hidden, last_index = self._catch_up(step)
-        if not step.sampling_index:
-            return torch.empty((0, self.k), dtype=torch.int64, device=dev), None
+        num_proposals = min(step.num_proposals, self.k)
+        if not step.sampling_index or num_proposals == 0:
+            return torch.empty((len(step.sampling_index), 0), dtype=torch.int64, device=dev), None
         num_sampling = len(step.sampling_index)
         logits = self.model.compute_logits(hidden.index_select(0, last_index))
         expanded = expand_rows(step.metadata, 1)
@@ -149,12 +153,12 @@ class DraftModelProposer:
         block_tables = step.block_tables.index_select(0, host_list_to_device(step.sampling_index, dev))
         capacity = host_list_to_device([step.num_slots[i] for i in step.sampling_index], dev)
         query_start_loc = torch.arange(num_sampling + 1, dtype=torch.int32, device=dev)
-        for j in range(self.k):
+        for j in range(num_proposals):
             token, q = self._sample(logits, expanded, step)
             tokens.append(token)
             if q is not None:
                 probs.append(q)
-            if j == self.k - 1:
+            if j == num_proposals - 1:
                 break
             position = position + 1
             safe = position.clamp_max(self.max_model_len - 1)

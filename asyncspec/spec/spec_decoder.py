@@ -136,24 +136,38 @@ class SpeculativeDecoder:
 
     # -- 4. the next drafts -------------------------------------------------------------------
     def propose(
-        self, token_ids: Tensor, rows: Tensor, num_tokens: Tensor, max_num_tokens: int, draft_step: DraftStep | None
+        self,
+        token_ids: Tensor,
+        rows: Tensor,
+        num_tokens: Tensor,
+        max_num_tokens: int,
+        draft_step: DraftStep | None,
+        num_proposals: int | None = None,
     ) -> None:
-        """Proposes for the sampling rows (`rows`, with verified tokens [0, num_tokens)). The draft
-        model needs the whole step (`draft_step`) to keep its KV in lockstep, sampling or not."""
+        """Proposes up to `num_proposals` drafts (default k) for the sampling rows (`rows`, with
+        verified tokens [0, num_tokens)). The draft model needs the whole step (`draft_step`) to keep
+        its KV in lockstep, sampling or not."""
+        n = self.k if num_proposals is None else min(num_proposals, self.k)
         if isinstance(self.proposer, DraftModelProposer):
             assert draft_step is not None
             drafts, q = self.proposer.propose(draft_step)
             if rows.shape[0] == 0:
                 return
-            counts = torch.full((rows.shape[0],), self.k, dtype=torch.int64, device=self.device)
+            n = drafts.shape[1]
+            counts = torch.full((rows.shape[0],), n, dtype=torch.int64, device=self.device)
             if q is not None:
                 if self.draft_probs is None:
                     shape = (self.max_num_reqs, self.k, q.shape[-1])
                     self.draft_probs = torch.zeros(shape, dtype=torch.float32, device=self.device)
-                self.draft_probs[rows] = q
+                self.draft_probs[rows, :n] = q
         else:
             if rows.shape[0] == 0:
                 return
             drafts, counts = self.proposer.propose(token_ids, rows, num_tokens, max_num_tokens)
-        self.draft_token_ids[rows] = drafts
+            if n < self.k:
+                counts = counts.clamp_max(n)
+        if n == 0:
+            self.num_draft_tokens[rows] = 0
+            return
+        self.draft_token_ids[rows, : drafts.shape[1]] = drafts
         self.num_draft_tokens[rows] = counts

@@ -118,6 +118,8 @@ class CudaGraphForward:
         """Forward passes served by a graph (tests and benchmarks read it)."""
         self.num_eager = 0
         """Forward passes that ran eagerly."""
+        self.replay_seconds: dict[tuple[int, int], float] = {}
+        """Device time of one replay per (batch size, query length), measured at capture."""
 
     # -- capture -----------------------------------------------------------------------------
     def _run_static(self, num_reqs: int, query_len: int) -> torch.Tensor:
@@ -152,11 +154,31 @@ class CudaGraphForward:
             if self._pool is None:
                 self._pool = graph.pool()
             self._graphs[(num_reqs, query_len)] = (graph, out)
+            self.replay_seconds[(num_reqs, query_len)] = self._time_replays(graph)
             if progress is not None:
                 progress(i + 1, len(keys))
         torch.cuda.synchronize(self.device)
         memory = torch.cuda.memory_reserved(self.device) - reserved_before
         return CaptureStats(len(keys), time.perf_counter() - start, memory)
+
+    def _time_replays(self, graph: torch.cuda.CUDAGraph, repeats: int = 3) -> float:
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / repeats / 1e3
+
+    def replay_cost(self, num_reqs: int, query_len: int) -> float:
+        """Measured seconds of the graph that would serve num_reqs requests of query_len; past the
+        largest bucket, that bucket's time scaled by the batch (the step then runs eagerly)."""
+        bucket = self.bucket(num_reqs, query_len)
+        if bucket is not None:
+            return self.replay_seconds[(bucket, query_len)]
+        largest = self.batch_sizes[-1]
+        return self.replay_seconds[(largest, query_len)] * num_reqs / largest
 
     # -- replay ------------------------------------------------------------------------------
     def bucket(self, num_reqs: int, query_len: int | None) -> int | None:

@@ -15,6 +15,7 @@ import torch
 from asyncspec.config import EngineConfig
 from asyncspec.core.kv_cache import num_blocks_for_bytes
 from asyncspec.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from asyncspec.core.spec_policy import StepCost, speculation_choices
 from asyncspec.errors import ConfigError
 from asyncspec.kernels.prepare_inputs import prepare_inputs_ref
 from asyncspec.layers.attention import allocate_paged_kv_cache, select_backend
@@ -268,12 +269,36 @@ class ModelRunner:
         step (k + 2: the step's inputs plus the emitted token)."""
         if self.spec is None:
             return [(self.model, self.model_config, [1])]
-        k = self.spec.k
-        plan: list[tuple[torch.nn.Module, ModelConfig, list[int]]] = [(self.model, self.model_config, [k + 1])]
+        choices = self._speculation_choices()
+        plan: list[tuple[torch.nn.Module, ModelConfig, list[int]]] = [
+            (self.model, self.model_config, [c + 1 for c in choices])
+        ]
         proposer = self.spec.proposer
         if isinstance(proposer, DraftModelProposer):
-            plan.append((proposer.model, proposer.model_config, [1, k + 2]))
+            plan.append((proposer.model, proposer.model_config, sorted({1} | {c + 2 for c in choices})))
         return plan
+
+    def _speculation_choices(self) -> list[int]:
+        """The k values a step may verify: the adaptive policy's choices, or k alone."""
+        assert self.spec is not None
+        return speculation_choices(self.spec.k) if self.config.adaptive_speculation else [self.spec.k]
+
+    def speculation_step_cost(self) -> StepCost | None:
+        """Device seconds of a decode step verifying k drafts for n requests, from the graphs'
+        replay times (target verification, plus the draft's catch-up and k - 1 proposal passes);
+        None without speculation or graphs (the policy then keeps k fixed)."""
+        target, draft = self.cuda_graphs, self.draft_cuda_graphs
+        if self.spec is None or target is None or not self.config.adaptive_speculation:
+            return None
+
+        def step_cost(num_decodes: int, k: int) -> float:
+            assert target is not None
+            seconds = target.replay_cost(num_decodes, k + 1)
+            if draft is not None:
+                seconds += draft.replay_cost(num_decodes, k + 2) + max(k - 1, 0) * draft.replay_cost(num_decodes, 1)
+            return seconds
+
+        return step_cost
 
     def _new_graphs(
         self, model, kv_caches, query_lens: list[int], batch_sizes: list[int], static: StaticInputs | None = None
@@ -428,7 +453,15 @@ class ModelRunner:
             state.num_computed_tokens += n
         if self.spec is not None:
             return self._verify_and_propose(
-                req_ids, states, num_scheduled, sampling_rows, num_draft_positions, hidden_states, input_ids, failed
+                req_ids,
+                states,
+                num_scheduled,
+                sampling_rows,
+                num_draft_positions,
+                hidden_states,
+                input_ids,
+                failed,
+                so.num_speculative_tokens,
             )
         sampled_per_req: list[list[int]] = [[] for _ in req_ids]
         logprobs_per_req: list[list[TokenLogprobs] | None] | None = None
@@ -472,9 +505,11 @@ class ModelRunner:
         hidden_states: torch.Tensor,
         input_ids: torch.Tensor,
         failed: dict[str, str],
+        num_proposals: int,
     ) -> ModelRunnerOutput:
         """Speculative sampling: every sampling request emits its accepted drafts plus one token
-        (a request without drafts: one sampled token), then proposes its next drafts."""
+        (a request without drafts: one sampled token), then proposes `num_proposals` drafts for the
+        next step (the scheduler's current choice of k)."""
         assert self.spec is not None
         sampled_per_req: list[list[int]] = [[] for _ in req_ids]
         num_drafts_per_req = [0] * len(req_ids)
@@ -483,8 +518,8 @@ class ModelRunner:
             if self.spec.uses_draft_model:  # the draft's KV follows every prefill chunk
                 empty = torch.empty((0, 1), dtype=torch.int64, device=self.device)
                 no_rows = empty.view(0)
-                step = self._draft_step(states, num_scheduled, [], [], input_ids, empty, no_rows, None)
-                self.spec.propose(self.input_batch.token_ids, no_rows, no_rows, 0, step)
+                step = self._draft_step(states, num_scheduled, [], [], input_ids, empty, no_rows, None, 0)
+                self.spec.propose(self.input_batch.token_ids, no_rows, no_rows, 0, step, 0)
             return ModelRunnerOutput(req_ids, sampled_per_req, failed_requests=failed)
         ends = np.cumsum(num_scheduled)
         num_positions = max(num_draft_positions) + 1
@@ -539,9 +574,17 @@ class ModelRunner:
         draft_step = None
         if self.spec.uses_draft_model:
             draft_step = self._draft_step(
-                states, num_scheduled, sampling_rows, num_draft_positions, input_ids, out, num_accepted, metadata
+                states,
+                num_scheduled,
+                sampling_rows,
+                num_draft_positions,
+                input_ids,
+                out,
+                num_accepted,
+                metadata,
+                num_proposals,
             )
-        self.spec.propose(token_ids, rows, new_num_tokens, bound, draft_step)
+        self.spec.propose(token_ids, rows, new_num_tokens, bound, draft_step, num_proposals)
         logprob_out = None
         if metadata.max_num_logprobs is not None:
             raw = logits.float().log_softmax(dim=-1).view(-1, logits.shape[-1])
@@ -588,6 +631,7 @@ class ModelRunner:
         out: torch.Tensor,
         num_accepted: torch.Tensor,
         metadata: SamplingMetadata | None,
+        num_proposals: int,
     ) -> DraftStep:
         if metadata is None:  # no request samples: the draft only catches up
             metadata = SamplingMetadata.from_params([], device=self.device)
@@ -603,6 +647,7 @@ class ModelRunner:
             num_accepted=num_accepted,
             metadata=metadata,
             default_generator=self.default_generator,
+            num_proposals=num_proposals,
         )
 
     @staticmethod

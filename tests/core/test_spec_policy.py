@@ -1,0 +1,118 @@
+"""Adaptive speculation: the policy's choice against a brute-force optimum, its acceptance estimate,
+and the engine with k changing from step to step (greedy output must not change)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from asyncspec import SamplingParams
+from asyncspec.core.spec_policy import SpeculationPolicy, speculation_choices
+from tests.conftest import load_prompts
+from tests.spec.spec_helpers import METHODS, assert_same_outputs, make_llm
+
+
+@pytest.mark.parametrize(("max_k", "expected"), [(0, [0]), (1, [0, 1]), (4, [0, 1, 2, 4]), (7, [0, 1, 3, 7])])
+def test_choices(max_k, expected):
+    assert speculation_choices(max_k) == expected
+
+
+def memory_bound(num_decodes: int, k: int) -> float:
+    """A small batch on a big GPU: the step costs the same however wide it is."""
+    return 1e-3
+
+
+def compute_bound(num_decodes: int, k: int) -> float:
+    """Past the knee every token costs: 1 ms of weights plus 20 us per token."""
+    return 1e-3 + 20e-6 * num_decodes * (k + 1)
+
+
+def test_without_costs_or_adaptivity_k_is_fixed():
+    assert SpeculationPolicy(4).choose(64) == 4
+    fixed = SpeculationPolicy(4, adaptive=False, step_cost=compute_bound)
+    for _ in range(50):
+        fixed.observe_run(4, 0)
+    assert fixed.choose(128) == 4
+
+
+def _feed(policy: SpeculationPolicy, alpha: float, runs: int, k: int = 4, seed: int = 0) -> None:
+    """Runs whose drafts are each accepted with probability alpha until the first rejection."""
+    rng = random.Random(seed)
+    for _ in range(runs):
+        accepted = 0
+        while accepted < k and rng.random() < alpha:
+            accepted += 1
+        policy.observe_run(k, accepted)
+
+
+@pytest.mark.parametrize("alpha", [0.1, 0.5, 0.85])
+def test_acceptance_estimate_converges(alpha):
+    policy = SpeculationPolicy(4, decay=0.999)
+    _feed(policy, alpha, 4000)
+    assert abs(policy.acceptance_rate - alpha) < 0.04
+
+
+def brute_force_best(cost, num_decodes: int, alpha: float, host: float, choices: list[int]) -> int:
+    def rate(k: int) -> float:
+        tokens = num_decodes * sum(alpha**i for i in range(k + 1))
+        return tokens / (cost(num_decodes, k) + host)
+
+    best = max(rate(k) for k in choices)
+    return min(k for k in choices if rate(k) >= best / 1.0001)
+
+
+@pytest.mark.parametrize(
+    ("cost", "num_decodes", "alpha"),
+    list(itertools.product([memory_bound, compute_bound], [1, 8, 64, 256], [0.05, 0.4, 0.8])),
+)
+def test_choice_maximises_expected_throughput(cost, num_decodes, alpha):
+    policy = SpeculationPolicy(4, step_cost=cost, decay=0.9995)
+    _feed(policy, alpha, 6000, seed=num_decodes)
+    policy.observe_step(num_decodes, 4, cost(num_decodes, 4) + 5e-4)  # host time 0.5 ms
+    chosen = policy.choose(num_decodes)
+    best = brute_force_best(cost, num_decodes, policy.acceptance_rate, 5e-4, policy.choices)
+    assert chosen == best
+
+
+def test_speculation_backs_off_under_load_and_returns():
+    policy = SpeculationPolicy(4, step_cost=compute_bound)
+    _feed(policy, 0.6, 300)
+    assert policy.choose(1) == 4  # nearly free to verify at batch 1
+    assert policy.choose(256) == 0  # 5x the tokens for 2.3 expected: not worth it
+    _feed(policy, 0.95, 400, seed=1)  # the drafts became very good
+    assert policy.choose(256) > 0
+
+
+# --------------------------------------------------------------------------------------- engine, CPU
+
+CONFIG = dict(block_size=16, max_model_len=192, num_kv_blocks=96, max_num_batched_tokens=128, max_num_seqs=8)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_k_changing_every_step_keeps_greedy_output(method):
+    """A cost model that makes the policy pick a different k each step (0 included): greedy output
+    equals the non-speculative engine's, and every choice was really used."""
+    prompts = [p[:60] for p in load_prompts(6)]
+    params = [SamplingParams(temperature=0.0, max_tokens=24 + 5 * i, ignore_eos=True) for i in range(6)]
+    ref = make_llm(**CONFIG).generate(prompts, params)
+    llm = make_llm(method=method, k=4, **CONFIG)
+    policy = llm.engine.engine_core.scheduler.spec_policy
+    schedule = itertools.cycle([4, 0, 2, 1, 4, 4, 0])
+    state = {"k": 4}
+
+    def cost(num_decodes: int, k: int) -> float:
+        # Called once per choice per step: reshuffle when the policy asks about k = 0 (its first).
+        if k == 0:
+            state["k"] = next(schedule)
+        return 1.0 if k != state["k"] else 1e-6
+
+    policy.step_cost = cost
+    got = llm.generate(prompts, params)
+    assert_same_outputs(ref, got, f"{method} with k changing per step")
+    stats = llm.stats()
+    for k in (0, 1, 2, 4):
+        assert stats.get(f"spec_steps_with_k_{k}", 0) > 0, stats
+    assert stats["spec_num_accepted_tokens"] > 0
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
