@@ -94,8 +94,9 @@ def test_speculative_step_adds_no_host_sync(prompts, method):
 def test_bf16_greedy_speculative_matches_plain_up_to_bf16_ties(prompts, method):
     """In bf16, verifying k + 1 positions at once is another reduction shape than decoding one at a
     time, so a near-tie may flip. Every divergence must be such a tie in the plain run's own logits
-    (at most one bf16 ulp of logits below 32 apart), and most prompts must match exactly."""
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=2)
+    (at most one bf16 ulp of logits below 32 apart; three or more tokens can share that ulp, so the
+    plain run's top 5 are kept), and most prompts must match exactly."""
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=5)
     plain = LLM(str(TARGET_MODEL), dtype="bfloat16", **CONFIG).generate(prompts, params)
     spec_llm = LLM(str(TARGET_MODEL), dtype="bfloat16", speculative_method=method, num_speculative_tokens=4, **CONFIG)
     spec = spec_llm.generate(prompts, params)
@@ -106,8 +107,8 @@ def test_bf16_greedy_speculative_matches_plain_up_to_bf16_ties(prompts, method):
             exact += 1
             continue
         top = dict(zip(ref.logprobs[i].token_ids, ref.logprobs[i].logprobs, strict=True))
-        print(f"{method}: divergence at {i}: {ours.token_ids[i]} vs {ref.token_ids[i]}, plain top-2 {top}")
-        assert ours.token_ids[i] in top, "the speculative token is not even in the plain run's top 2"
+        print(f"{method}: divergence at {i}: {ours.token_ids[i]} vs {ref.token_ids[i]}, plain top-5 {top}")
+        assert ours.token_ids[i] in top, "the speculative token is not even in the plain run's top 5"
         assert abs(top[ref.token_ids[i]] - top[ours.token_ids[i]]) <= 0.125
     assert exact >= 12, f"only {exact}/16 prompts match exactly"
     assert spec_llm.stats()["spec_num_accepted_tokens"] > 0
