@@ -42,8 +42,9 @@ class SpeculationPolicy:
     """Device seconds per step, from the worker's start-up measurements; None: always max_k."""
     _accepted: float = 3.0  # a prior of 0.6 acceptance, worth five rejections
     _rejected: float = 2.0
-    _host_seconds: float = 0.0
-    _host_weight: float = 0.0
+    # Host seconds per step by k (running means): more drafts mean more proposal passes to launch.
+    _host_seconds: dict[int, float] = field(default_factory=dict)
+    _host_weight: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.choices:
@@ -61,7 +62,7 @@ class SpeculationPolicy:
         rates = {}
         for k in self.choices:
             expected_tokens = num_decodes * (1 - alpha ** (k + 1)) / (1 - alpha)
-            seconds = self.step_cost(num_decodes, k) + self._host_seconds
+            seconds = self.step_cost(num_decodes, k) + self.host_seconds(k)
             rates[k] = expected_tokens / max(seconds, 1e-9)
         best = max(rates.values())
         # Near-ties go to the smaller k: the same rate for less work (and less over-allocation).
@@ -75,10 +76,20 @@ class SpeculationPolicy:
         self._accepted = self.decay * self._accepted + num_accepted
         self._rejected = self.decay * self._rejected + rejected
 
+    def host_seconds(self, k: int) -> float:
+        """Host time of a step verifying k drafts: its own running mean once observed; before that the
+        largest observed at a smaller k (host work grows with k), else 0."""
+        if k in self._host_seconds:
+            return self._host_seconds[k]
+        smaller = [v for j, v in self._host_seconds.items() if j < k]
+        return max(smaller, default=0.0)
+
     def observe_step(self, num_decodes: int, k: int, seconds: float) -> None:
         """A decode step's wall time: what it took beyond the device estimate is host time."""
         if self.step_cost is None or num_decodes == 0:
             return
         host = max(seconds - self.step_cost(num_decodes, k), 0.0)
-        self._host_weight = self.decay * self._host_weight + 1.0
-        self._host_seconds += (host - self._host_seconds) / self._host_weight
+        weight = self.decay * self._host_weight.get(k, 0.0) + 1.0
+        self._host_weight[k] = weight
+        mean = self._host_seconds.get(k, host)
+        self._host_seconds[k] = mean + (host - mean) / weight

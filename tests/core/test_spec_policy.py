@@ -70,10 +70,26 @@ def brute_force_best(cost, num_decodes: int, alpha: float, host: float, choices:
 def test_choice_maximises_expected_throughput(cost, num_decodes, alpha):
     policy = SpeculationPolicy(4, step_cost=cost, decay=0.9995)
     _feed(policy, alpha, 6000, seed=num_decodes)
-    policy.observe_step(num_decodes, 4, cost(num_decodes, 4) + 5e-4)  # host time 0.5 ms
+    for k in policy.choices:
+        policy.observe_step(num_decodes, k, cost(num_decodes, k) + 5e-4)  # host time 0.5 ms
     chosen = policy.choose(num_decodes)
     best = brute_force_best(cost, num_decodes, policy.acceptance_rate, 5e-4, policy.choices)
     assert chosen == best
+
+
+def test_host_time_is_learned_per_k():
+    """Proposal passes cost host time: a k whose steps took longer on the host is charged for it."""
+    policy = SpeculationPolicy(4, step_cost=memory_bound)
+    _feed(policy, 0.5, 300)
+    assert policy.choose(8) == 4  # same device time: the most tokens per step wins
+    assert policy.host_seconds(2) == 0.0
+    for _ in range(20):
+        policy.observe_step(8, 0, 1e-3 + 2e-4)
+        policy.observe_step(8, 4, 1e-3 + 4e-3)  # four proposal passes: 4 ms more on the host
+    assert policy.host_seconds(4) == pytest.approx(4e-3)
+    assert policy.host_seconds(2) == pytest.approx(2e-4)  # unseen: the largest seen below it
+    # k=4: 1.94 tokens / 5 ms; k=0: 1 token / 1.2 ms; k=2 (assumed 0.2 ms host): 1.75 / 1.2 ms.
+    assert policy.choose(8) == 2
 
 
 def test_speculation_backs_off_under_load_and_returns():
