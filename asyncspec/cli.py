@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import logging
 import sys
 import time
 import types
@@ -88,8 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed-request", type=int, default=None, help="per-request sampling seed")
+    parser.add_argument("--log-level", default="INFO", help="start-up progress (CUDA graph capture) goes to stderr")
     add_engine_args(parser)
     args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     prompts = [p.encode().decode("unicode_escape") for p in (args.prompt or ["def fibonacci(n):\\n"])]
     config = engine_config_from_args(args)
     llm = LLM(**dataclasses.asdict(config))

@@ -1,0 +1,89 @@
+"""fp32 greedy equality with Hugging Face on the GPU with CUDA graphs on (the default), for every family,
+without and with speculation (n-gram for the tiny random models, the bundled draft for the bundled target)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from asyncspec import LLM, SamplingParams
+from tests.conftest import TARGET_MODEL, load_prompts
+from tests.engine.test_gpu_engine import _hf_greedy_with_top5
+
+pytestmark = pytest.mark.gpu
+
+FP32_TIE = 1e-4
+"""A divergence is accepted only where HF's own fp32 logits of the two tokens are this close."""
+
+
+def _assert_equal_up_to_fp32_ties(ours: list[int], ref: list[int], ref_logits) -> None:
+    for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        if a != b:
+            gap = ref_logits[i][b].item() - ref_logits[i][a].item()
+            assert gap <= FP32_TIE, f"position {i}: ours {a}, HF {b}, HF logit gap {gap}"
+            return
+
+
+def _check(llm: LLM, hf, prompts: list[list[int]], max_tokens: int) -> None:
+    runner = llm.engine.engine_core.runner
+    assert runner.cuda_graphs is not None, "graphs should be on by default on CUDA"
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    for prompt, out in zip(prompts, outs, strict=True):
+        ref, ref_logits = _hf_greedy_with_top5(hf, prompt, max_tokens)
+        _assert_equal_up_to_fp32_ties(out.token_ids, ref, ref_logits)
+    assert llm.stats()["cuda_graph_replays"] > 0
+
+
+@pytest.mark.parametrize("spec", [None, "draft_model"])
+def test_bundled_target_fp32_graphs_equal_hf(spec):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(TARGET_MODEL, dtype=torch.float32).cuda().eval()
+    kwargs = dict(speculative_method=spec, num_speculative_tokens=4) if spec else {}
+    llm = LLM(str(TARGET_MODEL), device="cuda", dtype="float32", max_model_len=1024, **kwargs)
+    _check(llm, hf, load_prompts(6), 32)
+
+
+@pytest.mark.parametrize("spec", [None, "ngram"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_tiny_families_fp32_graphs_equal_hf(family, spec, tmp_path):
+    import transformers
+
+    common = dict(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    config_cls = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[family]
+    extra = {"head_dim": 32} if family in ("llama", "qwen3") else {}
+    if family == "mistral":
+        extra["sliding_window"] = 32  # the window is crossed within the generation
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config_cls(**common, **extra))
+    hf.save_pretrained(tmp_path)
+    hf = hf.cuda().eval()
+    rng = random.Random(0)
+    # Repetitive prompts, so that the n-gram proposer finds drafts.
+    prompts = [[rng.randrange(2, 512) for _ in range(rng.randrange(5, 20))] * 3 for _ in range(6)]
+    kwargs = dict(speculative_method=spec, num_speculative_tokens=3) if spec else {}
+    llm = LLM(
+        str(tmp_path),
+        device="cuda",
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        max_num_batched_tokens=128,
+        **kwargs,
+    )
+    _check(llm, hf, prompts, 24)
