@@ -1,0 +1,183 @@
+"""benchmarks/gpu_step_speed.py on the CPU (--smoke): its code paths run, and its JSON has the schema that
+benchmarks/plot_step_speed.py and docs/benchmarks.md read. The roofline arithmetic is checked against the
+parameter counts of the real models."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "gpu_step_speed.py"
+PLOT = REPO / "benchmarks" / "plot_step_speed.py"
+
+
+def _load(path: Path, name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+gss = _load(SCRIPT, "gpu_step_speed")
+
+
+def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def check_results(r: dict, expected: dict[str, list[str]]) -> None:
+    """Schema and plausibility of a smoke run's JSON; `expected`: model -> the row names it must hold."""
+    assert r["schema"] == gss.SCHEMA
+    assert r["card"].startswith("cpu")
+    for key in ("date", "command", "settings"):
+        assert r[key], key
+    assert set(r["versions"]) == {"python", "torch", "triton", "transformers"}
+    assert r["runs"] and all({"date", "command", "settings", "parts", "models"} <= set(run) for run in r["runs"])
+    s = r["settings"]
+    assert s["smoke"] and s["device"] == "cpu" and s["new_tokens"] == 4
+    assert _positive(r["bandwidth"]["GB_s"])
+    assert all(_positive(b["GB_s"]) and _positive(b["tensor_bytes"]) for b in r["bandwidth"]["runs"])
+    assert set(r["models"]) == set(expected)
+    for model, names in expected.items():
+        entry = r["models"][model]
+        assert _positive(entry["weight_bytes_per_step"]) and _positive(entry["kv_bytes_per_token"])
+        assert set(names) <= set(entry["rows"]), (model, sorted(entry["rows"]))
+        summary = entry["summary"]
+        assert _positive(summary["roofline_ms_batch1"])
+        for name in names:
+            row = entry["rows"][name]
+            assert "error" not in row, (model, name, row.get("error"))
+            assert _positive(row["process_wall_s"])
+            if name in gss.ASYNCSPEC_CONFIGS:
+                check_asyncspec_row(row, s, name)
+                assert name in summary["configs"]
+                assert _positive(summary["configs"][name]["wall_x_roofline_b1"])
+            elif name == "startup":
+                assert _positive(row["startup_s"])
+                assert row["kv_capacity_tokens"] == s["smoke_kv_blocks"] * row["block_size"]
+                assert _positive(row["kv_bytes_per_stream_at_benchmark_length"])
+                assert row["generated_after_start"] == 8
+                # The analytic bytes per step equal the engine's own parameters (float32 in the smoke run).
+                assert row["weight_bytes_read_per_step_engine"] == entry["weight_bytes_per_step"]
+            elif name.startswith("hf-batch-"):
+                streams = int(name.rsplit("-", 1)[1])
+                assert row["generated"] == streams * s["new_tokens"]
+                assert _positive(row["e2e_tok_s"])
+            else:  # hf-static, hf-assisted
+                assert math.isfinite(row["tpot_ms"]) and all(_positive(t) for t in row["full_s"])
+                if name == "hf-assisted":
+                    assert row["acceptance_length"] >= 1.0
+
+
+def check_asyncspec_row(row: dict, s: dict, name: str) -> None:
+    assert _positive(row["startup_s"]) and _positive(row["kv_capacity_tokens"])
+    assert row["engine_kwargs"]["enforce_eager"] == name.startswith("eager")
+    assert math.isfinite(row["tpot"]["tpot_ms"]) and all(_positive(t) for t in row["tpot"]["full_s"])
+    assert set(row["throughput"]) == {str(c) for c in s["concurrency"]}
+    for c, t in row["throughput"].items():
+        assert "error" not in t, t
+        assert t["generated"] == int(c) * s["new_tokens"]
+        assert _positive(t["e2e_tok_s"]) and _positive(t["mean_prompt_tokens"])
+    batches = s["sweep_batches"] if name == "graphed" else s["window_batches"]
+    assert set(row["windows"]) == {str(b) for b in batches}
+    for b, w in row["windows"].items():
+        assert "error" not in w, w
+        assert _positive(w["wall_ms_per_step"]) and _positive(w["mean_context_tokens"])
+        assert w["tokens"] >= w["steps"] * int(b)  # every running request gains at least one token per step
+        assert w["finished_during_windows"] == 0
+        assert w["gpu_ms_per_step"] is None and w["gpu_busy_fraction"] is None  # no CUDA activity on the CPU
+    if "-" in name:  # speculation: acceptance counted
+        assert row["tpot"]["acceptance_length"] is None or row["tpot"]["acceptance_length"] >= 1.0
+
+
+def test_roofline_arithmetic() -> None:
+    """Parameter counts as transformers counts them (bundled from its checkpoint; 1B and 8B from_config)."""
+    bundled = gss.shape_of(gss.model_config("bundled"))
+    assert gss.param_count(bundled) == 15_735_168
+    assert gss.param_count(gss.shape_of(gss.LLAMA_1B)) == 1_235_814_400
+    shape_8b = gss.shape_of(gss.LLAMA_8B)
+    assert gss.param_count(shape_8b) == 8_030_261_248
+    # Untied: the embedding (128256 x 4096) is not read per step, the lm_head is.
+    assert gss.read_params(shape_8b) == 8_030_261_248 - 128256 * 4096
+    assert gss.kv_bytes_per_token(shape_8b, 2) == 32 * 2 * 8 * 128 * 2
+    assert gss.roofline_ms(1_000_000_000, 1000, 2, 500.0, 1000.0) == pytest.approx(1.001)
+    assert gss.roofline_ms(1, 1, 1, 1, None) is None
+
+
+def test_expand_parts() -> None:
+    assert gss.expand_parts("hf,bandwidth") == ["bandwidth", "hf-static", "hf-assisted", "hf-batch"]
+    assert gss.expand_parts("all")[0] == "graphed" and "bandwidth" not in gss.expand_parts("all")
+    assert not any(p.endswith("-fixed") for p in gss.expand_parts("all"))
+    assert gss.expand_parts("fixed-k") == ["graphed-ngram-fixed", "graphed-draft-fixed"]
+    assert not gss.applies("llama-1b", "graphed-draft-fixed") and gss.applies("llama-1b", "graphed-ngram-fixed")
+    assert not gss.applies("llama-8b", "graphed-draft") and gss.applies("bundled", "eager-draft")
+    with pytest.raises(SystemExit):
+        gss.expand_parts("graphs")
+
+
+def test_smoke_some_parts(tmp_path: Path) -> None:
+    """Every kind of part once (asyncspec with a draft at fixed k, start-up, both transformers kinds), the merge of two
+    files, and the markdown of the plot script: about 25 s on two cores."""
+    first, second, merged = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "merged.json"
+    _run(str(SCRIPT), "--smoke", "--parts", "bandwidth,graphed-draft-fixed,hf-batch", "--output", str(first))
+    _run(str(SCRIPT), "--smoke", "--parts", "startup,hf-static", "--output", str(second))
+    _run(str(SCRIPT), "--merge-from", str(first), str(second), str(first), "--output", str(merged))
+    r = json.loads(merged.read_text())
+    check_results(r, {"bundled": ["graphed-draft-fixed", "startup", "hf-static", "hf-batch-2"]})
+    assert r["models"]["bundled"]["rows"]["graphed-draft-fixed"]["engine_kwargs"]["adaptive_speculation"] is False
+    assert len(r["runs"]) == 2  # the file given twice counts once
+    md = _run(str(PLOT), str(merged), "--no-plots").stdout
+    assert "| bundled | graphed-draft-fixed |" in md and "### Start-up and KV capacity" in md
+
+
+@pytest.mark.slow
+def test_smoke_all_parts(tmp_path: Path) -> None:
+    """The whole --smoke run (every part of the bundled model) plus the random-weight paths on a tiny shape:
+    about a minute on two cores."""
+    out = tmp_path / "smoke.json"
+    proc = _run(str(SCRIPT), "--smoke", "--output", str(out))
+    assert "read bandwidth" in proc.stdout and "graphed-ngram" in proc.stdout
+    _run(
+        str(SCRIPT),
+        "--smoke",
+        "--models",
+        "tiny-dummy",
+        "--parts",
+        "startup,hf-static",
+        "--output",
+        str(out),
+        "--merge",
+    )
+    r = json.loads(out.read_text())
+    parts = [*gss.GROUPS["asyncspec"], "startup", "hf-static", "hf-assisted", "hf-batch-2"]
+    check_results(r, {"bundled": parts, "tiny-dummy": ["startup", "hf-static"]})
+    assert r["models"]["tiny-dummy"]["notes"] and r["models"]["tiny-dummy"]["dummy_weights"]
+    summary = r["models"]["bundled"]["summary"]
+    assert [w["batch"] for w in summary["graphed_sweep"]] == r["settings"]["sweep_batches"]
+    assert {(x["config"], x["streams"]) for x in summary["speculation_on_vs_off"]} == {
+        (c, st) for c in gss.GROUPS["asyncspec"] if "-" in c for st in r["settings"]["adaptive_streams"]
+    }
+    assert all(x["ratio"] is not None and x["ratio"] > 0 for x in summary["speculation_on_vs_off"])
+    pytest.importorskip("matplotlib")
+    _run(str(PLOT), str(out), "--out", str(tmp_path / "img"))
+    assert sorted(p.name for p in (tmp_path / "img").iterdir()) == [
+        "step_speed_roofline.png",
+        "step_speed_sweep.png",
+        "step_speed_throughput.png",
+    ]
