@@ -328,6 +328,13 @@ def random_sample(
     return probs.div(q).argmax(dim=-1)
 
 
+def greedy_sample(logits: Tensor) -> Tensor:
+    """[N, V] -> [N] argmax, INVALID_TOKEN_ID for a row with a NaN or no finite score: one max
+    reduction gives both (max propagates NaN, and NaN > -inf is false), three launches in all."""
+    values, ids = logits.max(dim=-1)
+    return torch.where(values > float("-inf"), ids, INVALID_TOKEN_ID)
+
+
 def invalid_rows(scores: Tensor) -> Tensor:
     """[N] bool: rows with no token to sample: a NaN anywhere, or no finite positive score left
     (logits all -inf, or a probability row that is not a distribution)."""
@@ -347,6 +354,13 @@ class Sampler(nn.Module):
         metadata: SamplingMetadata,
         default_generator: torch.Generator | None = None,
     ) -> SamplerOutput:
+        if (
+            metadata.all_greedy
+            and not metadata.blocked_token_ids
+            and metadata.presence_penalty is None
+            and metadata.max_num_logprobs is None
+        ):
+            return SamplerOutput(sampled_token_ids=greedy_sample(logits))
         # Contiguous float32 copy: never modify the caller's tensor; bf16 is too coarse for cumsums.
         logits = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).copy_(logits)
         raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None

@@ -143,6 +143,8 @@ class ModelRunner:
         k = self.spec.k if self.spec is not None else 0
         self._output_host = torch.zeros(n * (k + 3), dtype=torch.int64, pin_memory=pin)
         self._output_ready = torch.cuda.Event() if pin else None
+        # Looked up once: torch.cuda.current_stream() resolves the device on every call.
+        self._stream = torch.cuda.current_stream(self.device) if pin else None
 
     # -- KV cache ---------------------------------------------------------------------
     @property
@@ -381,7 +383,7 @@ class ModelRunner:
         n = flat.shape[0]
         host = self._output_host[:n]
         host.copy_(flat, non_blocking=True)
-        self._output_ready.record()
+        self._output_ready.record(self._stream)
         self._output_ready.synchronize()
         return host.tolist()
 
@@ -702,7 +704,7 @@ class ModelRunner:
         self._block_table_dev[:num_reqs].copy_(block_table_host[:num_reqs], non_blocking=True)
         if self.device.type == "cuda":
             event = self._copy_done[i] or torch.cuda.Event()
-            event.record()
+            event.record(self._stream)
             self._copy_done[i] = event
         inputs = self._inputs
         self._prepare_kernel(

@@ -83,6 +83,7 @@ def test_tiny_families_fp32_graphs_equal_hf(family, spec, tmp_path):
         dtype="float32",
         skip_tokenizer_init=True,
         max_model_len=256,
+        max_num_seqs=8,
         max_num_batched_tokens=128,
         **kwargs,
     )
