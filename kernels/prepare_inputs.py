@@ -17,6 +17,7 @@ def prepare_inputs_ref(
     slot_mapping: torch.Tensor,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
+    capacity: torch.Tensor | None = None,
 ) -> None:
     """Writes the first `num_tokens` inputs and the first `num_reqs` request entries.
 
@@ -28,7 +29,10 @@ def prepare_inputs_ref(
     sits at position num_computed + j, reads token_ids[row, position] and writes its KV at
     block_tables[i, position // block_size] * block_size + position % block_size;
     seq_lens[i] = num_computed + num_scheduled (0 for padding). Tokens past the last request's end
-    are padding: slot -1 (never written), position 0, input id 0.
+    are padding: slot -1 (never written), position 0, input id 0. With `capacity` (int64, an entry for
+    every request with tokens),
+    a token at a position >= its request's capacity writes nothing either (slot -1): a block-table
+    column past a request's own blocks may name another request's block.
     """
     dev = token_ids.device
     num_sched = meta[2, :num_reqs]
@@ -49,4 +53,7 @@ def prepare_inputs_ref(
     block = block_tables[req, block_idx].to(torch.int64) if num_reqs else torch.zeros_like(t)
     input_ids[:num_tokens] = torch.where(valid, ids, 0)
     positions[:num_tokens] = pos
+    if capacity is not None and num_reqs:
+        # Padding requests have no tokens: capacity may cover only the real ones.
+        valid = valid & (pos < capacity[req.clamp_max(capacity.shape[0] - 1)])
     slot_mapping[:num_tokens] = torch.where(valid, block * block_size + pos % block_size, -1)

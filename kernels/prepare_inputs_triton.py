@@ -29,9 +29,11 @@ def _prepare_inputs_kernel(
     slot_mapping_ptr,
     qsl_ptr,
     seq_lens_ptr,
+    capacity_ptr,
     num_reqs,
     num_tokens,
     block_size,
+    HAS_CAPACITY: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
@@ -62,7 +64,10 @@ def _prepare_inputs_kernel(
     ids = tl.load(token_ids_ptr + row * token_stride + tl.minimum(pos, token_cols - 1), mask=valid, other=0)
     block_idx = tl.minimum(pos // block_size, bt_cols - 1)
     block = tl.load(block_tables_ptr + req.to(tl.int64) * bt_stride + block_idx, mask=valid, other=0)
-    slot = tl.where(valid, block.to(tl.int64) * block_size + pos % block_size, -1)
+    writes = valid
+    if HAS_CAPACITY:
+        writes = writes & (pos < tl.load(capacity_ptr + req, mask=valid, other=0))
+    slot = tl.where(writes, block.to(tl.int64) * block_size + pos % block_size, -1)
     tl.store(input_ids_ptr + t, ids, mask=t_ok)
     tl.store(positions_ptr + t, pos, mask=t_ok)
     tl.store(slot_mapping_ptr + t, slot, mask=t_ok)
@@ -80,6 +85,7 @@ def prepare_inputs(
     slot_mapping: torch.Tensor,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
+    capacity: torch.Tensor | None = None,
 ) -> None:
     """See `prepare_inputs_ref`: same arguments, same writes."""
     if num_reqs == 0:
@@ -104,9 +110,11 @@ def prepare_inputs(
         slot_mapping,
         query_start_loc,
         seq_lens,
+        capacity if capacity is not None else seq_lens,  # never read without HAS_CAPACITY
         num_reqs,
         num_tokens,
         block_size,
+        HAS_CAPACITY=capacity is not None,
         BLOCK_R=block_r,
         BLOCK_T=block_t,
     )

@@ -11,6 +11,7 @@ from torch import nn
 
 from asyncspec.kernels.kv_cache_write import write_kv_cache_ref
 from asyncspec.kernels.paged_attention import paged_attention_ref
+from asyncspec.kernels.prepare_inputs import prepare_inputs_ref
 from asyncspec.kernels.rotary_kv_write import rotary_kv_write_ref
 from asyncspec.kernels.slot_mapping import compute_slot_mapping_ref
 from asyncspec.layers.attention_metadata import AttentionMetadata
@@ -31,10 +32,18 @@ class AttentionBackend:
     rotary_kv_write: Callable[..., torch.Tensor]
     """rotary_kv_write(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping, *, q_out) -> q_rot:
     RoPE on q and k fused with write_kv."""
+    prepare_inputs: Callable[..., None]
+    """prepare_inputs(meta, num_reqs, num_tokens, token_ids, block_tables, block_size, input_ids, positions,
+    slot_mapping, query_start_loc, seq_lens, capacity=None): a step's model inputs from per-request counts."""
 
 
 TORCH_REFERENCE = AttentionBackend(
-    "torch_reference", write_kv_cache_ref, paged_attention_ref, compute_slot_mapping_ref, rotary_kv_write_ref
+    "torch_reference",
+    write_kv_cache_ref,
+    paged_attention_ref,
+    compute_slot_mapping_ref,
+    rotary_kv_write_ref,
+    prepare_inputs_ref,
 )
 
 
@@ -58,13 +67,21 @@ def _triton_slot_mapping(*args, **kwargs) -> torch.Tensor:
     return slot_mapping_triton.compute_slot_mapping(*args, **kwargs)
 
 
+def _triton_prepare_inputs(*args, **kwargs) -> None:
+    from asyncspec.kernels import prepare_inputs_triton
+
+    prepare_inputs_triton.prepare_inputs(*args, **kwargs)
+
+
 def _triton_rotary_kv_write(*args, **kwargs) -> torch.Tensor:
     from asyncspec.kernels import rotary_kv_write_triton
 
     return rotary_kv_write_triton.rotary_kv_write(*args, **kwargs)
 
 
-TRITON = AttentionBackend("triton", _triton_write_kv, _triton_attend, _triton_slot_mapping, _triton_rotary_kv_write)
+TRITON = AttentionBackend(
+    "triton", _triton_write_kv, _triton_attend, _triton_slot_mapping, _triton_rotary_kv_write, _triton_prepare_inputs
+)
 
 BACKEND_ENV = "ASYNCSPEC_ATTENTION_BACKEND"
 """Environment override: "torch" or "triton" (e.g. triton on the CPU under TRITON_INTERPRET=1)."""

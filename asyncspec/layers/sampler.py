@@ -72,6 +72,11 @@ def _to_device(t: Tensor, device: torch.device) -> Tensor:
     return t.to(device)
 
 
+def host_array_to_device(values: np.ndarray, device: torch.device) -> Tensor:
+    """A host array as a device tensor, asynchronously (pinned) on CUDA; the array is not kept."""
+    return _to_device(torch.from_numpy(np.ascontiguousarray(values)), device)
+
+
 def host_list_to_device(values: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int64) -> Tensor:
     """A small list of host integers as a device tensor: pinned and asynchronous on CUDA, so the
     step's host work never waits for the GPU."""

@@ -11,19 +11,28 @@ it runs on the device with shapes known on the host: the accepted counts are nev
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from asyncspec.errors import ConfigError
 from asyncspec.layers.attention import allocate_paged_kv_cache, select_backend
-from asyncspec.layers.attention_metadata import AttentionMetadata
-from asyncspec.layers.sampler import SamplingMetadata, host_list_to_device, process_logits, random_sample
+from asyncspec.layers.attention_metadata import StaticInputs
+from asyncspec.layers.sampler import SamplingMetadata, host_array_to_device, process_logits, random_sample
 from asyncspec.models.loader import load_model
 from asyncspec.models.model_config import ModelConfig
 from asyncspec.spec.verification import expand_rows
+
+
+class GraphReplayer(Protocol):
+    """The CUDA graphs of a model over fixed input buffers (the worker's CudaGraphForward)."""
+
+    def bucket(self, num_reqs: int, query_len: int | None) -> int | None: ...
+
+    def replay(self, bucket: int, query_len: int, num_tokens: int) -> Tensor: ...
 
 
 @dataclass
@@ -34,19 +43,19 @@ class DraftStep:
     """Tokens in the KV cache before the step."""
     num_scheduled: list[int]
     """Target positions computed this step."""
+    rows: list[int]
+    """Row of each request in `token_ids`."""
+    token_ids: Tensor
+    """[R, L] int64 device: the target's token buffer, which already holds the emitted runs."""
     sampling_index: list[int]
     """Batch indices of the requests that sampled this step."""
     num_draft_positions: list[int]
     """Per sampling request: planned draft positions (its last num_draft_positions inputs)."""
-    input_ids: Tensor
-    """[total] int64 device: the target's input ids."""
     block_tables: Tensor
     """[num_reqs, max_blocks_per_req] int32 device: every column of each request's block table."""
     num_slots: list[int]
     """Per request, the KV slots its blocks hold: the draft never writes past them (a column past a
     request's blocks may name another request's block)."""
-    output_token_ids: Tensor
-    """[S, P] int64 device: the emitted runs (-1 after each run)."""
     num_accepted: Tensor
     """[S] int64 device."""
     metadata: SamplingMetadata
@@ -89,6 +98,8 @@ class DraftModelProposer:
         device: torch.device,
         load_format: str,
         seed: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
     ) -> None:
         self.model_config = ModelConfig.from_pretrained(draft_path)
         check_draft_compatible(target_config, self.model_config, target_path, draft_path)
@@ -103,16 +114,17 @@ class DraftModelProposer:
         self.dtype = dtype
         self.device = device
         self.model = load_model(draft_path, self.model_config, dtype, device, load_format, seed)
-        self.compute_slot_mapping = select_backend(device).slot_mapping
+        self._prepare = select_backend(device).prepare_inputs
         self.kv_caches: list[tuple[Tensor, Tensor]] = []
-        self.forward: Callable[[Tensor, Tensor, AttentionMetadata, int | None], Tensor] = self._eager_forward
-        """forward(input_ids, positions, metadata, uniform query length or None) -> hidden states; the
-        worker swaps in its CUDA-graph replay once the graphs are captured."""
-
-    def _eager_forward(
-        self, input_ids: Tensor, positions: Tensor, metadata: AttentionMetadata, query_len: int | None
-    ) -> Tensor:
-        return self.model(input_ids, positions, self.kv_caches, metadata)
+        max_blocks_per_req = -(-max_model_len // block_size)
+        # The catch-up feeds every target token plus one new token per request.
+        self.inputs = StaticInputs.allocate(
+            max_num_seqs, max_num_batched_tokens + max_num_seqs, max_blocks_per_req, device
+        )
+        """The draft's step inputs, built in place by one kernel; its CUDA graphs read them."""
+        self._pass_meta = torch.zeros((3, max_num_seqs), dtype=torch.int64, device=device)
+        self.graphs: GraphReplayer | None = None
+        """The draft's CUDA graphs over `inputs`, set by the worker once captured."""
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -131,28 +143,68 @@ class DraftModelProposer:
         )
 
     def propose(self, step: DraftStep) -> tuple[Tensor, Tensor | None]:
-        """Catches up on the step, then proposes k tokens per sampling request.
-        Returns (draft_token_ids [S, n], draft_probs [S, n, V] or None when every row is greedy),
-        n = step.num_proposals."""
+        """Catches up on the step, then proposes step.num_proposals tokens per sampling request.
+        Returns (draft_token_ids [S, n], draft_probs [S, n, V] or None when every row is greedy)."""
         dev = self.device
-        hidden, last_index = self._catch_up(step)
-        num_proposals = min(step.num_proposals, self.k)
-        if not step.sampling_index or num_proposals == 0:
-            return torch.empty((len(step.sampling_index), 0), dtype=torch.int64, device=dev), None
-        num_sampling = len(step.sampling_index)
+        num_reqs, num_sampling = len(step.num_scheduled), len(step.sampling_index)
+        num_proposals = min(step.num_proposals, self.k) if num_sampling else 0
+        # Every host fact of the step in one array, one host-to-device copy: catch-up meta [4, B]
+        # (padded to its graph bucket), then per sampling request the new token's row in the
+        # catch-up, its position, its batch index, and its writable slots for the proposal passes.
+        sampling = np.asarray(step.sampling_index, dtype=np.int64)
+        is_sampling = np.zeros(num_reqs, dtype=np.int64)
+        is_sampling[sampling] = 1
+        scheduled = np.asarray(step.num_scheduled, dtype=np.int64)
+        computed = np.asarray(step.num_computed, dtype=np.int64)
+        lengths = scheduled + is_sampling  # a sampling request also feeds its new token
+        num_tokens = int(lengths.sum())
+        query_len = int(lengths[0]) if lengths.min() == lengths.max() else None
+        bucket = self.graphs.bucket(num_reqs, query_len) if self.graphs is not None else None
+        padded = bucket if bucket is not None else num_reqs
+        host = np.zeros(4 * padded + 5 * num_sampling, dtype=np.int64)
+        meta = host[: 4 * padded].reshape(4, padded)
+        meta[0, :num_reqs] = step.rows
+        meta[1, :num_reqs] = computed
+        meta[2, :num_reqs] = lengths
+        meta[3, :num_reqs] = step.num_slots
+        drafts = np.asarray(step.num_draft_positions, dtype=np.int64)
+        per_sampling = host[4 * padded :].reshape(5, num_sampling)
+        starts = np.cumsum(lengths) - lengths
+        committed = scheduled[sampling] - drafts
+        per_sampling[0] = starts[sampling] + committed  # catch-up row of the last known token's successor
+        per_sampling[1] = computed[sampling] + committed  # its position (num_tokens before the step)
+        per_sampling[2] = sampling
+        # The last position's draft could never be kept: the passes write KV below max_model_len - 1.
+        per_sampling[3] = np.minimum(np.asarray(step.num_slots, dtype=np.int64)[sampling], self.max_model_len - 1)
+        per_sampling[4] = np.asarray(step.rows, dtype=np.int64)[sampling]
+        device_host = host_array_to_device(host, dev)
+        meta_dev = device_host[: 4 * padded].view(4, padded)
+        new_row, new_position, sampling_dev, capacity, token_rows = device_host[4 * padded :].view(5, num_sampling)
+
+        inputs = self.inputs
+        inputs.block_tables[:num_reqs].copy_(step.block_tables)
+        padded_tokens = bucket * query_len if bucket is not None and query_len is not None else num_tokens
+        hidden = self._forward(
+            step.token_ids, meta_dev, padded, num_tokens, padded_tokens, query_len, bucket, meta_dev[3]
+        )
+        if num_proposals == 0:
+            return torch.empty((num_sampling, 0), dtype=torch.int64, device=dev), None
+        last_index = new_row + step.num_accepted
         logits = self.model.compute_logits(hidden.index_select(0, last_index))
         expanded = expand_rows(step.metadata, 1)
         tokens: list[Tensor] = []
         probs: list[Tensor] = []
-        # Position of the new token of each sampling request: num_tokens before the step + accepted.
-        num_tokens = [
-            step.num_computed[i] + step.num_scheduled[i] - step.num_draft_positions[n]
-            for n, i in enumerate(step.sampling_index)
-        ]
-        position = host_list_to_device(num_tokens, dev) + step.num_accepted
-        block_tables = step.block_tables.index_select(0, host_list_to_device(step.sampling_index, dev))
-        capacity = host_list_to_device([step.num_slots[i] for i in step.sampling_index], dev)
-        query_start_loc = torch.arange(num_sampling + 1, dtype=torch.int32, device=dev)
+        position = new_position + step.num_accepted
+        # Proposal passes: one token per sampling request, padded to the (S, 1) graph bucket by
+        # requests with no tokens.
+        pass_bucket = self.graphs.bucket(num_sampling, 1) if self.graphs is not None else None
+        pass_padded = pass_bucket if pass_bucket is not None else num_sampling
+        if num_proposals > 1:
+            torch.index_select(step.block_tables, 0, sampling_dev, out=inputs.block_tables[:num_sampling])
+            pass_meta = self._pass_meta
+            pass_meta[:, num_sampling:pass_padded] = 0
+            pass_meta[0, :num_sampling] = token_rows
+            pass_meta[2, :num_sampling] = 1
         for j in range(num_proposals):
             token, q = self._sample(logits, expanded, step)
             tokens.append(token)
@@ -161,77 +213,51 @@ class DraftModelProposer:
             if j == num_proposals - 1:
                 break
             position = position + 1
-            safe = position.clamp_max(self.max_model_len - 1)
-            slots = self.compute_slot_mapping(block_tables, query_start_loc, safe, self.block_size)
-            # Past the request's reserved slots (at most max_model_len): compute a useless draft,
-            # write nothing.
-            slots = torch.where(position < capacity, slots, torch.full_like(slots, -1))
-            metadata = AttentionMetadata(
-                slot_mapping=slots,
-                query_start_loc=query_start_loc,
-                seq_lens=(safe + 1).to(torch.int32),
-                block_tables=block_tables,
-                max_query_len=1,
-                max_seq_len=self.max_model_len,
-                block_size=self.block_size,
+            self._pass_meta[1, :num_sampling] = position.clamp_max(self.max_model_len - 1)
+            # Past the request's writable slots: compute a useless draft, write nothing.
+            hidden = self._forward(
+                step.token_ids, self._pass_meta, pass_padded, num_sampling, pass_padded, 1, pass_bucket, capacity, token
             )
-            hidden = self.forward(token, safe, metadata, 1)
             logits = self.model.compute_logits(hidden)
         draft_probs = torch.stack(probs, dim=1) if probs else None
         return torch.stack(tokens, dim=1), draft_probs
 
-    def _catch_up(self, step: DraftStep) -> tuple[Tensor, Tensor]:
-        """Runs the draft over the step's layout; returns its hidden states and, per sampling
-        request, the index of the new token's row."""
-        dev = self.device
-        sampling = dict(zip(step.sampling_index, range(len(step.sampling_index)), strict=True))
-        num_positions = step.output_token_ids.shape[1] if step.sampling_index else 0
-        offset = step.input_ids.shape[0]  # emitted tokens follow the target inputs in `source`
-        source_index: list[int] = []
-        positions: list[int] = []
-        lengths: list[int] = []
-        new_token_base: list[int] = []
-        start = 0
-        for i, (computed, n) in enumerate(zip(step.num_computed, step.num_scheduled, strict=True)):
-            n_sampling = sampling.get(i)
-            if n_sampling is None:
-                source_index.extend(range(start, start + n))
-                length = n
-            else:
-                d = step.num_draft_positions[n_sampling]
-                committed = n - d
-                source_index.extend(range(start, start + committed))
-                emitted = offset + n_sampling * num_positions
-                source_index.extend(range(emitted, emitted + d + 1))
-                length = n + 1
-                new_token_base.append(sum(lengths) + committed)
-            positions.extend(range(computed, computed + length))
-            lengths.append(length)
-            start += n
-        source = torch.cat([step.input_ids, step.output_token_ids.reshape(-1).clamp_min(0)])
-        input_ids = source.index_select(0, host_list_to_device(source_index, dev))
-        position_tensor = host_list_to_device(positions, dev)
-        cumulative = [0]
-        for length in lengths:
-            cumulative.append(cumulative[-1] + length)
-        query_start_loc = host_list_to_device(cumulative, dev, torch.int32)
-        seq_lens = [c + length for c, length in zip(step.num_computed, lengths, strict=True)]
-        slots = self.compute_slot_mapping(step.block_tables, query_start_loc, position_tensor, self.block_size)
-        capacity = [c for c, length in zip(step.num_slots, lengths, strict=True) for _ in range(length)]
-        slots = torch.where(position_tensor < host_list_to_device(capacity, dev), slots, torch.full_like(slots, -1))
-        metadata = AttentionMetadata(
-            slot_mapping=slots,
-            query_start_loc=query_start_loc,
-            seq_lens=host_list_to_device(seq_lens, dev, torch.int32),
-            block_tables=step.block_tables,
-            max_query_len=max(lengths),
-            max_seq_len=max(seq_lens),
-            block_size=self.block_size,
+    def _forward(
+        self,
+        token_ids: Tensor,
+        meta: Tensor,
+        num_reqs: int,
+        num_tokens: int,
+        padded_tokens: int,
+        query_len: int | None,
+        bucket: int | None,
+        capacity: Tensor,
+        input_ids: Tensor | None = None,
+    ) -> Tensor:
+        """Builds the inputs of `num_reqs` requests (padding included) from `meta` into the static
+        buffers with one kernel, then replays the graph of `bucket` or runs eagerly. `input_ids`
+        replaces the gathered ids (a proposal pass feeds tokens that are in no buffer)."""
+        inputs = self.inputs
+        self._prepare(
+            meta,
+            num_reqs,
+            padded_tokens,
+            token_ids,
+            inputs.block_tables,
+            self.block_size,
+            inputs.input_ids,
+            inputs.positions,
+            inputs.slot_mapping,
+            inputs.query_start_loc,
+            inputs.seq_lens,
+            capacity,
         )
-        uniform = lengths[0] if lengths and min(lengths) == max(lengths) else None
-        hidden = self.forward(input_ids, position_tensor, metadata, uniform)
-        last_index = host_list_to_device(new_token_base, dev) + step.num_accepted if new_token_base else None
-        return hidden, last_index if last_index is not None else torch.empty(0, dtype=torch.int64, device=dev)
+        if input_ids is not None:
+            inputs.input_ids[: input_ids.shape[0]].copy_(input_ids)
+        if bucket is not None and query_len is not None and self.graphs is not None:
+            return self.graphs.replay(bucket, query_len, num_tokens)
+        metadata = inputs.metadata(num_reqs, num_tokens, query_len or num_tokens, self.block_size)
+        return self.model(inputs.input_ids[:num_tokens], inputs.positions[:num_tokens], self.kv_caches, metadata)
 
     @staticmethod
     def _sample(logits: Tensor, expanded: SamplingMetadata, step: DraftStep) -> tuple[Tensor, Tensor | None]:

@@ -38,5 +38,7 @@ def make_speculative_decoder(
             device,
             config.load_format,
             config.seed,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
         )
     return SpeculativeDecoder(k, proposer, config.max_num_seqs, target_config.vocab_size, device)

@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from asyncspec.layers.sampler import SamplingMetadata, host_list_to_device
+from asyncspec.layers.sampler import SamplingMetadata, host_array_to_device, host_list_to_device
 from asyncspec.spec.draft_model_proposer import DraftModelProposer, DraftStep
 from asyncspec.spec.ngram_proposer import NgramProposer
 from asyncspec.spec.rejection_sampler import RejectionSampler
@@ -102,14 +103,17 @@ class SpeculativeDecoder:
     # -- 2. the drafts become the target's input --------------------------------------------
     def insert_drafts(self, token_ids: Tensor, rows: Sequence[int], num_tokens: Sequence[int], counts: Sequence[int]):
         """Writes each row's first `count` draft slots after its known tokens in the device token
-        buffer, where the runner's input gather finds them (they are overwritten once verified)."""
-        flat_rows = [r for r, c in zip(rows, counts, strict=True) for _ in range(c)]
-        if not flat_rows:
+        buffer, where the runner's input gather finds them (they are overwritten once verified).
+        Flat indices are built with numpy and cross in one copy; the write is one gather + scatter."""
+        count = np.asarray(counts, dtype=np.int64)
+        total = int(count.sum())
+        if total == 0:
             return
-        cols = [t + j for t, c in zip(num_tokens, counts, strict=True) for j in range(c)]
-        slot = [j for c in counts for j in range(c)]
-        r, c, j = (host_list_to_device(x, self.device) for x in (flat_rows, cols, slot))
-        token_ids[r, c] = self.draft_token_ids[r, j]
+        row = np.repeat(np.asarray(rows, dtype=np.int64), count)
+        slot = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+        col = np.repeat(np.asarray(num_tokens, dtype=np.int64), count) + slot
+        flat = host_array_to_device(np.stack([row * token_ids.shape[1] + col, row * self.k + slot]), self.device)
+        token_ids.view(-1).index_copy_(0, flat[0], self.draft_token_ids.view(-1).index_select(0, flat[1]))
 
     # -- 3. verification ----------------------------------------------------------------------
     def verify(
@@ -154,20 +158,19 @@ class SpeculativeDecoder:
             if rows.shape[0] == 0:
                 return
             n = drafts.shape[1]
-            counts = torch.full((rows.shape[0],), n, dtype=torch.int64, device=self.device)
             if q is not None:
                 if self.draft_probs is None:
                     shape = (self.max_num_reqs, self.k, q.shape[-1])
                     self.draft_probs = torch.zeros(shape, dtype=torch.float32, device=self.device)
-                self.draft_probs[rows, :n] = q
-        else:
-            if rows.shape[0] == 0:
-                return
-            drafts, counts = self.proposer.propose(token_ids, rows, num_tokens, max_num_tokens)
-            if n < self.k:
-                counts = counts.clamp_max(n)
-        if n == 0:
-            self.num_draft_tokens[rows] = 0
+                self.draft_probs[:, :n].index_copy_(0, rows, q)
+            if n > 0:
+                self.draft_token_ids[:, :n].index_copy_(0, rows, drafts)
+            self.num_draft_tokens.index_fill_(0, rows, n)
             return
-        self.draft_token_ids[rows, : drafts.shape[1]] = drafts
-        self.num_draft_tokens[rows] = counts
+        if rows.shape[0] == 0:
+            return
+        drafts, counts = self.proposer.propose(token_ids, rows, num_tokens, max_num_tokens)
+        if n < self.k:
+            counts = counts.clamp_max(n)
+        self.draft_token_ids.index_copy_(0, rows, drafts)
+        self.num_draft_tokens.index_copy_(0, rows, counts)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from asyncspec.layers.attention_metadata import AttentionMetadata
+from asyncspec.layers.attention_metadata import AttentionMetadata, StaticInputs
 
 logger = logging.getLogger(__name__)
 
@@ -44,47 +44,6 @@ class CaptureStats:
     """Wall time of warm-up and capture."""
     memory_bytes: int
     """Device memory reserved by the graphs' private pool."""
-
-
-@dataclass
-class StaticInputs:
-    """Input buffers at fixed addresses: graphs are captured over them, steps write into them."""
-
-    input_ids: torch.Tensor
-    """[max_tokens] int64."""
-    positions: torch.Tensor
-    """[max_tokens] int64."""
-    slot_mapping: torch.Tensor
-    """[max_tokens] int64; -1 for padding."""
-    query_start_loc: torch.Tensor
-    """[max_reqs + 1] int32."""
-    seq_lens: torch.Tensor
-    """[max_reqs] int32."""
-    block_tables: torch.Tensor
-    """[max_reqs, max_blocks_per_req] int32."""
-
-    @classmethod
-    def allocate(cls, max_reqs: int, max_tokens: int, max_blocks_per_req: int, device: torch.device) -> StaticInputs:
-        return cls(
-            input_ids=torch.zeros(max_tokens, dtype=torch.int64, device=device),
-            positions=torch.zeros(max_tokens, dtype=torch.int64, device=device),
-            slot_mapping=torch.full((max_tokens,), -1, dtype=torch.int64, device=device),
-            query_start_loc=torch.zeros(max_reqs + 1, dtype=torch.int32, device=device),
-            seq_lens=torch.zeros(max_reqs, dtype=torch.int32, device=device),
-            block_tables=torch.zeros((max_reqs, max_blocks_per_req), dtype=torch.int32, device=device),
-        )
-
-    def metadata(self, num_reqs: int, num_tokens: int, max_query_len: int, block_size: int) -> AttentionMetadata:
-        """The first num_reqs requests and num_tokens tokens, with every block-table column."""
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:num_tokens],
-            query_start_loc=self.query_start_loc[: num_reqs + 1],
-            seq_lens=self.seq_lens[:num_reqs],
-            block_tables=self.block_tables[:num_reqs],
-            max_query_len=max_query_len,
-            max_seq_len=self.block_tables.shape[1] * block_size,
-            block_size=block_size,
-        )
 
 
 class CudaGraphForward:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,9 +16,8 @@ from asyncspec.core.kv_cache import num_blocks_for_bytes
 from asyncspec.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncspec.core.spec_policy import StepCost, speculation_choices
 from asyncspec.errors import ConfigError
-from asyncspec.kernels.prepare_inputs import prepare_inputs_ref
 from asyncspec.layers.attention import allocate_paged_kv_cache, select_backend
-from asyncspec.layers.attention_metadata import AttentionMetadata
+from asyncspec.layers.attention_metadata import AttentionMetadata, StaticInputs
 from asyncspec.layers.sampler import (
     INVALID_TOKEN_ID,
     Sampler,
@@ -35,7 +33,7 @@ from asyncspec.sampling_params import SAMPLING_EPS, SamplingParams
 from asyncspec.spec.draft_model_proposer import DraftModelProposer, DraftStep
 from asyncspec.spec.factory import make_speculative_decoder
 from asyncspec.spec.spec_decoder import SpeculativeDecoder, VerifyInputs
-from asyncspec.worker.cuda_graphs import CudaGraphForward, StaticInputs, batch_size_buckets
+from asyncspec.worker.cuda_graphs import CudaGraphForward, batch_size_buckets
 from asyncspec.worker.input_batch import InputBatch, RowState
 
 logger = logging.getLogger(__name__)
@@ -54,17 +52,6 @@ def _available_host_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _triton_prepare_inputs(*args, **kwargs) -> None:
-    from asyncspec.kernels import prepare_inputs_triton  # imported late, as the attention kernels
-
-    prepare_inputs_triton.prepare_inputs(*args, **kwargs)
-
-
-def _select_prepare_inputs(device: torch.device) -> Callable[..., None]:
-    """One Triton launch builds the step's inputs where the attention backend is Triton."""
-    return _triton_prepare_inputs if select_backend(device).name == "triton" else prepare_inputs_ref
 
 
 @dataclass
@@ -138,7 +125,7 @@ class ModelRunner:
         # block tables are both the copy target of the host table and the graphs' input.
         self._inputs = StaticInputs.allocate(n, self.config.max_num_batched_tokens, cols, self.device)
         self._block_table_dev = self._inputs.block_tables
-        self._prepare_kernel = _select_prepare_inputs(self.device)
+        self._prepare_kernel = select_backend(self.device).prepare_inputs
         # The step's one device-to-host copy lands here (sampled tokens, accepted and draft counts).
         k = self.spec.k if self.spec is not None else 0
         self._output_host = torch.zeros(n * (k + 3), dtype=torch.int64, pin_memory=pin)
@@ -335,7 +322,8 @@ class ModelRunner:
             is_target = model is self.model
             name = "target" if is_target else "draft"
             kv_caches = self.kv_caches if is_target else self.spec.proposer.kv_caches  # type: ignore[union-attr]
-            graphs = self._new_graphs(model, kv_caches, query_lens, batch_sizes, self._inputs if is_target else None)
+            static = self._inputs if is_target else self.spec.proposer.inputs  # type: ignore[union-attr]
+            graphs = self._new_graphs(model, kv_caches, query_lens, batch_sizes, static)
 
             def progress(done: int, total: int, name: str = name) -> None:
                 if done == total or done % 8 == 0:
@@ -355,7 +343,7 @@ class ModelRunner:
                 self.cuda_graphs = graphs
             else:
                 self.draft_cuda_graphs = graphs
-                self.spec.proposer.forward = graphs.forward  # type: ignore[union-attr]
+                self.spec.proposer.graphs = graphs  # type: ignore[union-attr]
 
     def graph_stats(self) -> dict[str, int]:
         """Forward passes replayed from a CUDA graph and run eagerly, target and draft together."""
@@ -518,9 +506,8 @@ class ModelRunner:
         logprobs_per_req: list[list[TokenLogprobs] | None] | None = None
         if not sampling_rows:
             if self.spec.uses_draft_model:  # the draft's KV follows every prefill chunk
-                empty = torch.empty((0, 1), dtype=torch.int64, device=self.device)
-                no_rows = empty.view(0)
-                step = self._draft_step(states, num_scheduled, [], [], input_ids, empty, no_rows, None, 0)
+                no_rows = torch.empty(0, dtype=torch.int64, device=self.device)
+                step = self._draft_step(states, num_scheduled, [], [], no_rows, None, 0)
                 self.spec.propose(self.input_batch.token_ids, no_rows, no_rows, 0, step, 0)
             return ModelRunnerOutput(req_ids, sampled_per_req, failed_requests=failed)
         ends = np.cumsum(num_scheduled)
@@ -580,8 +567,6 @@ class ModelRunner:
                 num_scheduled,
                 sampling_rows,
                 num_draft_positions,
-                input_ids,
-                out,
                 num_accepted,
                 metadata,
                 num_proposals,
@@ -629,8 +614,6 @@ class ModelRunner:
         num_scheduled: list[int],
         sampling_rows: list[int],
         num_draft_positions: list[int],
-        input_ids: torch.Tensor,
-        out: torch.Tensor,
         num_accepted: torch.Tensor,
         metadata: SamplingMetadata | None,
         num_proposals: int,
@@ -642,10 +625,10 @@ class ModelRunner:
             num_scheduled=num_scheduled,
             sampling_index=sampling_rows,
             num_draft_positions=num_draft_positions,
-            input_ids=input_ids,
+            rows=[s.row for s in states],
+            token_ids=self.input_batch.token_ids,
             block_tables=self._block_table_dev[: len(states)],
             num_slots=[min(len(s.block_ids) * self.block_size, self.max_model_len) for s in states],
-            output_token_ids=out,
             num_accepted=num_accepted,
             metadata=metadata,
             default_generator=self.default_generator,

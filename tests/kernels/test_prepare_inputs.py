@@ -28,6 +28,7 @@ class Case:
     num_tokens: int
     token_ids: torch.Tensor
     block_tables: torch.Tensor
+    capacity: torch.Tensor | None = None
 
 
 def make_case(q_lens: list[int], computed: list[int], num_pad_tokens: int, seed: int = 0) -> Case:
@@ -58,7 +59,8 @@ def loop_reference(case: Case) -> dict[str, list[int]]:
             out["input_ids"].append(int(case.token_ids[row, pos]))
             out["positions"].append(pos)
             block = int(case.block_tables[i, pos // BLOCK_SIZE])
-            out["slot_mapping"].append(block * BLOCK_SIZE + pos % BLOCK_SIZE)
+            fits = case.capacity is None or pos < int(case.capacity[i])
+            out["slot_mapping"].append(block * BLOCK_SIZE + pos % BLOCK_SIZE if fits else -1)
     pad = case.num_tokens - len(out["positions"])
     out["input_ids"] += [0] * pad
     out["positions"] += [0] * pad
@@ -87,6 +89,7 @@ def run(fn, case: Case, device: str = "cpu") -> dict[str, list[int]]:
         bufs["slot_mapping"],
         bufs["qsl"],
         bufs["seq_lens"],
+        case.capacity.to(device) if case.capacity is not None else None,
     )
     # Nothing past the requested sizes is written.
     for name, limit in (("input_ids", case.num_tokens), ("qsl", case.num_reqs + 1), ("seq_lens", case.num_reqs)):
@@ -100,6 +103,12 @@ def run(fn, case: Case, device: str = "cpu") -> dict[str, list[int]]:
     }
 
 
+def with_capacity(case: Case) -> Case:
+    """Each request may write only its first computed + q // 2 positions (the draft's guard)."""
+    case.capacity = case.meta[1, : case.num_reqs] + case.meta[2, : case.num_reqs] // 2
+    return case
+
+
 CASES = {
     "decode": ([1, 1, 1, 1], [5, 0, 17, 3], 0),
     "verify_padded_bucket": ([5, 5, 5, 0, 0, 0, 0, 0], [9, 30, 2, 0, 0, 0, 0, 0], 25),
@@ -109,32 +118,41 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("capacity", [False, True])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_reference_matches_the_loop(name):
+def test_reference_matches_the_loop(name, capacity):
     case = make_case(*CASES[name])
+    if capacity:
+        case = with_capacity(case)
     assert run(prepare_inputs_ref, case) == loop_reference(case)
 
 
 @pytest.mark.skipif(INTERPRETING, reason="TestInterpreted runs in this process")
 def test_interpreter_suite() -> None:
-    run_interpreted_suite(__file__, len(CASES))
+    run_interpreted_suite(__file__, 2 * len(CASES))
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="needs TRITON_INTERPRET=1 before triton is imported")
 class TestInterpreted:
+    @pytest.mark.parametrize("capacity", [False, True])
     @pytest.mark.parametrize("name", sorted(CASES))
-    def test_triton_matches_reference(self, name):
+    def test_triton_matches_reference(self, name, capacity):
         from asyncspec.kernels import prepare_inputs_triton
 
         assert isinstance(prepare_inputs_triton._prepare_inputs_kernel, InterpretedFunction)
         case = make_case(*CASES[name], seed=1)
+        if capacity:
+            case = with_capacity(case)
         assert run(prepare_inputs_triton.prepare_inputs, case) == run(prepare_inputs_ref, case)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("capacity", [False, True])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_compiled_triton_matches_reference(name):
+def test_compiled_triton_matches_reference(name, capacity):
     from asyncspec.kernels import prepare_inputs_triton
 
     case = make_case(*CASES[name], seed=2)
+    if capacity:
+        case = with_capacity(case)
     assert run(prepare_inputs_triton.prepare_inputs, case, "cuda") == run(prepare_inputs_ref, case)

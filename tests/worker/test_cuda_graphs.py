@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from asyncspec import LLM, SamplingParams
-from asyncspec.worker.cuda_graphs import CudaGraphForward, StaticInputs, batch_size_buckets
+from asyncspec.layers.attention_metadata import StaticInputs
+from asyncspec.worker.cuda_graphs import CudaGraphForward, batch_size_buckets
 from asyncspec.worker.model_runner import ModelRunner
 from tests.conftest import TARGET_MODEL, load_prompts
 from tests.spec.spec_helpers import assert_same_outputs, spec_kwargs
@@ -54,9 +55,8 @@ def _install_stand_ins(runner: ModelRunner) -> list[CudaGraphForward]:
     for model, mc, query_lens in runner._graph_plan():
         is_target = model is runner.model
         caches = runner.kv_caches if is_target else runner.spec.proposer.kv_caches
-        graphs = runner._new_graphs(
-            model, caches, query_lens, runner._graph_batch_sizes(), runner._inputs if is_target else None
-        )
+        static = runner._inputs if is_target else runner.spec.proposer.inputs
+        graphs = runner._new_graphs(model, caches, query_lens, runner._graph_batch_sizes(), static)
         # Poison the static buffers: a replay must overwrite (or never read) every stale value.
         graphs.static.block_tables[len(runner.input_batch) :].fill_(10_000)
         graphs.static.input_ids.fill_(7)
@@ -68,7 +68,7 @@ def _install_stand_ins(runner: ModelRunner) -> list[CudaGraphForward]:
             runner.cuda_graphs = graphs
         else:
             runner.draft_cuda_graphs = graphs
-            runner.spec.proposer.forward = graphs.forward
+            runner.spec.proposer.graphs = graphs
         installed.append(graphs)
     return installed
 
