@@ -9,6 +9,7 @@ triton was imported, otherwise in a child pytest started by `test_interpreter_su
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -302,13 +303,7 @@ class TestInterpreted:
     def test_model_fused_rotary_is_bit_exact(self, fused, family) -> None:
         """bf16 tiny model, every layer on the fused Triton kernel (attention itself on the torch reference):
         the same hidden states and KV caches, bit for bit, as the separate ops."""
-        mixed = AttentionBackend(
-            "triton_rotary",
-            TORCH_REFERENCE.write_kv,
-            TORCH_REFERENCE.attend,
-            TORCH_REFERENCE.slot_mapping,
-            fused,
-        )
+        mixed = dataclasses.replace(TORCH_REFERENCE, name="triton_rotary", rotary_kv_write=fused)
         baseline, baseline_caches = run_tiny_model(family, torch.bfloat16, fused_rotary=False, backend=TORCH_REFERENCE)
         got, got_caches = run_tiny_model(family, torch.bfloat16, fused_rotary=True, backend=mixed)
         for a, b in zip(got + got_caches, baseline + baseline_caches, strict=True):
@@ -507,9 +502,7 @@ def test_gpu_model_fused_rotary_is_bit_exact(family) -> None:
     """bf16 on the GPU: the layers' fused kernel (torch attention) against the separate ops, bit for bit."""
     from asyncspec.kernels.rotary_kv_write_triton import rotary_kv_write
 
-    mixed = AttentionBackend(
-        "triton_rotary", TORCH_REFERENCE.write_kv, TORCH_REFERENCE.attend, TORCH_REFERENCE.slot_mapping, rotary_kv_write
-    )
+    mixed = dataclasses.replace(TORCH_REFERENCE, name="triton_rotary", rotary_kv_write=rotary_kv_write)
     kw = dict(device="cuda")
     baseline, baseline_caches = run_tiny_model(
         family, torch.bfloat16, fused_rotary=False, backend=TORCH_REFERENCE, **kw
