@@ -27,6 +27,27 @@ class RowState:
     output_token_ids: list[int]
     generator: torch.Generator | None
     block_ids: list[int] = field(default_factory=list)
+    features: tuple[str, ...] = ()
+    """The sampling features this row uses (see SAMPLING_FEATURES), counted in InputBatch.feature_counts."""
+
+
+SAMPLING_FEATURES = ("random", "top_k", "top_p", "min_p", "penalties", "logprobs", "min_tokens", "seeded")
+"""Per-row sampling features whose batch-wide counts let a step skip scanning every request."""
+
+
+def sampling_features(params: SamplingParams, seeded: bool) -> tuple[str, ...]:
+    random = not params.is_greedy
+    flags = {
+        "random": random,
+        "top_k": random and params.top_k > 0,
+        "top_p": random and params.top_p < 1.0,
+        "min_p": random and params.min_p > 0.0,
+        "penalties": params.uses_penalties,
+        "logprobs": params.logprobs is not None,
+        "min_tokens": params.min_tokens > 0,
+        "seeded": seeded,
+    }
+    return tuple(name for name in SAMPLING_FEATURES if flags[name])
 
 
 _SAMPLING_FIELDS = {
@@ -90,6 +111,9 @@ class InputBatch:
             name: torch.zeros(max_num_reqs, dtype=dtype, device=device) for name, dtype in _SAMPLING_FIELDS.items()
         }
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        self.feature_counts = dict.fromkeys(SAMPLING_FEATURES, 0)
+        """Rows using each sampling feature: kept on admission and removal, so a step whose rows
+        are the whole batch learns, e.g., that every row is greedy without looking at each."""
         # Seeded generators of preempted requests, so a resumed request continues its stream.
         self._parked_generators: dict[str, torch.Generator] = {}
 
@@ -129,7 +153,10 @@ class InputBatch:
         if params.uses_penalties:
             self._init_penalty_row(state)
         self.append_blocks(state, data.block_ids)
+        state.features = sampling_features(params, state.generator is not None)
         self.rows[data.request_id] = state
+        for name in state.features:
+            self.feature_counts[name] += 1
         if data.request_id in self._parked_generators:
             # Only now that the row is complete: a failed admission keeps a resumed stream's state.
             del self._parked_generators[data.request_id]
@@ -175,6 +202,8 @@ class InputBatch:
                 self._parked_generators.pop(request_id, None)
             return
         self._free_rows.append(state.row)
+        for name in state.features:
+            self.feature_counts[name] -= 1
         if preempted and state.generator is not None:
             self._parked_generators[request_id] = state.generator
 

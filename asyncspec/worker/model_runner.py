@@ -34,7 +34,7 @@ from asyncspec.spec.draft_model_proposer import DraftModelProposer, DraftStep
 from asyncspec.spec.factory import make_speculative_decoder
 from asyncspec.spec.spec_decoder import SpeculativeDecoder, VerifyInputs
 from asyncspec.worker.cuda_graphs import CudaGraphForward, batch_size_buckets
-from asyncspec.worker.input_batch import InputBatch, RowState
+from asyncspec.worker.input_batch import SAMPLING_FEATURES, InputBatch, RowState
 
 logger = logging.getLogger(__name__)
 
@@ -715,37 +715,51 @@ class ModelRunner:
         )
 
     def _sampling_metadata(self, states: list[RowState], batch_rows: torch.Tensor) -> SamplingMetadata:
-        """Gathers the rows' device-resident parameters; only rows' Python facts are read here."""
-        params = [s.sampling_params for s in states]
+        """Gathers the rows' device-resident parameters. When the rows are the whole batch (every
+        decode step) the batch's feature counts say which features are in use; the requests are
+        scanned only for a feature some row uses (or when only part of the batch samples)."""
         tensors = self.input_batch.sampling_tensors
-        random_params = [p for p in params if not p.is_greedy]
+        if len(states) == len(self.input_batch):
+            counts = self.input_batch.feature_counts
+        else:
+            counts = dict.fromkeys(SAMPLING_FEATURES, 0)
+            for state in states:
+                for name in state.features:
+                    counts[name] += 1
 
         def rows_of(name: str, used: bool) -> torch.Tensor | None:
             return tensors[name].index_select(0, batch_rows) if used else None
 
-        uses_penalties = any(p.uses_penalties for p in params)
+        uses_penalties = counts["penalties"] > 0
         blocked: dict[int, list[int]] = {}
-        for i, (state, p) in enumerate(zip(states, params, strict=True)):
-            if p.min_tokens and len(state.output_token_ids) < p.min_tokens:
-                ids = p.all_stop_token_ids(self.eos_token_ids)
-                if ids:
-                    blocked[i] = sorted(ids)
-        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        if counts["min_tokens"]:
+            for i, state in enumerate(states):
+                p = state.sampling_params
+                if p.min_tokens and len(state.output_token_ids) < p.min_tokens:
+                    ids = p.all_stop_token_ids(self.eos_token_ids)
+                    if ids:
+                        blocked[i] = sorted(ids)
+        max_num_logprobs = None
+        if counts["logprobs"]:
+            max_num_logprobs = max(s.sampling_params.logprobs for s in states if s.sampling_params.logprobs is not None)
+        generators = (
+            {i: s.generator for i, s in enumerate(states) if s.generator is not None} if counts["seeded"] else {}
+        )
         return SamplingMetadata(
             temperature=tensors["temperature"].index_select(0, batch_rows),
-            top_k=rows_of("top_k", any(p.top_k > 0 for p in random_params)),
-            top_p=rows_of("top_p", any(p.top_p < 1.0 for p in random_params)),
-            min_p=rows_of("min_p", any(p.min_p > 0.0 for p in random_params)),
-            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            top_k=rows_of("top_k", counts["top_k"] > 0),
+            top_p=rows_of("top_p", counts["top_p"] > 0),
+            min_p=rows_of("min_p", counts["min_p"] > 0),
+            generators=generators,
             presence_penalty=rows_of("presence_penalty", uses_penalties),
             frequency_penalty=rows_of("frequency_penalty", uses_penalties),
             repetition_penalty=rows_of("repetition_penalty", uses_penalties),
             prompt_token_ids=None,
-            output_token_ids=[s.output_token_ids for s in states],
+            output_token_ids=[s.output_token_ids for s in states] if uses_penalties else [],
             blocked_token_ids=blocked,
-            max_num_logprobs=max(logprobs) if logprobs else None,
-            all_greedy=not random_params,
-            all_random=len(random_params) == len(params),
+            max_num_logprobs=max_num_logprobs,
+            all_greedy=counts["random"] == 0,
+            all_random=counts["random"] == len(states),
             output_token_counts=self._penalty_rows(self.input_batch.output_token_counts, batch_rows, uses_penalties),
             prompt_token_mask=self._penalty_rows(self.input_batch.prompt_token_mask, batch_rows, uses_penalties),
         )

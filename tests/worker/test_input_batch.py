@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
+import pytest
 import torch
 
 from asyncspec.core.scheduler_output import NewRequestData
 from asyncspec.sampling_params import SamplingParams
-from asyncspec.worker.input_batch import InputBatch
+from asyncspec.worker.input_batch import SAMPLING_FEATURES, InputBatch, sampling_features
 
 VOCAB = 32
 
@@ -40,3 +43,47 @@ def test_resumed_penalised_request_gets_its_statistics_rebuilt():
     assert again.row == state.row
     assert batch.output_token_counts[again.row].sum() == 0
     assert batch.prompt_token_mask[again.row].nonzero().flatten().tolist() == [6]
+
+
+def _recount(batch: InputBatch) -> dict[str, int]:
+    counts = dict.fromkeys(SAMPLING_FEATURES, 0)
+    for state in batch.rows.values():
+        for name in sampling_features(state.sampling_params, state.generator is not None):
+            counts[name] += 1
+    return counts
+
+
+def test_feature_counts_follow_admissions_removals_and_failures():
+    """The batch-wide feature counts a decode step trusts instead of scanning equal a recount after
+    every admission, finish, preemption (seeded generators parked and resumed) and failed admission."""
+    rng = random.Random(0)
+    batch = InputBatch(max_num_reqs=6, max_model_len=64, block_size=4, vocab_size=VOCAB, device=torch.device("cpu"))
+    choices = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_k=5, seed=3),
+        SamplingParams(temperature=0.8, top_p=0.5, min_p=0.1),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=2, min_tokens=4),
+        SamplingParams(temperature=1.0, presence_penalty=0.5),
+    ]
+    live: list[str] = []
+    for step in range(300):
+        if live and (len(live) == 6 or rng.random() < 0.45):
+            victim = live.pop(rng.randrange(len(live)))
+            batch.remove_request(victim, preempted=rng.random() < 0.5)
+        else:
+            request_id = f"r{rng.randrange(12)}"
+            if request_id in live:
+                continue
+            params = rng.choice(choices)
+            if rng.random() < 0.1:
+                bad = _new(request_id, [1, 2, 3], 3, params)
+                bad.block_ids = list(range(20))  # more blocks than a row of the table holds
+                with pytest.raises(ValueError):
+                    batch.add_request(bad)
+                assert request_id not in batch.rows
+                assert batch.feature_counts == _recount(batch)
+                continue
+            batch.add_request(_new(request_id, [1, 2, 3], 3, params))
+            live.append(request_id)
+        assert batch.feature_counts == _recount(batch), f"step {step}"
+    assert all(v >= 0 for v in batch.feature_counts.values())
