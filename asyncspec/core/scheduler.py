@@ -129,7 +129,7 @@ class Scheduler:
         allocate_slots = kv.allocate_slots
         threshold = cfg.long_prefill_token_threshold
         lookahead_k = cfg.num_lookahead_tokens
-        spec_k = self.spec_policy.choose(len(running)) if cfg.num_speculative_tokens else 0
+        spec_k = self._speculative_tokens_for_step() if cfg.num_speculative_tokens else 0
         max_model_len = cfg.max_model_len
         cached_ids = cached.request_ids
         cached_blocks = cached.new_block_ids
@@ -243,6 +243,18 @@ class Scheduler:
             counts[spec_k] = counts.get(spec_k, 0) + 1
         self._finished_since_last_step = set()
         return output
+
+    def _speculative_tokens_for_step(self) -> int:
+        """The policy's k, except that a step with a seeded sampling request verifies the full k:
+        how much randomness a seeded stream draws depends on k, and its tokens must not depend on
+        its neighbours (the batch size steers the policy) nor on timing (the policy measures it)."""
+        k = self.spec_policy.choose(len(self.running))
+        max_k = self.config.num_speculative_tokens
+        if k < max_k and any(
+            r.sampling_params.seed is not None and not r.sampling_params.is_greedy for r in self.running
+        ):
+            return max_k
+        return k
 
     @staticmethod
     def _num_drafts_for(request: Request, computed: int, k: int, max_model_len: int) -> int:

@@ -132,3 +132,23 @@ def test_k_changing_every_step_keeps_greedy_output(method):
         assert stats.get(f"spec_steps_with_k_{k}", 0) > 0, stats
     assert stats["spec_num_accepted_tokens"] > 0
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_seeded_streams_do_not_depend_on_the_adaptive_choice(method):
+    """A seeded request's tokens depend on how much randomness each step draws, hence on k: while a
+    seeded sampling request runs, every step verifies the full k, so its tokens equal a fixed-k run's
+    whatever the policy would have chosen (the batch size and measured times steer it)."""
+    prompts = [p[:60] for p in load_prompts(4)]
+    params = [
+        SamplingParams(temperature=0.9, top_k=40, seed=11 + i, max_tokens=8, ignore_eos=True) for i in range(2)
+    ] + [SamplingParams(temperature=0.0, max_tokens=60 + 10 * i, ignore_eos=True) for i in range(2)]
+    fixed = make_llm(method=method, k=4, adaptive_speculation=False, **CONFIG).generate(prompts, params)
+    llm = make_llm(method=method, k=4, **CONFIG)
+    policy = llm.engine.engine_core.scheduler.spec_policy
+    policy.step_cost = lambda num_decodes, k: 1.0 if k else 1e-6  # the policy would always take k = 0
+    got = llm.generate(prompts, params)
+    assert_same_outputs(fixed, got, f"{method}, seeded with an adaptive policy")
+    stats = llm.stats()
+    # Once the seeded requests are done, the greedy ones run on at the policy's k = 0.
+    assert stats.get("spec_steps_with_k_0", 0) > 0 and stats.get("spec_steps_with_k_4", 0) > 0, stats
