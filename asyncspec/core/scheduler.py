@@ -76,6 +76,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.stats = SchedulerStats()
         self.spec_policy = SpeculationPolicy(config.num_speculative_tokens, config.adaptive_speculation)
+        self._planned_k = config.num_speculative_tokens  # drafts the previous step proposed per request
         self._finished_since_last_step: set[str] = set()
         self._step_id = 0
 
@@ -129,7 +130,8 @@ class Scheduler:
         allocate_slots = kv.allocate_slots
         threshold = cfg.long_prefill_token_threshold
         lookahead_k = cfg.num_lookahead_tokens
-        spec_k = self._speculative_tokens_for_step() if cfg.num_speculative_tokens else 0
+        # This step verifies what the previous step proposed: the k it committed to.
+        spec_k = self._planned_k if cfg.num_speculative_tokens else 0
         max_model_len = cfg.max_model_len
         cached_ids = cached.request_ids
         cached_blocks = cached.new_block_ids
@@ -237,6 +239,7 @@ class Scheduler:
             finished_req_ids=self._finished_since_last_step,
             preempted_req_ids=preempted_ids,
             num_speculative_tokens=spec_k,
+            num_proposals=self._plan_next_k() if cfg.num_speculative_tokens else 0,
         )
         if cfg.num_speculative_tokens:
             counts = self.stats.steps_per_speculative_k
@@ -244,16 +247,19 @@ class Scheduler:
         self._finished_since_last_step = set()
         return output
 
-    def _speculative_tokens_for_step(self) -> int:
-        """The policy's k, except that a step with a seeded sampling request verifies the full k:
-        how much randomness a seeded stream draws depends on k, and its tokens must not depend on
-        its neighbours (the batch size steers the policy) nor on timing (the policy measures it)."""
-        k = self.spec_policy.choose(len(self.running))
+    def _plan_next_k(self) -> int:
+        """Commits to the k of the next step, once this step's admissions are known: the worker
+        proposes that many drafts now, and the next step verifies exactly them. The policy's k,
+        except the full k while a seeded sampling request runs: how much randomness a seeded stream
+        draws depends on k, and its tokens must depend neither on its neighbours (the batch size
+        steers the policy) nor on timing (the policy measures it)."""
         max_k = self.config.num_speculative_tokens
+        k = self.spec_policy.choose(len(self.running))
         if k < max_k and any(
             r.sampling_params.seed is not None and not r.sampling_params.is_greedy for r in self.running
         ):
-            return max_k
+            k = max_k
+        self._planned_k = k
         return k
 
     @staticmethod

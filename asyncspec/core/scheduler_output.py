@@ -47,7 +47,9 @@ class SchedulerOutput:
     preempted_req_ids: set[str]
     """Requests preempted this step; the worker drops their rows (they come back as new)."""
     num_speculative_tokens: int = 0
-    """Drafts per decode planned this step (the adaptive choice); the worker proposes as many for the next."""
+    """Drafts per decode verified this step: the k the previous step committed to (and proposed)."""
+    num_proposals: int = 0
+    """Drafts the worker proposes per sampling request at the end of this step: the next step's k."""
 
     @property
     def is_empty(self) -> bool:

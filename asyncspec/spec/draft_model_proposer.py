@@ -34,6 +34,8 @@ class GraphReplayer(Protocol):
 
     def replay(self, bucket: int, query_len: int, num_tokens: int) -> Tensor: ...
 
+    num_eager: int
+
 
 @dataclass
 class DraftStep:
@@ -256,6 +258,8 @@ class DraftModelProposer:
             inputs.input_ids[: input_ids.shape[0]].copy_(input_ids)
         if bucket is not None and query_len is not None and self.graphs is not None:
             return self.graphs.replay(bucket, query_len, num_tokens)
+        if self.graphs is not None:
+            self.graphs.num_eager += 1
         metadata = inputs.metadata(num_reqs, num_tokens, query_len or num_tokens, self.block_size)
         return self.model(inputs.input_ids[:num_tokens], inputs.positions[:num_tokens], self.kv_caches, metadata)
 

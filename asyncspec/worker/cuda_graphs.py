@@ -5,7 +5,7 @@ start-up for the smallest batch-size bucket that holds it. Inputs go through sta
 batch of n requests in a bucket of B is padded with B - n zero-length requests, and the tail tokens
 [n * q, B * q) write no KV (slot -1) and are never sampled (the attention kernel zeroes their rows).
 Anything else (prefill chunks, mixed lengths, no bucket) runs eagerly. The same class graphs the
-draft model's proposal and catch-up passes: the proposer is handed `forward`.
+draft model's proposal and catch-up passes over the draft's own StaticInputs (the proposer holds it).
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ class CaptureStats:
 
 
 class CudaGraphForward:
-    """The graphs of one model over its KV cache and its static inputs. `replay` serves a step whose
-    inputs are already in the static buffers (the target's); `forward` copies them in first (the
-    draft's) or runs eagerly when no graph fits."""
+    """The graphs of one model over its KV cache and its static inputs. The caller writes a step's
+    inputs into the static buffers (padded to `bucket`), then `replay`s; without a bucket it runs
+    the model eagerly itself and counts it in `num_eager`."""
 
     def __init__(
         self,
@@ -157,31 +157,3 @@ class CudaGraphForward:
         graph.replay()
         self.num_replays += 1
         return out[:num_tokens]
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, query_len: int | None
-    ) -> torch.Tensor:
-        """Hidden states [T, H] of the step; `query_len` is the host-known query length shared by
-        every request, or None for a mixed batch (eager)."""
-        num_reqs = metadata.num_reqs
-        bucket = self.bucket(num_reqs, query_len)
-        if bucket is None:
-            self.num_eager += 1
-            return self.model(input_ids, positions, self.kv_caches, metadata)
-        assert query_len is not None
-        num_tokens = input_ids.shape[0]
-        padded = bucket * query_len
-        s = self.static
-        s.input_ids[:num_tokens].copy_(input_ids)
-        s.positions[:num_tokens].copy_(positions)
-        s.slot_mapping[:num_tokens].copy_(metadata.slot_mapping)
-        s.query_start_loc[: num_reqs + 1].copy_(metadata.query_start_loc)
-        s.seq_lens[:num_reqs].copy_(metadata.seq_lens)
-        if bucket > num_reqs:
-            s.slot_mapping[num_tokens:padded].fill_(-1)
-            s.query_start_loc[num_reqs + 1 : bucket + 1].fill_(num_tokens)
-            s.seq_lens[num_reqs:bucket].fill_(0)
-        cols = metadata.block_tables.shape[1]
-        # Columns past `cols` keep stale ids: a request never reads past its own seq_len.
-        s.block_tables[:num_reqs, :cols].copy_(metadata.block_tables)
-        return self.replay(bucket, query_len, num_tokens)

@@ -437,7 +437,7 @@ class ModelRunner:
                 num_draft_positions,
             )
         step = self._prepare_inputs(states, num_scheduled, sampling_rows)
-        attn_metadata, input_ids = step.metadata, step.input_ids
+        attn_metadata = step.metadata
         hidden_states = self._forward(step)
         for state, n in zip(states, num_scheduled, strict=True):
             state.num_computed_tokens += n
@@ -449,9 +449,8 @@ class ModelRunner:
                 sampling_rows,
                 num_draft_positions,
                 hidden_states,
-                input_ids,
                 failed,
-                so.num_speculative_tokens,
+                so.num_proposals,
             )
         sampled_per_req: list[list[int]] = [[] for _ in req_ids]
         logprobs_per_req: list[list[TokenLogprobs] | None] | None = None
@@ -493,7 +492,6 @@ class ModelRunner:
         sampling_rows: list[int],
         num_draft_positions: list[int],
         hidden_states: torch.Tensor,
-        input_ids: torch.Tensor,
         failed: dict[str, str],
         num_proposals: int,
     ) -> ModelRunnerOutput:

@@ -152,3 +152,44 @@ def test_seeded_streams_do_not_depend_on_the_adaptive_choice(method):
     stats = llm.stats()
     # Once the seeded requests are done, the greedy ones run on at the policy's k = 0.
     assert stats.get("spec_steps_with_k_0", 0) > 0 and stats.get("spec_steps_with_k_4", 0) > 0, stats
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_seeded_request_admitted_late_keeps_the_full_k(method):
+    """A seeded request that waits for a seat arrives while the policy runs at k = 0: the step that
+    admits it already proposes the full k for it, so its tokens still equal a fixed-k run's."""
+    prompts = [p[:40] for p in load_prompts(5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (3, 50, 50, 50)]
+    params.append(SamplingParams(temperature=0.9, seed=11, max_tokens=16, ignore_eos=True))  # waits for a seat
+    config = dict(CONFIG, max_num_seqs=4)
+    fixed = make_llm(method=method, k=4, adaptive_speculation=False, **config).generate(prompts, params)
+    llm = make_llm(method=method, k=4, **config)
+    llm.engine.engine_core.scheduler.spec_policy.step_cost = lambda num_decodes, k: 1.0 if k else 1e-6
+    got = llm.generate(prompts, params)
+    assert_same_outputs(fixed, got, f"{method}, a seeded request admitted while k = 0")
+    assert llm.stats().get("spec_steps_with_k_0", 0) > 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_each_step_verifies_what_the_previous_one_proposed(method):
+    """k alternating between 0 and 4: the steps at 4 verify real drafts (the step before proposed 4),
+    and accepted drafts show up in the counters."""
+    prompts = [p[:60] for p in load_prompts(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    ref = make_llm(**CONFIG).generate(prompts, params)
+    llm = make_llm(method=method, k=4, **CONFIG)
+    flip = itertools.cycle([0, 4])
+    state = {"k": 4}
+
+    def cost(num_decodes: int, k: int) -> float:
+        if k == 0:
+            state["k"] = next(flip)
+        return 1.0 if k != state["k"] else 1e-6
+
+    llm.engine.engine_core.scheduler.spec_policy.step_cost = cost
+    got = llm.generate(prompts, params)
+    assert_same_outputs(ref, got, f"{method}, k alternating 0 / 4")
+    stats = llm.stats()
+    assert stats.get("spec_steps_with_k_4", 0) > 3
+    # Every step at k = 4 verifies the 4 drafts the step before proposed (n-gram may find fewer).
+    assert stats["spec_num_draft_tokens"] >= (2 if method == "ngram" else 4) * stats["spec_steps_with_k_4"]
