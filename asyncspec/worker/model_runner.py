@@ -441,7 +441,7 @@ class ModelRunner:
         hidden_states = self._forward(step)
         for state, n in zip(states, num_scheduled, strict=True):
             state.num_computed_tokens += n
-        if self.spec is not None:
+        if self.spec is not None and not self._samples_plainly(so, num_draft_positions):
             return self._verify_and_propose(
                 req_ids,
                 states,
@@ -466,8 +466,15 @@ class ModelRunner:
             # The device token buffer is the source of truth for the next step's input ids; a
             # sampling request's new token goes at index seq_len (always < max_model_len).
             token_cols = attn_metadata.seq_lens.to(torch.int64).index_select(0, sample_index)
-            self.input_batch.token_ids[batch_rows, token_cols] = out.sampled_token_ids
-            self.input_batch.record_sampled(batch_rows, out.sampled_token_ids)
+            sampled = out.sampled_token_ids
+            # The drafter reads the new token from the buffer this step: never a placeholder there.
+            written = sampled.clamp_min(0) if self.spec is not None else sampled
+            self.input_batch.token_ids[batch_rows, token_cols] = written
+            self.input_batch.record_sampled(batch_rows, sampled)
+            if self.spec is not None:
+                self._propose_without_drafts(
+                    states, num_scheduled, sampling_rows, batch_rows, token_cols + 1, metadata, so
+                )
             sampled_host = self._copy_to_host([out.sampled_token_ids])
             for i, state, token_id in zip(sampling_rows, sampling_states, sampled_host, strict=True):
                 if token_id == INVALID_TOKEN_ID:
@@ -480,9 +487,46 @@ class ModelRunner:
                 sampled_per_req[i] = [token_id]
             if metadata.max_num_logprobs is not None:
                 logprobs_per_req = self._collect_logprobs(out, sampling_rows, sampling_states, len(req_ids))
+        elif self.spec is not None:  # the draft's KV follows every prefill chunk
+            no_rows = torch.empty(0, dtype=torch.int64, device=self.device)
+            self._propose_without_drafts(states, num_scheduled, [], no_rows, no_rows, None, so)
         return ModelRunnerOutput(
             req_ids=req_ids, sampled_token_ids=sampled_per_req, logprobs=logprobs_per_req, failed_requests=failed
         )
+
+    def _samples_plainly(self, so: SchedulerOutput, num_draft_positions: list[int]) -> bool:
+        """With speculation on, a step that verifies nothing (the policy chose k = 0) samples with
+        the plain sampler instead of the verification path, at the plain step's cost. Not while a
+        seeded request runs: its stream must draw the same randomness whatever k its steps have."""
+        return (
+            so.num_speculative_tokens == 0
+            and not any(num_draft_positions)
+            and self.input_batch.feature_counts["seeded"] == 0
+        )
+
+    def _propose_without_drafts(
+        self,
+        states: list[RowState],
+        num_scheduled: list[int],
+        sampling_rows: list[int],
+        rows: torch.Tensor,
+        new_num_tokens: torch.Tensor,
+        metadata: SamplingMetadata | None,
+        so: SchedulerOutput,
+    ) -> None:
+        """After a plainly sampled step: the draft catches up (every sampling request emitted one
+        token and verified nothing) and the proposer drafts for the next step."""
+        assert self.spec is not None
+        num_sampling = len(sampling_rows)
+        draft_step = None
+        if self.spec.uses_draft_model:
+            no_accepted = torch.zeros(num_sampling, dtype=torch.int64, device=self.device)
+            draft_step = self._draft_step(
+                states, num_scheduled, sampling_rows, [0] * num_sampling, no_accepted, metadata, so.num_proposals
+            )
+        known = max((states[i].num_tokens for i in sampling_rows), default=0) + 1
+        bound = min(known, self.input_batch.token_ids.shape[1])
+        self.spec.propose(self.input_batch.token_ids, rows, new_num_tokens, bound, draft_step, so.num_proposals)
 
     def _verify_and_propose(
         self,

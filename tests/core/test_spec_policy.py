@@ -187,8 +187,13 @@ def test_each_step_verifies_what_the_previous_one_proposed(method):
         return 1.0 if k != state["k"] else 1e-6
 
     llm.engine.engine_core.scheduler.spec_policy.step_cost = cost
+    runner = llm.engine.engine_core.runner
+    plain_steps = []
+    samples_plainly = runner._samples_plainly
+    runner._samples_plainly = lambda so, drafts: plain_steps.append(samples_plainly(so, drafts)) or plain_steps[-1]
     got = llm.generate(prompts, params)
     assert_same_outputs(ref, got, f"{method}, k alternating 0 / 4")
+    assert sum(plain_steps) > 3, "the k = 0 steps should sample plainly"
     stats = llm.stats()
     assert stats.get("spec_steps_with_k_4", 0) > 3
     # Every step at k = 4 verifies the 4 drafts the step before proposed (n-gram may find fewer).
