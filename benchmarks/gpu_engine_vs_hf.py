@@ -29,31 +29,8 @@ sys.path.insert(0, str(REPO))
 
 from asyncspec import LLM, SamplingParams  # noqa: E402
 
-LLAMA_1B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 128256,
-    "hidden_size": 2048,
-    "intermediate_size": 8192,
-    "num_hidden_layers": 16,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 64,
-    "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 131072,
-    "tie_word_embeddings": True,
-    "rope_theta": 500000.0,
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-    "hidden_act": "silu",
-    "rope_scaling": {
-        "rope_type": "llama3",
-        "factor": 32.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-}
+sys.path.insert(0, str(REPO / "benchmarks"))
+from gpu_step_speed import LLAMA_1B  # noqa: E402  (one definition of the shape, importable without torch)
 
 
 def load_prompts(n: int) -> list[list[int]]:

@@ -127,8 +127,8 @@ LLAMA_1B: dict[str, Any] = {
         "original_max_position_embeddings": 8192,
     },
 }
-"""The Llama-3.2-1B shape (the same dict as benchmarks/gpu_engine_vs_hf.py, kept here so that the parent
-process and the plot script import no torch)."""
+"""The Llama-3.2-1B shape (defined here, where the parent process and the plot script import no torch;
+the other benchmarks import it)."""
 LLAMA_8B: dict[str, Any] = {
     **LLAMA_1B,
     "hidden_size": 4096,

@@ -10,6 +10,7 @@ import torch
 
 from asyncspec import LLM, SamplingParams
 from tests.conftest import TARGET_MODEL, load_prompts
+from tests.hf_tiny_models import save_tiny_family_model
 
 pytestmark = pytest.mark.gpu
 
@@ -74,28 +75,7 @@ def test_bundled_target_bf16_close_to_hf():
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_tiny_families_bf16_close_to_hf(family, tmp_path):
-    import transformers
-
-    common = dict(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    config_cls = {
-        "llama": transformers.LlamaConfig,
-        "mistral": transformers.MistralConfig,
-        "qwen2": transformers.Qwen2Config,
-        "qwen3": transformers.Qwen3Config,
-    }[family]
-    extra = {"head_dim": 32} if family in ("llama", "qwen3") else {}
-    torch.manual_seed(0)
-    model_cls = transformers.AutoModelForCausalLM
-    hf = model_cls.from_config(config_cls(**common, **extra)).to(torch.bfloat16)
-    hf.save_pretrained(tmp_path)
+    hf = save_tiny_family_model(family, tmp_path, torch.bfloat16)
     hf = hf.cuda().eval()
     rng = random.Random(0)
     prompts = [[rng.randrange(2, 512) for _ in range(rng.randrange(5, 80))] for _ in range(6)]

@@ -12,6 +12,7 @@ import torch
 from asyncspec import LLM, SamplingParams
 from tests.conftest import TARGET_MODEL, load_prompts
 from tests.engine.test_gpu_engine import _hf_greedy_with_top5
+from tests.hf_tiny_models import save_tiny_family_model
 
 pytestmark = pytest.mark.gpu
 
@@ -61,29 +62,9 @@ def test_bundled_target_fp32_graphs_equal_hf(spec):
 @pytest.mark.parametrize("spec", [None, "ngram"])
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_tiny_families_fp32_graphs_equal_hf(family, spec, tmp_path):
-    import transformers
-
-    common = dict(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    config_cls = {
-        "llama": transformers.LlamaConfig,
-        "mistral": transformers.MistralConfig,
-        "qwen2": transformers.Qwen2Config,
-        "qwen3": transformers.Qwen3Config,
-    }[family]
-    extra = {"head_dim": 32} if family in ("llama", "qwen3") else {}
-    if family == "mistral":
-        extra["sliding_window"] = 32  # the window is crossed within the generation
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config_cls(**common, **extra))
-    hf.save_pretrained(tmp_path)
+    # Mistral's window is crossed within the generation.
+    overrides = {"sliding_window": 32} if family == "mistral" else {}
+    hf = save_tiny_family_model(family, tmp_path, torch.float32, **overrides)
     hf = hf.cuda().eval()
     rng = random.Random(0)
     # Repetitive prompts, so that the n-gram proposer finds drafts.
