@@ -10,6 +10,7 @@ from typing import Any, Literal, overload
 import torch
 
 from asyncspec.errors import ModelLoadError
+from asyncspec.layers.attention import allocate_paged_kv_cache
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
@@ -82,6 +83,14 @@ class ModelConfig:
         """Bytes of K and V one token occupies across all layers."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * itemsize
+
+    def allocate_kv_cache(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This model's paged KV tensors: one (k_cache, v_cache) pair per layer."""
+        return allocate_paged_kv_cache(
+            self.num_hidden_layers, num_blocks, block_size, self.num_key_value_heads, self.head_dim, dtype, device
+        )
 
     def sliding_window_for_layer(self, layer_idx: int) -> int | None:
         """The attention window of one layer, or None if it attends to everything."""

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from asyncspec.errors import ConfigError
-from asyncspec.layers.attention import allocate_paged_kv_cache, select_backend
+from asyncspec.layers.attention import select_backend
 from asyncspec.layers.attention_metadata import StaticInputs
 from asyncspec.layers.sampler import SamplingMetadata, host_array_to_device, process_logits, random_sample
 from asyncspec.models.loader import load_model
@@ -133,16 +133,7 @@ class DraftModelProposer:
         return self.model_config.kv_bytes_per_token(self.dtype)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        mc = self.model_config
-        self.kv_caches = allocate_paged_kv_cache(
-            mc.num_hidden_layers,
-            num_blocks,
-            self.block_size,
-            mc.num_key_value_heads,
-            mc.head_dim,
-            self.dtype,
-            self.device,
-        )
+        self.kv_caches = self.model_config.allocate_kv_cache(num_blocks, self.block_size, self.dtype, self.device)
 
     def propose(self, step: DraftStep) -> tuple[Tensor, Tensor | None]:
         """Catches up on the step, then proposes step.num_proposals tokens per sampling request.

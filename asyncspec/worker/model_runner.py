@@ -16,7 +16,7 @@ from asyncspec.core.kv_cache import num_blocks_for_bytes
 from asyncspec.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncspec.core.spec_policy import StepCost, speculation_choices
 from asyncspec.errors import ConfigError
-from asyncspec.layers.attention import allocate_paged_kv_cache, select_backend
+from asyncspec.layers.attention import select_backend
 from asyncspec.layers.attention_metadata import AttentionMetadata, StaticInputs
 from asyncspec.layers.sampler import (
     INVALID_TOKEN_ID,
@@ -221,16 +221,7 @@ class ModelRunner:
         self.sampler(logits, SamplingMetadata.from_params(params, device=dev), self.default_generator)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        mc = self.model_config
-        self.kv_caches = allocate_paged_kv_cache(
-            mc.num_hidden_layers,
-            num_blocks,
-            self.block_size,
-            mc.num_key_value_heads,
-            mc.head_dim,
-            self.dtype,
-            self.device,
-        )
+        self.kv_caches = self.model_config.allocate_kv_cache(num_blocks, self.block_size, self.dtype, self.device)
         if self.spec is not None:
             self.spec.initialize_kv_cache(num_blocks)
         if self.uses_cuda_graphs:
@@ -305,9 +296,7 @@ class ModelRunner:
         largest = self._graph_batch_sizes()[-1:]
         total = 0
         for model, mc, query_lens in self._graph_plan():
-            caches = allocate_paged_kv_cache(
-                mc.num_hidden_layers, 1, self.block_size, mc.num_key_value_heads, mc.head_dim, self.dtype, self.device
-            )
+            caches = mc.allocate_kv_cache(1, self.block_size, self.dtype, self.device)
             with self._device_context():
                 total += self._new_graphs(model, caches, query_lens, largest).capture().memory_bytes
             del caches
