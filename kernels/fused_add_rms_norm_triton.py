@@ -18,7 +18,7 @@ _MAX_BLOCK_H = 65536  # rows are held whole in registers
 _TILE = 4096  # elements per program when several rows share one
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _fused_add_rms_norm_kernel(
     x_ptr,
     x_stride,

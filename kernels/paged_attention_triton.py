@@ -185,7 +185,7 @@ def _visible_keys(context_len, q_tile, q_len, seq_len, sliding_window, BLOCK_Q: 
     return kv_begin, kv_end
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_tokens", "bt_stride"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -287,7 +287,7 @@ def _paged_attention_kernel(
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "bt_stride", "num_splits"])
 def _paged_attention_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -391,7 +391,7 @@ def _paged_attention_split_kernel(
     tl.store(acc_ptrs, acc, mask=row_ok[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
 def _combine_splits_kernel(
     out_ptr,
     m_part_ptr,

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["token_cols", "bt_stride", "bt_cols", "num_reqs", "num_tokens"])
 def _prepare_inputs_kernel(
     meta_ptr,
     meta_stride,

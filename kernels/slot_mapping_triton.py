@@ -9,7 +9,7 @@ import triton.language as tl
 _BLOCK_T = 256
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bt_stride", "num_tokens", "num_reqs", "max_blocks"])
 def _slot_mapping_kernel(
     block_tables_ptr,  # [R, M] int32
     bt_stride,

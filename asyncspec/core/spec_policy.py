@@ -8,10 +8,17 @@ slowdowns from fixed k at high load). The policy picks the k in `choices` that m
 per second for the current batch size, from step costs the worker measured at start-up (GPU time
 of the captured graphs), the host time per step measured as the engine runs, and the acceptance
 rate observed so far. Without cost measurements (the CPU, enforce_eager) it always takes max k.
+
+Estimates only change for the k that runs, so a k left alone for `probe_interval` steps is chosen once
+to refresh them: a slow outlier (a kernel compiled mid-run, a hiccup) or a stale acceptance rate can
+never lock speculation off, or on, for good. Host time per k is the low median of its recent steps,
+so one such outlier does not move it, and the first step of a probe replaces what was seen before it.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,16 +42,23 @@ class SpeculationPolicy:
     adaptive: bool = True
     """False: always max_k."""
     decay: float = 0.98
-    """Weight of the past in the running acceptance and host-time estimates (per observation)."""
+    """Weight of the past in the running acceptance estimate (per observation)."""
+    probe_interval: int = 50
+    """A k not chosen for this many steps is chosen once, to refresh its estimates (0: never probe)."""
+    host_window: int = 15
+    """Recent steps per k whose host times the low median is taken over."""
     choices: list[int] = field(default_factory=list)
     """Candidate k values; speculation_choices(max_k) by default."""
     step_cost: StepCost | None = None
     """Device seconds per step, from the worker's start-up measurements; None: always max_k."""
     _accepted: float = 3.0  # a prior of 0.6 acceptance, worth five rejections
     _rejected: float = 2.0
-    # Host seconds per step by k (running means): more drafts mean more proposal passes to launch.
-    _host_seconds: dict[int, float] = field(default_factory=dict)
-    _host_weight: dict[int, float] = field(default_factory=dict)
+    # Host seconds of recent steps by k: more drafts mean more proposal passes to launch.
+    _host_samples: dict[int, deque[float]] = field(default_factory=dict)
+    _num_choices: int = 0
+    _last_chosen: dict[int, int] = field(default_factory=dict)
+    _num_observed: int = 0
+    _last_observed: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.choices:
@@ -58,6 +72,17 @@ class SpeculationPolicy:
     def choose(self, num_decodes: int) -> int:
         if not self.adaptive or self.step_cost is None or self.max_k == 0 or num_decodes == 0:
             return self.max_k
+        self._num_choices += 1
+        k = self._best(num_decodes)
+        if self.probe_interval > 0:
+            stale = [j for j in self.choices if self._num_choices - self._last_chosen.get(j, 0) > self.probe_interval]
+            if stale:
+                k = min(stale, key=lambda j: self._last_chosen.get(j, 0))
+        self._last_chosen[k] = self._num_choices
+        return k
+
+    def _best(self, num_decodes: int) -> int:
+        """The k of the highest expected tokens per second under the current estimates."""
         alpha = min(self.acceptance_rate, 0.999)
         rates = {}
         for k in self.choices:
@@ -79,9 +104,9 @@ class SpeculationPolicy:
     def host_seconds(self, k: int) -> float:
         """Host time of a step verifying k drafts: its own running mean once observed; before that the
         largest observed at a smaller k (host work grows with k), else 0."""
-        if k in self._host_seconds:
-            return self._host_seconds[k]
-        smaller = [v for j, v in self._host_seconds.items() if j < k]
+        if k in self._host_samples:
+            return statistics.median_low(self._host_samples[k])
+        smaller = [statistics.median_low(v) for j, v in self._host_samples.items() if j < k]
         return max(smaller, default=0.0)
 
     def observe_step(self, num_decodes: int, k: int, seconds: float) -> None:
@@ -89,7 +114,10 @@ class SpeculationPolicy:
         if self.step_cost is None or num_decodes == 0:
             return
         host = max(seconds - self.step_cost(num_decodes, k), 0.0)
-        weight = self.decay * self._host_weight.get(k, 0.0) + 1.0
-        self._host_weight[k] = weight
-        mean = self._host_seconds.get(k, host)
-        self._host_seconds[k] = mean + (host - mean) / weight
+        self._num_observed += 1
+        samples = self._host_samples.setdefault(k, deque(maxlen=self.host_window))
+        # A probe after a long gap: what the old samples said (perhaps while kernels compiled) is stale.
+        if self.probe_interval > 0 and self._num_observed - self._last_observed.get(k, 0) > self.probe_interval:
+            samples.clear()
+        self._last_observed[k] = self._num_observed
+        samples.append(host)

@@ -101,6 +101,40 @@ def test_speculation_backs_off_under_load_and_returns():
     assert policy.choose(256) > 0
 
 
+def test_one_slow_step_does_not_move_the_host_estimate():
+    policy = SpeculationPolicy(4, step_cost=memory_bound)
+    for seconds in (0.5, 1.2e-3, 1.3e-3):  # a step that compiled a kernel, then two ordinary ones
+        policy.observe_step(8, 4, seconds)
+    assert policy.host_seconds(4) == pytest.approx(3e-4)  # the middle one
+
+
+def test_a_stale_estimate_is_probed_and_speculation_comes_back():
+    """A k whose last steps looked slow is tried again after probe_interval steps: when it is fast
+    now, the policy returns to it (and it never goes more than probe_interval steps untried)."""
+    policy = SpeculationPolicy(4, step_cost=memory_bound, probe_interval=10)
+    _feed(policy, 0.9, 300)
+    for _ in range(3):  # k = 4 looked terrible (say: kernels compiling during its first steps)
+        policy.observe_step(1, 4, 0.2)
+    policy.observe_step(1, 0, 1.1e-3)
+    chosen = []
+    for _ in range(40):
+        k = policy.choose(1)
+        chosen.append(k)
+        policy.observe_step(1, k, 1.3e-3 if k else 1.1e-3)  # every k is fast now
+    first_probe = chosen.index(4)
+    assert 0 < first_probe <= 10 + len(policy.choices)
+    assert chosen[first_probe:].count(4) > 20  # the probe replaced the slow samples: k = 4 wins again
+    for j in policy.choices:  # no k goes untried for longer than the interval
+        idx = [i for i, k in enumerate(chosen) if k == j]
+        assert idx and max(b - a for a, b in zip([-1, *idx], [*idx, len(chosen)], strict=True)) <= 10 + len(policy.choices)
+
+
+def test_probing_off_keeps_the_best():
+    policy = SpeculationPolicy(4, step_cost=compute_bound, probe_interval=0)
+    _feed(policy, 0.6, 300)
+    assert {policy.choose(256) for _ in range(200)} == {0}
+
+
 # --------------------------------------------------------------------------------------- engine, CPU
 
 CONFIG = dict(block_size=16, max_model_len=192, num_kv_blocks=96, max_num_batched_tokens=128, max_num_seqs=8)
