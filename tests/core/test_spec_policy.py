@@ -126,7 +126,8 @@ def test_a_stale_estimate_is_probed_and_speculation_comes_back():
     assert chosen[first_probe:].count(4) > 20  # the probe replaced the slow samples: k = 4 wins again
     for j in policy.choices:  # no k goes untried for longer than the interval
         idx = [i for i, k in enumerate(chosen) if k == j]
-        assert idx and max(b - a for a, b in zip([-1, *idx], [*idx, len(chosen)], strict=True)) <= 10 + len(policy.choices)
+        gaps = [b - a for a, b in zip([-1, *idx], [*idx, len(chosen)], strict=True)]
+        assert idx and max(gaps) <= 10 + len(policy.choices)
 
 
 def test_probing_off_keeps_the_best():
