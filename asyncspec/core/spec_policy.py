@@ -73,7 +73,7 @@ class SpeculationPolicy:
         if not self.adaptive or self.step_cost is None or self.max_k == 0 or num_decodes == 0:
             return self.max_k
         self._num_choices += 1
-        k = self._best(num_decodes)
+        k = self._best(num_decodes, self.step_cost)
         if self.probe_interval > 0:
             stale = [j for j in self.choices if self._num_choices - self._last_chosen.get(j, 0) > self.probe_interval]
             if stale:
@@ -81,13 +81,13 @@ class SpeculationPolicy:
         self._last_chosen[k] = self._num_choices
         return k
 
-    def _best(self, num_decodes: int) -> int:
+    def _best(self, num_decodes: int, step_cost: StepCost) -> int:
         """The k of the highest expected tokens per second under the current estimates."""
         alpha = min(self.acceptance_rate, 0.999)
         rates = {}
         for k in self.choices:
             expected_tokens = num_decodes * (1 - alpha ** (k + 1)) / (1 - alpha)
-            seconds = self.step_cost(num_decodes, k) + self.host_seconds(k)
+            seconds = step_cost(num_decodes, k) + self.host_seconds(k)
             rates[k] = expected_tokens / max(seconds, 1e-9)
         best = max(rates.values())
         # Near-ties go to the smaller k: the same rate for less work (and less over-allocation).
