@@ -42,9 +42,9 @@ class DraftStep:
     """The target step the draft catches up on (one entry per scheduled request, batch order)."""
 
     num_computed: list[int]
-    """Tokens in the KV cache before the step."""
+    """Tokens in the draft's KV cache before the step."""
     num_scheduled: list[int]
-    """Target positions computed this step."""
+    """Positions the draft computes: the target's of this step plus those it fell behind by."""
     rows: list[int]
     """Row of each request in `token_ids`."""
     token_ids: Tensor
@@ -119,9 +119,11 @@ class DraftModelProposer:
         self._prepare = select_backend(device).prepare_inputs
         self.kv_caches: list[tuple[Tensor, Tensor]] = []
         max_blocks_per_req = -(-max_model_len // block_size)
-        # The catch-up feeds every target token plus one new token per request.
+        self.max_lag = max(1, max_num_batched_tokens // max_num_seqs)
+        """Most tokens a request's draft KV may fall behind the target's (see RowState.draft_lag)."""
+        # The catch-up feeds every target token, each request's lag and one new token per request.
         self.inputs = StaticInputs.allocate(
-            max_num_seqs, max_num_batched_tokens + max_num_seqs, max_blocks_per_req, device
+            max_num_seqs, max_num_batched_tokens + max_num_seqs * (self.max_lag + 1), max_blocks_per_req, device
         )
         """The draft's step inputs, built in place by one kernel; its CUDA graphs read them."""
         self._pass_meta = torch.zeros((3, max_num_seqs), dtype=torch.int64, device=device)

@@ -29,6 +29,9 @@ class RowState:
     block_ids: list[int] = field(default_factory=list)
     features: tuple[str, ...] = ()
     """The sampling features this row uses (see SAMPLING_FEATURES), counted in InputBatch.feature_counts."""
+    draft_lag: int = 0
+    """Tokens the target computed that the draft model has not (decode steps without speculation that
+    proposed nothing skip the draft); its next pass catches up on them."""
 
 
 SAMPLING_FEATURES = ("random", "top_k", "top_p", "min_p", "penalties", "logprobs", "min_tokens", "seeded")

@@ -508,6 +508,10 @@ class ModelRunner:
         assert self.spec is not None
         num_sampling = len(sampling_rows)
         draft_step = None
+        if self._skips_draft(so, states, num_sampling):
+            for state in states:
+                state.draft_lag += 1
+            return
         if self.spec.uses_draft_model:
             no_accepted = torch.zeros(num_sampling, dtype=torch.int64, device=self.device)
             draft_step = self._draft_step(
@@ -516,6 +520,19 @@ class ModelRunner:
         known = max((states[i].num_tokens for i in sampling_rows), default=0) + 1
         bound = min(known, self.input_batch.token_ids.shape[1])
         self.spec.propose(self.input_batch.token_ids, rows, new_num_tokens, bound, draft_step, so.num_proposals)
+
+    def _skips_draft(self, so: SchedulerOutput, states: list[RowState], num_sampling: int) -> bool:
+        """A decode step that verifies nothing and proposes nothing (the policy chose k = 0 for this
+        step and the next) leaves the draft model alone: it costs what a step without speculation
+        costs, and the draft catches up on these tokens in its next pass. Only while every lag stays
+        within the proposer's bound (its input buffers hold the catch-up)."""
+        assert self.spec is not None
+        if not self.spec.uses_draft_model or so.num_proposals or num_sampling != len(states):
+            return False
+        if so.num_speculative_tokens or so.total_num_scheduled_tokens != len(states):
+            return False
+        max_lag = self.spec.proposer.max_lag  # type: ignore[union-attr]
+        return max(state.draft_lag for state in states) < max_lag
 
     def _verify_and_propose(
         self,
@@ -651,9 +668,13 @@ class ModelRunner:
     ) -> DraftStep:
         if metadata is None:  # no request samples: the draft only catches up
             metadata = SamplingMetadata.from_params([], device=self.device)
+        num_computed = [s.num_computed_tokens - n - s.draft_lag for s, n in zip(states, num_scheduled, strict=True)]
+        draft_scheduled = [n + s.draft_lag for s, n in zip(states, num_scheduled, strict=True)]
+        for s in states:
+            s.draft_lag = 0
         return DraftStep(
-            num_computed=[s.num_computed_tokens - n for s, n in zip(states, num_scheduled, strict=True)],
-            num_scheduled=num_scheduled,
+            num_computed=num_computed,
+            num_scheduled=draft_scheduled,
             sampling_index=sampling_rows,
             num_draft_positions=num_draft_positions,
             rows=[s.row for s in states],

@@ -233,3 +233,55 @@ def test_each_step_verifies_what_the_previous_one_proposed(method):
     assert stats.get("spec_steps_with_k_4", 0) > 3
     # Every step at k = 4 verifies the 4 drafts the step before proposed (n-gram may find fewer).
     assert stats["spec_num_draft_tokens"] >= (2 if method == "ngram" else 4) * stats["spec_steps_with_k_4"]
+
+
+def _scripted_k(llm, pattern):
+    """Makes the policy follow `pattern` (cycled), one k per step; no probing."""
+    ks = itertools.cycle(pattern)
+    state = {"k": pattern[0]}
+
+    def cost(num_decodes: int, k: int) -> float:
+        if k == 0:  # asked first, once per step
+            state["k"] = next(ks)
+        return 1.0 if k != state["k"] else 1e-6
+
+    policy = llm.engine.engine_core.scheduler.spec_policy
+    policy.step_cost = cost
+    policy.probe_interval = 0
+
+
+def _recording(decide, decisions: list[bool]):
+    def wrapper(*args):
+        decisions.append(decide(*args))
+        return decisions[-1]
+
+    return wrapper
+
+
+def test_draft_skipped_at_k0_catches_up_to_the_same_drafts():
+    """Decode steps at k = 0 that propose nothing leave the draft model alone; its next pass catches
+    up on the skipped tokens (at most max_lag of them). The drafts must be exactly those of a draft
+    that followed every step: the same accepted counts and steps, and greedy output unchanged."""
+    prompts = [p[:60] for p in load_prompts(5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=50 + 7 * i, ignore_eos=True) for i in range(5)]
+    pattern = [4, 4, *[0] * 24, 4, 2, *[0] * 5, 1, 4]  # 24 zeros: longer than max_lag (128 // 8 = 16)
+    ref = make_llm(**CONFIG).generate(prompts, params)
+    runs = {}
+    for lazy in (True, False):
+        llm = make_llm(method="draft_model", k=4, **CONFIG)
+        _scripted_k(llm, pattern)
+        runner = llm.engine.engine_core.runner
+        decisions: list[bool] = []
+        runner._skips_draft = _recording(runner._skips_draft, decisions) if lazy else (lambda *a: False)
+        got = llm.generate(prompts, params)
+        assert_same_outputs(ref, got, f"lazy draft catch-up = {lazy}")
+        runs[lazy] = (llm.stats(), decisions, runner.spec.proposer.max_lag)
+    (lazy_stats, decisions, max_lag), (eager_stats, _, _) = runs[True], runs[False]
+    assert sum(decisions) > 20, "k = 0 decode steps should skip the draft"
+    assert max_lag == 16
+    # 24 zeros in a row: the lag bound forces a catch-up inside the stretch.
+    longest = max(len(run) for run in "".join("s" if d else "." for d in decisions).split("."))
+    assert longest <= max_lag
+    for key in ("num_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens", "num_generation_tokens"):
+        assert lazy_stats[key] == eager_stats[key], key
+    assert lazy_stats["num_free_kv_blocks"] == lazy_stats["num_kv_blocks"]
