@@ -9,10 +9,13 @@ per second for the current batch size, from step costs the worker measured at st
 of the captured graphs), the host time per step measured as the engine runs, and the acceptance
 rate observed so far. Without cost measurements (the CPU, enforce_eager) it always takes max k.
 
-Estimates only change for the k that runs, so a k left alone for `probe_interval` steps is chosen once
+A step's host time depends on the k it verifies and on the drafts it proposes for the next step (the
+draft model's passes; none at all when the next k is 0 too), so it is kept per (verified, proposed)
+pair and a k is charged what a steady run at k costs: (k, k). Estimates only change for the k that
+runs, so a k left alone for `probe_interval` steps is chosen twice in a row (one steady (k, k) step)
 to refresh them: a slow outlier (a kernel compiled mid-run, a hiccup) or a stale acceptance rate can
-never lock speculation off, or on, for good. Host time per k is the low median of its recent steps,
-so one such outlier does not move it, and the first step of a probe replaces what was seen before it.
+never lock speculation off, or on, for good. Host time is the low median of recent steps, so one
+such outlier does not move it, and the first step of a probe replaces what was seen before it.
 """
 
 from __future__ import annotations
@@ -44,21 +47,22 @@ class SpeculationPolicy:
     decay: float = 0.98
     """Weight of the past in the running acceptance estimate (per observation)."""
     probe_interval: int = 50
-    """A k not chosen for this many steps is chosen once, to refresh its estimates (0: never probe)."""
+    """A k not chosen for this many steps is chosen twice, to refresh its estimates (0: never probe)."""
     host_window: int = 15
-    """Recent steps per k whose host times the low median is taken over."""
+    """Recent steps per (verified, proposed) pair whose host times the low median is taken over."""
     choices: list[int] = field(default_factory=list)
     """Candidate k values; speculation_choices(max_k) by default."""
     step_cost: StepCost | None = None
     """Device seconds per step, from the worker's start-up measurements; None: always max_k."""
     _accepted: float = 3.0  # a prior of 0.6 acceptance, worth five rejections
     _rejected: float = 2.0
-    # Host seconds of recent steps by k: more drafts mean more proposal passes to launch.
-    _host_samples: dict[int, deque[float]] = field(default_factory=dict)
+    # Host seconds of recent steps by (k verified, drafts proposed): proposal passes cost host time.
+    _host_samples: dict[tuple[int, int], deque[float]] = field(default_factory=dict)
+    _probe: int | None = None  # a probed k, chosen once more at the next step
     _num_choices: int = 0
     _last_chosen: dict[int, int] = field(default_factory=dict)
     _num_observed: int = 0
-    _last_observed: dict[int, int] = field(default_factory=dict)
+    _last_observed: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.choices:
@@ -74,10 +78,12 @@ class SpeculationPolicy:
             return self.max_k
         self._num_choices += 1
         k = self._best(num_decodes, self.step_cost)
-        if self.probe_interval > 0:
+        if self._probe is not None:
+            k, self._probe = self._probe, None
+        elif self.probe_interval > 0:
             stale = [j for j in self.choices if self._num_choices - self._last_chosen.get(j, 0) > self.probe_interval]
             if stale:
-                k = min(stale, key=lambda j: self._last_chosen.get(j, 0))
+                k = self._probe = min(stale, key=lambda j: self._last_chosen.get(j, 0))
         self._last_chosen[k] = self._num_choices
         return k
 
@@ -102,22 +108,25 @@ class SpeculationPolicy:
         self._rejected = self.decay * self._rejected + rejected
 
     def host_seconds(self, k: int) -> float:
-        """Host time of a step verifying k drafts: its own running mean once observed; before that the
-        largest observed at a smaller k (host work grows with k), else 0."""
-        if k in self._host_samples:
-            return statistics.median_low(self._host_samples[k])
-        smaller = [statistics.median_low(v) for j, v in self._host_samples.items() if j < k]
+        """Host time of a steady step at k (verifying k drafts, proposing k): the low median of its
+        recent steps once observed; before that the largest observed at a smaller steady k (host
+        work grows with k), else 0."""
+        if (k, k) in self._host_samples:
+            return statistics.median_low(self._host_samples[k, k])
+        smaller = [statistics.median_low(v) for (j, n), v in self._host_samples.items() if j == n and j < k]
         return max(smaller, default=0.0)
 
-    def observe_step(self, num_decodes: int, k: int, seconds: float) -> None:
-        """A decode step's wall time: what it took beyond the device estimate is host time."""
+    def observe_step(self, num_decodes: int, k: int, seconds: float, num_proposals: int | None = None) -> None:
+        """A decode step's wall time, verifying k drafts and proposing `num_proposals` (default k):
+        what it took beyond the device estimate is host time."""
         if self.step_cost is None or num_decodes == 0:
             return
         host = max(seconds - self.step_cost(num_decodes, k), 0.0)
+        key = (k, k if num_proposals is None else num_proposals)
         self._num_observed += 1
-        samples = self._host_samples.setdefault(k, deque(maxlen=self.host_window))
+        samples = self._host_samples.setdefault(key, deque(maxlen=self.host_window))
         # A probe after a long gap: what the old samples said (perhaps while kernels compiled) is stale.
-        if self.probe_interval > 0 and self._num_observed - self._last_observed.get(k, 0) > self.probe_interval:
+        if self.probe_interval > 0 and self._num_observed - self._last_observed.get(key, 0) > self.probe_interval:
             samples.clear()
-        self._last_observed[k] = self._num_observed
+        self._last_observed[key] = self._num_observed
         samples.append(host)

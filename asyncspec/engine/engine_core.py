@@ -94,4 +94,4 @@ class EngineCore:
         k = so.num_speculative_tokens
         if so.scheduled_new_reqs or any(n != k + 1 for n in so.num_scheduled_tokens.values()):
             return
-        self.scheduler.spec_policy.observe_step(len(so.num_scheduled_tokens), k, seconds)
+        self.scheduler.spec_policy.observe_step(len(so.num_scheduled_tokens), k, seconds, so.num_proposals)

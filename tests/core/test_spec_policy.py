@@ -109,25 +109,44 @@ def test_one_slow_step_does_not_move_the_host_estimate():
 
 
 def test_a_stale_estimate_is_probed_and_speculation_comes_back():
-    """A k whose last steps looked slow is tried again after probe_interval steps: when it is fast
-    now, the policy returns to it (and it never goes more than probe_interval steps untried)."""
-    policy = SpeculationPolicy(4, step_cost=memory_bound, probe_interval=10)
+    """A k whose last steps looked slow is tried again (twice in a row: one steady step) after
+    probe_interval steps: when it is fast now, the policy returns to it, and no k goes much longer
+    than the interval untried."""
+    policy = SpeculationPolicy(4, step_cost=memory_bound, probe_interval=20)
     _feed(policy, 0.9, 300)
     for _ in range(3):  # k = 4 looked terrible (say: kernels compiling during its first steps)
         policy.observe_step(1, 4, 0.2)
     policy.observe_step(1, 0, 1.1e-3)
-    chosen = []
-    for _ in range(40):
-        k = policy.choose(1)
-        chosen.append(k)
-        policy.observe_step(1, k, 1.3e-3 if k else 1.1e-3)  # every k is fast now
+    chosen = [policy.choose(1)]
+    for _ in range(120):
+        chosen.append(policy.choose(1))
+        # The step that verified chosen[-2] drafts proposed chosen[-1]; every k is fast now.
+        policy.observe_step(1, chosen[-2], 1.3e-3 if chosen[-2] else 1.1e-3, chosen[-1])
     first_probe = chosen.index(4)
-    assert 0 < first_probe <= 10 + len(policy.choices)
-    assert chosen[first_probe:].count(4) > 20  # the probe replaced the slow samples: k = 4 wins again
-    for j in policy.choices:  # no k goes untried for longer than the interval
+    assert 0 < first_probe <= 20 + 2 * len(policy.choices)
+    after = chosen[first_probe:]
+    assert after.count(4) > 0.6 * len(after)  # the probe replaced the slow samples: k = 4 wins again
+    for j in policy.choices:
         idx = [i for i, k in enumerate(chosen) if k == j]
         gaps = [b - a for a, b in zip([-1, *idx], [*idx, len(chosen)], strict=True)]
-        assert idx and max(gaps) <= 10 + len(policy.choices)
+        assert idx and max(gaps) <= 20 + 2 * len(policy.choices)
+    probes = [k for k, nxt in zip(chosen, chosen[1:], strict=False) if k != 4 and k == nxt]
+    assert set(probes) == {0, 1, 2}  # each probe is two steps in a row
+
+
+def test_host_time_is_charged_to_the_steady_pair():
+    """A step's host time depends on what it proposes too: the k = 0 step that proposes 4 drafts for
+    the next step pays for them, and must not make a steady run at k = 0 look expensive."""
+    policy = SpeculationPolicy(4, step_cost=memory_bound, choices=[0, 4])
+    _feed(policy, 0.5, 300)
+    for _ in range(5):
+        policy.observe_step(8, 0, 1e-3 + 4e-3, num_proposals=4)  # a transition step: four draft passes
+        policy.observe_step(8, 4, 1e-3 + 4e-3)
+    assert policy.host_seconds(0) == 0.0  # no steady k = 0 step seen yet
+    policy.observe_step(8, 0, 1e-3 + 1e-4, num_proposals=0)
+    assert policy.host_seconds(0) == pytest.approx(1e-4)
+    assert policy.host_seconds(4) == pytest.approx(4e-3)
+    assert policy._best(8, memory_bound) == 0  # 1 token / 1.1 ms beats 1.94 / 5 ms
 
 
 def test_probing_off_keeps_the_best():
