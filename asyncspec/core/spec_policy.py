@@ -14,13 +14,16 @@ draft model's passes; none at all when the next k is 0 too), so it is kept per (
 pair and a k is charged what a steady run at k costs: (k, k). Estimates only change for the k that
 runs, so a k left alone for `probe_interval` steps is chosen twice in a row (one steady (k, k) step)
 to refresh them: a slow outlier (a kernel compiled mid-run, a hiccup) or a stale acceptance rate can
-never lock speculation off, or on, for good. Host time is the low median of recent steps, so one
-such outlier does not move it, and the first step of a probe replaces what was seen before it.
+never lock speculation off, or on, for good. Host time is a low quantile of recent steps (hiccups
+only ever add time), so outliers do not move it.
+
+Tokens per verified run are what runs at that k really emitted, once enough were seen: requests differ
+(a repetitive file accepts everything, prose little), and the geometric model of one pooled acceptance
+rate overestimates a mixed batch.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,8 +51,10 @@ class SpeculationPolicy:
     """Weight of the past in the running acceptance estimate (per observation)."""
     probe_interval: int = 50
     """A k not chosen for this many steps is chosen twice, to refresh its estimates (0: never probe)."""
-    host_window: int = 15
-    """Recent steps per (verified, proposed) pair whose host times the low median is taken over."""
+    host_window: int = 16
+    """Recent steps per (verified, proposed) pair whose host times the low quantile is taken over."""
+    emitted_decay: float = 0.995
+    """Weight of the past in the tokens-per-run means (per verified run)."""
     choices: list[int] = field(default_factory=list)
     """Candidate k values; speculation_choices(max_k) by default."""
     step_cost: StepCost | None = None
@@ -59,10 +64,11 @@ class SpeculationPolicy:
     # Host seconds of recent steps by (k verified, drafts proposed): proposal passes cost host time.
     _host_samples: dict[tuple[int, int], deque[float]] = field(default_factory=dict)
     _probe: int | None = None  # a probed k, chosen once more at the next step
+    # Decayed sums of tokens emitted by, and number of, runs that verified exactly k drafts.
+    _emitted: dict[int, float] = field(default_factory=dict)
+    _runs: dict[int, float] = field(default_factory=dict)
     _num_choices: int = 0
     _last_chosen: dict[int, int] = field(default_factory=dict)
-    _num_observed: int = 0
-    _last_observed: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.choices:
@@ -92,7 +98,7 @@ class SpeculationPolicy:
         alpha = min(self.acceptance_rate, 0.999)
         rates = {}
         for k in self.choices:
-            expected_tokens = num_decodes * (1 - alpha ** (k + 1)) / (1 - alpha)
+            expected_tokens = num_decodes * self.tokens_per_run(k, alpha)
             seconds = step_cost(num_decodes, k) + self.host_seconds(k)
             rates[k] = expected_tokens / max(seconds, 1e-9)
         best = max(rates.values())
@@ -106,14 +112,28 @@ class SpeculationPolicy:
         rejected = 1.0 if num_accepted < num_drafts else 0.0
         self._accepted = self.decay * self._accepted + num_accepted
         self._rejected = self.decay * self._rejected + rejected
+        if num_drafts in self.choices:
+            d = self.emitted_decay
+            self._emitted[num_drafts] = d * self._emitted.get(num_drafts, 0.0) + num_accepted + 1
+            self._runs[num_drafts] = d * self._runs.get(num_drafts, 0.0) + 1.0
+
+    def tokens_per_run(self, k: int, alpha: float | None = None) -> float:
+        """Expected tokens a decode emits when verifying k drafts: the mean of recent runs at k once
+        there are enough of them, else 1 + a + ... + a^k for the pooled acceptance rate a."""
+        if k == 0:
+            return 1.0
+        if self._runs.get(k, 0.0) >= 8.0:
+            return self._emitted[k] / self._runs[k]
+        a = min(self.acceptance_rate if alpha is None else alpha, 0.999)
+        return (1 - a ** (k + 1)) / (1 - a)
 
     def host_seconds(self, k: int) -> float:
         """Host time of a steady step at k (verifying k drafts, proposing k): the low median of its
         recent steps once observed; before that the largest observed at a smaller steady k (host
         work grows with k), else 0."""
         if (k, k) in self._host_samples:
-            return statistics.median_low(self._host_samples[k, k])
-        smaller = [statistics.median_low(v) for (j, n), v in self._host_samples.items() if j == n and j < k]
+            return _low_quantile(self._host_samples[k, k])
+        smaller = [_low_quantile(v) for (j, n), v in self._host_samples.items() if j == n and j < k]
         return max(smaller, default=0.0)
 
     def observe_step(self, num_decodes: int, k: int, seconds: float, num_proposals: int | None = None) -> None:
@@ -123,10 +143,10 @@ class SpeculationPolicy:
             return
         host = max(seconds - self.step_cost(num_decodes, k), 0.0)
         key = (k, k if num_proposals is None else num_proposals)
-        self._num_observed += 1
-        samples = self._host_samples.setdefault(key, deque(maxlen=self.host_window))
-        # A probe after a long gap: what the old samples said (perhaps while kernels compiled) is stale.
-        if self.probe_interval > 0 and self._num_observed - self._last_observed.get(key, 0) > self.probe_interval:
-            samples.clear()
-        self._last_observed[key] = self._num_observed
-        samples.append(host)
+        self._host_samples.setdefault(key, deque(maxlen=self.host_window)).append(host)
+
+
+def _low_quantile(samples: deque[float]) -> float:
+    """The first quartile: a typical step, robust to the slow ones (compilation, a GC pause) until
+    they are three in four."""
+    return sorted(samples)[len(samples) // 4]

@@ -54,10 +54,9 @@ def test_acceptance_estimate_converges(alpha):
     assert abs(policy.acceptance_rate - alpha) < 0.04
 
 
-def brute_force_best(cost, num_decodes: int, alpha: float, host: float, choices: list[int]) -> int:
+def brute_force_best(cost, num_decodes: int, tokens_per_run, host: float, choices: list[int]) -> int:
     def rate(k: int) -> float:
-        tokens = num_decodes * sum(alpha**i for i in range(k + 1))
-        return tokens / (cost(num_decodes, k) + host)
+        return num_decodes * tokens_per_run(k) / (cost(num_decodes, k) + host)
 
     best = max(rate(k) for k in choices)
     return min(k for k in choices if rate(k) >= best / 1.0001)
@@ -73,8 +72,28 @@ def test_choice_maximises_expected_throughput(cost, num_decodes, alpha):
     for k in policy.choices:
         policy.observe_step(num_decodes, k, cost(num_decodes, k) + 5e-4)  # host time 0.5 ms
     chosen = policy.choose(num_decodes)
-    best = brute_force_best(cost, num_decodes, policy.acceptance_rate, 5e-4, policy.choices)
-    assert chosen == best
+    # Runs at k = 4 were seen: their mean tokens; k = 1, 2: the geometric model.
+    alpha = policy.acceptance_rate
+    assert policy.tokens_per_run(2) == pytest.approx(1 + alpha + alpha**2)
+
+    def tokens(k):
+        return sum(alpha**i for i in range(k + 1)) if k < 4 else policy.tokens_per_run(4)
+
+    assert chosen == brute_force_best(cost, num_decodes, tokens, 5e-4, policy.choices)
+
+
+def test_tokens_per_run_are_what_runs_emitted():
+    """Half the requests accept every draft, half none: runs at k = 4 emit 3 tokens on average, where
+    one pooled acceptance rate (0.8) would predict 3.36."""
+    policy = SpeculationPolicy(4, step_cost=memory_bound)
+    assert policy.tokens_per_run(4) == pytest.approx(sum(0.6**i for i in range(5)))  # the prior alone
+    for _ in range(500):
+        policy.observe_run(4, 4)
+        policy.observe_run(4, 0)
+    assert policy.acceptance_rate == pytest.approx(0.8, abs=0.01)
+    assert policy.tokens_per_run(4) == pytest.approx(3.0, abs=0.02)
+    assert policy.tokens_per_run(2) == pytest.approx(1 + 0.8 + 0.64, abs=0.03)  # no runs at 2: the model
+    assert policy.tokens_per_run(0) == 1.0
 
 
 def test_host_time_is_learned_per_k():
@@ -105,7 +124,7 @@ def test_one_slow_step_does_not_move_the_host_estimate():
     policy = SpeculationPolicy(4, step_cost=memory_bound)
     for seconds in (0.5, 1.2e-3, 1.3e-3):  # a step that compiled a kernel, then two ordinary ones
         policy.observe_step(8, 4, seconds)
-    assert policy.host_seconds(4) == pytest.approx(3e-4)  # the middle one
+    assert policy.host_seconds(4) == pytest.approx(2e-4)  # a typical step, not the slow one
 
 
 def test_a_stale_estimate_is_probed_and_speculation_comes_back():
