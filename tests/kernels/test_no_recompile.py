@@ -1,0 +1,92 @@
+"""Kernels compile once per shape class, not once per batch: a new batch size, token count, block
+table width or buffer offset mid-run must not stop the engine for a compilation (hundreds of ms).
+Counted with Triton's post-compile hook on the GPU."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from tests.kernels.test_prepare_inputs import make_case  # noqa: E402
+
+
+@pytest.fixture
+def compiled() -> Iterator[list[str]]:
+    names: list[str] = []
+
+    def hook(*args, **kwargs):
+        names.append(str(getattr(kwargs.get("fn"), "name", kwargs.get("fn"))))
+        return False
+
+    knobs = triton.knobs.runtime
+    previous = knobs.jit_post_compile_hook
+    knobs.jit_post_compile_hook = hook
+    try:
+        yield names
+    finally:
+        knobs.jit_post_compile_hook = previous
+
+
+@pytest.mark.gpu
+def test_prepare_inputs_compiles_once_per_block_class(compiled):
+    from asyncspec.kernels.prepare_inputs_triton import prepare_inputs
+
+    def run(num_reqs: int, offset: int, with_capacity: bool, seed: int) -> None:
+        case = make_case([1 + (i % 3) for i in range(num_reqs)], [5 * i for i in range(num_reqs)], 3, seed)
+        # meta and capacity as views into one packed buffer at any offset, as the engine passes them
+        packed = torch.zeros(offset + case.meta.numel() + num_reqs, dtype=torch.int64, device="cuda")
+        meta = packed[offset : offset + case.meta.numel()].view(case.meta.shape)
+        meta.copy_(case.meta)
+        capacity = packed[offset + case.meta.numel() :] if with_capacity else None
+        if capacity is not None:
+            capacity.fill_(1 << 20)
+        n = case.num_tokens
+        ints = [torch.empty(n, dtype=torch.int64, device="cuda") for _ in range(3)]
+        qsl = torch.empty(num_reqs + 1, dtype=torch.int32, device="cuda")
+        seq_lens = torch.empty(num_reqs, dtype=torch.int32, device="cuda")
+        prepare_inputs(
+            meta, num_reqs, n, case.token_ids.cuda(), case.block_tables.cuda(), 4, *ints, qsl, seq_lens, capacity
+        )
+
+    run(20, 0, False, 0)
+    run(20, 0, True, 0)
+    warm = len(compiled)
+    for seed, num_reqs in enumerate(range(17, 33)):  # one BLOCK_R class (32)
+        run(num_reqs, seed % 5, seed % 2 == 0, seed)
+    torch.cuda.synchronize()
+    assert compiled[warm:] == [], compiled[warm:]
+
+
+@pytest.mark.gpu
+def test_norm_and_attention_compile_once_across_batch_sizes(compiled):
+    from asyncspec.kernels.fused_add_rms_norm_triton import fused_add_rms_norm
+    from asyncspec.kernels.paged_attention_triton import paged_attention
+
+    hidden, heads, kv_heads, head_dim, block_size = 256, 4, 2, 64, 16
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weight = torch.ones(hidden, dtype=torch.bfloat16, device="cuda")
+    k_cache = torch.randn(256, block_size, kv_heads, head_dim, generator=gen, device="cuda").bfloat16()
+    v_cache = torch.randn_like(k_cache)
+
+    def step(num_reqs: int, num_splits: int) -> None:
+        x = torch.randn(num_reqs, hidden, generator=gen, device="cuda").bfloat16()
+        fused_add_rms_norm(x, x.clone(), weight, 1e-6)
+        width = 3 + num_reqs % 4  # the block-table width changes with the longest request
+        tables = torch.randint(0, 256, (num_reqs, width), generator=gen, device="cuda", dtype=torch.int32)
+        seq_lens = torch.randint(1, width * block_size, (num_reqs,), generator=gen, device="cuda", dtype=torch.int32)
+        qsl = torch.arange(num_reqs + 1, device="cuda", dtype=torch.int32)
+        query = torch.randn(num_reqs, heads, head_dim, generator=gen, device="cuda").bfloat16()
+        paged_attention(query, k_cache, v_cache, qsl, seq_lens, tables, 0.125, num_splits=num_splits)
+
+    step(5, 1)
+    step(5, 4)
+    warm = len(compiled)
+    for num_reqs in range(1, 40):
+        step(num_reqs, 1)
+        step(num_reqs, 3 + num_reqs % 2)  # split counts 3 and 4: one BLOCK_S class
+    torch.cuda.synchronize()
+    assert compiled[warm:] == [], compiled[warm:]
