@@ -17,7 +17,7 @@ import triton.language as tl
 # Per-step sizes, and the meta / capacity views (slices of one packed host copy, at any offset and
 # row stride) would otherwise compile a kernel variant per batch shape mid-run.
 @triton.jit(
-    do_not_specialize=["meta_stride", "token_cols", "bt_stride", "bt_cols", "num_reqs", "num_tokens"],
+    do_not_specialize=["meta_stride", "token_stride", "token_cols", "bt_stride", "bt_cols", "num_reqs", "num_tokens"],
     do_not_specialize_on_alignment=["meta_ptr", "capacity_ptr"],
 )
 def _prepare_inputs_kernel(
