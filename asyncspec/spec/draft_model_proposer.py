@@ -32,6 +32,8 @@ class GraphReplayer(Protocol):
 
     def bucket(self, num_reqs: int, query_len: int | None) -> int | None: ...
 
+    def select(self, num_reqs: int, max_query_len: int, num_tokens: int) -> tuple[int, int] | None: ...
+
     def replay(self, bucket: int, query_len: int, num_tokens: int) -> Tensor: ...
 
     num_eager: int
@@ -153,8 +155,8 @@ class DraftModelProposer:
         computed = np.asarray(step.num_computed, dtype=np.int64)
         lengths = scheduled + is_sampling  # a sampling request also feeds its new token
         num_tokens = int(lengths.sum())
-        query_len = int(lengths[0]) if lengths.min() == lengths.max() else None
-        bucket = self.graphs.bucket(num_reqs, query_len) if self.graphs is not None else None
+        graph = self.graphs.select(num_reqs, int(lengths.max()), num_tokens) if self.graphs is not None else None
+        bucket, query_len = graph if graph is not None else (None, int(lengths.max()))
         padded = bucket if bucket is not None else num_reqs
         host = np.zeros(4 * padded + 5 * num_sampling, dtype=np.int64)
         meta = host[: 4 * padded].reshape(4, padded)
@@ -178,7 +180,7 @@ class DraftModelProposer:
 
         inputs = self.inputs
         inputs.block_tables[:num_reqs].copy_(step.block_tables)
-        padded_tokens = bucket * query_len if bucket is not None and query_len is not None else num_tokens
+        padded_tokens = bucket * query_len if bucket is not None else num_tokens
         hidden = self._forward(
             step.token_ids, meta_dev, padded, num_tokens, padded_tokens, query_len, bucket, meta_dev[3]
         )

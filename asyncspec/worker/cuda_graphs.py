@@ -1,11 +1,13 @@
-"""CUDA graphs of a model's forward pass for uniform batches (every request the same query length).
+"""CUDA graphs of a model's forward pass for decode and verification batches.
 
 A decode step (1 token per request) or a verification step (1 + k) replays a graph captured at
 start-up for the smallest batch-size bucket that holds it. Inputs go through static buffers; a
 batch of n requests in a bucket of B is padded with B - n zero-length requests, and the tail tokens
-[n * q, B * q) write no KV (slot -1) and are never sampled (the attention kernel zeroes their rows).
-Anything else (prefill chunks, mixed lengths, no bucket) runs eagerly. The same class graphs the
-draft model's proposal and catch-up passes over the draft's own StaticInputs (the proposer holds it).
+[T, B * q) write no KV (slot -1) and are never sampled (the attention kernel zeroes their rows).
+Requests of different lengths (drafts trimmed near max_tokens, a draft catching up) replay the graph
+whose query length q holds the longest (see `select`): every kernel reads lengths and offsets from
+the static buffers. Anything else (longer prefill chunks, no bucket) runs eagerly. The same class
+graphs the draft model's proposal and catch-up passes over the draft's own StaticInputs.
 """
 
 from __future__ import annotations
@@ -149,10 +151,26 @@ class CudaGraphForward:
                 return size
         return None
 
+    def select(self, num_reqs: int, max_query_len: int, num_tokens: int) -> tuple[int, int] | None:
+        """The graph (bucket, query length) that replays a batch of num_reqs requests of at most
+        max_query_len tokens each, num_tokens in all: the smallest captured query length that holds
+        the longest request, and its smallest bucket. The kernels read every length and offset from
+        the static buffers, so requests shorter than the graph's query length (drafts trimmed near
+        max_tokens, a short last prefill chunk) pack at the front and the tail pads. None when no
+        graph holds the batch, or when padding would more than double the tokens computed."""
+        query_len = next((q for q in self.query_lens if q >= max_query_len), None)
+        if query_len is None:
+            return None
+        bucket = self.bucket(num_reqs, query_len)
+        if bucket is None or bucket * query_len > 2 * num_tokens + bucket:
+            return None
+        return bucket, query_len
+
     def replay(self, bucket: int, query_len: int, num_tokens: int) -> torch.Tensor:
         """Runs the graph of (bucket, query_len) over the static inputs, which the caller filled
-        for bucket requests (padding requests with no tokens) and bucket * query_len tokens (the
-        tail with slot -1). Returns the first num_tokens hidden states (valid until the next replay)."""
+        for bucket requests (padding requests with no tokens; the real ones with at most query_len
+        tokens each) and bucket * query_len tokens (the tail with slot -1). Returns the first
+        num_tokens hidden states (valid until the next replay)."""
         graph, out = self._graphs[(bucket, query_len)]
         graph.replay()
         self.num_replays += 1

@@ -716,9 +716,8 @@ class ModelRunner:
         to the graph bucket when one replays the step."""
         num_reqs = len(states)
         total_tokens = sum(num_scheduled)
-        query_len = num_scheduled[0]
-        uniform = min(num_scheduled) == max(num_scheduled)
-        bucket = self.cuda_graphs.bucket(num_reqs, query_len if uniform else None) if self.cuda_graphs else None
+        graph = self.cuda_graphs.select(num_reqs, max(num_scheduled), total_tokens) if self.cuda_graphs else None
+        bucket, query_len = graph if graph is not None else (None, max(num_scheduled))
         padded_reqs = bucket if bucket is not None else num_reqs
         padded_tokens = bucket * query_len if bucket is not None else total_tokens
         i = self._buffer_index

@@ -82,6 +82,17 @@ def test_padded_static_replay_equals_eager(method):
     ref = eager.generate(_prompts(), _params())
     llm = LLM(str(TARGET_MODEL), **kwargs)
     graphs = _install_stand_ins(llm.engine.engine_core.runner)
+    ragged = []  # replays of batches whose requests have different lengths (padded inside the graph)
+    for g in graphs:
+        select = g.select
+
+        def recording(num_reqs, max_query_len, num_tokens, select=select):
+            chosen = select(num_reqs, max_query_len, num_tokens)
+            if chosen is not None and num_tokens != num_reqs * max_query_len:
+                ragged.append((num_reqs, max_query_len, num_tokens))
+            return chosen
+
+        g.select = recording
     got = llm.generate(_prompts(), _params())
     assert_same_outputs(ref, got, "stand-in graphs")
     stats = llm.stats()
@@ -91,6 +102,8 @@ def test_padded_static_replay_equals_eager(method):
     assert target.num_replays > 10 and target.num_eager > 0  # decodes replayed, prefills eager
     if method == "draft_model":
         assert graphs[1].num_replays > 10
+    if method is not None:  # drafts trimmed near max_tokens, a draft catching up: ragged batches replay
+        assert ragged, "expected ragged decode batches to replay through a graph"
     assert stats["cuda_graph_replays"] == sum(g.num_replays for g in graphs)
 
 
@@ -102,6 +115,19 @@ def test_bucket_choice():
     assert [graphs.bucket(n, 5) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
     assert graphs.bucket(9, 5) is None  # larger than every bucket: eager
     assert graphs.bucket(2, 1) is None and graphs.bucket(2, None) is None  # not captured / mixed
+
+
+def test_ragged_batches_pick_the_graph_that_holds_the_longest_request():
+    cpu = torch.device("cpu")
+    static = StaticInputs.allocate(8, 40, 4, cpu)
+    graphs = CudaGraphForward(torch.nn.Identity(), [], 16, static, [1, 2, 4, 8], query_lens=[1, 3, 5], device=cpu)
+    graphs._graphs[(1, 1)] = None  # type: ignore[assignment]
+    assert graphs.select(3, 1, 3) == (4, 1)  # uniform decodes
+    assert graphs.select(3, 5, 13) == (4, 5)  # 5 + 5 + 3 tokens: padded to 4 x 5
+    assert graphs.select(4, 2, 7) == (4, 3)  # no graph of 2: the next longer one
+    assert graphs.select(2, 6, 8) is None  # longer than every graph
+    assert graphs.select(9, 1, 9) is None  # more requests than every bucket
+    assert graphs.select(8, 5, 12) is None  # 40 padded tokens for 12: eager is cheaper
 
 
 def test_no_graphs_on_the_cpu_or_with_enforce_eager():
