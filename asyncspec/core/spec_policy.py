@@ -15,7 +15,8 @@ pair and a k is charged what a steady run at k costs: (k, k). Estimates only cha
 runs, so a k left alone for `probe_interval` steps is chosen twice in a row (one steady (k, k) step)
 to refresh them: a slow outlier (a kernel compiled mid-run, a hiccup) or a stale acceptance rate can
 never lock speculation off, or on, for good. Host time is a low quantile of recent steps (hiccups
-only ever add time), so outliers do not move it.
+only ever add time), so outliers do not move it, and samples from before a gap are dropped when a
+probe brings a fresh one.
 
 Tokens per verified run are what runs at that k really emitted, once enough were seen: requests differ
 (a repetitive file accepts everything, prose little), and the geometric model of one pooled acceptance
@@ -50,7 +51,8 @@ class SpeculationPolicy:
     decay: float = 0.98
     """Weight of the past in the running acceptance estimate (per observation)."""
     probe_interval: int = 50
-    """A k not chosen for this many steps is chosen twice, to refresh its estimates (0: never probe)."""
+    """A k not chosen for this many steps is chosen twice, to refresh its estimates (0: never probe).
+    Each probe that does not make its k the best doubles that k's interval, up to 16 times this."""
     host_window: int = 16
     """Recent steps per (verified, proposed) pair whose host times the low quantile is taken over."""
     emitted_decay: float = 0.995
@@ -64,6 +66,10 @@ class SpeculationPolicy:
     # Host seconds of recent steps by (k verified, drafts proposed): proposal passes cost host time.
     _host_samples: dict[tuple[int, int], deque[float]] = field(default_factory=dict)
     _probe: int | None = None  # a probed k, chosen once more at the next step
+    _probed: int | None = None  # the k whose probe just ended: is it the best now?
+    _intervals: dict[int, int] = field(default_factory=dict)  # per k, the current probe interval
+    _num_observed: int = 0
+    _last_observed: dict[tuple[int, int], int] = field(default_factory=dict)
     # Decayed sums of tokens emitted by, and number of, runs that verified exactly k drafts.
     _emitted: dict[int, float] = field(default_factory=dict)
     _runs: dict[int, float] = field(default_factory=dict)
@@ -84,14 +90,23 @@ class SpeculationPolicy:
             return self.max_k
         self._num_choices += 1
         k = self._best(num_decodes, self.step_cost)
+        if self._probed is not None:
+            # A probe that changed nothing makes the next one of that k rarer; one that did, sooner.
+            interval = self._intervals.get(self._probed, self.probe_interval)
+            grown = min(2 * interval, 16 * self.probe_interval)
+            self._intervals[self._probed] = self.probe_interval if k == self._probed else grown
+            self._probed = None
         if self._probe is not None:
-            k, self._probe = self._probe, None
+            k, self._probed, self._probe = self._probe, self._probe, None
         elif self.probe_interval > 0:
-            stale = [j for j in self.choices if self._num_choices - self._last_chosen.get(j, 0) > self.probe_interval]
+            stale = [j for j in self.choices if self._num_choices - self._last_chosen.get(j, 0) > self._interval(j)]
             if stale:
                 k = self._probe = min(stale, key=lambda j: self._last_chosen.get(j, 0))
         self._last_chosen[k] = self._num_choices
         return k
+
+    def _interval(self, k: int) -> int:
+        return self._intervals.get(k, self.probe_interval)
 
     def _best(self, num_decodes: int, step_cost: StepCost) -> int:
         """The k of the highest expected tokens per second under the current estimates."""
@@ -143,7 +158,13 @@ class SpeculationPolicy:
             return
         host = max(seconds - self.step_cost(num_decodes, k), 0.0)
         key = (k, k if num_proposals is None else num_proposals)
-        self._host_samples.setdefault(key, deque(maxlen=self.host_window)).append(host)
+        self._num_observed += 1
+        samples = self._host_samples.setdefault(key, deque(maxlen=self.host_window))
+        # A probe after a long gap: what the old samples said (perhaps while kernels compiled) is stale.
+        if self.probe_interval > 0 and self._num_observed - self._last_observed.get(key, 0) > self.probe_interval:
+            samples.clear()
+        self._last_observed[key] = self._num_observed
+        samples.append(host)
 
 
 def _low_quantile(samples: deque[float]) -> float:

@@ -169,6 +169,9 @@ class SpeculativeDecoder:
             return
         if rows.shape[0] == 0:
             return
+        if n == 0:  # the next step verifies nothing: no lookup to run
+            self.num_draft_tokens.index_fill_(0, rows, 0)
+            return
         drafts, counts = self.proposer.propose(token_ids, rows, num_tokens, max_num_tokens)
         if n < self.k:
             counts = counts.clamp_max(n)
