@@ -323,6 +323,7 @@ class Scheduler:
         running_status = RequestStatus.RUNNING
         num_prompt_computed = 0
         num_generated = 0
+        spec_k = scheduler_output.num_speculative_tokens
         for i, (request_id, sampled) in enumerate(
             zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
         ):
@@ -363,6 +364,8 @@ class Scheduler:
                     if status is not None:
                         break
             num_generated += num_new
+            if spec_k and start >= num_prompt and num_sched == spec_k + 1:
+                self.spec_policy.observe_emitted(spec_k, len(sampled))
             # Reconcile the optimistic view: the scheduled draft positions that were rejected (or cut
             # by a stop) are not computed. Every kept token but the newest has its KV in the cache.
             computed = len(all_ids) - 1

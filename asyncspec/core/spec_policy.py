@@ -127,20 +127,27 @@ class SpeculationPolicy:
         rejected = 1.0 if num_accepted < num_drafts else 0.0
         self._accepted = self.decay * self._accepted + num_accepted
         self._rejected = self.decay * self._rejected + rejected
-        if num_drafts in self.choices:
+
+    def observe_emitted(self, k: int, num_tokens: int) -> None:
+        """A decode that verified k planned draft positions emitted num_tokens (1 when its proposer
+        found no draft: such runs count here, and tell the policy that speculating did not pay)."""
+        if k in self.choices and k > 0:
             d = self.emitted_decay
-            self._emitted[num_drafts] = d * self._emitted.get(num_drafts, 0.0) + num_accepted + 1
-            self._runs[num_drafts] = d * self._runs.get(num_drafts, 0.0) + 1.0
+            self._emitted[k] = d * self._emitted.get(k, 0.0) + num_tokens
+            self._runs[k] = d * self._runs.get(k, 0.0) + 1.0
 
     def tokens_per_run(self, k: int, alpha: float | None = None) -> float:
         """Expected tokens a decode emits when verifying k drafts: the mean of recent runs at k once
-        there are enough of them, else 1 + a + ... + a^k for the pooled acceptance rate a."""
+        there are enough of them, else 1 + a + ... + a^k for the pooled acceptance rate a (at most
+        what runs at a larger k emitted)."""
         if k == 0:
             return 1.0
         if self._runs.get(k, 0.0) >= 8.0:
             return self._emitted[k] / self._runs[k]
         a = min(self.acceptance_rate if alpha is None else alpha, 0.999)
-        return (1 - a ** (k + 1)) / (1 - a)
+        # Fewer drafts never emit more than more drafts did: runs seen at a larger k cap the model.
+        seen_above = [self._emitted[j] / self._runs[j] for j in self._runs if j > k and self._runs[j] >= 8.0]
+        return min([(1 - a ** (k + 1)) / (1 - a), *seen_above])
 
     def host_seconds(self, k: int) -> float:
         """Host time of a steady step at k (verifying k drafts, proposing k): the low median of its

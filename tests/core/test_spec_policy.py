@@ -45,6 +45,7 @@ def _feed(policy: SpeculationPolicy, alpha: float, runs: int, k: int = 4, seed: 
         while accepted < k and rng.random() < alpha:
             accepted += 1
         policy.observe_run(k, accepted)
+        policy.observe_emitted(k, accepted + 1)
 
 
 @pytest.mark.parametrize("alpha", [0.1, 0.5, 0.85])
@@ -72,12 +73,13 @@ def test_choice_maximises_expected_throughput(cost, num_decodes, alpha):
     for k in policy.choices:
         policy.observe_step(num_decodes, k, cost(num_decodes, k) + 5e-4)  # host time 0.5 ms
     chosen = policy.choose(num_decodes)
-    # Runs at k = 4 were seen: their mean tokens; k = 1, 2: the geometric model.
+    # Runs at k = 4 were seen: their mean tokens; k = 1, 2: the geometric model, capped by k = 4's.
     alpha = policy.acceptance_rate
-    assert policy.tokens_per_run(2) == pytest.approx(1 + alpha + alpha**2)
+    seen = policy.tokens_per_run(4)
+    assert policy.tokens_per_run(2) == pytest.approx(min(1 + alpha + alpha**2, seen))
 
     def tokens(k):
-        return sum(alpha**i for i in range(k + 1)) if k < 4 else policy.tokens_per_run(4)
+        return min(sum(alpha**i for i in range(k + 1)), seen) if k < 4 else seen
 
     assert chosen == brute_force_best(cost, num_decodes, tokens, 5e-4, policy.choices)
 
@@ -89,11 +91,25 @@ def test_tokens_per_run_are_what_runs_emitted():
     assert policy.tokens_per_run(4) == pytest.approx(sum(0.6**i for i in range(5)))  # the prior alone
     for _ in range(500):
         policy.observe_run(4, 4)
+        policy.observe_emitted(4, 5)
         policy.observe_run(4, 0)
+        policy.observe_emitted(4, 1)
     assert policy.acceptance_rate == pytest.approx(0.8, abs=0.01)
     assert policy.tokens_per_run(4) == pytest.approx(3.0, abs=0.02)
     assert policy.tokens_per_run(2) == pytest.approx(1 + 0.8 + 0.64, abs=0.03)  # no runs at 2: the model
     assert policy.tokens_per_run(0) == 1.0
+
+
+def test_runs_without_drafts_turn_speculation_off():
+    """An n-gram proposer that finds nothing in random text: no draft is ever verified, so the
+    acceptance estimate keeps its prior, but every run at k emitted one token: k = 0 wins."""
+    policy = SpeculationPolicy(4, step_cost=compute_bound, probe_interval=0)
+    assert policy._best(32, compute_bound) > 0  # the prior: 0.6 acceptance
+    for _ in range(50):
+        policy.observe_emitted(4, 1)
+    assert policy.acceptance_rate == pytest.approx(0.6)
+    assert policy.tokens_per_run(4) == pytest.approx(1.0)
+    assert policy._best(32, compute_bound) == 0
 
 
 def test_host_time_is_learned_per_k():
