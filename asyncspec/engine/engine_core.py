@@ -9,6 +9,7 @@ from asyncspec.config import EngineConfig
 from asyncspec.core.kv_cache import KVCacheManager
 from asyncspec.core.scheduler import Scheduler, SchedulerConfig
 from asyncspec.core.scheduler_output import EngineCoreOutput, SchedulerOutput
+from asyncspec.engine.step_timing import StepTimings
 from asyncspec.errors import ConfigError
 from asyncspec.models.model_config import ModelConfig
 from asyncspec.request import Request, RequestStatus
@@ -65,6 +66,8 @@ class EngineCore:
             self.kv_cache_manager,
         )
         self.scheduler.spec_policy.step_cost = self.runner.speculation_step_cost()
+        self.step_timings = StepTimings()
+        """CPU planning, launch gaps and device idle between steps (read by stats and metrics)."""
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -82,12 +85,20 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        schedule_start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         start = time.perf_counter()
         runner_output = self.runner.execute_model(scheduler_output)
+        execute_end = time.perf_counter()
         if scheduler_output.num_speculative_tokens or self.config.num_speculative_tokens:
-            self._observe_decode_step(scheduler_output, time.perf_counter() - start)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+            self._observe_decode_step(scheduler_output, execute_end - start)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        idle = self.runner.last_device_idle_seconds if self.runner.device.type == "cuda" else None
+        self.step_timings.record(schedule_start, start, execute_end, time.perf_counter(), idle)
+        if not self.scheduler.has_unfinished_requests():
+            self.step_timings.reset_gaps()
+            self.runner.reset_device_idle()
+        return outputs
 
     def _observe_decode_step(self, so: SchedulerOutput, seconds: float) -> None:
         """Feeds a pure decode step's time to the speculation policy (its host-time estimate)."""

@@ -171,4 +171,5 @@ class LLMEngine:
             "num_free_kv_blocks": kv.num_free_blocks,
             "kv_cache_usage": kv.usage,
             **self.engine_core.runner.graph_stats(),
+            **self.engine_core.step_timings.as_stats(),
         }

@@ -132,6 +132,13 @@ class ModelRunner:
         self._output_ready = torch.cuda.Event() if pin else None
         # Looked up once: torch.cuda.current_stream() resolves the device on every call.
         self._stream = torch.cuda.current_stream(self.device) if pin else None
+        # Timed events around each step (ping-pong pairs) measure the device's idle time between steps.
+        self._step_events: tuple[list[torch.cuda.Event], list[torch.cuda.Event]] | None = None
+        if pin:
+            self._step_events = tuple([torch.cuda.Event(enable_timing=True) for _ in range(2)] for _ in range(2))  # type: ignore[assignment]
+        self._num_timed_steps = 0
+        self.last_device_idle_seconds: float | None = None
+        """Device idle before the last step (CUDA events); None on the CPU or when not measured."""
 
     # -- KV cache ---------------------------------------------------------------------
     @property
@@ -395,7 +402,28 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         # Triton launches on the thread's current device, and AsyncEngine steps in its own thread.
         with self._device_context():
-            return self._execute_model(so)
+            if self._step_events is None:
+                return self._execute_model(so)
+            starts, ends = self._step_events
+            i = self._num_timed_steps % 2
+            starts[i].record(self._stream)
+            output = self._execute_model(so)
+            ends[i].record(self._stream)
+            self._measure_device_idle(ends[1 - i], starts[i])
+            self._num_timed_steps += 1
+            return output
+
+    def _measure_device_idle(self, previous_end: torch.cuda.Event, start: torch.cuda.Event) -> None:
+        """Device time between the previous step's last op and this step's first: the bubble. Read
+        only once both events completed (the step's results are on the host, so they have), never
+        waiting for them."""
+        self.last_device_idle_seconds = None
+        if self._num_timed_steps > 0 and previous_end.query() and start.query():
+            self.last_device_idle_seconds = max(previous_end.elapsed_time(start), 0.0) / 1e3
+
+    def reset_device_idle(self) -> None:
+        """The engine ran out of work: the next step's wait is idleness, not a bubble."""
+        self._num_timed_steps = 0
 
     def _device_context(self):
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()

@@ -1,0 +1,63 @@
+"""Step timing counters: CPU planning time, launch-to-launch gap and device idle between steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncspec import SamplingParams
+from asyncspec.engine.step_timing import StepTimings
+from tests.conftest import load_prompts
+from tests.spec.spec_helpers import make_llm
+
+
+def test_totals_gaps_and_reset():
+    t = StepTimings()
+    # schedule_start, launch, execute_end, update_end, device idle (None: the host's gap)
+    t.record(0.0, 0.1, 0.5, 0.6, None)
+    assert (t.num_steps, t.launch_gap_seconds, t.device_idle_seconds) == (1, 0.0, 0.0)  # nothing before
+    t.record(0.7, 0.75, 1.0, 1.1, None)
+    assert t.last_launch_gap_seconds == pytest.approx(0.65)  # 0.1 -> 0.75
+    assert t.last_device_idle_seconds == pytest.approx(0.25)  # execution ended at 0.5, resumed at 0.75
+    assert t.scheduling_seconds == pytest.approx(0.15)
+    assert t.execute_seconds == pytest.approx(0.65)
+    assert t.update_seconds == pytest.approx(0.2)
+    t.record(1.2, 1.3, 1.4, 1.5, 0.004)  # measured on the device
+    assert t.last_device_idle_seconds == 0.004 and t.device_idle_seconds == pytest.approx(0.254)
+    t.reset_gaps()  # the engine went idle: the wait for new work is no bubble
+    t.record(9.0, 9.1, 9.2, 9.3, None)
+    assert t.last_launch_gap_seconds == 0.0 and t.last_device_idle_seconds == 0.0
+    stats = t.as_stats()
+    assert stats["num_timed_steps"] == 4 and stats["step_launch_gap_seconds_total"] == pytest.approx(0.65 + 0.55)
+
+
+def test_engine_counts_every_step():
+    """In the synchronous loop the device waits for the CPU between steps: each launch gap covers the
+    previous execution plus the CPU work after it, and the idle time is that CPU work."""
+    llm = make_llm(block_size=16, max_model_len=192, num_kv_blocks=64, max_num_seqs=4)
+    prompts = [p[:50] for p in load_prompts(3)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    stats = llm.stats()
+    assert stats["num_timed_steps"] == stats["num_steps"] >= 12
+    assert stats["step_scheduling_seconds_total"] > 0 and stats["step_update_seconds_total"] > 0
+    assert 0 < stats["device_idle_seconds_total"] < stats["step_launch_gap_seconds_total"]
+    steps_after_first = stats["num_steps"] - 1
+    # every gap holds the previous step's execution (the first step has none before it)
+    assert (
+        stats["step_launch_gap_seconds_total"]
+        >= stats["step_execute_seconds_total"] * (steps_after_first / stats["num_steps"]) - 1e-3
+    )
+    # the engine ran dry after generate: a later request's first step starts no gap
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=1))
+    assert llm.stats()["last_step_launch_gap_seconds"] == 0.0
+
+
+@pytest.mark.gpu
+def test_device_idle_is_measured_with_cuda_events():
+    llm = make_llm(device="cuda", block_size=16, max_model_len=192, num_kv_blocks=64, max_num_seqs=4)
+    prompts = [p[:50] for p in load_prompts(3)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    stats = llm.stats()
+    runner = llm.engine.engine_core.runner
+    assert runner.last_device_idle_seconds is not None
+    # the synchronous loop leaves the GPU idle between steps, never longer than the launch gaps
+    assert 0 < stats["device_idle_seconds_total"] < stats["step_launch_gap_seconds_total"]
