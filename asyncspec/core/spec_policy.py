@@ -150,7 +150,7 @@ class SpeculationPolicy:
         return min([(1 - a ** (k + 1)) / (1 - a), *seen_above])
 
     def host_seconds(self, k: int) -> float:
-        """Host time of a steady step at k (verifying k drafts, proposing k): the low median of its
+        """Host time of a steady step at k (verifying k drafts, proposing k): the low quartile of its
         recent steps once observed; before that the largest observed at a smaller steady k (host
         work grows with k), else 0."""
         if (k, k) in self._host_samples:
