@@ -980,7 +980,14 @@ def derive(results: dict[str, Any]) -> None:
             if prompt is not None:
                 rl_ref = roofline_ms(wb, kvt, ref, prompt + s.get("new_tokens", 128) / 2, bw)
             c["roofline_decode_tok_s_ref"] = ref / rl_ref * 1e3 if rl_ref else None
-            c["fraction_of_roofline_ref"] = _ratio(decode, c["roofline_decode_tok_s_ref"])
+            c["fraction_of_roofline_ref_by_subtraction"] = _ratio(decode, c["roofline_decode_tok_s_ref"])
+            # Steady decode at `ref` streams (a decode window, when the config has one there): one step's
+            # roofline over its wall time, free of the prefill that the subtraction above carries.
+            w_ref = _get(row, "windows", str(ref))
+            c["fraction_of_roofline_ref"] = None
+            if w_ref and "error" not in w_ref:
+                rl_w = roofline_ms(wb, kvt, ref, w_ref["mean_context_tokens"], bw)
+                c["fraction_of_roofline_ref"] = _ratio(rl_w, w_ref["wall_ms_per_step"])
             c["over_hf_batch"] = {str(st): _ratio(c["tok_s"].get(str(st)), hf) for st, hf in hf_batch.items()}
             summary["configs"][name] = c
         # Speculation on vs off at the same concurrency (the adaptive-k question).

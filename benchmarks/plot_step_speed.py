@@ -144,8 +144,10 @@ def markdown(results: dict[str, Any]) -> str:
     out += _table(head, rows, "ll" + "r" * (len(head) - 2))
     out += [
         "",
-        f"decode @{ref}: {ref} × (tokens − 1) / (time of the full run − time of a 1-token run). % of roofline: that "
-        f"against {ref} streams / (weights + their KV at mean context over the bandwidth). ÷ generate_batch: "
+        f"decode @{ref}: {ref} × (tokens − 1) / (time of the full run − time of a 1-token run). % of roofline: "
+        f"steady decode at {ref} streams (the decode window of that batch, where the config has one: `graphed`): "
+        f"the step's roofline (weights + the live KV at its mean context, over the bandwidth) ÷ its wall time; "
+        "- where no window was measured at that batch. ÷ generate_batch: "
         "asyncspec tok/s over transformers' continuous batching (CUDA graphs) at the same stream count. With "
         "speculation the decode phase can pass 100 %: the roofline counts one token per stream and step.",
         "",
