@@ -407,6 +407,25 @@ def _spec_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     return d
 
 
+def _step_timing_delta(before: dict[str, float], after: dict[str, float], steps: int, wall: float) -> dict:
+    """The engine's own step timing over a window (llm.stats(); absent in older checkouts): CPU planning,
+    launch-to-launch gap and device idle between steps (CUDA events), per step and as a share of wall time."""
+    if "device_idle_seconds_total" not in after:
+        return {}
+
+    def per_step_ms(key: str) -> float:
+        return (after[key] - before[key]) / steps * 1e3
+
+    idle = after["device_idle_seconds_total"] - before["device_idle_seconds_total"]
+    return {
+        "scheduling_ms_per_step": per_step_ms("step_scheduling_seconds_total"),
+        "update_ms_per_step": per_step_ms("step_update_seconds_total"),
+        "launch_gap_ms_per_step": per_step_ms("step_launch_gap_seconds_total"),
+        "device_idle_ms_per_step": per_step_ms("device_idle_seconds_total"),
+        "device_idle_fraction": idle / wall if wall > 0 else None,
+    }
+
+
 def decode_window(llm: Any, asyncspec: Any, batch: int, s: dict[str, Any]) -> dict:
     """Steady decode at `batch` requests: every prompt prefilled, then `window_steps` engine steps timed and as
     many profiled (GPU time from the CUDA activity; null on the CPU)."""
@@ -478,6 +497,7 @@ def decode_window(llm: Any, asyncspec: Any, batch: int, s: dict[str, Any]) -> di
         "gpu_busy_fraction": None,
         "gpu_busy_fraction_profiled": None,
         **{f"timed_{k2}": v for k2, v in _spec_delta(s0, s1).items()},
+        **_step_timing_delta(s0, s1, steps, wall),
     }
     if cuda:
         gpu_ms = totals["gpu_us"] / 1e3 / steps

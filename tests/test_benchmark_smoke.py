@@ -102,6 +102,11 @@ def check_asyncspec_row(row: dict, s: dict, name: str) -> None:
         assert w["tokens"] >= w["steps"] * int(b)  # every running request gains at least one token per step
         assert w["finished_during_windows"] == 0
         assert w["gpu_ms_per_step"] is None and w["gpu_busy_fraction"] is None  # no CUDA activity on the CPU
+        # the engine's step timing: the synchronous loop leaves the device idle between steps
+        assert _positive(w["scheduling_ms_per_step"]) and _positive(w["device_idle_ms_per_step"])
+        # (the window's gaps start at the launch before it: about one wall step each, not an exact bound)
+        assert w["device_idle_ms_per_step"] <= w["launch_gap_ms_per_step"] <= w["wall_ms_per_step"] * 1.25
+        assert 0 < w["device_idle_fraction"] < 1
     if "-" in name:  # speculation: acceptance counted
         assert row["tpot"]["acceptance_length"] is None or row["tpot"]["acceptance_length"] >= 1.0
 
