@@ -362,6 +362,14 @@ def engine_kwargs(model: str, part: str, s: dict[str, Any], utilization: float) 
     return kwargs
 
 
+def construct(asyncspec: Any, model: str, kwargs: dict[str, Any], clock: Clock) -> tuple[Any, float, float]:
+    """The engine, its construction seconds and the seconds since the process started."""
+    model_dir = _model_dir(model)
+    t0 = time.perf_counter()  # no device sync first: CUDA's initialisation is part of a cold start
+    llm = asyncspec.LLM(model_dir, **kwargs)
+    return llm, clock() - t0, clock() - PROCESS_START
+
+
 def engine_facts(llm: Any) -> dict[str, Any]:
     """Pool size and the weight bytes of the engine's own model (a cross-check of the analytic roofline)."""
     runner = llm.engine.engine_core.runner
@@ -532,12 +540,8 @@ def bench_asyncspec(model: str, part: str, s: dict[str, Any]) -> dict:
         with profile(activities=[ProfilerActivity.CUDA]):
             pass
     kwargs = engine_kwargs(model, part, s, s["speed_gpu_memory_utilization"])
-    model_dir = _model_dir(model)
     clock = Clock(s["device"])
-    t0 = time.perf_counter()  # no device sync first: CUDA's initialisation is part of a cold start
-    llm = asyncspec.LLM(model_dir, **kwargs)
-    startup_s = clock() - t0
-    since_process_start_s = clock() - PROCESS_START
+    llm, startup_s, since_process_start_s = construct(asyncspec, model, kwargs, clock)
     row: dict[str, Any] = {"engine_kwargs": kwargs, "startup_s": startup_s, **engine_facts(llm)}
     row["ready_since_process_start_s"] = since_process_start_s
     if cuda:
@@ -616,12 +620,8 @@ def bench_startup(model: str, s: dict[str, Any]) -> dict:
 
     asyncspec = _import_asyncspec()
     kwargs = engine_kwargs(model, "startup", s, s["startup_gpu_memory_utilization"])
-    model_dir = _model_dir(model)
     clock = Clock(s["device"])
-    t0 = time.perf_counter()  # no device sync first: CUDA's initialisation is part of a cold start
-    llm = asyncspec.LLM(model_dir, **kwargs)
-    startup_s = clock() - t0
-    since_process_start_s = clock() - PROCESS_START
+    llm, startup_s, since_process_start_s = construct(asyncspec, model, kwargs, clock)
     facts = engine_facts(llm)
     prompts = load_prompts(max(s["concurrency"]))
     bench_len = statistics.fmean(len(p) for p in prompts) + s["new_tokens"]

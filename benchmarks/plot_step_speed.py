@@ -262,6 +262,23 @@ def _log2_axis(ax: Any, xs: list[int]) -> None:
         ax.minorticks_off()
 
 
+def _label_axis(ax: Any, xlabel: str, ylabel: str, title: str, legend_size: int) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend_size)
+
+
+def _save(plt: Any, fig: Any, title: str, path: Path) -> Path:
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
     """The three PNGs; returns their paths."""
     import matplotlib
@@ -295,17 +312,10 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
         if pts:
             ax.plot(*zip(*sorted(pts), strict=True), "x:", label="wall (eager)")
         _log2_axis(ax, xs + [b for b, _ in pts])
-        ax.set_xlabel("batch size (decode streams)")
-        ax.set_ylabel("ms per decode step")
-        ax.set_title(model)
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"asyncspec decode step vs batch size — {results['card']}")
-    fig.tight_layout()
-    written.append(out_dir / "step_speed_sweep.png")
-    fig.savefig(written[-1], dpi=120)
-    plt.close(fig)
+        _label_axis(ax, "batch size (decode streams)", "ms per decode step", model, legend_size=8)
+    written.append(
+        _save(plt, fig, f"asyncspec decode step vs batch size — {results['card']}", out_dir / "step_speed_sweep.png")
+    )
 
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
@@ -319,17 +329,10 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
         if hf:
             ax.plot(*zip(*hf, strict=True), "k*", markersize=10, label="transformers generate_batch")
         _log2_axis(ax, [int(k) for c in entry["summary"]["configs"].values() for k in c["tok_s"]] + [x for x, _ in hf])
-        ax.set_xlabel("concurrent streams")
-        ax.set_ylabel("generated tok/s")
-        ax.set_title(model)
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"Throughput vs concurrency — {results['card']}")
-    fig.tight_layout()
-    written.append(out_dir / "step_speed_throughput.png")
-    fig.savefig(written[-1], dpi=120)
-    plt.close(fig)
+        _label_axis(ax, "concurrent streams", "generated tok/s", model, legend_size=7)
+    written.append(
+        _save(plt, fig, f"Throughput vs concurrency — {results['card']}", out_dir / "step_speed_throughput.png")
+    )
 
     ref = results.get("settings", {}).get("reference_streams", 32)
     metrics = (
@@ -350,11 +353,9 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set_ylabel("fraction of roofline (roofline time / measured)")
         ax.set_title(model)
         ax.legend(fontsize=7)
-    fig.suptitle(f"Fraction of the memory roofline — {results['card']}")
-    fig.tight_layout()
-    written.append(out_dir / "step_speed_roofline.png")
-    fig.savefig(written[-1], dpi=120)
-    plt.close(fig)
+    written.append(
+        _save(plt, fig, f"Fraction of the memory roofline — {results['card']}", out_dir / "step_speed_roofline.png")
+    )
     return written
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,34 @@ class StaticInputs:
             query_start_loc=torch.zeros(max_reqs + 1, dtype=torch.int32, device=device),
             seq_lens=torch.zeros(max_reqs, dtype=torch.int32, device=device),
             block_tables=torch.zeros((max_reqs, max_blocks_per_req), dtype=torch.int32, device=device),
+        )
+
+    def fill(
+        self,
+        prepare: Callable[..., None],
+        meta: torch.Tensor,
+        num_reqs: int,
+        num_tokens: int,
+        token_ids: torch.Tensor,
+        block_size: int,
+        capacity: torch.Tensor | None = None,
+    ) -> None:
+        """Builds a step's inputs into these buffers with the backend's `prepare_inputs` (one kernel on
+        a GPU): `meta` [row, computed, scheduled] per request (padding included), tokens from
+        `token_ids`, slots from this object's block tables, `capacity` the optional writable-slot guard."""
+        prepare(
+            meta,
+            num_reqs,
+            num_tokens,
+            token_ids,
+            self.block_tables,
+            block_size,
+            self.input_ids,
+            self.positions,
+            self.slot_mapping,
+            self.query_start_loc,
+            self.seq_lens,
+            capacity,
         )
 
     def metadata(self, num_reqs: int, num_tokens: int, max_query_len: int, block_size: int) -> AttentionMetadata:

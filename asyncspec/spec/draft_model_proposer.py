@@ -235,20 +235,7 @@ class DraftModelProposer:
         buffers with one kernel, then replays the graph of `bucket` or runs eagerly. `input_ids`
         replaces the gathered ids (a proposal pass feeds tokens that are in no buffer)."""
         inputs = self.inputs
-        self._prepare(
-            meta,
-            num_reqs,
-            padded_tokens,
-            token_ids,
-            inputs.block_tables,
-            self.block_size,
-            inputs.input_ids,
-            inputs.positions,
-            inputs.slot_mapping,
-            inputs.query_start_loc,
-            inputs.seq_lens,
-            capacity,
-        )
+        inputs.fill(self._prepare, meta, num_reqs, padded_tokens, token_ids, self.block_size, capacity)
         if input_ids is not None:
             inputs.input_ids[: input_ids.shape[0]].copy_(input_ids)
         if bucket is not None and query_len is not None and self.graphs is not None:

@@ -769,18 +769,14 @@ class ModelRunner:
             event.record(self._stream)
             self._copy_done[i] = event
         inputs = self._inputs
-        self._prepare_kernel(
+        # The block tables were copied into inputs.block_tables (= self._block_table_dev) above.
+        inputs.fill(
+            self._prepare_kernel,
             self._meta_dev,
             padded_reqs,
             padded_tokens,
             self.input_batch.token_ids,
-            self._block_table_dev,
             self.block_size,
-            inputs.input_ids,
-            inputs.positions,
-            inputs.slot_mapping,
-            inputs.query_start_loc,
-            inputs.seq_lens,
         )
         max_seq_len = int((meta[1, :num_reqs] + meta[2, :num_reqs]).max())
         metadata = inputs.metadata(num_reqs, total_tokens, max(num_scheduled), self.block_size)
