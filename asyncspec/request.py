@@ -49,6 +49,9 @@ class Request:
     """Tokens whose K/V are in the cache (prefix-cache hits included)."""
     num_cached_tokens: int = -1
     """Prompt tokens served from the prefix cache at first scheduling (-1: not yet scheduled)."""
+    num_output_placeholders: int = 0
+    """Tokens the steps in flight will emit if every draft is accepted (the scheduler's optimistic
+    view): counted in scheduling, never stored as ids; reconciliation replaces them by real tokens."""
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

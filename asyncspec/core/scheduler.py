@@ -136,19 +136,28 @@ class Scheduler:
         cached_ids = cached.request_ids
         cached_blocks = cached.new_block_ids
         cached_computed = cached.num_computed_tokens
+        draft_positions: dict[str, int] = {}
         index = 0
         while index < len(running) and token_budget > 0:
             request = running[index]
             computed = request.num_computed_tokens
-            num_tokens = len(request.all_token_ids)
+            placeholders = request.num_output_placeholders
+            num_tokens = len(request.all_token_ids) + placeholders
+            if placeholders and self._may_reach_limit(request, num_tokens, max_model_len):
+                # A step in flight may end it (max_tokens, max_model_len): plan it once it is known.
+                index += 1
+                continue
             num_new = num_tokens - computed
+            num_drafts = 0
             # Chunk any multi-token catch-up: a prompt, or a preempted request's recompute.
             if threshold > 0 and num_new > 1:
                 num_new = min(num_new, threshold)
-            elif num_new == 1 and spec_k and request.output_token_ids:
+            elif num_new == 1 and spec_k and (placeholders or request.output_token_ids):
                 # A decode after a sampling step: the worker holds up to k drafts to verify.
-                num_new += self._num_drafts_for(request, computed, spec_k, max_model_len)
+                num_drafts = self._num_drafts_for(request, computed, spec_k, max_model_len)
+                num_new += num_drafts
             if num_new > token_budget:
+                num_drafts = max(0, num_drafts - (num_new - token_budget))
                 num_new = token_budget
             if num_new <= 0:
                 index += 1
@@ -165,6 +174,7 @@ class Scheduler:
                     if victim_tokens is not None:
                         token_budget += victim_tokens
                         self._unschedule_cached(cached, victim.request_id)
+                        draft_positions.pop(victim.request_id, None)
                     index -= 1
                 self._preempt(victim)
                 preempted_ids.add(victim.request_id)
@@ -178,9 +188,14 @@ class Scheduler:
             cached_ids.append(request_id)
             cached_blocks.append(new_block_ids)
             cached_computed.append(computed)
-            # Optimistic view: the scheduled tokens count as computed from now on (a victim
-            # preempted later in this step is reset to 0 by _preempt).
+            # Optimistic view: the scheduled tokens count as computed from now on, and a step that
+            # reaches the last token emits every draft plus one token (a victim preempted later in
+            # this step is reset by _preempt; reconciliation corrects both).
             request.num_computed_tokens = computed + num_new
+            if computed + num_new >= num_tokens:
+                request.num_output_placeholders = placeholders + 1 + num_drafts
+                if num_drafts:
+                    draft_positions[request_id] = num_drafts
             token_budget -= num_new
             index += 1
 
@@ -227,6 +242,8 @@ class Scheduler:
                     )
                 )
                 request.num_computed_tokens += num_new  # optimistic, as above
+                if request.num_computed_tokens >= request.num_tokens:
+                    request.num_output_placeholders = 1
                 token_budget -= num_new
 
         self._step_id += 1
@@ -240,6 +257,7 @@ class Scheduler:
             preempted_req_ids=preempted_ids,
             num_speculative_tokens=spec_k,
             num_proposals=self._plan_next_k() if cfg.num_speculative_tokens else 0,
+            num_draft_positions=draft_positions,
         )
         if cfg.num_speculative_tokens:
             counts = self.stats.steps_per_speculative_k
@@ -270,8 +288,17 @@ class Scheduler:
         num_drafts = min(k, max_model_len - computed - 2)
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
-            num_drafts = min(num_drafts, max_tokens - len(request.output_token_ids) - 1)
+            num_output = len(request.output_token_ids) + request.num_output_placeholders
+            num_drafts = min(num_drafts, max_tokens - num_output - 1)
         return max(num_drafts, 0)
+
+    @staticmethod
+    def _may_reach_limit(request: Request, num_tokens: int, max_model_len: int) -> bool:
+        """Whether the steps in flight, if every draft is accepted, reach max_tokens or
+        max_model_len: the request may be finished, and a step past its end has no place to go."""
+        max_tokens = request.sampling_params.max_tokens
+        num_output = len(request.output_token_ids) + request.num_output_placeholders
+        return num_tokens >= max_model_len or (max_tokens is not None and num_output >= max_tokens)
 
     @staticmethod
     def _lookahead_for(end: int, num_tokens: int, k: int, max_model_len: int) -> int:
@@ -293,6 +320,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # a step in flight for it is void (update_from_output)
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.prepend(request)
@@ -324,25 +352,31 @@ class Scheduler:
         num_prompt_computed = 0
         num_generated = 0
         spec_k = scheduler_output.num_speculative_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        # Where each request's step began (the plan's view: exact for prefill chunks, which have no
+        # draft in flight before them).
+        starts = dict(zip(cached.request_ids, cached.num_computed_tokens, strict=True))
+        for new_req in scheduler_output.scheduled_new_reqs:
+            starts[new_req.request_id] = new_req.num_computed_tokens
+        draft_positions = scheduler_output.num_draft_positions
         for i, (request_id, sampled) in enumerate(
             zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
         ):
             request = requests.get(request_id)
             if request is None or request.status != running_status:
-                continue  # finished or preempted while this step ran: its results are void
+                continue  # finished or preempted after this step was planned: its results are void
             num_sched = num_scheduled_map[request_id]
-            computed = request.num_computed_tokens
-            start = computed - num_sched
+            start = starts[request_id]
             num_prompt = len(request.prompt_token_ids)
             if start < num_prompt:
                 num_prompt_computed += min(num_sched, num_prompt - start)
             if not sampled:
                 # A prefill chunk that did not reach the end of the prompt: all of it is committed.
-                # Tokens before `start` were offered to the prefix cache by an earlier step, so only
-                # a step that completes a block can register anything new.
-                if cache_blocks is not None and computed // block_size > start // block_size:
-                    cache_blocks(request, computed)
+                if cache_blocks is not None and (start + num_sched) // block_size > start // block_size:
+                    cache_blocks(request, start + num_sched)
                 continue
+            num_drafts_planned = draft_positions.get(request_id, 0)
+            request.num_output_placeholders -= 1 + num_drafts_planned
             params = request.sampling_params
             output_ids = request.output_token_ids
             all_ids = request.all_token_ids
@@ -366,15 +400,17 @@ class Scheduler:
             num_generated += num_new
             if spec_k and start >= num_prompt and num_sched == spec_k + 1:
                 self.spec_policy.observe_emitted(spec_k, len(sampled))
-            # Reconcile the optimistic view: the scheduled draft positions that were rejected (or cut
-            # by a stop) are not computed. Every kept token but the newest has its KV in the cache.
-            computed = len(all_ids) - 1
-            request.num_computed_tokens = computed
-            # Only verified tokens reach the prefix cache, and with stop strings only those that
-            # precede this step's run: the output processor may still cut the run at a stop string
-            # (the next step registers the run, if the request goes on).
-            cacheable = computed - num_new + 1 if params.stop else computed
-            if cache_blocks is not None and cacheable // block_size > start // block_size:
+            # Reconcile the optimistic view, once: the draft positions this step rejected are not
+            # computed (a later step already planned keeps its own optimistic share). A run cut by a
+            # stop ends the request, so its cut tail needs no correction.
+            request.num_computed_tokens -= num_drafts_planned - (len(sampled) - 1)
+            # Every kept token but the newest has its KV in the cache. Only verified tokens reach
+            # the prefix cache, and with stop strings only those that precede this step's run: the
+            # output processor may still cut the run at a stop string (the next step registers the
+            # run, if the request goes on).
+            committed = len(all_ids) - 1
+            cacheable = committed - num_new + 1 if params.stop else committed
+            if cache_blocks is not None:
                 cache_blocks(request, cacheable)
             num_accepted = 0
             if num_drafts is not None and num_drafts[i]:

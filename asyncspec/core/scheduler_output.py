@@ -50,6 +50,9 @@ class SchedulerOutput:
     """Drafts per decode verified this step: the k the previous step committed to (and proposed)."""
     num_proposals: int = 0
     """Drafts the worker proposes per sampling request at the end of this step: the next step's k."""
+    num_draft_positions: dict[str, int] = field(default_factory=dict)
+    """Per decode verifying drafts: the draft positions scheduled after its last token (the worker
+    cannot derive them while an earlier step's accepted counts are still on their way)."""
 
     @property
     def is_empty(self) -> bool:

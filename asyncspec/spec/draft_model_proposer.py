@@ -44,7 +44,10 @@ class DraftStep:
     """The target step the draft catches up on (one entry per scheduled request, batch order)."""
 
     num_computed: list[int]
-    """Tokens in the draft's KV cache before the step."""
+    """Tokens in the draft's KV cache before the step, relative to `computed_base` where given."""
+    computed_base: Tensor | None
+    """[num_reqs] int64 device: the target's computed counts before the step, which the device alone
+    may know (a step in flight may have rejected drafts); None: `num_computed` is absolute."""
     num_scheduled: list[int]
     """Positions the draft computes: the target's of this step plus those it fell behind by."""
     rows: list[int]
@@ -177,6 +180,10 @@ class DraftModelProposer:
         device_host = host_array_to_device(host, dev)
         meta_dev = device_host[: 4 * padded].view(4, padded)
         new_row, new_position, sampling_dev, capacity, token_rows = device_host[4 * padded :].view(5, num_sampling)
+        if step.computed_base is not None:
+            meta_dev[1, :num_reqs] += step.computed_base
+            if num_sampling:
+                new_position += step.computed_base.index_select(0, sampling_dev)
 
         inputs = self.inputs
         inputs.block_tables[:num_reqs].copy_(step.block_tables)

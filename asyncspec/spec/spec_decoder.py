@@ -12,11 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from asyncspec.layers.sampler import SamplingMetadata, host_array_to_device, host_list_to_device
+from asyncspec.layers.sampler import SamplingMetadata, host_list_to_device
 from asyncspec.spec.draft_model_proposer import DraftModelProposer, DraftStep
 from asyncspec.spec.ngram_proposer import NgramProposer
 from asyncspec.spec.rejection_sampler import RejectionSampler
@@ -31,10 +30,8 @@ class VerifyInputs:
     """[S] int64 device: buffer row of each sampling request."""
     row_ids: list[int]
     """The same rows, on the host."""
-    num_tokens: list[int]
-    """Known (verified) tokens of each request before this step."""
-    num_draft_positions: list[int]
-    """Draft positions the scheduler planned per request (0 for a request without drafts)."""
+    num_draft_positions: Tensor
+    """[S] int64 device: draft positions the scheduler planned per request (0 without drafts)."""
     logits: Tensor
     """[S, P, V] target logits at the last token and each draft position (P = max draft positions + 1)."""
     metadata: SamplingMetadata
@@ -101,19 +98,18 @@ class SpeculativeDecoder:
             self.num_draft_tokens.index_fill_(0, host_list_to_device(rows, self.device), 0)
 
     # -- 2. the drafts become the target's input --------------------------------------------
-    def insert_drafts(self, token_ids: Tensor, rows: Sequence[int], num_tokens: Sequence[int], counts: Sequence[int]):
-        """Writes each row's first `count` draft slots after its known tokens in the device token
-        buffer, where the runner's input gather finds them (they are overwritten once verified).
-        Flat indices are built with numpy and cross in one copy; the write is one gather + scatter."""
-        count = np.asarray(counts, dtype=np.int64)
-        total = int(count.sum())
-        if total == 0:
-            return
-        row = np.repeat(np.asarray(rows, dtype=np.int64), count)
-        slot = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
-        col = np.repeat(np.asarray(num_tokens, dtype=np.int64), count) + slot
-        flat = host_array_to_device(np.stack([row * token_ids.shape[1] + col, row * self.k + slot]), self.device)
-        token_ids.view(-1).index_copy_(0, flat[0], self.draft_token_ids.view(-1).index_select(0, flat[1]))
+    def insert_drafts(
+        self, token_ids: Tensor, rows: Tensor, num_tokens: Tensor, counts: Tensor, num_positions: int
+    ) -> None:
+        """Writes each row's first `count` draft slots after its `num_tokens` known tokens in the
+        device token buffer, where the runner's input gather finds them (they are overwritten once
+        verified). Everything is on the device ([S] tensors): the token counts may not be known on
+        the host yet. `num_positions` is the largest count."""
+        slots = torch.arange(num_positions, device=self.device)
+        cols = num_tokens.unsqueeze(1) + slots
+        grid = rows.unsqueeze(1).expand_as(cols)
+        drafts = self.draft_token_ids.index_select(0, rows)[:, :num_positions]
+        token_ids[grid, cols] = torch.where(slots < counts.unsqueeze(1), drafts, token_ids[grid, cols])
 
     # -- 3. verification ----------------------------------------------------------------------
     def verify(
@@ -124,7 +120,7 @@ class SpeculativeDecoder:
     ) -> VerifyResult:
         num_rows, num_positions, _ = inputs.logits.shape
         k = num_positions - 1
-        planned = host_list_to_device(inputs.num_draft_positions, self.device)
+        planned = inputs.num_draft_positions
         drafts = self.draft_token_ids.index_select(0, inputs.rows)[:, :k]
         num_valid = torch.minimum(self.num_draft_tokens.index_select(0, inputs.rows), planned)
         probs = verification_probs(inputs.logits, inputs.metadata, drafts, num_valid, inputs.blocked_token_ids)

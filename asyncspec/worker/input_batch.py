@@ -107,6 +107,9 @@ class InputBatch:
             (max_num_reqs, max_model_len + num_spare_token_slots), dtype=torch.int64, device=device
         )
         self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
+        self.num_computed_dev = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
+        """Per row, tokens whose KV is computed: the truth, advanced by each step and corrected by its
+        accepted counts on the device (the host's plan may be ahead of it while steps are in flight)."""
         self.rows: dict[str, RowState] = {}
         # Sampling parameters per row, on the device: a step gathers its rows instead of
         # building new tensors on the host.

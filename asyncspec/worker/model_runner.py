@@ -3,9 +3,11 @@ the forward pass and samples."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +31,7 @@ from asyncspec.layers.sampler import (
 from asyncspec.models.loader import load_model
 from asyncspec.models.model_config import ModelConfig
 from asyncspec.outputs import TokenLogprobs
-from asyncspec.sampling_params import SAMPLING_EPS, SamplingParams
+from asyncspec.sampling_params import MAX_LOGPROBS, SAMPLING_EPS, SamplingParams
 from asyncspec.spec.draft_model_proposer import DraftModelProposer, DraftStep
 from asyncspec.spec.factory import make_speculative_decoder
 from asyncspec.spec.spec_decoder import SpeculativeDecoder, VerifyInputs
@@ -68,6 +70,36 @@ class StepInputs:
     """The captured batch size that replays this step, or None (eager)."""
     query_len: int
     """Tokens per request when uniform (what the graph was captured for)."""
+
+
+@dataclass(eq=False)
+class StepHandle:
+    """A launched step. Its results reach the host through one copy into pinned memory; `ready`
+    fires when they are there. `collect` turns them into the step's ModelRunnerOutput."""
+
+    finish: Callable[[np.ndarray], ModelRunnerOutput] | None = None
+    """Reads the host copy into the step's output (None: `output` is already final)."""
+    host: torch.Tensor | None = None
+    """The step's host copy (pinned on CUDA)."""
+    ready: torch.cuda.Event | None = None
+    """Recorded after the copy (CUDA); None when the copy is already complete."""
+    output: ModelRunnerOutput | None = None
+    future: concurrent.futures.Future[ModelRunnerOutput] | None = None
+    """On the CPU in asynchronous mode: the worker thread's run of the whole step."""
+    timing_slot: int | None = None
+    """Index of the step's timed CUDA events (device idle before it)."""
+
+    def is_ready(self) -> bool:
+        if self.future is not None:
+            return self.future.done()
+        return self.ready is None or self.ready.query()
+
+    def wait(self) -> None:
+        """Blocks until the results are on the host (a waiter thread calls this, never the event loop)."""
+        if self.future is not None:
+            concurrent.futures.wait([self.future])
+        elif self.ready is not None:
+            self.ready.synchronize()
 
 
 class ModelRunner:
@@ -115,30 +147,42 @@ class ModelRunner:
         # Two sets of pinned host buffers used in turn. A non-blocking copy reads its host buffer
         # whenever the GPU gets to it, and a step that samples nothing never waits for the GPU, so a
         # buffer is refilled only after the event of its previous copy (two steps back) has fired.
-        # Rows of meta: batch row, num_computed_tokens, num_scheduled_tokens, sampling indices.
-        self._meta_host = [torch.zeros((4, n), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        # Rows of meta: batch row, num_computed_tokens, num_scheduled_tokens, sampling indices, whether
+        # the row's computed count comes from the host (admitted this step) rather than the device,
+        # and per sampling request its draft positions.
+        self._meta_host = [torch.zeros((6, n), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._block_table_host = [torch.zeros((n, cols), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._copy_done: list[torch.cuda.Event | None] = [None, None]
         self._buffer_index = 0
-        self._meta_dev = torch.zeros((4, n), dtype=torch.int64, device=self.device)
+        self._meta_dev = torch.zeros((6, n), dtype=torch.int64, device=self.device)
         # The step's model inputs (and the target's CUDA graphs) live at these fixed addresses; the
         # block tables are both the copy target of the host table and the graphs' input.
         self._inputs = StaticInputs.allocate(n, self.config.max_num_batched_tokens, cols, self.device)
         self._block_table_dev = self._inputs.block_tables
         self._prepare_kernel = select_backend(self.device).prepare_inputs
-        # The step's one device-to-host copy lands here (sampled tokens, accepted and draft counts).
         k = self.spec.k if self.spec is not None else 0
-        self._output_host = torch.zeros(n * (k + 3), dtype=torch.int64, pin_memory=pin)
-        self._output_ready = torch.cuda.Event() if pin else None
+        self._draft_slots = torch.arange(max(k, 1), dtype=torch.int64, device=self.device)
+        # The step's one device-to-host copy lands here (sampled tokens, accepted and draft counts,
+        # logprobs): two buffers, since the next step's copy is queued before this one is read.
+        size = n * (k + 3) + n * (k + 1) * (2 * (MAX_LOGPROBS + 1) + 1)
+        self._output_host = [torch.zeros(size, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._output_ready = [torch.cuda.Event() for _ in range(2)] if pin else None
+        self._output_index = 0
         # Looked up once: torch.cuda.current_stream() resolves the device on every call.
         self._stream = torch.cuda.current_stream(self.device) if pin else None
-        # Timed events around each step (ping-pong pairs) measure the device's idle time between steps.
+        # Timed events around each step measure the device's idle time between steps; three pairs,
+        # since a step's are read at its collection, after the next step was launched.
         self._step_events: tuple[list[torch.cuda.Event], list[torch.cuda.Event]] | None = None
         if pin:
-            self._step_events = tuple([torch.cuda.Event(enable_timing=True) for _ in range(2)] for _ in range(2))  # type: ignore[assignment]
+            self._step_events = tuple([torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(2))  # type: ignore[assignment]
         self._num_timed_steps = 0
         self.last_device_idle_seconds: float | None = None
-        """Device idle before the last step (CUDA events); None on the CPU or when not measured."""
+        """Device idle before the last collected step (CUDA events); None on the CPU or when not measured."""
+        # On the CPU in asynchronous mode a worker thread plays the CUDA stream: it runs the steps
+        # in launch order while the engine plans the next one.
+        self._cpu_stream: concurrent.futures.ThreadPoolExecutor | None = None
+        if self.config.async_scheduling and not pin:
+            self._cpu_stream = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asyncspec-cpu-stream")
 
     # -- KV cache ---------------------------------------------------------------------
     @property
@@ -358,29 +402,32 @@ class ModelRunner:
             self.cuda_graphs.num_eager += 1
         return self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
 
-    def _copy_to_host(self, tensors: list[torch.Tensor]) -> list[int]:
+    def _copy_to_host(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """The step's one device-to-host copy: int64 tensors, concatenated, non-blocking into pinned
-        memory, then an event. (The asynchronous loop awaits the event instead of blocking on it.)"""
+        memory, then an event. Returns (host tensor, event); the caller waits for the event."""
         flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1)
         if self._output_ready is None:
-            return flat.tolist()
-        n = flat.shape[0]
-        host = self._output_host[:n]
+            return flat, None
+        i = self._output_index
+        self._output_index ^= 1
+        host = self._output_host[i][: flat.shape[0]]
         host.copy_(flat, non_blocking=True)
-        self._output_ready.record(self._stream)
-        self._output_ready.synchronize()
-        return host.tolist()
+        ready = self._output_ready[i]
+        ready.record(self._stream)
+        return host, ready
 
     # -- one step -----------------------------------------------------------------------
-    def _update_states(self, so: SchedulerOutput) -> dict[str, str]:
+    def _update_states(self, so: SchedulerOutput) -> tuple[dict[str, str], set[str]]:
         """Applies the step's differences to the persistent batch. Returns the new requests that
-        could not be admitted (id -> reason): they fail alone and sit out the step."""
+        could not be admitted (id -> reason: they fail alone and sit out the step), and the ids
+        admitted (their computed counts come from the host this step)."""
         batch = self.input_batch
         for request_id in so.finished_req_ids:
             batch.remove_request(request_id)
         for request_id in so.preempted_req_ids:
             batch.remove_request(request_id, preempted=True)
         failed: dict[str, str] = {}
+        admitted: set[str] = set()
         for data in so.scheduled_new_reqs:
             try:
                 state = batch.add_request(data)
@@ -388,6 +435,7 @@ class ModelRunner:
                 logger.warning("request %s failed at admission to the worker: %r", data.request_id, e)
                 failed[data.request_id] = f"the worker could not admit the request: {e!r}"
             else:
+                admitted.add(data.request_id)
                 if self.spec is not None:
                     self.spec.reset_rows([state.row])
         cached = so.scheduled_cached_reqs
@@ -397,65 +445,107 @@ class ModelRunner:
             state = batch.rows[request_id]
             batch.append_blocks(state, new_blocks)
             state.num_computed_tokens = num_computed
-        return failed
+        return failed, admitted
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """One step, synchronously: launch, then collect."""
+        return self.collect(self.launch(so))
+
+    def launch(self, so: SchedulerOutput) -> StepHandle:
+        """Queues the whole step on the device and returns at once: nothing here waits for the GPU.
+        Steps run in launch order; a step may be launched before the previous one is collected."""
+        if self._cpu_stream is not None:
+            return StepHandle(future=self._cpu_stream.submit(self._run_step, so))
         # Triton launches on the thread's current device, and AsyncEngine steps in its own thread.
         with self._device_context():
             if self._step_events is None:
-                return self._execute_model(so)
+                return self._launch(so)
             starts, ends = self._step_events
-            i = self._num_timed_steps % 2
+            i = self._num_timed_steps % 3
             starts[i].record(self._stream)
-            output = self._execute_model(so)
+            handle = self._launch(so)
             ends[i].record(self._stream)
-            self._measure_device_idle(ends[1 - i], starts[i])
+            # The first step after the engine ran dry has no bubble before it, only idleness.
+            handle.timing_slot = i if self._num_timed_steps > 0 else None
             self._num_timed_steps += 1
-            return output
+            return handle
 
-    def _measure_device_idle(self, previous_end: torch.cuda.Event, start: torch.cuda.Event) -> None:
-        """Device time between the previous step's last op and this step's first: the bubble. Read
-        only once both events completed (the step's results are on the host, so they have), never
-        waiting for them."""
+    def _run_step(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """The CPU worker thread's whole step (the CPU computes as it launches)."""
+        return self._finish(self._launch(so))
+
+    def collect(self, handle: StepHandle) -> ModelRunnerOutput:
+        """The step's results, once its copy landed (blocks until then: the asynchronous engine
+        awaits `handle.wait` in a waiter thread first). Every host-side update of the step happens
+        here, in launch order."""
+        if handle.future is not None:
+            return handle.future.result()
+        handle.wait()
         self.last_device_idle_seconds = None
-        if self._num_timed_steps > 0 and previous_end.query() and start.query():
+        if handle.timing_slot is not None:
+            self._measure_device_idle(handle.timing_slot)
+        return self._finish(handle)
+
+    @staticmethod
+    def _finish(handle: StepHandle) -> ModelRunnerOutput:
+        if handle.finish is None:
+            assert handle.output is not None
+            return handle.output
+        assert handle.host is not None
+        return handle.finish(handle.host.numpy())
+
+    def _measure_device_idle(self, slot: int) -> None:
+        """Device time between the previous step's last op and this step's first: the bubble. Read
+        once both steps' events completed (this step's results are on the host, so they have)."""
+        assert self._step_events is not None
+        starts, ends = self._step_events
+        previous_end, start = ends[(slot - 1) % 3], starts[slot]
+        if previous_end.query() and start.query():
             self.last_device_idle_seconds = max(previous_end.elapsed_time(start), 0.0) / 1e3
 
     def reset_device_idle(self) -> None:
         """The engine ran out of work: the next step's wait is idleness, not a bubble."""
         self._num_timed_steps = 0
 
+    def requires_reconciled_state(self) -> bool:
+        """Whether the next step must be launched only after the previous one was collected: a
+        running request's min_tokens masks stop ids by its exact output count, which the host
+        learns at collection."""
+        return self.input_batch.feature_counts["min_tokens"] > 0
+
+    def device_num_computed_tokens(self) -> dict[str, int]:
+        """Per request, num_computed_tokens as the device holds it (a debugging and test aid:
+        synchronizes)."""
+        values = self.input_batch.num_computed_dev.tolist()
+        return {r: values[s.row] for r, s in self.input_batch.rows.items()}
+
     def _device_context(self):
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     @torch.inference_mode()
-    def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        failed = self._update_states(so)
+    def _launch(self, so: SchedulerOutput) -> StepHandle:
+        failed, admitted = self._update_states(so)
         req_ids = [r for r in so.num_scheduled_tokens if r not in failed]
         if not req_ids:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], failed_requests=failed)
+            return StepHandle(output=ModelRunnerOutput(req_ids=[], sampled_token_ids=[], failed_requests=failed))
         states = [self.input_batch.rows[r] for r in req_ids]
         num_scheduled = [so.num_scheduled_tokens[r] for r in req_ids]
-        # Only requests whose scheduled tokens reach their last known token sample this step.
+        # Only requests whose scheduled tokens reach their last token sample this step. The host's
+        # computed count is the plan's (optimistic) and its token count the last collected one: both
+        # bounds hold the comparison exact (a prefill chunk's counts are exact).
         sampling_rows = [
             i
             for i, (s, n) in enumerate(zip(states, num_scheduled, strict=True))
             if s.num_computed_tokens + n >= s.num_tokens
         ]
-        # Planned draft positions per sampling request (the scheduler's 1 + k for a decode).
-        num_draft_positions = [
-            states[i].num_computed_tokens + num_scheduled[i] - states[i].num_tokens for i in sampling_rows
-        ]
-        if self.spec is not None and any(num_draft_positions):
-            self.spec.insert_drafts(
-                self.input_batch.token_ids,
-                [states[i].row for i in sampling_rows],
-                [states[i].num_tokens for i in sampling_rows],
-                num_draft_positions,
-            )
-        step = self._prepare_inputs(states, num_scheduled, sampling_rows)
+        # Planned draft positions per sampling request (the scheduler's k for a decode).
+        draft_positions = so.num_draft_positions
+        num_draft_positions = [draft_positions.get(req_ids[i], 0) for i in sampling_rows]
+        step = self._prepare_inputs(states, num_scheduled, sampling_rows, num_draft_positions, admitted)
         attn_metadata = step.metadata
         hidden_states = self._forward(step)
+        # The draft model's catch-up starts from the device's computed counts before this step.
+        computed_before = self._meta_dev[1, : len(states)]
         for state, n in zip(states, num_scheduled, strict=True):
             state.num_computed_tokens += n
         if self.spec is not None and not self._samples_plainly(so, num_draft_positions):
@@ -468,31 +558,41 @@ class ModelRunner:
                 hidden_states,
                 failed,
                 so.num_proposals,
+                computed_before,
             )
-        sampled_per_req: list[list[int]] = [[] for _ in req_ids]
-        logprobs_per_req: list[list[TokenLogprobs] | None] | None = None
-        if sampling_rows:
-            num_sampling = len(sampling_rows)
-            sample_index = self._meta_dev[3, :num_sampling]
-            last_token_index = attn_metadata.query_start_loc[1:].to(torch.int64) - 1
-            logits = self.model.compute_logits(hidden_states[last_token_index[sample_index]])
-            sampling_states = [states[i] for i in sampling_rows]
-            batch_rows = self._meta_dev[0].index_select(0, sample_index)
-            metadata = self._sampling_metadata(sampling_states, batch_rows)
-            out = self.sampler(logits, metadata, self.default_generator)
-            # The device token buffer is the source of truth for the next step's input ids; a
-            # sampling request's new token goes at index seq_len (always < max_model_len).
-            token_cols = attn_metadata.seq_lens.to(torch.int64).index_select(0, sample_index)
-            sampled = out.sampled_token_ids
-            # The drafter reads the new token from the buffer this step: never a placeholder there.
-            written = sampled.clamp_min(0) if self.spec is not None else sampled
-            self.input_batch.token_ids[batch_rows, token_cols] = written
-            self.input_batch.record_sampled(batch_rows, sampled)
-            if self.spec is not None:
-                self._propose_without_drafts(
-                    states, num_scheduled, sampling_rows, batch_rows, token_cols + 1, metadata, so
-                )
-            sampled_host = self._copy_to_host([out.sampled_token_ids])
+        if not sampling_rows:
+            if self.spec is not None:  # the draft's KV follows every prefill chunk
+                no_rows = torch.empty(0, dtype=torch.int64, device=self.device)
+                self._propose_without_drafts(states, num_scheduled, [], no_rows, no_rows, None, so, computed_before)
+            output = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids], failed_requests=failed)
+            return StepHandle(output=output)
+        num_sampling = len(sampling_rows)
+        sample_index = self._meta_dev[3, :num_sampling]
+        last_token_index = attn_metadata.query_start_loc[1:].to(torch.int64) - 1
+        logits = self.model.compute_logits(hidden_states[last_token_index[sample_index]])
+        sampling_states = [states[i] for i in sampling_rows]
+        batch_rows = self._meta_dev[0].index_select(0, sample_index)
+        metadata = self._sampling_metadata(sampling_states, batch_rows)
+        out = self.sampler(logits, metadata, self.default_generator)
+        # The device token buffer is the source of truth for the next step's input ids; a
+        # sampling request's new token goes at index seq_len (always < max_model_len).
+        token_cols = attn_metadata.seq_lens.to(torch.int64).index_select(0, sample_index)
+        sampled = out.sampled_token_ids
+        # The drafter reads the new token from the buffer this step: never a placeholder there.
+        written = sampled.clamp_min(0) if self.spec is not None else sampled
+        self.input_batch.token_ids[batch_rows, token_cols] = written
+        self.input_batch.record_sampled(batch_rows, sampled)
+        if self.spec is not None:
+            self._propose_without_drafts(
+                states, num_scheduled, sampling_rows, batch_rows, token_cols + 1, metadata, so, computed_before
+            )
+        num_logprobs = metadata.max_num_logprobs
+        tensors = [sampled] + (_logprob_tensors(out) if num_logprobs is not None else [])
+        host, ready = self._copy_to_host(tensors)
+
+        def finish(values: np.ndarray) -> ModelRunnerOutput:
+            sampled_per_req: list[list[int]] = [[] for _ in req_ids]
+            sampled_host = values[:num_sampling].tolist()
             for i, state, token_id in zip(sampling_rows, sampling_states, sampled_host, strict=True):
                 if token_id == INVALID_TOKEN_ID:
                     failed[state.request_id] = (
@@ -502,14 +602,17 @@ class ModelRunner:
                 state.num_tokens += 1
                 state.output_token_ids.append(token_id)
                 sampled_per_req[i] = [token_id]
-            if metadata.max_num_logprobs is not None:
-                logprobs_per_req = self._collect_logprobs(out, sampling_rows, sampling_states, len(req_ids))
-        elif self.spec is not None:  # the draft's KV follows every prefill chunk
-            no_rows = torch.empty(0, dtype=torch.int64, device=self.device)
-            self._propose_without_drafts(states, num_scheduled, [], no_rows, no_rows, None, so)
-        return ModelRunnerOutput(
-            req_ids=req_ids, sampled_token_ids=sampled_per_req, logprobs=logprobs_per_req, failed_requests=failed
-        )
+            logprobs_per_req = None
+            if num_logprobs is not None:
+                ids, lps, ranks = _unpack_logprobs(values[num_sampling:], num_sampling, num_logprobs)
+                logprobs_per_req = _logprobs_per_request(
+                    ids, lps, ranks, sampling_rows, sampling_states, 1, sampled_per_req, len(req_ids)
+                )
+            return ModelRunnerOutput(
+                req_ids=req_ids, sampled_token_ids=sampled_per_req, logprobs=logprobs_per_req, failed_requests=failed
+            )
+
+        return StepHandle(finish=finish, host=host, ready=ready)
 
     def _samples_plainly(self, so: SchedulerOutput, num_draft_positions: list[int]) -> bool:
         """With speculation on, a step that verifies nothing (the policy chose k = 0) samples with
@@ -530,6 +633,7 @@ class ModelRunner:
         new_num_tokens: torch.Tensor,
         metadata: SamplingMetadata | None,
         so: SchedulerOutput,
+        computed_before: torch.Tensor,
     ) -> None:
         """After a plainly sampled step: the draft catches up (every sampling request emitted one
         token and verified nothing) and the proposer drafts for the next step."""
@@ -543,11 +647,29 @@ class ModelRunner:
         if self.spec.uses_draft_model:
             no_accepted = torch.zeros(num_sampling, dtype=torch.int64, device=self.device)
             draft_step = self._draft_step(
-                states, num_scheduled, sampling_rows, [0] * num_sampling, no_accepted, metadata, so.num_proposals
+                states,
+                num_scheduled,
+                sampling_rows,
+                [0] * num_sampling,
+                no_accepted,
+                metadata,
+                so.num_proposals,
+                computed_before,
             )
-        known = max((states[i].num_tokens for i in sampling_rows), default=0) + 1
-        bound = min(known, self.input_batch.token_ids.shape[1])
-        self.spec.propose(self.input_batch.token_ids, rows, new_num_tokens, bound, draft_step, so.num_proposals)
+        self.spec.propose(
+            self.input_batch.token_ids,
+            rows,
+            new_num_tokens,
+            self._token_bound(states, sampling_rows),
+            draft_step,
+            so.num_proposals,
+        )
+
+    def _token_bound(self, states: list[RowState], sampling_rows: list[int]) -> int:
+        """An upper bound of the sampling rows' token counts after this step (seq_len + 1 with the
+        plan's computed counts, which are never below the device's), clamped to the buffer."""
+        known = max((states[i].num_computed_tokens for i in sampling_rows), default=0) + 1
+        return min(known, self.input_batch.token_ids.shape[1])
 
     def _skips_draft(self, so: SchedulerOutput, states: list[RowState], num_sampling: int) -> bool:
         """A decode step that verifies nothing and proposes nothing (the policy chose k = 0 for this
@@ -572,20 +694,20 @@ class ModelRunner:
         hidden_states: torch.Tensor,
         failed: dict[str, str],
         num_proposals: int,
-    ) -> ModelRunnerOutput:
+        computed_before: torch.Tensor,
+    ) -> StepHandle:
         """Speculative sampling: every sampling request emits its accepted drafts plus one token
         (a request without drafts: one sampled token), then proposes `num_proposals` drafts for the
         next step (the scheduler's current choice of k)."""
         assert self.spec is not None
-        sampled_per_req: list[list[int]] = [[] for _ in req_ids]
-        num_drafts_per_req = [0] * len(req_ids)
-        logprobs_per_req: list[list[TokenLogprobs] | None] | None = None
         if not sampling_rows:
             if self.spec.uses_draft_model:  # the draft's KV follows every prefill chunk
                 no_rows = torch.empty(0, dtype=torch.int64, device=self.device)
-                step = self._draft_step(states, num_scheduled, [], [], no_rows, None, 0)
+                step = self._draft_step(states, num_scheduled, [], [], no_rows, None, 0, computed_before)
                 self.spec.propose(self.input_batch.token_ids, no_rows, no_rows, 0, step, 0)
-            return ModelRunnerOutput(req_ids, sampled_per_req, failed_requests=failed)
+            output = ModelRunnerOutput(req_ids, [[] for _ in req_ids], failed_requests=failed)
+            return StepHandle(output=output)
+        num_sampling = len(sampling_rows)
         ends = np.cumsum(num_scheduled)
         num_positions = max(num_draft_positions) + 1
         # Hidden rows of each request's last known token and its draft positions (padding repeats
@@ -597,26 +719,27 @@ class ModelRunner:
         ]
         gather = host_list_to_device(index, self.device)
         logits = self.model.compute_logits(hidden_states.index_select(0, gather))
-        logits = logits.view(len(sampling_rows), num_positions, -1)
+        logits = logits.view(num_sampling, num_positions, -1)
         sampling_states = [states[i] for i in sampling_rows]
         row_ids = [s.row for s in sampling_states]
-        rows = host_list_to_device(row_ids, self.device)
+        rows = self._meta_dev[0].index_select(0, self._meta_dev[3, :num_sampling])
         metadata = self._sampling_metadata(sampling_states, rows)
         blocked: dict[int, list[int]] = {}
-        for i, state in enumerate(sampling_states):
-            p = state.sampling_params
-            for j in range(num_positions):
-                if p.min_tokens and len(state.output_token_ids) + j < p.min_tokens:
-                    ids = p.all_stop_token_ids(self.eos_token_ids)
-                    if ids:
-                        blocked[i * num_positions + j] = sorted(ids)
+        if self.input_batch.feature_counts["min_tokens"]:
+            for i, state in enumerate(sampling_states):
+                p = state.sampling_params
+                for j in range(num_positions):
+                    if p.min_tokens and len(state.output_token_ids) + j < p.min_tokens:
+                        ids = p.all_stop_token_ids(self.eos_token_ids)
+                        if ids:
+                            blocked[i * num_positions + j] = sorted(ids)
         is_greedy = metadata.temperature < SAMPLING_EPS
+        planned = self._meta_dev[5, :num_sampling]
         result = self.spec.verify(
             VerifyInputs(
                 rows=rows,
                 row_ids=row_ids,
-                num_tokens=[s.num_tokens for s in sampling_states],
-                num_draft_positions=num_draft_positions,
+                num_draft_positions=planned,
                 logits=logits,
                 metadata=metadata,
                 blocked_token_ids=blocked,
@@ -626,16 +749,20 @@ class ModelRunner:
             self.default_generator,
         )
         out, num_accepted = result.output_token_ids, result.num_accepted
-        # The emitted tokens become known tokens on the device: positions num_tokens + j, j <= accepted.
+        # The emitted tokens become known tokens on the device: positions num_tokens + j, j <= accepted,
+        # where num_tokens (before the step) = seq_len - planned draft positions.
         token_ids = self.input_batch.token_ids
-        base = host_list_to_device([s.num_tokens for s in sampling_states], self.device)
+        sample_index = self._meta_dev[3, :num_sampling]
+        base = self._inputs.seq_lens.to(torch.int64).index_select(0, sample_index) - planned
         cols = base.unsqueeze(1) + torch.arange(num_positions, device=self.device)
         row_grid = rows.unsqueeze(1).expand_as(cols)
         keep = out >= 0
         token_ids[row_grid, cols] = torch.where(keep, out, token_ids[row_grid, cols])
         self.input_batch.record_sampled(row_grid.reshape(-1), out.reshape(-1))
+        # The accepted counts correct the device's computed counts: rejected positions are not computed.
+        self.input_batch.num_computed_dev.index_add_(0, rows, num_accepted - planned)
         new_num_tokens = base + num_accepted + 1
-        bound = min(max(s.num_tokens for s in sampling_states) + num_positions, token_ids.shape[1])
+        bound = self._token_bound(states, sampling_rows)
         draft_step = None
         if self.spec.uses_draft_model:
             draft_step = self._draft_step(
@@ -646,43 +773,53 @@ class ModelRunner:
                 num_accepted,
                 metadata,
                 num_proposals,
+                computed_before,
             )
         self.spec.propose(token_ids, rows, new_num_tokens, bound, draft_step, num_proposals)
-        logprob_out = None
-        if metadata.max_num_logprobs is not None:
+        num_logprobs = metadata.max_num_logprobs
+        tensors = [out, num_accepted, result.num_valid_drafts]
+        if num_logprobs is not None:
             raw = logits.float().log_softmax(dim=-1).view(-1, logits.shape[-1])
             logprob_out = SamplerOutput(sampled_token_ids=out.clamp_min(0).view(-1))
-            Sampler._gather_logprobs(logprob_out, raw, metadata.max_num_logprobs)
-        # The step's one device-to-host copy: emitted runs, accepted and verified draft counts.
-        host = self._copy_to_host([out, num_accepted, result.num_valid_drafts])
-        num_sampling = len(sampling_rows)
-        flat_out = host[: num_sampling * num_positions]
-        accepted = host[num_sampling * num_positions : num_sampling * (num_positions + 1)]
-        valid = host[num_sampling * (num_positions + 1) :]
-        any_drafts = False
-        for n, (i, state) in enumerate(zip(sampling_rows, sampling_states, strict=True)):
-            run = flat_out[n * num_positions : n * num_positions + accepted[n] + 1]
-            if run[-1] == INVALID_TOKEN_ID:
-                failed[state.request_id] = (
-                    "the sampler found no valid token: the logits were NaN, or every token was masked"
+            Sampler._gather_logprobs(logprob_out, raw, num_logprobs)
+            tensors += _logprob_tensors(logprob_out)
+        host, ready = self._copy_to_host(tensors)
+
+        def finish(values: np.ndarray) -> ModelRunnerOutput:
+            sampled_per_req: list[list[int]] = [[] for _ in req_ids]
+            num_drafts_per_req = [0] * len(req_ids)
+            width = num_sampling * num_positions
+            flat_out = values[:width].tolist()
+            accepted = values[width : width + num_sampling].tolist()
+            valid = values[width + num_sampling : width + 2 * num_sampling].tolist()
+            any_drafts = False
+            for n, (i, state) in enumerate(zip(sampling_rows, sampling_states, strict=True)):
+                run = flat_out[n * num_positions : n * num_positions + accepted[n] + 1]
+                if run[-1] == INVALID_TOKEN_ID:
+                    failed[state.request_id] = (
+                        "the sampler found no valid token: the logits were NaN, or every token was masked"
+                    )
+                    continue
+                state.num_tokens += len(run)
+                state.output_token_ids.extend(run)
+                sampled_per_req[i] = run
+                num_drafts_per_req[i] = valid[n]
+                any_drafts = any_drafts or valid[n] > 0
+            logprobs_per_req = None
+            if num_logprobs is not None:
+                ids, lps, ranks = _unpack_logprobs(values[width + 2 * num_sampling :], width, num_logprobs)
+                logprobs_per_req = _logprobs_per_request(
+                    ids, lps, ranks, sampling_rows, sampling_states, num_positions, sampled_per_req, len(req_ids)
                 )
-                continue
-            state.num_tokens += len(run)
-            state.output_token_ids.extend(run)
-            sampled_per_req[i] = run
-            num_drafts_per_req[i] = valid[n]
-            any_drafts = any_drafts or valid[n] > 0
-        if logprob_out is not None:
-            logprobs_per_req = self._collect_run_logprobs(
-                logprob_out, sampling_rows, sampling_states, num_positions, sampled_per_req, len(req_ids)
+            return ModelRunnerOutput(
+                req_ids=req_ids,
+                sampled_token_ids=sampled_per_req,
+                logprobs=logprobs_per_req,
+                num_draft_tokens=num_drafts_per_req if any_drafts else None,
+                failed_requests=failed,
             )
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            sampled_token_ids=sampled_per_req,
-            logprobs=logprobs_per_req,
-            num_draft_tokens=num_drafts_per_req if any_drafts else None,
-            failed_requests=failed,
-        )
+
+        return StepHandle(finish=finish, host=host, ready=ready)
 
     def _draft_step(
         self,
@@ -693,15 +830,18 @@ class ModelRunner:
         num_accepted: torch.Tensor,
         metadata: SamplingMetadata | None,
         num_proposals: int,
+        computed_before: torch.Tensor,
     ) -> DraftStep:
         if metadata is None:  # no request samples: the draft only catches up
             metadata = SamplingMetadata.from_params([], device=self.device)
-        num_computed = [s.num_computed_tokens - n - s.draft_lag for s, n in zip(states, num_scheduled, strict=True)]
+        # The draft's KV trails the target's by each row's lag; the counts themselves are the device's.
+        lag = [s.draft_lag for s in states]
         draft_scheduled = [n + s.draft_lag for s, n in zip(states, num_scheduled, strict=True)]
         for s in states:
             s.draft_lag = 0
         return DraftStep(
-            num_computed=num_computed,
+            num_computed=[-x for x in lag],
+            computed_base=computed_before,
             num_scheduled=draft_scheduled,
             sampling_index=sampling_rows,
             num_draft_positions=num_draft_positions,
@@ -715,34 +855,21 @@ class ModelRunner:
             num_proposals=num_proposals,
         )
 
-    @staticmethod
-    def _collect_run_logprobs(
-        out: SamplerOutput,
-        sampling_rows: list[int],
+    def _prepare_inputs(
+        self,
         states: list[RowState],
-        num_positions: int,
-        sampled_per_req: list[list[int]],
-        num_reqs: int,
-    ) -> list[list[TokenLogprobs] | None]:
-        assert out.logprob_token_ids is not None and out.logprobs is not None and out.sampled_token_ranks is not None
-        ids, values, ranks = out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.sampled_token_ranks.tolist()
-        result: list[list[TokenLogprobs] | None] = [None] * num_reqs
-        for n, (i, state) in enumerate(zip(sampling_rows, states, strict=True)):
-            top = state.sampling_params.logprobs
-            if top is None:
-                continue
-            rows = range(n * num_positions, n * num_positions + len(sampled_per_req[i]))
-            result[i] = [
-                TokenLogprobs(token_ids=ids[r][: top + 1], logprobs=values[r][: top + 1], sampled_token_rank=ranks[r])
-                for r in rows
-            ]
-        return result
-
-    def _prepare_inputs(self, states: list[RowState], num_scheduled: list[int], sampling_rows: list[int]) -> StepInputs:
-        """One host-to-device copy of per-request counts (and of the block tables); one kernel then
-        builds positions, input ids, slots, query starts and sequence lengths on the device, padded
-        to the graph bucket when one replays the step."""
+        num_scheduled: list[int],
+        sampling_rows: list[int],
+        num_draft_positions: list[int],
+        admitted: set[str],
+    ) -> StepInputs:
+        """One host-to-device copy of per-request counts (and of the block tables); on the device the
+        computed counts are taken from the device's own (a step in flight may have rejected drafts
+        the host does not know of yet), the drafts are placed after each request's tokens, and one
+        kernel builds positions, input ids, slots, query starts and sequence lengths, padded to the
+        graph bucket when one replays the step."""
         num_reqs = len(states)
+        num_sampling = len(sampling_rows)
         total_tokens = sum(num_scheduled)
         graph = self.cuda_graphs.select(num_reqs, max(num_scheduled), total_tokens) if self.cuda_graphs else None
         bucket, query_len = graph if graph is not None else (None, max(num_scheduled))
@@ -760,7 +887,9 @@ class ModelRunner:
         meta[1, :num_reqs] = [s.num_computed_tokens for s in states]
         meta[2, :num_reqs] = num_scheduled
         meta[:3, num_reqs:padded_reqs] = 0  # padding requests: no tokens
-        meta[3, : len(sampling_rows)] = sampling_rows
+        meta[3, :num_sampling] = sampling_rows
+        meta[4, :num_reqs] = [s.request_id in admitted for s in states] if admitted else 0
+        meta[5, :num_sampling] = num_draft_positions
         self._meta_dev.copy_(meta_host, non_blocking=True)
         np.take(self.input_batch.block_table, rows, axis=0, out=block_table_host.numpy()[:num_reqs])
         self._block_table_dev[:num_reqs].copy_(block_table_host[:num_reqs], non_blocking=True)
@@ -768,6 +897,9 @@ class ModelRunner:
             event = self._copy_done[i] or torch.cuda.Event()
             event.record(self._stream)
             self._copy_done[i] = event
+        self._resolve_computed(num_reqs)
+        if self.spec is not None and any(num_draft_positions):
+            self._insert_drafts(num_reqs, num_sampling, max(num_draft_positions))
         inputs = self._inputs
         # The block tables were copied into inputs.block_tables (= self._block_table_dev) above.
         inputs.fill(
@@ -778,9 +910,9 @@ class ModelRunner:
             self.input_batch.token_ids,
             self.block_size,
         )
-        max_seq_len = int((meta[1, :num_reqs] + meta[2, :num_reqs]).max())
         metadata = inputs.metadata(num_reqs, total_tokens, max(num_scheduled), self.block_size)
-        metadata.max_seq_len = max_seq_len
+        # An upper bound (the plan's computed counts are never below the device's).
+        metadata.max_seq_len = int((meta[1, :num_reqs] + meta[2, :num_reqs]).max())
         return StepInputs(
             metadata=metadata,
             positions=inputs.positions[:total_tokens],
@@ -788,6 +920,27 @@ class ModelRunner:
             graph_bucket=bucket,
             query_len=query_len,
         )
+
+    def _resolve_computed(self, num_reqs: int) -> None:
+        """Replaces the plan's computed counts in the device meta by the device's own (the truth),
+        except for rows admitted this step (the host's count is theirs), and advances the device's
+        counts by the scheduled tokens (verification takes back the rejected ones)."""
+        meta = self._meta_dev
+        rows = meta[0, :num_reqs]
+        device_counts = self.input_batch.num_computed_dev
+        computed = torch.where(meta[4, :num_reqs] != 0, meta[1, :num_reqs], device_counts.index_select(0, rows))
+        meta[1, :num_reqs] = computed
+        device_counts.index_copy_(0, rows, computed + meta[2, :num_reqs])
+
+    def _insert_drafts(self, num_reqs: int, num_sampling: int, num_positions: int) -> None:
+        """Writes each sampling request's planned drafts after its known tokens in the device token
+        buffer, where the input gather finds them (verification overwrites them with what it keeps)."""
+        assert self.spec is not None
+        meta = self._meta_dev
+        sample_index = meta[3, :num_sampling]
+        rows = meta[0, :num_reqs].index_select(0, sample_index)
+        num_tokens = (meta[1, :num_reqs] + meta[2, :num_reqs]).index_select(0, sample_index) - meta[5, :num_sampling]
+        self.spec.insert_drafts(self.input_batch.token_ids, rows, num_tokens, meta[5, :num_sampling], num_positions)
 
     def _sampling_metadata(self, states: list[RowState], batch_rows: torch.Tensor) -> SamplingMetadata:
         """Gathers the rows' device-resident parameters. When the rows are the whole batch (every
@@ -843,17 +996,42 @@ class ModelRunner:
     def _penalty_rows(table: torch.Tensor | None, batch_rows: torch.Tensor, used: bool) -> torch.Tensor | None:
         return table.index_select(0, batch_rows) if used and table is not None else None
 
-    @staticmethod
-    def _collect_logprobs(out, sampling_rows: list[int], states: list[RowState], num_reqs: int):
-        result: list[list[TokenLogprobs] | None] = [None] * num_reqs
-        ids = out.logprob_token_ids.tolist()
-        values = out.logprobs.tolist()
-        ranks = out.sampled_token_ranks.tolist()
-        for j, (i, state) in enumerate(zip(sampling_rows, states, strict=True)):
-            n = state.sampling_params.logprobs
-            if n is None:
-                continue
-            result[i] = [
-                TokenLogprobs(token_ids=ids[j][: n + 1], logprobs=values[j][: n + 1], sampled_token_rank=ranks[j])
-            ]
-        return result
+
+def _logprob_tensors(out: SamplerOutput) -> list[torch.Tensor]:
+    """The logprob results as int64 tensors for the step's one copy (the float values travel as the
+    bit patterns of float64)."""
+    assert out.logprob_token_ids is not None and out.logprobs is not None and out.sampled_token_ranks is not None
+    return [out.logprob_token_ids, out.logprobs.to(torch.float64).view(torch.int64), out.sampled_token_ranks]
+
+
+def _unpack_logprobs(values: np.ndarray, num_rows: int, num_logprobs: int) -> tuple[list, list, list]:
+    """The inverse of _logprob_tensors on the host copy: (token ids, logprobs, ranks) per row."""
+    width = num_logprobs + 1
+    ids = values[: num_rows * width].reshape(num_rows, width)
+    lps = values[num_rows * width : 2 * num_rows * width].view(np.float64).reshape(num_rows, width)
+    ranks = values[2 * num_rows * width : 2 * num_rows * width + num_rows]
+    return ids.tolist(), lps.tolist(), ranks.tolist()
+
+
+def _logprobs_per_request(
+    ids: list,
+    values: list,
+    ranks: list,
+    sampling_rows: list[int],
+    states: list[RowState],
+    num_positions: int,
+    sampled_per_req: list[list[int]],
+    num_reqs: int,
+) -> list[list[TokenLogprobs] | None]:
+    """Per request, one TokenLogprobs per emitted token (rows n * num_positions + j)."""
+    result: list[list[TokenLogprobs] | None] = [None] * num_reqs
+    for n, (i, state) in enumerate(zip(sampling_rows, states, strict=True)):
+        top = state.sampling_params.logprobs
+        if top is None:
+            continue
+        rows = range(n * num_positions, n * num_positions + len(sampled_per_req[i]))
+        result[i] = [
+            TokenLogprobs(token_ids=ids[r][: top + 1], logprobs=values[r][: top + 1], sampled_token_rank=ranks[r])
+            for r in rows
+        ]
+    return result
