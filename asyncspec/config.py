@@ -83,7 +83,8 @@ class EngineConfig:
     """Choose the drafts verified per step (0, 1, k/2 or k) from the batch size, the measured acceptance and
     the step costs measured at CUDA-graph capture; False (or no graphs) always verifies num_speculative_tokens."""
     async_scheduling: bool = False
-    """Overlap scheduling of step N+1 with execution of step N."""
+    """Plan and launch step N+1 while step N runs (optimistically: every draft accepted), reconciling
+    when N's results land; False runs one step at a time (the reference loop)."""
     enforce_eager: bool = False
     """Run every step eagerly: no CUDA graphs (they are captured on CUDA with the Triton backend)."""
     cuda_graph_max_batch_size: int | None = None
@@ -148,8 +149,6 @@ class EngineConfig:
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ConfigError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         self._validate_speculative()
-        if self.async_scheduling:
-            raise ConfigError("async_scheduling=True is not available in this build yet; use async_scheduling=False")
 
     def _validate_speculative(self) -> None:
         method, k = self.speculative_method, self.num_speculative_tokens

@@ -48,7 +48,6 @@ from tests.conftest import TARGET_MODEL
             },
             "prompt_lookup_max",
         ),
-        ({"async_scheduling": True}, "async_scheduling"),
     ],
 )
 def test_bad_config_values_are_config_errors(kwargs, field):

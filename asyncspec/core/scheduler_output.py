@@ -74,6 +74,8 @@ class ModelRunnerOutput:
     failed_requests: dict[str, str] = field(default_factory=dict)
     """Requests that failed alone this step (id -> reason): not admitted to the worker, or no
     valid token to sample. The scheduler ends them with finish_reason "error"."""
+    device_num_computed_tokens: dict[str, int] | None = None
+    """Debug mode only: each request's num_computed_tokens on the device at the end of this step."""
 
 
 @dataclass

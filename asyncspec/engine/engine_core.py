@@ -2,18 +2,36 @@
 
 from __future__ import annotations
 
+import os
 import time
+from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from asyncspec.config import EngineConfig
 from asyncspec.core.kv_cache import KVCacheManager
 from asyncspec.core.scheduler import Scheduler, SchedulerConfig
-from asyncspec.core.scheduler_output import EngineCoreOutput, SchedulerOutput
+from asyncspec.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from asyncspec.engine.step_timing import StepTimings
 from asyncspec.errors import ConfigError
 from asyncspec.models.model_config import ModelConfig
 from asyncspec.request import Request, RequestStatus
-from asyncspec.worker.model_runner import ModelRunner
+from asyncspec.worker.model_runner import ModelRunner, StepHandle
+
+
+MAX_INFLIGHT_STEPS = 2
+"""The running step and one planned behind it: a deeper pipeline only adds optimistic
+over-allocation and later reconciliation (DESIGN.md, "The GPU step")."""
+
+
+@dataclass
+class InflightStep:
+    """A launched step whose results are not yet reconciled."""
+
+    scheduler_output: SchedulerOutput
+    handle: StepHandle
+    schedule_start: float
+    launch_start: float
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -68,6 +86,15 @@ class EngineCore:
         self.scheduler.spec_policy.step_cost = self.runner.speculation_step_cost()
         self.step_timings = StepTimings()
         """CPU planning, launch gaps and device idle between steps (read by stats and metrics)."""
+        self.async_scheduling = config.async_scheduling
+        self._inflight: deque[InflightStep] = deque()
+        self._last_collected: float | None = None
+        self.step_trace: deque[tuple[str, int, float]] = deque(maxlen=256)
+        """The latest launches and collections: (event, step id, time.perf_counter)."""
+        self.debug_invariants = os.environ.get("ASYNCSPEC_DEBUG_INVARIANTS", "") not in ("", "0")
+        """ASYNCSPEC_DEBUG_INVARIANTS=1: check the placeholder invariant and the host's reconciled
+        counts against the device's at every step (tests; synchronizes the device)."""
+        self.runner.set_debug_invariants(self.debug_invariants)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -82,23 +109,97 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or steps still in flight (their results are still to be collected)."""
+        return self.scheduler.has_unfinished_requests() or bool(self._inflight)
+
+    @property
+    def num_inflight_steps(self) -> int:
+        return len(self._inflight)
 
     def step(self) -> list[EngineCoreOutput]:
+        """One turn of the loop. Synchronous: plan, run and reconcile one step. Asynchronous: launch
+        the next step behind the one in flight, then retire the older one (so its reconciliation
+        overlaps the device's work on the newer one); returns the retired step's outputs."""
+        if not self.async_scheduling:
+            self.launch_next()
+            return self.retire_oldest() if self._inflight else []
+        outputs: list[EngineCoreOutput] = []
+        if self._inflight and self.runner.requires_reconciled_state():
+            outputs += self.retire_oldest()  # a step that needs exact host counts waits for them
+        launched = self.launch_next() if len(self._inflight) < MAX_INFLIGHT_STEPS else None
+        if self._inflight and (launched is None or len(self._inflight) == MAX_INFLIGHT_STEPS):
+            outputs += self.retire_oldest()
+        return outputs
+
+    def launch_next(self) -> InflightStep | None:
+        """Plans the next step with the optimistic view (every draft in flight accepted) and queues it
+        on the device; None when no request is left to plan."""
+        if not self.scheduler.has_unfinished_requests():
+            return None
         schedule_start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        start = time.perf_counter()
-        runner_output = self.runner.execute_model(scheduler_output)
-        execute_end = time.perf_counter()
-        if scheduler_output.num_speculative_tokens or self.config.num_speculative_tokens:
-            self._observe_decode_step(scheduler_output, execute_end - start)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        idle = self.runner.last_device_idle_seconds if self.runner.device.type == "cuda" else None
-        self.step_timings.record(schedule_start, start, execute_end, time.perf_counter(), idle)
-        if not self.scheduler.has_unfinished_requests():
+        launch_start = time.perf_counter()
+        handle = self.runner.launch(scheduler_output)
+        step = InflightStep(scheduler_output, handle, schedule_start, launch_start)
+        self._inflight.append(step)
+        self.step_trace.append(("launch", scheduler_output.step_id, launch_start))
+        return step
+
+    def retire_oldest(self) -> list[EngineCoreOutput]:
+        """Collects the oldest step in flight (blocking until its results are on the host) and
+        reconciles the scheduler with them."""
+        step = self._inflight.popleft()
+        runner_output = self.runner.collect(step.handle)
+        collected = time.perf_counter()
+        self.step_trace.append(("collect", step.scheduler_output.step_id, collected))
+        so = step.scheduler_output
+        if so.num_speculative_tokens or self.config.num_speculative_tokens:
+            self._observe_decode_step(so, self._step_seconds(step, collected))
+        outputs = self.scheduler.update_from_output(so, runner_output)
+        self.step_timings.record(
+            step.schedule_start, step.launch_start, collected, time.perf_counter(), self.runner.last_device_idle_seconds
+        )
+        self._last_collected = collected
+        if not self.has_unfinished_requests():
             self.step_timings.reset_gaps()
             self.runner.reset_device_idle()
+            self._last_collected = None
+        if self.debug_invariants:
+            self.check_reconciled(runner_output, outputs)
         return outputs
+
+    def _step_seconds(self, step: InflightStep, collected: float) -> float:
+        """A step's cost to the loop: launch to results in the synchronous loop; in the asynchronous
+        one, the time between consecutive results (the pipeline's period)."""
+        if self.async_scheduling and self._last_collected is not None:
+            return collected - max(self._last_collected, step.schedule_start)
+        return collected - step.launch_start
+
+    def check_reconciled(self, runner_output: ModelRunnerOutput, outputs: list[EngineCoreOutput]) -> None:
+        """Debug mode (on in tests): after a step's reconciliation, every running request's
+        num_computed_tokens, less what the steps still in flight added optimistically, equals the
+        device's count at the end of that step; no placeholder is left once nothing is in flight;
+        and no id outside the vocabulary is in a request's tokens (which feed the prefix-cache
+        hashes and the detokenizer) or in an output (which reaches a client)."""
+        vocab = self.model_config.vocab_size
+        for output in outputs:
+            if any(not 0 <= t < vocab for t in output.new_token_ids):
+                raise AssertionError(f"{output.request_id}: output ids {output.new_token_ids} outside [0, {vocab})")
+        device = runner_output.device_num_computed_tokens or {}
+        for request_id, count in device.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            ahead = sum(s.scheduler_output.num_scheduled_tokens.get(request_id, 0) for s in self._inflight)
+            if request.num_computed_tokens - ahead != count:
+                raise AssertionError(
+                    f"{request_id}: the host reconciled {request.num_computed_tokens - ahead} computed tokens, "
+                    f"the device holds {count}"
+                )
+            if not self._inflight and request.num_output_placeholders:
+                raise AssertionError(f"{request_id}: placeholders left with no step in flight")
+            if any(not 0 <= t < vocab for t in request.all_token_ids):
+                raise AssertionError(f"{request_id}: token ids outside [0, {vocab}) in the request")
 
     def _observe_decode_step(self, so: SchedulerOutput, seconds: float) -> None:
         """Feeds a pure decode step's time to the speculation policy (its host-time estimate)."""

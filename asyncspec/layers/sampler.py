@@ -72,6 +72,14 @@ def _to_device(t: Tensor, device: torch.device) -> Tensor:
     return t.to(device)
 
 
+def check_token_ids(token_ids: Tensor, vocab_size: int, where: str) -> None:
+    """Debug mode: raises if a placeholder or an id outside [0, vocab_size) is about to reach `where`
+    (synchronizes the device)."""
+    if token_ids.numel() and not bool(((token_ids >= 0) & (token_ids < vocab_size)).all()):
+        bad = token_ids[(token_ids < 0) | (token_ids >= vocab_size)][:8].tolist()
+        raise AssertionError(f"token ids {bad} outside [0, {vocab_size}) reached {where}")
+
+
 def host_array_to_device(values: np.ndarray, device: torch.device) -> Tensor:
     """A host array as a device tensor, asynchronously (pinned) on CUDA; the array is not kept."""
     return _to_device(torch.from_numpy(np.ascontiguousarray(values)), device)

@@ -21,7 +21,13 @@ from torch import Tensor
 from asyncspec.errors import ConfigError
 from asyncspec.layers.attention import select_backend
 from asyncspec.layers.attention_metadata import StaticInputs
-from asyncspec.layers.sampler import SamplingMetadata, host_array_to_device, process_logits, random_sample
+from asyncspec.layers.sampler import (
+    SamplingMetadata,
+    check_token_ids,
+    host_array_to_device,
+    process_logits,
+    random_sample,
+)
 from asyncspec.models.loader import load_model
 from asyncspec.models.model_config import ModelConfig
 from asyncspec.spec.verification import expand_rows
@@ -134,6 +140,8 @@ class DraftModelProposer:
         self._pass_meta = torch.zeros((3, max_num_seqs), dtype=torch.int64, device=device)
         self.graphs: GraphReplayer | None = None
         """The draft's CUDA graphs over `inputs`, set by the worker once captured."""
+        self.debug_invariants = False
+        """Check that no placeholder or out-of-vocabulary id reaches the draft (set by the worker)."""
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -245,6 +253,8 @@ class DraftModelProposer:
         inputs.fill(self._prepare, meta, num_reqs, padded_tokens, token_ids, self.block_size, capacity)
         if input_ids is not None:
             inputs.input_ids[: input_ids.shape[0]].copy_(input_ids)
+        if self.debug_invariants:
+            check_token_ids(inputs.input_ids[:num_tokens], self.model_config.vocab_size, "the draft's embedding")
         if bucket is not None and query_len is not None and self.graphs is not None:
             return self.graphs.replay(bucket, query_len, num_tokens)
         if self.graphs is not None:

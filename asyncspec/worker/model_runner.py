@@ -7,6 +7,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from asyncspec.layers.attention import select_backend
 from asyncspec.layers.attention_metadata import AttentionMetadata, StaticInputs
 from asyncspec.layers.sampler import (
     INVALID_TOKEN_ID,
+    check_token_ids,
     Sampler,
     SamplerOutput,
     SamplingMetadata,
@@ -88,6 +90,11 @@ class StepHandle:
     """On the CPU in asynchronous mode: the worker thread's run of the whole step."""
     timing_slot: int | None = None
     """Index of the step's timed CUDA events (device idle before it)."""
+    device_idle_seconds: float | None = None
+    """On the CPU: the worker's idle time before this step (on CUDA it is read at collection)."""
+    debug_rows: dict[str, int] | None = None
+    """Debug mode: the step's request rows, and a copy of the device's computed counts after it."""
+    debug_computed: torch.Tensor | None = None
 
     def is_ready(self) -> bool:
         if self.future is not None:
@@ -136,6 +143,9 @@ class ModelRunner:
         self.cuda_graphs: CudaGraphForward | None = None
         """The target's graphs (captured with the KV cache); None runs every step eagerly."""
         self.draft_cuda_graphs: CudaGraphForward | None = None
+        self.debug_invariants = False
+        """Check at each boundary that no placeholder or out-of-vocabulary id is fed to a model, and
+        report the device's computed counts with each step (tests; synchronizes the device)."""
         self._init_step_buffers()
 
     def _init_step_buffers(self) -> None:
@@ -176,6 +186,7 @@ class ModelRunner:
         if pin:
             self._step_events = tuple([torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(2))  # type: ignore[assignment]
         self._num_timed_steps = 0
+        self._cpu_step_end: float | None = None
         self.last_device_idle_seconds: float | None = None
         """Device idle before the last collected step (CUDA events); None on the CPU or when not measured."""
         # On the CPU in asynchronous mode a worker thread plays the CUDA stream: it runs the steps
@@ -395,6 +406,8 @@ class ModelRunner:
 
     def _forward(self, step: StepInputs) -> torch.Tensor:
         """The target's forward pass: a graph replay for a uniform batch, else eager."""
+        if self.debug_invariants:
+            check_token_ids(step.input_ids, self.model_config.vocab_size, "the target's embedding")
         if step.graph_bucket is not None:
             assert self.cuda_graphs is not None
             return self.cuda_graphs.replay(step.graph_bucket, step.query_len, step.input_ids.shape[0])
@@ -455,11 +468,16 @@ class ModelRunner:
         """Queues the whole step on the device and returns at once: nothing here waits for the GPU.
         Steps run in launch order; a step may be launched before the previous one is collected."""
         if self._cpu_stream is not None:
-            return StepHandle(future=self._cpu_stream.submit(self._run_step, so))
+            handle = StepHandle()
+            handle.future = self._cpu_stream.submit(self._run_step, so, handle)
+            return handle
         # Triton launches on the thread's current device, and AsyncEngine steps in its own thread.
         with self._device_context():
             if self._step_events is None:
-                return self._launch(so)
+                start = time.perf_counter()
+                handle = self._launch(so)
+                self._time_cpu_step(handle, start)
+                return handle
             starts, ends = self._step_events
             i = self._num_timed_steps % 3
             starts[i].record(self._stream)
@@ -470,42 +488,65 @@ class ModelRunner:
             self._num_timed_steps += 1
             return handle
 
-    def _run_step(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def _run_step(self, so: SchedulerOutput, handle: StepHandle) -> ModelRunnerOutput:
         """The CPU worker thread's whole step (the CPU computes as it launches)."""
-        return self._finish(self._launch(so))
+        start = time.perf_counter()
+        output = self._finish(self._launch(so))
+        self._time_cpu_step(handle, start)
+        return output
+
+    def _time_cpu_step(self, handle: StepHandle, start: float) -> None:
+        """On the CPU the worker is the device: its idle time before a step is the time since it
+        finished the previous one."""
+        last = self._cpu_step_end
+        handle.device_idle_seconds = start - last if last is not None and self._num_timed_steps > 0 else None
+        self._num_timed_steps += 1
+        self._cpu_step_end = time.perf_counter()
 
     def collect(self, handle: StepHandle) -> ModelRunnerOutput:
         """The step's results, once its copy landed (blocks until then: the asynchronous engine
         awaits `handle.wait` in a waiter thread first). Every host-side update of the step happens
         here, in launch order."""
         if handle.future is not None:
-            return handle.future.result()
-        handle.wait()
-        self.last_device_idle_seconds = None
-        if handle.timing_slot is not None:
-            self._measure_device_idle(handle.timing_slot)
-        return self._finish(handle)
+            output = handle.future.result()
+        else:
+            handle.wait()
+            if handle.timing_slot is not None:
+                self._measure_device_idle(handle)
+            output = self._finish(handle)
+        self.last_device_idle_seconds = handle.device_idle_seconds
+        return output
 
     @staticmethod
     def _finish(handle: StepHandle) -> ModelRunnerOutput:
         if handle.finish is None:
             assert handle.output is not None
-            return handle.output
-        assert handle.host is not None
-        return handle.finish(handle.host.numpy())
+            output = handle.output
+        else:
+            assert handle.host is not None
+            output = handle.finish(handle.host.numpy())
+        if handle.debug_rows is not None and handle.debug_computed is not None:
+            values = handle.debug_computed.tolist()
+            output.device_num_computed_tokens = {r: values[row] for r, row in handle.debug_rows.items()}
+        return output
 
-    def _measure_device_idle(self, slot: int) -> None:
+    def _measure_device_idle(self, handle: StepHandle) -> None:
         """Device time between the previous step's last op and this step's first: the bubble. Read
         once both steps' events completed (this step's results are on the host, so they have)."""
-        assert self._step_events is not None
+        assert self._step_events is not None and handle.timing_slot is not None
         starts, ends = self._step_events
-        previous_end, start = ends[(slot - 1) % 3], starts[slot]
+        previous_end, start = ends[(handle.timing_slot - 1) % 3], starts[handle.timing_slot]
         if previous_end.query() and start.query():
-            self.last_device_idle_seconds = max(previous_end.elapsed_time(start), 0.0) / 1e3
+            handle.device_idle_seconds = max(previous_end.elapsed_time(start), 0.0) / 1e3
 
     def reset_device_idle(self) -> None:
         """The engine ran out of work: the next step's wait is idleness, not a bubble."""
         self._num_timed_steps = 0
+
+    def set_debug_invariants(self, on: bool) -> None:
+        self.debug_invariants = on
+        if self.spec is not None and self.spec.uses_draft_model:
+            self.spec.proposer.debug_invariants = on  # type: ignore[union-attr]
 
     def requires_reconciled_state(self) -> bool:
         """Whether the next step must be launched only after the previous one was collected: a
@@ -522,8 +563,16 @@ class ModelRunner:
     def _device_context(self):
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
-    @torch.inference_mode()
     def _launch(self, so: SchedulerOutput) -> StepHandle:
+        handle = self._launch_step(so)
+        if self.debug_invariants:
+            rows = self.input_batch.rows
+            handle.debug_rows = {r: rows[r].row for r in so.num_scheduled_tokens if r in rows}
+            handle.debug_computed = self.input_batch.num_computed_dev.clone()
+        return handle
+
+    @torch.inference_mode()
+    def _launch_step(self, so: SchedulerOutput) -> StepHandle:
         failed, admitted = self._update_states(so)
         req_ids = [r for r in so.num_scheduled_tokens if r not in failed]
         if not req_ids:
