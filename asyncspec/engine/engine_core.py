@@ -1,4 +1,4 @@
-"""EngineCore: scheduler + KV cache manager + model runner, one synchronous step at a time."""
+"""EngineCore: scheduler + KV cache manager + model runner; one step at a time, or pipelined (async)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from asyncspec.errors import ConfigError
 from asyncspec.models.model_config import ModelConfig
 from asyncspec.request import Request, RequestStatus
 from asyncspec.worker.model_runner import ModelRunner, StepHandle
-
 
 MAX_INFLIGHT_STEPS = 2
 """The running step and one planned behind it: a deeper pipeline only adds optimistic

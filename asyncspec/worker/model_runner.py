@@ -23,10 +23,10 @@ from asyncspec.layers.attention import select_backend
 from asyncspec.layers.attention_metadata import AttentionMetadata, StaticInputs
 from asyncspec.layers.sampler import (
     INVALID_TOKEN_ID,
-    check_token_ids,
     Sampler,
     SamplerOutput,
     SamplingMetadata,
+    check_token_ids,
     host_list_to_device,
     make_generator,
 )
