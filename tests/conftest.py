@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Debug mode in every test: the placeholder invariant at each boundary and the host's reconciled
+# counts against the device's (tests of the hot loop's host syncs turn it off: it synchronizes).
+os.environ.setdefault("ASYNCSPEC_DEBUG_INVARIANTS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET_MODEL = REPO / "models" / "stdlib-coder-target"

@@ -79,6 +79,9 @@ class Scheduler:
         self._planned_k = config.num_speculative_tokens  # drafts the previous step proposed per request
         self._finished_since_last_step: set[str] = set()
         self._step_id = 0
+        self._plans: dict[int, dict[str, Request]] = {}
+        """Per step not yet reconciled, the Request objects it planned: a request id may be reused
+        by a new request while an older step with the old one is still in flight."""
 
     # -- request lifecycle ---------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -259,6 +262,8 @@ class Scheduler:
             num_proposals=self._plan_next_k() if cfg.num_speculative_tokens else 0,
             num_draft_positions=draft_positions,
         )
+        requests = self.requests
+        self._plans[self._step_id] = {rid: requests[rid] for rid in num_scheduled}
         if cfg.num_speculative_tokens:
             counts = self.stats.steps_per_speculative_k
             counts[spec_k] = counts.get(spec_k, 0) + 1
@@ -359,12 +364,16 @@ class Scheduler:
         for new_req in scheduler_output.scheduled_new_reqs:
             starts[new_req.request_id] = new_req.num_computed_tokens
         draft_positions = scheduler_output.num_draft_positions
+        plan = self._plans.pop(scheduler_output.step_id, {})
         for i, (request_id, sampled) in enumerate(
             zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
         ):
-            request = requests.get(request_id)
-            if request is None or request.status != running_status:
-                continue  # finished or preempted after this step was planned: its results are void
+            request = plan.get(request_id)
+            if request is None or request.is_finished:
+                continue  # finished after this step was planned: its results are void
+            # Preempted after this step was planned (asynchronous loop): its tokens are real (a
+            # seeded stream already drew them) and are kept; it recomputes them when it resumes.
+            preempted = request.status != running_status
             num_sched = num_scheduled_map[request_id]
             start = starts[request_id]
             num_prompt = len(request.prompt_token_ids)
@@ -372,11 +381,16 @@ class Scheduler:
                 num_prompt_computed += min(num_sched, num_prompt - start)
             if not sampled:
                 # A prefill chunk that did not reach the end of the prompt: all of it is committed.
-                if cache_blocks is not None and (start + num_sched) // block_size > start // block_size:
+                if cache_blocks is not None and not preempted and (start + num_sched) // block_size > start // block_size:
                     cache_blocks(request, start + num_sched)
                 continue
             num_drafts_planned = draft_positions.get(request_id, 0)
-            request.num_output_placeholders -= 1 + num_drafts_planned
+            # Reconcile the optimistic view, once: the draft positions this step rejected are not
+            # computed (a later step already planned keeps its own optimistic share). A run cut by a
+            # stop ends the request, so its cut tail needs no correction.
+            if not preempted:  # preemption reset both counts
+                request.num_output_placeholders -= 1 + num_drafts_planned
+                request.num_computed_tokens -= num_drafts_planned - (len(sampled) - 1)
             params = request.sampling_params
             output_ids = request.output_token_ids
             all_ids = request.all_token_ids
@@ -400,17 +414,13 @@ class Scheduler:
             num_generated += num_new
             if spec_k and start >= num_prompt and num_sched == spec_k + 1:
                 self.spec_policy.observe_emitted(spec_k, len(sampled))
-            # Reconcile the optimistic view, once: the draft positions this step rejected are not
-            # computed (a later step already planned keeps its own optimistic share). A run cut by a
-            # stop ends the request, so its cut tail needs no correction.
-            request.num_computed_tokens -= num_drafts_planned - (len(sampled) - 1)
             # Every kept token but the newest has its KV in the cache. Only verified tokens reach
             # the prefix cache, and with stop strings only those that precede this step's run: the
             # output processor may still cut the run at a stop string (the next step registers the
             # run, if the request goes on).
             committed = len(all_ids) - 1
             cacheable = committed - num_new + 1 if params.stop else committed
-            if cache_blocks is not None:
+            if cache_blocks is not None and not preempted:
                 cache_blocks(request, cacheable)
             num_accepted = 0
             if num_drafts is not None and num_drafts[i]:
@@ -427,7 +437,10 @@ class Scheduler:
                 num_accepted_tokens=num_accepted,
             )
             if status is not None:
-                self.running.remove(request)
+                if preempted:
+                    self.waiting.remove(request)
+                else:
+                    self.running.remove(request)
                 self._free(request, status)
                 output.finish_reason = request.finish_reason
                 output.stop_reason = request.stop_reason
@@ -435,6 +448,10 @@ class Scheduler:
         stats.num_prompt_tokens_computed += num_prompt_computed
         stats.num_generation_tokens += num_generated
         return outputs
+
+    def planned_requests(self, step_id: int) -> dict[str, Request]:
+        """The Request objects a step not yet reconciled planned (by id)."""
+        return self._plans.get(step_id, {})
 
     def _count_drafts(self, num_drafts: int, num_accepted: int) -> None:
         stats = self.stats

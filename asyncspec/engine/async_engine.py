@@ -1,5 +1,7 @@
-"""AsyncEngine: the asyncio API. One loop task drives the engine; the model runs in a worker thread
-so the event loop keeps accepting and streaming while a step computes."""
+"""AsyncEngine: the asyncio API. One loop task drives the engine. Synchronous mode runs each whole step
+in a worker thread; asynchronous mode plans and launches on the event loop, one step ahead of the
+device, and awaits each step's results without blocking, so the event loop keeps accepting and
+streaming while the device computes."""
 
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ class AsyncEngine:
         self.config = config
         self.engine = LLMEngine(config)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncspec-worker")
+        # Asynchronous mode: waits for a step's CUDA event, so the event loop never blocks on it.
+        self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncspec-waiter")
         self._streams: dict[str, _Stream] = {}
         self._pending_adds: list[Request] = []
         self._pending_aborts: list[str] = []
@@ -186,6 +190,9 @@ class AsyncEngine:
                         continue
                     await self._wakeup.wait()
                     continue
+                if self.config.async_scheduling:
+                    await self._pipelined_turn()
+                    continue
                 self._inflight_step = self._executor.submit(self.engine.step)
                 outputs = await asyncio.wrap_future(self._inflight_step)
                 self._inflight_step = None
@@ -201,6 +208,24 @@ class AsyncEngine:
             logger.exception("engine loop failed")
             self._dead = EngineDeadError(f"the engine loop failed: {e!r}")
             self._end_all_streams(self._dead)
+
+    async def _pipelined_turn(self) -> None:
+        """The asynchronous loop's turn, on the event loop: launch the next step behind the one in
+        flight (queued on the device, or handed to the CPU worker thread), then await the older
+        step's results without blocking (a waiter thread waits for its CUDA event) and reconcile
+        them while the device works on the newer one."""
+        core = self.engine.engine_core
+        step = core.advance()
+        if step is None:
+            await asyncio.sleep(0)  # the first step of a run: let clients submit before the next
+            return
+        handle = step.handle
+        if handle.future is not None:
+            await asyncio.wait([asyncio.wrap_future(handle.future)])
+        elif not handle.is_ready():
+            await asyncio.get_running_loop().run_in_executor(self._waiter, handle.wait)
+        for output in self.engine.process(core.retire_oldest()):
+            self._deliver(output)
 
     def _end_all_streams(self, error: EngineDeadError) -> None:
         """Aborts every live request (freeing its KV blocks, best effort) and ends every stream
@@ -233,7 +258,8 @@ class AsyncEngine:
                     pass
         # Waits for a step still computing in the worker thread before touching engine state,
         # without blocking the event loop.
-        await asyncio.get_running_loop().run_in_executor(None, lambda: self._executor.shutdown(wait=True))
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, lambda: (self._executor.shutdown(wait=True), self._waiter.shutdown(wait=True)))
         self._end_all_streams(self._dead)
 
     def stats(self) -> dict[str, float]:

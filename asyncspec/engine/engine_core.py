@@ -116,19 +116,24 @@ class EngineCore:
         return len(self._inflight)
 
     def step(self) -> list[EngineCoreOutput]:
-        """One turn of the loop. Synchronous: plan, run and reconcile one step. Asynchronous: launch
-        the next step behind the one in flight, then retire the older one (so its reconciliation
-        overlaps the device's work on the newer one); returns the retired step's outputs."""
+        """One turn of the loop (see `advance`); returns the outputs of the step it retired."""
+        return self.retire_oldest() if self.advance() is not None else []
+
+    def advance(self) -> InflightStep | None:
+        """Launches what the loop may launch now and returns the step to retire next (None: none
+        yet). Synchronous: plan and launch one step, retire it. Asynchronous: launch the next step
+        behind the one in flight, then retire the older one, so that its reconciliation overlaps the
+        device's work on the newer one; a step that needs exact host counts (min_tokens) is
+        launched only once the step before it was retired."""
         if not self.async_scheduling:
             self.launch_next()
-            return self.retire_oldest() if self._inflight else []
-        outputs: list[EngineCoreOutput] = []
+            return self._inflight[0] if self._inflight else None
         if self._inflight and self.runner.requires_reconciled_state():
-            outputs += self.retire_oldest()  # a step that needs exact host counts waits for them
+            return self._inflight[0]
         launched = self.launch_next() if len(self._inflight) < MAX_INFLIGHT_STEPS else None
         if self._inflight and (launched is None or len(self._inflight) == MAX_INFLIGHT_STEPS):
-            outputs += self.retire_oldest()
-        return outputs
+            return self._inflight[0]
+        return None
 
     def launch_next(self) -> InflightStep | None:
         """Plans the next step with the optimistic view (every draft in flight accepted) and queues it
@@ -154,6 +159,7 @@ class EngineCore:
         so = step.scheduler_output
         if so.num_speculative_tokens or self.config.num_speculative_tokens:
             self._observe_decode_step(so, self._step_seconds(step, collected))
+        plan = self.scheduler.planned_requests(so.step_id) if self.debug_invariants else {}
         outputs = self.scheduler.update_from_output(so, runner_output)
         self.step_timings.record(
             step.schedule_start, step.launch_start, collected, time.perf_counter(), self.runner.last_device_idle_seconds
@@ -164,7 +170,7 @@ class EngineCore:
             self.runner.reset_device_idle()
             self._last_collected = None
         if self.debug_invariants:
-            self.check_reconciled(runner_output, outputs)
+            self.check_reconciled(runner_output, outputs, plan)
         return outputs
 
     def _step_seconds(self, step: InflightStep, collected: float) -> float:
@@ -174,7 +180,9 @@ class EngineCore:
             return collected - max(self._last_collected, step.schedule_start)
         return collected - step.launch_start
 
-    def check_reconciled(self, runner_output: ModelRunnerOutput, outputs: list[EngineCoreOutput]) -> None:
+    def check_reconciled(
+        self, runner_output: ModelRunnerOutput, outputs: list[EngineCoreOutput], plan: dict[str, Request]
+    ) -> None:
         """Debug mode (on in tests): after a step's reconciliation, every running request's
         num_computed_tokens, less what the steps still in flight added optimistically, equals the
         device's count at the end of that step; no placeholder is left once nothing is in flight;
@@ -186,10 +194,14 @@ class EngineCore:
                 raise AssertionError(f"{output.request_id}: output ids {output.new_token_ids} outside [0, {vocab})")
         device = runner_output.device_num_computed_tokens or {}
         for request_id, count in device.items():
-            request = self.scheduler.requests.get(request_id)
+            request = plan.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
-            ahead = sum(s.scheduler_output.num_scheduled_tokens.get(request_id, 0) for s in self._inflight)
+            ahead = sum(
+                s.scheduler_output.num_scheduled_tokens[request_id]
+                for s in self._inflight
+                if self.scheduler.planned_requests(s.scheduler_output.step_id).get(request_id) is request
+            )
             if request.num_computed_tokens - ahead != count:
                 raise AssertionError(
                     f"{request_id}: the host reconciled {request.num_computed_tokens - ahead} computed tokens, "

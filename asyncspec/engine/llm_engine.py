@@ -10,6 +10,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from asyncspec.config import EngineConfig
+from asyncspec.core.scheduler_output import EngineCoreOutput
 from asyncspec.engine.engine_core import EngineCore
 from asyncspec.engine.output_processor import OutputProcessor
 from asyncspec.errors import InvalidRequestError, ModelLoadError, QueueFullError
@@ -132,7 +133,10 @@ class LLMEngine:
         return self.engine_core.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        core_outputs = self.engine_core.step()
+        return self.process(self.engine_core.step())
+
+    def process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        """Detokenizes and applies stop strings to a retired step's outputs; ends what they stopped."""
         processed = self.output_processor.process_outputs(core_outputs)
         if processed.stopped:
             self.engine_core.finish_stopped(processed.stopped)

@@ -35,13 +35,19 @@ LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 TIMEOUT = 60.0
 
 
-def _new_engine(**overrides) -> AsyncEngine:
-    return AsyncEngine(make_config(str(TARGET_MODEL), **{**CONFIG, **overrides}))
+def _new_engine(async_scheduling: bool, **overrides) -> AsyncEngine:
+    return AsyncEngine(make_config(str(TARGET_MODEL), **{**CONFIG, "async_scheduling": async_scheduling, **overrides}))
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def async_scheduling(request):
+    """Every test runs against the synchronous loop and the asynchronous (pipelined) one."""
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def engine(one_thread):
-    eng = _new_engine()
+def engine(one_thread, async_scheduling):
+    eng = _new_engine(async_scheduling)
     yield eng
     asyncio.run(eng.shutdown())
 
@@ -268,8 +274,8 @@ def test_invalid_sampling_params_rejected_at_construction():
     assert issubclass(InvalidSamplingParamsError, AsyncSpecError)
 
 
-def test_queue_full_is_typed_and_nothing_lost(prompts, reference):
-    engine = _new_engine(max_num_waiting=1, max_num_seqs=1)
+def test_queue_full_is_typed_and_nothing_lost(prompts, reference, async_scheduling):
+    engine = _new_engine(async_scheduling, max_num_waiting=1, max_num_seqs=1)
 
     async def main():
         tasks = [asyncio.create_task(_collect(engine, prompts[i % 2], GREEDY, f"q{i}")) for i in range(4)]
@@ -288,9 +294,9 @@ def test_queue_full_is_typed_and_nothing_lost(prompts, reference):
             assert [t for d in r for t in d.token_ids] == reference[i % 2].token_ids
 
 
-def test_shutdown_ends_in_flight_streams(prompts):
+def test_shutdown_ends_in_flight_streams(prompts, async_scheduling):
     """After shutdown no stream hangs: in-flight ones end (abort or a typed error), new ones are refused."""
-    engine = _new_engine()
+    engine = _new_engine(async_scheduling)
 
     async def main():
         seen = asyncio.Event()
@@ -320,10 +326,12 @@ def test_shutdown_ends_in_flight_streams(prompts):
     assert_kv_free(engine.stats())
 
 
-def test_engine_failure_ends_every_stream(prompts):
-    engine = _new_engine()
+def test_engine_failure_ends_every_stream(prompts, async_scheduling):
+    engine = _new_engine(async_scheduling)
     calls = {"n": 0}
-    real_step = engine.engine.engine_core.step
+    # The synchronous loop calls step(); the asynchronous one retires each step itself.
+    name = "retire_oldest" if async_scheduling else "step"
+    real_step = getattr(engine.engine.engine_core, name)
 
     def failing_step():
         calls["n"] += 1
@@ -331,7 +339,7 @@ def test_engine_failure_ends_every_stream(prompts):
             raise RuntimeError("injected worker failure")
         return real_step()
 
-    engine.engine.engine_core.step = failing_step
+    setattr(engine.engine.engine_core, name, failing_step)
 
     async def main():
         tasks = [asyncio.create_task(_collect(engine, p, LONG, f"f{i}")) for i, p in enumerate(prompts[:3])]

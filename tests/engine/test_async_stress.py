@@ -21,9 +21,10 @@ from tests.engine.stress_helpers import References, ScenarioConfig, new_engine, 
 pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/engine/conftest.py)
 
 
-@pytest.fixture(scope="module")
-def engine(one_thread):
-    eng = new_engine()
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def engine(one_thread, request):
+    """The synchronous loop and the asynchronous one; references are always synchronous alone runs."""
+    eng = new_engine(async_scheduling=request.param)
     yield eng
     asyncio.run(eng.shutdown())
 
