@@ -158,6 +158,11 @@ class Scheduler:
             elif num_new == 1 and spec_k and (placeholders or request.output_token_ids):
                 # A decode after a sampling step: the worker holds up to k drafts to verify.
                 num_drafts = self._num_drafts_for(request, computed, spec_k, max_model_len)
+                if num_drafts < spec_k and placeholders and request.sampling_params.seed is not None:
+                    # Near its end the drafts a request verifies depend on what the step in flight
+                    # accepts; a seeded stream's draws depend on them: plan it once that is known.
+                    index += 1
+                    continue
                 num_new += num_drafts
             if num_new > token_budget:
                 num_drafts = max(0, num_drafts - (num_new - token_budget))
@@ -381,7 +386,11 @@ class Scheduler:
                 num_prompt_computed += min(num_sched, num_prompt - start)
             if not sampled:
                 # A prefill chunk that did not reach the end of the prompt: all of it is committed.
-                if cache_blocks is not None and not preempted and (start + num_sched) // block_size > start // block_size:
+                if (
+                    cache_blocks is not None
+                    and not preempted
+                    and (start + num_sched) // block_size > start // block_size
+                ):
                     cache_blocks(request, start + num_sched)
                 continue
             num_drafts_planned = draft_positions.get(request_id, 0)
