@@ -352,7 +352,6 @@ class Scheduler:
             outputs.extend(self._fail_requests(runner_output.failed_requests))
         logprobs = runner_output.logprobs
         num_drafts = runner_output.num_draft_tokens
-        requests = self.requests
         num_scheduled_map = scheduler_output.num_scheduled_tokens
         kv = self.kv_cache_manager
         cache_blocks = kv.cache_blocks if kv.enable_prefix_caching else None
