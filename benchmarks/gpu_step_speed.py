@@ -43,7 +43,9 @@ per model, each in a fresh process, a failure recorded as {"error": ...} while t
 - `eager`, `graphed` (enforce_eager True / False), `eager-ngram`, `graphed-ngram` (ngram, k=4),
   `eager-draft`, `graphed-draft` (bundled only: draft_model k=4); with CUDA graphs the engine's adaptive
   speculation (its default) picks k in {0, 1, 2, 4} per step, eager always verifies 4; the opt-in group
-  `fixed-k` adds `graphed-ngram-fixed` and `graphed-draft-fixed` (adaptive_speculation=False: always 4).
+  `fixed-k` adds `graphed-ngram-fixed` and `graphed-draft-fixed` (adaptive_speculation=False: always 4); the
+  opt-in group `async` adds `async`, `async-ngram`, `async-draft`: the graphed configurations with
+  async_scheduling=True (the asynchronous loop).
   Each measures, at gpu_memory_utilization 0.5:
   - `tpot`: batch-1 wall TPOT = (time of a 128-token generation - time of a 1-token one) / 127, medians of 3
     after one untimed call of each (as in gpu_engine_vs_hf.py);
@@ -176,6 +178,10 @@ ASYNCSPEC_CONFIGS: dict[str, dict[str, Any]] = {
     # Opt-in (group `fixed-k`): CUDA graphs with a fixed k = 4, what the adaptive policy is measured against.
     "graphed-ngram-fixed": {"enforce_eager": False, **_NGRAM, "adaptive_speculation": False},
     "graphed-draft-fixed": {"enforce_eager": False, **_DRAFT, "adaptive_speculation": False},
+    # Opt-in (group `async`): the asynchronous loop (issue 9), next to the graphed rows above.
+    "async": {"enforce_eager": False, "async_scheduling": True},
+    "async-ngram": {"enforce_eager": False, **_NGRAM, "adaptive_speculation": True, "async_scheduling": True},
+    "async-draft": {"enforce_eager": False, **_DRAFT, "adaptive_speculation": True, "async_scheduling": True},
 }
 """asyncspec configurations (LLM keyword arguments), in the order they run: graphed first, the figures that
 matter most if a deadline cuts the run short. Speculation with CUDA graphs picks k per step (0, 1, 2 or 4:
@@ -183,8 +189,9 @@ matter most if a deadline cuts the run short. Speculation with CUDA graphs picks
 HF_PARTS = ("hf-static", "hf-assisted", "hf-batch")
 PART_ORDER = ("bandwidth", *ASYNCSPEC_CONFIGS, "startup", *HF_PARTS)
 GROUPS = {
-    "asyncspec": [c for c in ASYNCSPEC_CONFIGS if not c.endswith("-fixed")],
+    "asyncspec": [c for c in ASYNCSPEC_CONFIGS if not c.endswith("-fixed") and not c.startswith("async")],
     "fixed-k": [c for c in ASYNCSPEC_CONFIGS if c.endswith("-fixed")],
+    "async": [c for c in ASYNCSPEC_CONFIGS if c.startswith("async")],
     "hf": list(HF_PARTS),
 }
 GROUPS["all"] = [*GROUPS["asyncspec"], "startup", *HF_PARTS]

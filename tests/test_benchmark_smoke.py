@@ -186,3 +186,21 @@ def test_smoke_all_parts(tmp_path: Path) -> None:
         "step_speed_sweep.png",
         "step_speed_throughput.png",
     ]
+
+
+def test_bubble_smoke_and_timeline(tmp_path: Path) -> None:
+    """benchmarks/bubble.py --smoke: both loops with and without speculation at two batch sizes, the
+    profiler timeline of each loop and its picture."""
+    out = tmp_path / "bubble.json"
+    proc = _run(str(REPO / "benchmarks" / "bubble.py"), "--smoke", "--output", str(out))
+    assert "idle %" in proc.stdout
+    r = json.loads(out.read_text())
+    keys = {(row["spec"], row["batch"], row["loop"]) for row in r["rows"]}
+    assert keys == {(s, b, loop) for s in (None, "ngram") for b in (1, 2) for loop in ("sync", "async")}
+    for row in r["rows"]:
+        assert row["tokens"] > 0 and 0 <= row["device_idle_fraction"] < 1 and _positive(row["tpot_ms"])
+    for loop in ("sync", "async"):
+        names = [h["name"] for h in r["timelines"][loop]["host"]]
+        assert names.count("plan") >= 4 and names.count("collect") >= 4
+    _run(str(REPO / "benchmarks" / "bubble.py"), "--plot", str(out), "--out", str(tmp_path))
+    assert (tmp_path / "bubble_timeline.png").stat().st_size > 0

@@ -186,6 +186,7 @@ class ModelRunner:
         if pin:
             self._step_events = tuple([torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(2))  # type: ignore[assignment]
         self._num_timed_steps = 0
+        self._pending_start: torch.cuda.Event | None = None
         self._cpu_step_end: float | None = None
         self.last_device_idle_seconds: float | None = None
         """Device idle before the last collected step (CUDA events); None on the CPU or when not measured."""
@@ -480,8 +481,13 @@ class ModelRunner:
                 return handle
             starts, ends = self._step_events
             i = self._num_timed_steps % 3
-            starts[i].record(self._stream)
+            # Recorded just before the step's first device work (its input copy), not at the call:
+            # the host's bookkeeping before it leaves a synchronous loop's device idle.
+            self._pending_start = starts[i]
             handle = self._launch(so)
+            if self._pending_start is not None:  # a step with no device work
+                self._pending_start.record(self._stream)
+                self._pending_start = None
             ends[i].record(self._stream)
             # The first step after the engine ran dry has no bubble before it, only idleness.
             handle.timing_slot = i if self._num_timed_steps > 0 else None
@@ -939,6 +945,9 @@ class ModelRunner:
         meta[3, :num_sampling] = sampling_rows
         meta[4, :num_reqs] = [s.request_id in admitted for s in states] if admitted else 0
         meta[5, :num_sampling] = num_draft_positions
+        if self._pending_start is not None:
+            self._pending_start.record(self._stream)
+            self._pending_start = None
         self._meta_dev.copy_(meta_host, non_blocking=True)
         np.take(self.input_batch.block_table, rows, axis=0, out=block_table_host.numpy()[:num_reqs])
         self._block_table_dev[:num_reqs].copy_(block_table_host[:num_reqs], non_blocking=True)

@@ -61,3 +61,30 @@ def test_device_idle_is_measured_with_cuda_events():
     assert runner.last_device_idle_seconds is not None
     # the synchronous loop leaves the GPU idle between steps, never longer than the launch gaps
     assert 0 < stats["device_idle_seconds_total"] < stats["step_launch_gap_seconds_total"]
+
+
+@pytest.mark.gpu
+def test_async_loop_leaves_the_gpu_less_idle_than_the_sync_loop(monkeypatch):
+    """The bubble, measured by the step events: the asynchronous loop queues step N+1 before step N
+    ends, so the device waits less between steps than in the synchronous loop."""
+    monkeypatch.setenv("ASYNCSPEC_DEBUG_INVARIANTS", "0")  # its device reads would add bubbles
+    prompts = [p[:50] for p in load_prompts(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    idle = {}
+    for async_scheduling in (False, True):
+        llm = make_llm(
+            device="cuda",
+            dtype="bfloat16",
+            block_size=16,
+            max_model_len=192,
+            num_kv_blocks=64,
+            max_num_seqs=4,
+            async_scheduling=async_scheduling,
+        )
+        llm.generate(prompts, params)  # warm-up
+        before = llm.stats()
+        llm.generate(prompts, params)
+        after = llm.stats()
+        steps = after["num_timed_steps"] - before["num_timed_steps"]
+        idle[async_scheduling] = (after["device_idle_seconds_total"] - before["device_idle_seconds_total"]) / steps
+    assert idle[True] < idle[False], idle
