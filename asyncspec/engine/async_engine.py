@@ -258,8 +258,11 @@ class AsyncEngine:
                     pass
         # Waits for a step still computing in the worker thread before touching engine state,
         # without blocking the event loop.
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, lambda: (self._executor.shutdown(wait=True), self._waiter.shutdown(wait=True)))
+        def join_threads() -> None:
+            self._executor.shutdown(wait=True)
+            self._waiter.shutdown(wait=True)
+
+        await asyncio.get_running_loop().run_in_executor(None, join_threads)
         self._end_all_streams(self._dead)
 
     def stats(self) -> dict[str, float]:
