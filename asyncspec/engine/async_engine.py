@@ -256,6 +256,7 @@ class AsyncEngine:
                     await task
                 except asyncio.CancelledError:
                     pass
+
         # Waits for a step still computing in the worker thread before touching engine state,
         # without blocking the event loop.
         def join_threads() -> None:
