@@ -79,6 +79,7 @@ class Scheduler:
         self._planned_k = config.num_speculative_tokens  # drafts the previous step proposed per request
         self._finished_since_last_step: set[str] = set()
         self._step_id = 0
+        self._below_min_tokens: set[Request] = set()
         self._plans: dict[int, dict[str, Request]] = {}
         """Per step not yet reconciled, the Request objects it planned: a request id may be reused
         by a new request while an older step with the old one is still in flight."""
@@ -87,6 +88,19 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        if request.sampling_params.min_tokens:
+            self._below_min_tokens.add(request)
+
+    def requires_exact_counts(self) -> bool:
+        """Whether the next step must be planned on reconciled counts (the asynchronous loop then
+        retires the step in flight first): a running request still below its min_tokens has its stop
+        ids masked by its exact output count, which only reconciliation knows."""
+        if not self._below_min_tokens:
+            return False
+        for request in list(self._below_min_tokens):
+            if request.is_finished or len(request.output_token_ids) >= request.sampling_params.min_tokens:
+                self._below_min_tokens.discard(request)
+        return any(r.status == RequestStatus.RUNNING for r in self._below_min_tokens)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Ends requests (abort, stop string) and frees their blocks at once."""

@@ -128,7 +128,7 @@ class EngineCore:
         if not self.async_scheduling:
             self.launch_next()
             return self._inflight[0] if self._inflight else None
-        if self._inflight and self.runner.requires_reconciled_state():
+        if self._inflight and self.scheduler.requires_exact_counts():
             return self._inflight[0]
         launched = self.launch_next() if len(self._inflight) < MAX_INFLIGHT_STEPS else None
         if self._inflight and (launched is None or len(self._inflight) == MAX_INFLIGHT_STEPS):

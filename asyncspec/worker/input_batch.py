@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from asyncspec.core.scheduler_output import NewRequestData
-from asyncspec.layers.sampler import make_generator
+from asyncspec.layers.sampler import host_list_to_device, make_generator
 from asyncspec.sampling_params import SamplingParams
 
 
@@ -139,7 +139,7 @@ class InputBatch:
 
     def _fill_row(self, row: int, data: NewRequestData) -> RowState:
         n = len(data.token_ids)
-        self.token_ids[row, :n] = torch.tensor(data.token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        self.token_ids[row, :n] = host_list_to_device(data.token_ids, self.device)
         params = data.sampling_params
         state = RowState(
             request_id=data.request_id,
@@ -179,10 +179,10 @@ class InputBatch:
         row = state.row
         self.output_token_counts[row].zero_()
         self.prompt_token_mask[row].zero_()
-        prompt = torch.tensor(state.prompt_token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        prompt = host_list_to_device(state.prompt_token_ids, self.device)
         self.prompt_token_mask[row].index_fill_(0, prompt, True)
         if state.output_token_ids:
-            outputs = torch.tensor(state.output_token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+            outputs = host_list_to_device(state.output_token_ids, self.device)
             self.output_token_counts[row].index_add_(
                 0, outputs, torch.ones(len(state.output_token_ids), device=self.device)
             )

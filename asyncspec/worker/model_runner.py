@@ -456,7 +456,12 @@ class ModelRunner:
         for request_id, new_blocks, num_computed in zip(
             cached.request_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
         ):
-            state = batch.rows[request_id]
+            state = batch.rows.get(request_id)
+            if state is None:
+                # Its admission failed in a step the scheduler had not reconciled when it planned this
+                # one (asynchronous loop): it sits this step out too; the scheduler ends it once.
+                failed[request_id] = "the worker could not admit the request"
+                continue
             batch.append_blocks(state, new_blocks)
             state.num_computed_tokens = num_computed
         return failed, admitted
@@ -554,12 +559,6 @@ class ModelRunner:
         if self.spec is not None and self.spec.uses_draft_model:
             self.spec.proposer.debug_invariants = on  # type: ignore[union-attr]
 
-    def requires_reconciled_state(self) -> bool:
-        """Whether the next step must be launched only after the previous one was collected: a
-        running request's min_tokens masks stop ids by its exact output count, which the host
-        learns at collection."""
-        return self.input_batch.feature_counts["min_tokens"] > 0
-
     def device_num_computed_tokens(self) -> dict[str, int]:
         """Per request, num_computed_tokens as the device holds it (a debugging and test aid:
         synchronizes)."""
@@ -633,9 +632,9 @@ class ModelRunner:
         # sampling request's new token goes at index seq_len (always < max_model_len).
         token_cols = attn_metadata.seq_lens.to(torch.int64).index_select(0, sample_index)
         sampled = out.sampled_token_ids
-        # The drafter reads the new token from the buffer this step: never a placeholder there.
-        written = sampled.clamp_min(0) if self.spec is not None else sampled
-        self.input_batch.token_ids[batch_rows, token_cols] = written
+        # Never a placeholder in the buffer: the drafter reads the new token this step, and a step
+        # already planned behind this one feeds it to the model (a failed row's results are void).
+        self.input_batch.token_ids[batch_rows, token_cols] = sampled.clamp_min(0)
         self.input_batch.record_sampled(batch_rows, sampled)
         if self.spec is not None:
             self._propose_without_drafts(

@@ -56,9 +56,9 @@ async def _collect(engine, prompt, params, request_id):
     return [d async for d in engine.generate(prompt, params, request_id=request_id)]
 
 
-@pytest.fixture(scope="module")
-def engine(one_thread):
-    eng = _new_engine()
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def engine(one_thread, request):
+    eng = _new_engine(async_scheduling=request.param)
     yield eng
     asyncio.run(eng.shutdown())
 
@@ -144,8 +144,9 @@ def test_admission_failure_fails_that_request_alone(engine, prompts, reference, 
     assert _tokens(_run(_collect(engine, prompts[3], GREEDY, "after-poison"))) == reference[3].token_ids
 
 
-def test_admission_failure_through_llm_generate_keeps_the_batch(prompts, reference, poison_admission):
-    llm = bundled_llm(**CONFIG)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_admission_failure_through_llm_generate_keeps_the_batch(prompts, reference, poison_admission, async_scheduling):
+    llm = bundled_llm(**CONFIG, async_scheduling=async_scheduling)
     # LLM.generate names its requests llm-<n>; poison the second one via a wrapper of the names.
     llm._next_id = 0
     real_make = llm.engine.make_request
