@@ -456,14 +456,14 @@ class ModelRunner:
         for request_id, new_blocks, num_computed in zip(
             cached.request_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
         ):
-            state = batch.rows.get(request_id)
-            if state is None:
+            row_state = batch.rows.get(request_id)
+            if row_state is None:
                 # Its admission failed in a step the scheduler had not reconciled when it planned this
                 # one (asynchronous loop): it sits this step out too; the scheduler ends it once.
                 failed[request_id] = "the worker could not admit the request"
                 continue
-            batch.append_blocks(state, new_blocks)
-            state.num_computed_tokens = num_computed
+            batch.append_blocks(row_state, new_blocks)
+            row_state.num_computed_tokens = num_computed
         return failed, admitted
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
