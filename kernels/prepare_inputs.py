@@ -57,3 +57,19 @@ def prepare_inputs_ref(
         # Padding requests have no tokens: capacity may cover only the real ones.
         valid = valid & (pos < capacity[req.clamp_max(capacity.shape[0] - 1)])
     slot_mapping[:num_tokens] = torch.where(valid, block * block_size + pos % block_size, -1)
+
+
+def resolve_computed_ref(meta: torch.Tensor, num_reqs: int, device_counts: torch.Tensor) -> None:
+    """Takes each request's computed count from the device, where the host's may be ahead of it.
+
+    meta [>=5, >=num_reqs] int64 (rows as in `prepare_inputs_ref`, plus row 4: 1 where the host's count
+    in row 1 is authoritative, for a request admitted this step); device_counts [R] int64 per buffer row,
+    rows distinct. Writes meta[1, i] = the request's computed count (host's if flagged, else the
+    device's) and device_counts[row] = that count + its scheduled tokens.
+    """
+    if num_reqs == 0:
+        return
+    rows = meta[0, :num_reqs]
+    computed = torch.where(meta[4, :num_reqs] != 0, meta[1, :num_reqs], device_counts.index_select(0, rows))
+    meta[1, :num_reqs] = computed
+    device_counts.index_copy_(0, rows, computed + meta[2, :num_reqs])

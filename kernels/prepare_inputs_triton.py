@@ -123,3 +123,26 @@ def prepare_inputs(
         BLOCK_R=block_r,
         BLOCK_T=block_t,
     )
+
+
+@triton.jit(do_not_specialize=["meta_stride", "num_reqs"], do_not_specialize_on_alignment=["meta_ptr"])
+def _resolve_computed_kernel(meta_ptr, meta_stride, counts_ptr, num_reqs, BLOCK_R: tl.constexpr):
+    r = tl.arange(0, BLOCK_R)
+    ok = r < num_reqs
+    row = tl.load(meta_ptr + r, mask=ok, other=0)
+    host = tl.load(meta_ptr + meta_stride + r, mask=ok, other=0)
+    scheduled = tl.load(meta_ptr + 2 * meta_stride + r, mask=ok, other=0)
+    from_host = tl.load(meta_ptr + 4 * meta_stride + r, mask=ok, other=0)
+    device = tl.load(counts_ptr + row, mask=ok & (from_host == 0), other=0)
+    computed = tl.where(from_host != 0, host, device)
+    tl.store(meta_ptr + meta_stride + r, computed, mask=ok)
+    tl.store(counts_ptr + row, computed + scheduled, mask=ok)
+
+
+def resolve_computed(meta: torch.Tensor, num_reqs: int, device_counts: torch.Tensor) -> None:
+    """See `resolve_computed_ref`: one program over every request."""
+    if num_reqs == 0:
+        return
+    assert meta.stride(1) == 1 and meta.dtype == device_counts.dtype == torch.int64
+    block_r = max(16, triton.next_power_of_2(num_reqs))
+    _resolve_computed_kernel[(1,)](meta, meta.stride(0), device_counts, num_reqs, BLOCK_R=block_r)

@@ -170,6 +170,7 @@ class ModelRunner:
         self._inputs = StaticInputs.allocate(n, self.config.max_num_batched_tokens, cols, self.device)
         self._block_table_dev = self._inputs.block_tables
         self._prepare_kernel = select_backend(self.device).prepare_inputs
+        self._resolve_kernel = select_backend(self.device).resolve_computed
         k = self.spec.k if self.spec is not None else 0
         self._draft_slots = torch.arange(max(k, 1), dtype=torch.int64, device=self.device)
         # The step's one device-to-host copy lands here (sampled tokens, accepted and draft counts,
@@ -982,12 +983,7 @@ class ModelRunner:
         """Replaces the plan's computed counts in the device meta by the device's own (the truth),
         except for rows admitted this step (the host's count is theirs), and advances the device's
         counts by the scheduled tokens (verification takes back the rejected ones)."""
-        meta = self._meta_dev
-        rows = meta[0, :num_reqs]
-        device_counts = self.input_batch.num_computed_dev
-        computed = torch.where(meta[4, :num_reqs] != 0, meta[1, :num_reqs], device_counts.index_select(0, rows))
-        meta[1, :num_reqs] = computed
-        device_counts.index_copy_(0, rows, computed + meta[2, :num_reqs])
+        self._resolve_kernel(self._meta_dev, num_reqs, self.input_batch.num_computed_dev)
 
     def _insert_drafts(self, num_reqs: int, num_sampling: int, num_positions: int) -> None:
         """Writes each sampling request's planned drafts after its known tokens in the device token
