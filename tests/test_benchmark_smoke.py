@@ -190,7 +190,7 @@ def test_smoke_all_parts(tmp_path: Path) -> None:
 
 def test_bubble_smoke_and_timeline(tmp_path: Path) -> None:
     """benchmarks/bubble.py --smoke: both loops with and without speculation at two batch sizes, the
-    profiler timeline of each loop and its picture."""
+    profiler timeline of each loop, and its picture where matplotlib is installed."""
     out = tmp_path / "bubble.json"
     proc = _run(str(REPO / "benchmarks" / "bubble.py"), "--smoke", "--output", str(out))
     assert "idle %" in proc.stdout
@@ -202,5 +202,6 @@ def test_bubble_smoke_and_timeline(tmp_path: Path) -> None:
     for loop in ("sync", "async"):
         names = [h["name"] for h in r["timelines"][loop]["host"]]
         assert names.count("plan") >= 4 and names.count("collect") >= 4
-    _run(str(REPO / "benchmarks" / "bubble.py"), "--plot", str(out), "--out", str(tmp_path))
-    assert (tmp_path / "bubble_timeline.png").stat().st_size > 0
+    if importlib.util.find_spec("matplotlib") is not None:  # a plotting extra, not a test dependency
+        _run(str(REPO / "benchmarks" / "bubble.py"), "--plot", str(out), "--out", str(tmp_path))
+        assert (tmp_path / "bubble_timeline.png").stat().st_size > 0
