@@ -100,6 +100,10 @@ class AsyncEngine:
                 if self._wakeup is not None:
                     self._wakeup.set()
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether a live stream has this id."""
+        return request_id in self._streams
+
     async def abort(self, request_id: str) -> None:
         """Ends the request; its stream receives a final output with finish_reason "abort".
         Unknown or already finished ids are ignored (an abort must never hit a later request

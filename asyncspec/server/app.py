@@ -1,0 +1,257 @@
+"""The gRPC server: health (liveness on "", readiness on asyncspec.v1.Generation), reflection, the
+Generation service, Prometheus metrics on their own HTTP port, optional TLS and bearer-token auth, and
+a drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from asyncspec.config import EngineConfig
+from asyncspec.engine.async_engine import AsyncEngine
+from asyncspec.errors import AsyncSpecError
+from asyncspec.server.metrics import ServerMetrics
+from asyncspec.server.service import SERVICE_NAME, GenerationService
+from asyncspec.v1 import asyncspec_pb2 as pb
+from asyncspec.v1 import asyncspec_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+AUTH_TOKEN_ENV = "ASYNCSPEC_AUTH_TOKEN"
+"""Environment variable holding the bearer token clients must send (unset: no auth)."""
+
+
+class ServerStartError(AsyncSpecError):
+    """The server could not start: a port in use, an unreadable certificate, a model that fails to load."""
+
+
+@dataclass
+class ServerConfig:
+    """How the server listens; the engine's own options are EngineConfig's."""
+
+    host: str = "0.0.0.0"
+    """Address the gRPC and metrics servers bind."""
+    port: int = 50051
+    """gRPC port (0: an ephemeral port, reported by `GenerationServer.port`)."""
+    metrics_port: int = 9400
+    """Prometheus HTTP port (0: ephemeral; -1: no metrics server)."""
+    drain_grace_s: float = 30.0
+    """On SIGTERM: how long in-flight streams may run on before they are aborted."""
+    max_message_bytes: int = 16 * 2**20
+    """Largest request or response message; bigger requests get RESOURCE_EXHAUSTED."""
+    keepalive_time_s: float = 30.0
+    """Interval of HTTP/2 keepalive pings on idle connections."""
+    keepalive_timeout_s: float = 10.0
+    """How long a keepalive ping may go unanswered before the connection is closed."""
+    tls_cert_file: str | None = None
+    """PEM certificate chain: serve TLS (with tls_key_file)."""
+    tls_key_file: str | None = None
+    """PEM private key of tls_cert_file."""
+    auth_token_file: str | None = None
+    """File holding the bearer token; else $ASYNCSPEC_AUTH_TOKEN; neither: no auth."""
+
+    def auth_token(self) -> str | None:
+        if self.auth_token_file:
+            try:
+                with open(self.auth_token_file) as f:
+                    token = f.read().strip()
+            except OSError as e:
+                raise ServerStartError(f"cannot read auth_token_file {self.auth_token_file!r}: {e}") from None
+            if not token:
+                raise ServerStartError(f"auth_token_file {self.auth_token_file!r} is empty")
+            return token
+        return os.environ.get(AUTH_TOKEN_ENV) or None
+
+
+_OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """UNAUTHENTICATED unless the call carries `authorization: Bearer <token>`; health checks and
+    reflection stay open (probes carry no token)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}"
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(_OPEN_METHODS):
+            return handler
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        if metadata.get("authorization") == self._expected:
+            return handler
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        async def deny_stream(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+            yield  # pragma: no cover - makes this an async generator
+
+        kwargs = dict(
+            request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(deny_stream, **kwargs)
+        return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
+
+
+class GenerationServer:
+    """`await start()` binds, then loads the engine (readiness NOT_SERVING until it is ready);
+    `await drain()` stops taking requests, lets in-flight streams finish within the grace period,
+    then stops everything."""
+
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig | None = None) -> None:
+        self.engine_config = engine_config
+        self.config = server_config or ServerConfig()
+        self.engine: AsyncEngine | None = None
+        self.port = 0
+        self.metrics_port: int | None = None
+        self.metrics = ServerMetrics(self._stats)
+        self.health = health.aio.HealthServicer()
+        self.draining = False
+        self._server: grpc.aio.Server | None = None
+        self._metrics_http: WSGIServer | None = None
+        self._service: GenerationService | None = None
+        self._stopped = asyncio.Event()
+
+    def _stats(self) -> dict[str, float]:
+        return self.engine.stats() if self.engine is not None else {}
+
+    async def start(self) -> None:
+        cfg = self.config
+        token = cfg.auth_token()
+        options = [
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.keepalive_time_ms", int(cfg.keepalive_time_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+        ]
+        interceptors = [BearerTokenInterceptor(token)] if token else []
+        server = grpc.aio.server(options=options, interceptors=interceptors)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)  # liveness: the process is up
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)  # readiness: loading
+        self._service = GenerationService(
+            lambda: self.engine, self.metrics, lambda: self.draining, self.mark_engine_dead
+        )
+        pb_grpc.add_GenerationServicer_to_server(self._service, server)
+        names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+        address = f"{cfg.host}:{cfg.port}"
+        try:
+            if cfg.tls_cert_file or cfg.tls_key_file:
+                credentials = grpc.ssl_server_credentials([(_read(cfg.tls_key_file), _read(cfg.tls_cert_file))])
+                self.port = server.add_secure_port(address, credentials)
+            else:
+                self.port = server.add_insecure_port(address)
+        except RuntimeError as e:
+            raise ServerStartError(f"cannot listen on {address}: {e}") from None
+        if self.port == 0:
+            raise ServerStartError(f"cannot listen on {address} (is the port in use?)")
+        await server.start()
+        self._server = server
+        if cfg.metrics_port >= 0:
+            try:
+                self._metrics_http, _ = start_http_server(
+                    cfg.metrics_port, addr=cfg.host, registry=self.metrics.registry
+                )
+            except OSError as e:
+                await server.stop(0)
+                raise ServerStartError(f"cannot serve metrics on {cfg.host}:{cfg.metrics_port}: {e}") from None
+            self.metrics_port = self._metrics_http.server_port
+        logger.info(
+            "gRPC listening on %s:%d, metrics on %s; loading the engine", cfg.host, self.port, self.metrics_port
+        )
+        start = time.perf_counter()
+        try:
+            self.engine = await asyncio.get_running_loop().run_in_executor(None, AsyncEngine, self.engine_config)
+        except Exception as e:
+            await self.stop()
+            raise ServerStartError(f"the engine failed to start: {e}") from e
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        logger.info("ready in %.1f s: serving %s", time.perf_counter() - start, self.engine_config.model)
+
+    def mark_engine_dead(self) -> None:
+        """The engine failed: readiness (and liveness, so the orchestrator restarts it) NOT_SERVING."""
+        asyncio.get_running_loop().create_task(self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING))
+
+    async def _set_all(self, status) -> None:
+        await self.health.set(SERVICE_NAME, status)
+        await self.health.set("", status)
+
+    async def drain(self, grace_s: float | None = None) -> None:
+        """Readiness NOT_SERVING, new Generate calls UNAVAILABLE; in-flight streams run on for the grace
+        period; then the engine and the servers stop."""
+        if self.draining:
+            await self._stopped.wait()
+            return
+        self.draining = True
+        grace = self.config.drain_grace_s if grace_s is None else grace_s
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        deadline = time.monotonic() + grace
+        while self._service is not None and self._service.num_active_streams > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await self.stop()
+
+    async def stop(self) -> None:
+        if self.engine is not None:
+            await self.engine.shutdown()
+        if self._server is not None:
+            await self._server.stop(0.5)
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+            self._metrics_http = None
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+
+def _read(path: str | None) -> bytes:
+    if not path:
+        raise ServerStartError("TLS needs both tls_cert_file and tls_key_file")
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ServerStartError(f"cannot read {path!r}: {e}") from None
+
+
+async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    """Runs a server until SIGTERM or SIGINT, then drains; returns the exit status."""
+    server = GenerationServer(engine_config, server_config)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    print(f"asyncspec: serving {engine_config.model} on {server_config.host}:{server.port}", flush=True)
+    await stop.wait()
+    logger.info("draining (grace %.1f s)", server_config.drain_grace_s)
+    await server.drain()
+    return 0
+
+
+def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    """`serve` on uvloop where it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(serve(engine_config, server_config))
+    return uvloop.run(serve(engine_config, server_config))
+
+
+__all__ = ["GenerationServer", "ServerConfig", "ServerStartError", "run", "serve", "pb"]

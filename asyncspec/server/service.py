@@ -1,0 +1,145 @@
+"""The `asyncspec.v1.Generation` servicer on grpc.aio: one AsyncEngine behind every RPC."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from asyncspec.engine.async_engine import AsyncEngine
+from asyncspec.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    InvalidSamplingParamsError,
+    QueueFullError,
+    RequestFailedError,
+)
+from asyncspec.server.convert import UsageCounter, to_engine_request, to_response
+from asyncspec.server.metrics import RequestTimer, ServerMetrics
+from asyncspec.v1 import asyncspec_pb2 as pb
+from asyncspec.v1 import asyncspec_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+"""asyncspec.v1.Generation: the readiness service name of the health checks."""
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    """Maps the engine's typed errors onto gRPC status codes; never ends a stream silently."""
+
+    def __init__(
+        self,
+        get_engine: Callable[[], AsyncEngine | None],
+        metrics: ServerMetrics,
+        is_draining: Callable[[], bool],
+        on_engine_dead: Callable[[], None],
+    ) -> None:
+        self._get_engine = get_engine
+        self.metrics = metrics
+        self._is_draining = is_draining
+        self._on_engine_dead = on_engine_dead
+        self.num_active_streams = 0
+
+    async def _engine(self, context: grpc.aio.ServicerContext) -> AsyncEngine:
+        engine = self._get_engine()
+        if engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")
+        assert engine is not None
+        return engine
+
+    async def Generate(  # noqa: N802 - the RPC's name
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        if self._is_draining():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is draining; retry on another replica")
+        engine = await self._engine(context)
+        try:
+            engine_request = to_engine_request(request)
+        except (InvalidRequestError, InvalidSamplingParamsError, TypeError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        timer = RequestTimer(self.metrics, time.monotonic())
+        usage = UsageCounter()
+        request_id = engine_request.request_id
+        self.num_active_streams += 1
+        try:
+            stream = engine.generate(
+                engine_request.prompt, engine_request.params, request_id=request_id, priority=engine_request.priority
+            )
+            async for delta in stream:
+                request_id = delta.request_id
+                now = time.monotonic()
+                timer.on_delta(now, len(delta.token_ids))
+                usage.add(delta)
+                if delta.finished:
+                    timer.on_finish(now, delta.finish_reason or "")
+                yield to_response(delta, usage)
+        except (InvalidRequestError, InvalidSamplingParamsError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFullError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except RequestFailedError as e:
+            # This request alone failed: a final response says so, the stream ends normally.
+            timer.on_finish(time.monotonic(), "error")
+            yield pb.GenerateResponse(
+                request_id=request_id or "",
+                finished=True,
+                finish_reason=pb.FINISH_REASON_ERROR,
+                error=str(e),
+                usage=pb.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens),
+            )
+        except EngineDeadError as e:
+            if not self._is_draining():
+                self._on_engine_dead()
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        finally:
+            self.num_active_streams -= 1
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:  # noqa: N802
+        tokenizer = (await self._engine(context)).engine.tokenizer
+        if tokenizer is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the server runs without a tokenizer")
+        assert tokenizer is not None  # context.abort raises
+        return pb.TokenizeResponse(token_ids=tokenizer.encode(request.text, add_special_tokens=False).ids)
+
+    async def Detokenize(  # noqa: N802
+        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        llm_engine = (await self._engine(context)).engine
+        tokenizer = llm_engine.tokenizer
+        if tokenizer is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the server runs without a tokenizer")
+        assert tokenizer is not None  # context.abort raises
+        vocab = llm_engine.vocab_size
+        for i, t in enumerate(request.token_ids):
+            if not 0 <= t < vocab:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"token_ids[{i}] is {t}, outside the vocabulary [0, {vocab})"
+                )
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        return pb.DetokenizeResponse(text=tokenizer.decode(list(request.token_ids), skip_special_tokens=skip))
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:  # noqa: N802
+        engine = (await self._engine(context)).engine
+        config = engine.config
+        info = pb.ModelInfo(
+            model=config.model,
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.vocab_size,
+            eos_token_ids=sorted(engine.eos_token_ids),
+            speculative_method=config.speculative_method or "",
+            num_speculative_tokens=config.num_speculative_tokens,
+            draft_model=config.draft_model_path or "",
+            async_scheduling=config.async_scheduling,
+        )
+        if engine.model_config.bos_token_id is not None:
+            info.bos_token_id = engine.model_config.bos_token_id
+        return info
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:  # noqa: N802
+        engine = await self._engine(context)
+        found = engine.has_request(request.request_id)
+        await engine.abort(request.request_id)
+        return pb.AbortResponse(found=found)
