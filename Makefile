@@ -1,4 +1,4 @@
-# Setup is two commands: `make generate` (or `make serve` once the gRPC service exists) and `make test`.
+# Setup is two commands: `make serve` (the gRPC server on the bundled model pair) and `make test`.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 TRITON_VERSION ?= 3.6.0
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-slow test-fast lint lint-tree lint-mypy lint-imports generate bench clean
+.PHONY: venv test test-slow test-fast lint lint-tree lint-mypy lint-imports generate serve proto bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,7 +53,18 @@ lint-imports: lint-tree
 	cd $(LINT_TREE) && $(abspath $(VENV))/bin/lint-imports --no-cache --no-logo $(CURDIR)/pyproject.toml
 
 generate: venv
-	$(PY) -m asyncspec.cli --prompt "import os\nimport sys\n\n\ndef main(" --max-tokens 64
+	$(VENV)/bin/asyncspec-generate --prompt "import os\nimport sys\n\n\ndef main(" --max-tokens 64
+
+# The gRPC server on the bundled target with its draft (k = 4): port 50051, metrics on 9400.
+# SERVE_ARGS adds flags, e.g. SERVE_ARGS="--device cpu --port 50052".
+SERVE_ARGS ?=
+serve: venv
+	$(VENV)/bin/asyncspec serve $(SERVE_ARGS)
+
+# Regenerates the Python stubs of proto/asyncspec/v1/*.proto (grpcio-tools 1.84.0, from the test extra);
+# tests/server/test_proto.py fails when the committed stubs differ from a fresh generation.
+proto: venv
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. proto/asyncspec/v1/asyncspec.proto
 
 bench: venv
 	$(PY) benchmarks/scheduler_overhead.py

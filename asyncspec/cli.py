@@ -1,6 +1,11 @@
-"""Command line: `python -m asyncspec.cli --prompt "def f(" --max-tokens 64 [--engine-option value ...]`.
+"""Command line.
 
-Engine flags are EngineConfig's fields with dashes, generated from the dataclass so they never drift.
+    asyncspec serve [--engine-option value ...] [--host H --port P --metrics-port M ...]
+    asyncspec generate "def fib(n):" [--address host:port --max-tokens N ...]   # from a running server
+    asyncspec-generate --prompt "def f(" --max-tokens 64 [--engine-option value ...]  # offline, no server
+
+Engine flags are EngineConfig's fields with dashes, generated from the dataclass so they never drift;
+server flags are ServerConfig's. Errors print one line and exit non-zero.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ import argparse
 import dataclasses
 import itertools
 import logging
+import os
 import sys
 import time
 import types
@@ -17,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncspec.config import EngineConfig
+from asyncspec.errors import AsyncSpecError, ConfigError
 
 
 def _field_parser(tp: Any):
@@ -45,25 +52,36 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    hints = typing.get_type_hints(EngineConfig)
-    docs = _field_docs()
-    for f in dataclasses.fields(EngineConfig):
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, overrides: dict[str, Any] | None = None) -> None:
+    """One flag per field of `cls` (dashes for underscores), its docstring as help."""
+    hints = typing.get_type_hints(cls)
+    docs = _field_docs(cls)
+    for f in dataclasses.fields(cls):
+        if overrides and f.name in overrides:
+            default = overrides[f.name]
+        elif f.default is not dataclasses.MISSING:
+            default = f.default
+        else:
+            default = f.default_factory()  # type: ignore[misc]
         parser.add_argument(
             "--" + f.name.replace("_", "-"),
             dest=f.name,
             type=_field_parser(hints[f.name]),
-            default=f.default,
-            help=f"{docs.get(f.name, '')} (default: {f.default})",
+            default=default,
+            help=f"{docs.get(f.name, '')} (default: {default})",
         )
 
 
-def _field_docs() -> dict[str, str]:
+def add_engine_args(parser: argparse.ArgumentParser, overrides: dict[str, Any] | None = None) -> None:
+    add_dataclass_args(parser, EngineConfig, overrides)
+
+
+def _field_docs(cls: type = EngineConfig) -> dict[str, str]:
     """Field docstrings, read from the source so the CLI help matches the dataclass."""
     import ast
     import inspect
 
-    tree = ast.parse(inspect.getsource(EngineConfig))
+    tree = ast.parse(inspect.getsource(cls))
     body = next(node for node in tree.body if isinstance(node, ast.ClassDef)).body
     docs: dict[str, str] = {}
     for node, nxt in itertools.pairwise(body):
@@ -81,10 +99,19 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def generate_offline_main(argv: Sequence[str] | None = None) -> int:
+    """`asyncspec-generate`: generation in this process, no server."""
+    try:
+        return _generate_offline(argv)
+    except AsyncSpecError as e:
+        sys.stderr.write(f"asyncspec-generate: error: {e}\n")
+        return 1
+
+
+def _generate_offline(argv: Sequence[str] | None) -> int:
     from asyncspec import LLM, SamplingParams
 
-    parser = argparse.ArgumentParser(description="Generate text with asyncspec.")
+    parser = argparse.ArgumentParser(prog="asyncspec-generate", description="Generate text with asyncspec.")
     parser.add_argument("--prompt", action="append", help="prompt text (repeatable); \\n is a newline")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -112,6 +139,88 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{stats['spec_num_accepted_tokens']}/{stats['spec_num_draft_tokens']} drafts accepted, "
             f"{stats['spec_mean_acceptance_length']:.2f} tokens per target step\n"
         )
+    return 0
+
+
+# -- asyncspec serve | generate -------------------------------------------------------------------
+SERVE_DEFAULTS = {"speculative_method": "draft_model", "num_speculative_tokens": 4}
+"""`asyncspec serve` runs the bundled target with its bundled draft at k = 4 unless told otherwise."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from asyncspec.server.app import ServerConfig
+
+    parser = argparse.ArgumentParser(prog="asyncspec", description="asyncspec: serve and query an LLM over gRPC.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the gRPC server (metrics on their own HTTP port)")
+    add_engine_args(serve, SERVE_DEFAULTS)
+    add_dataclass_args(serve, ServerConfig)
+    serve.add_argument("--log-level", default="INFO", help="progress while loading goes to stderr")
+    generate = commands.add_parser("generate", help="stream a completion from a running server")
+    generate.add_argument("prompt", help="prompt text; \\n is a newline")
+    generate.add_argument("--address", default="127.0.0.1:50051")
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--timeout", type=float, default=300.0, help="deadline of the call, seconds")
+    generate.add_argument("--auth-token-file", default=None, help="else $ASYNCSPEC_AUTH_TOKEN")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _serve(args)
+        return _generate_remote(args)
+    except AsyncSpecError as e:
+        sys.stderr.write(f"asyncspec {args.command}: error: {e}\n")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from asyncspec.server.app import ServerConfig, run
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not os.path.isdir(args.model):
+        raise ConfigError(f"model directory {args.model!r} does not exist")
+    engine_config = engine_config_from_args(args)
+    server_config = ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)})
+    return run(engine_config, server_config)
+
+
+def _generate_remote(args: argparse.Namespace) -> int:
+    import grpc
+
+    from asyncspec.server.app import AUTH_TOKEN_ENV
+    from asyncspec.v1 import asyncspec_pb2 as pb
+    from asyncspec.v1 import asyncspec_pb2_grpc as pb_grpc
+
+    token = os.environ.get(AUTH_TOKEN_ENV)
+    if args.auth_token_file:
+        with open(args.auth_token_file) as f:
+            token = f.read().strip()
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    request = pb.GenerateRequest(
+        text=args.prompt.encode().decode("unicode_escape"),
+        sampling=pb.SamplingOptions(temperature=args.temperature),
+        stopping=pb.StoppingOptions(max_tokens=args.max_tokens),
+    )
+    if args.seed is not None:
+        request.sampling.seed = args.seed
+    with grpc.insecure_channel(args.address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        try:
+            last = None
+            for response in stub.Generate(request, timeout=args.timeout, metadata=metadata):
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+                last = response
+        except grpc.RpcError as e:
+            sys.stderr.write(f"\nasyncspec generate: error: {e.code().name}: {e.details()}\n")
+            return 1
+    if last is not None:
+        usage = last.usage
+        reason = pb.FinishReason.Name(last.finish_reason)
+        sys.stderr.write(f"\n--- {reason}, {usage.completion_tokens} tokens (prompt {usage.prompt_tokens})\n")
     return 0
 
 

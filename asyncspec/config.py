@@ -17,6 +17,13 @@ BUNDLED_TARGET, BUNDLED_DRAFT = "stdlib-coder-target", "stdlib-coder-draft"
 """Directory names of the embedded default pair (models/)."""
 
 
+def bundled_model_path(name: str = BUNDLED_TARGET) -> str:
+    """The embedded model's directory: models/<name> of this checkout whatever the working directory,
+    else the relative path (an installed wheel carries no models)."""
+    path = Path(__file__).resolve().parents[1] / "models" / name
+    return str(path) if path.is_dir() else f"models/{name}"
+
+
 def _is_bundled_target(model: str) -> bool:
     path = Path(model)
     return path.name == BUNDLED_TARGET and (path.resolve().parent / BUNDLED_DRAFT).is_dir()
@@ -29,8 +36,8 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 class EngineConfig:
     """Everything needed to build an engine. `LLM(**kwargs)` takes these fields flattened."""
 
-    model: str = "models/stdlib-coder-target"
-    """Path to a Hugging Face model directory (config.json + safetensors weights)."""
+    model: str = dataclasses.field(default_factory=bundled_model_path)
+    """Path to a Hugging Face model directory (config.json + safetensors weights); default: the bundled target."""
     tokenizer: str | None = None
     """Directory holding tokenizer.json; defaults to `model`."""
     device: str | None = None

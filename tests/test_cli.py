@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from asyncspec.cli import add_engine_args, engine_config_from_args, main
+from asyncspec.cli import add_engine_args, engine_config_from_args, generate_offline_main
 from asyncspec.config import EngineConfig
 from asyncspec.errors import ConfigError
 from tests.conftest import TARGET_MODEL
@@ -60,7 +60,7 @@ def test_bad_values_are_refused():
 
 def test_generate_command_runs_on_the_bundled_model(capsys):
     assert (
-        main(
+        generate_offline_main(
             [
                 "--model",
                 str(TARGET_MODEL),
@@ -86,9 +86,96 @@ def test_generate_command_runs_on_the_bundled_model(capsys):
 def test_generate_command_with_speculation_prints_the_same_text(capsys, method):
     common = ["--model", str(TARGET_MODEL), "--device", "cpu", "--dtype", "float32", "--prompt", "import os\\n"]
     common += ["--max-tokens", "24", "--max-model-len", "256", "--num-kv-blocks", "64"]
-    assert main(common) == 0
+    assert generate_offline_main(common) == 0
     plain = capsys.readouterr().out.split("\n")[:2]
-    assert main([*common, "--speculative-method", method, "--num-speculative-tokens", "4"]) == 0
+    assert generate_offline_main([*common, "--speculative-method", method, "--num-speculative-tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert out.split("\n")[:2] == plain
     assert f"speculation ({method}, k=4)" in out and "tokens per target step" in out
+
+
+# -- asyncspec serve / generate -----------------------------------------------------------------------
+def test_serve_help_has_every_engine_and_server_flag(capsys):
+    from asyncspec.cli import main
+    from asyncspec.server.app import ServerConfig
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for f in [*dataclasses.fields(EngineConfig), *dataclasses.fields(ServerConfig)]:
+        assert "--" + f.name.replace("_", "-") in text, f.name
+
+
+def test_serve_errors_are_one_line_and_non_zero(capsys, tmp_path):
+    import socket
+
+    from asyncspec.cli import main
+
+    assert main(["serve", "--model", str(tmp_path / "missing"), "--device", "cpu"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("asyncspec serve: error:") and "missing" in err and len(err.splitlines()) == 1
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["serve", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "-1"]
+        assert main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("asyncspec serve: error:") and str(port) in err
+
+
+def test_serve_process_streams_then_drains_on_sigterm(tmp_path):
+    """The console script as an operator runs it: from another directory, on an ephemeral port; a
+    client streams a completion; SIGTERM drains and the process exits 0."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = Path(sys.executable).parent / "asyncspec"
+    if not exe.exists():
+        pytest.skip("the asyncspec console script is not installed in this environment")
+    proc = subprocess.Popen(
+        [
+            str(exe),
+            "serve",
+            "--device",
+            "cpu",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--metrics-port",
+            "-1",
+            "--max-model-len",
+            "256",
+            "--num-kv-blocks",
+            "32",
+            "--drain-grace-s",
+            "5",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        line = proc.stdout.readline()
+        match = re.search(r"on 127\.0\.0\.1:(\d+)", line)
+        assert match, line
+        gen = subprocess.run(
+            [str(exe), "generate", "def f(x):\\n", "--address", f"127.0.0.1:{match.group(1)}", "--max-tokens", "8"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert gen.returncode == 0 and "FINISH_REASON_LENGTH, 8 tokens" in gen.stderr, gen.stderr
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -1,0 +1,343 @@
+"""The gRPC service against a real server on 127.0.0.1 (ephemeral ports): streamed output equals the
+engine's, status codes, cancellation and deadlines free the KV pool, Abort from another connection,
+health, reflection without generated stubs, metrics that move by exact amounts, drain."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from asyncspec import SamplingParams
+from asyncspec.server.service import SERVICE_NAME
+from asyncspec.v1 import asyncspec_pb2 as pb
+from tests.conftest import load_prompts
+from tests.engine.engine_helpers import bundled_llm
+from tests.server.server_helpers import ENGINE, ServerThread
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def server(one_thread):
+    s = ServerThread()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [p[:40] for p in load_prompts(6)]
+
+
+def _request(prompt, max_tokens=12, **sampling) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(stopping=pb.StoppingOptions(max_tokens=max_tokens, ignore_eos=True))
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    request.sampling.temperature = sampling.pop("temperature", 0.0)
+    for name, value in sampling.items():
+        setattr(request.sampling, name, value)
+    return request
+
+
+def _wait_kv_free(server: ServerThread, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = server.stats()
+        if stats["num_free_kv_blocks"] == stats["num_kv_blocks"] and stats["num_running_requests"] == 0:
+            return stats
+        assert time.monotonic() < deadline, f"KV blocks not freed: {stats}"
+        time.sleep(0.02)
+
+
+def _metrics(server: ServerThread) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics").read().decode()
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name + "".join(f"{{{k}={v}}}" for k, v in sorted(sample.labels.items()))
+            values[key] = sample.value
+    return values
+
+
+def test_streamed_output_equals_the_engine_and_usage_is_exact(server, prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    reference = bundled_llm(**ENGINE).generate(prompts, params)
+    stub = server.stub()
+    for prompt, ref in zip(prompts, reference, strict=True):
+        responses = list(stub.Generate(_request(prompt)))
+        assert [t for r in responses for t in r.token_ids] == ref.token_ids
+        assert "".join(r.text for r in responses) == ref.text
+        last = responses[-1]
+        assert last.finished and last.finish_reason == pb.FINISH_REASON_LENGTH
+        assert all(not r.finished for r in responses[:-1]) and len({r.request_id for r in responses}) == 1
+        assert last.usage.prompt_tokens == len(prompt) and last.usage.completion_tokens == 12
+    _wait_kv_free(server)
+
+
+def test_many_concurrent_streams_complete(server, prompts):
+    reference = bundled_llm(**ENGINE).generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    results: dict[int, list[int]] = {}
+
+    def client(i: int) -> None:
+        stub = server.stub()
+        results[i] = [t for r in stub.Generate(_request(prompts[i % len(prompts)])) for t in r.token_ids]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(results) == 24
+    for i, tokens in results.items():
+        assert tokens == reference[i % len(prompts)].token_ids
+    _wait_kv_free(server)
+
+
+def test_text_prompt_tokenize_detokenize_and_model_info(server):
+    stub = server.stub()
+    ids = list(stub.Tokenize(pb.TokenizeRequest(text="def main():\n")).token_ids)
+    assert ids and stub.Detokenize(pb.DetokenizeRequest(token_ids=ids)).text == "def main():\n"
+    by_text = [t for r in stub.Generate(_request("def main():\n", 6)) for t in r.token_ids]
+    by_ids = [t for r in stub.Generate(_request(ids, 6)) for t in r.token_ids]
+    assert by_text == by_ids and len(by_text) == 6
+    info = stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert info.vocab_size == 8192 and info.max_model_len == 256 and info.model.endswith("stdlib-coder-target")
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Detokenize(pb.DetokenizeRequest(token_ids=[5, 9000]))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids[1]" in e.value.details()
+
+
+def test_client_cancel_and_deadline_abort_the_request(server, prompts):
+    stub = server.stub()
+    call = stub.Generate(_request(prompts[0], 200))
+    next(call)
+    call.cancel()
+    _wait_kv_free(server)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(_request(prompts[1], 200), timeout=0.3))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _wait_kv_free(server)
+
+
+def test_abort_from_another_connection(server, prompts):
+    request = _request(prompts[2], 200)
+    request.request_id = "to-abort"
+    call = server.stub().Generate(request)
+    first = next(call)
+    assert first.request_id == "to-abort"
+    assert server.stub().Abort(pb.AbortRequest(request_id="to-abort")).found
+    last = list(call)[-1]
+    assert last.finished and last.finish_reason == pb.FINISH_REASON_ABORTED
+    assert not server.stub().Abort(pb.AbortRequest(request_id="to-abort")).found
+    _wait_kv_free(server)
+
+
+def _bad_requests(prompt: list[int]) -> list[tuple[str, pb.GenerateRequest]]:
+    def with_(field_path: str, value, base=None):
+        request = base if base is not None else _request(prompt)
+        target = request
+        *parents, name = field_path.split(".")
+        for parent in parents:
+            target = getattr(target, parent)
+        if isinstance(value, list):
+            getattr(target, name).extend(value)
+        else:
+            setattr(target, name, value)
+        return request
+
+    neither = pb.GenerateRequest()
+    empty_ids = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[]))
+    return [
+        ("prompt", neither),
+        ("empty", empty_ids),
+        ("empty", pb.GenerateRequest(text="")),
+        ("prompt token 1", _request([5, 9000])),
+        ("prompt token 0", _request([-3, 5])),
+        ("max_model_len", _request([5] * 300)),
+        ("temperature", with_("sampling.temperature", float("nan"))),
+        ("temperature", with_("sampling.temperature", float("inf"))),
+        ("temperature", with_("sampling.temperature", -1.0)),
+        ("top_p", with_("sampling.top_p", 0.0)),
+        ("top_p", with_("sampling.top_p", 1.5)),
+        ("top_k", with_("sampling.top_k", -2)),
+        ("min_p", with_("sampling.min_p", -0.1)),
+        ("min_p", with_("sampling.min_p", 1.5)),
+        ("repetition_penalty", with_("sampling.repetition_penalty", 0.0)),
+        ("presence_penalty", with_("sampling.presence_penalty", 5.0)),
+        ("frequency_penalty", with_("sampling.frequency_penalty", float("nan"))),
+        ("max_tokens", with_("stopping.max_tokens", 0)),
+        ("max_tokens", with_("stopping.max_tokens", -4)),
+        ("min_tokens", with_("stopping.min_tokens", -1)),
+        ("stop", with_("stopping.stop", ["x"] * 5000)),
+        ("stop", with_("stopping.stop", [""])),
+        ("stop_token_ids", with_("stopping.stop_token_ids", [99999])),
+        ("logprobs", with_("output.logprobs", 50)),
+        ("logprobs", with_("output.logprobs", -1)),
+    ]
+
+
+def test_bad_requests_are_invalid_argument_naming_the_field(server, prompts):
+    stub = server.stub()
+    bad = _bad_requests(prompts[0])
+    assert len(bad) >= 25
+    for field, request in bad:
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, e.value.details())
+        assert field in e.value.details(), (field, e.value.details())
+    # A duplicate id of a live request.
+    live = _request(prompts[0], 200)
+    live.request_id = "dup"
+    call = stub.Generate(live)
+    next(call)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(live))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "dup" in e.value.details()
+    call.cancel()
+    # An oversized message is refused by the transport.
+    small = grpc.insecure_channel(server.address)
+    with pytest.raises(grpc.RpcError) as e:
+        list(pb_stub(small).Generate(_request("x" * (17 * 2**20))))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # The server keeps serving correct answers.
+    reference = bundled_llm(**ENGINE).generate(
+        [prompts[3]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    )
+    assert [t for r in stub.Generate(_request(prompts[3])) for t in r.token_ids] == reference[0].token_ids
+    _wait_kv_free(server)
+
+
+def pb_stub(channel):
+    from asyncspec.v1 import asyncspec_pb2_grpc as pb_grpc
+
+    return pb_grpc.GenerationStub(channel)
+
+
+def test_health_and_reflection_only_client(server, prompts):
+    health = health_pb2_grpc.HealthStub(server.channel())
+    for service in ("", SERVICE_NAME):
+        status = health.Check(health_pb2.HealthCheckRequest(service=service)).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+    # A client with no generated stubs: the service's descriptors come from server reflection.
+    from google.protobuf import descriptor_pool, message_factory
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    channel = server.channel()
+    database = ProtoReflectionDescriptorDatabase(channel)
+    assert SERVICE_NAME in list(database.get_services())
+    pool = descriptor_pool.DescriptorPool(database)
+    method = pool.FindServiceByName(SERVICE_NAME).FindMethodByName("Generate")
+    request_cls = message_factory.GetMessageClass(method.input_type)
+    response_cls = message_factory.GetMessageClass(method.output_type)
+    request = request_cls()
+    request.token_ids.ids.extend(prompts[0])
+    request.stopping.max_tokens = 5
+    request.stopping.ignore_eos = True
+    request.sampling.temperature = 0.0
+    call = channel.unary_stream(
+        f"/{SERVICE_NAME}/Generate",
+        request_serializer=request_cls.SerializeToString,
+        response_deserializer=response_cls.FromString,
+    )
+    responses = list(call(request))
+    expected = [t for r in server.stub().Generate(_request(prompts[0], 5)) for t in r.token_ids]
+    assert [t for r in responses for t in r.token_ids] == expected and responses[-1].finished
+
+
+def test_metrics_move_by_exact_amounts(server, prompts):
+    _wait_kv_free(server)
+    before = _metrics(server)
+    stub = server.stub()
+    for prompt in prompts[:3]:
+        list(stub.Generate(_request(prompt, 7)))
+    request = _request(prompts[3], 200)
+    request.request_id = "metrics-abort"
+    call = stub.Generate(request)
+    next(call)
+    stub.Abort(pb.AbortRequest(request_id="metrics-abort"))
+    list(call)
+    _wait_kv_free(server)
+    after = _metrics(server)
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("asyncspec:request_success_total{finished_reason=length}") == 3
+    assert delta("asyncspec:request_success_total{finished_reason=abort}") == 1
+    assert delta("asyncspec:time_to_first_token_seconds_count") == 4
+    assert delta("asyncspec:e2e_request_latency_seconds_count") == 4
+    # Prompt tokens are computed unless the prefix cache held them (these prompts ran before).
+    computed, cached = delta("asyncspec:prompt_tokens_total"), delta("asyncspec:prefix_cache_hits_total")
+    assert computed + cached == sum(len(p) for p in prompts[:4])
+    assert delta("asyncspec:prefix_cache_queries_total") == sum(len(p) for p in prompts[:4])
+    generated = delta("asyncspec:generation_tokens_total")
+    assert generated >= 3 * 7 + 1
+    # Every token but each request's first closes an inter-token gap.
+    assert delta("asyncspec:inter_token_latency_seconds_count") == generated - 4
+    assert after["asyncspec:num_requests_running"] == 0 and after["asyncspec:kv_cache_usage_perc"] == 0.0
+    for key in ("asyncspec:step_scheduling_seconds_total", "asyncspec:gpu_idle_seconds_total"):
+        assert key in after
+
+
+def test_drain_refuses_new_requests_and_turns_readiness_off(prompts):
+    server = ServerThread()
+    try:
+        stub = server.stub()
+        call = stub.Generate(_request(prompts[0], 40))
+        next(call)
+        drained = threading.Thread(target=server.stop, kwargs={"grace_s": 30.0})
+        drained.start()
+        health = health_pb2_grpc.HealthStub(server.channel())
+        deadline = time.monotonic() + 10
+        while health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME)).status == (
+            health_pb2.HealthCheckResponse.SERVING
+        ):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(_request(prompts[1], 4)))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        # The stream in flight finishes within the grace period.
+        rest = list(call)
+        assert rest[-1].finished and rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        drained.join(30)
+        assert not drained.is_alive()
+    finally:
+        server.stop()
+
+
+def test_bearer_token(monkeypatch, prompts):
+    monkeypatch.setenv("ASYNCSPEC_AUTH_TOKEN", "s3cret")
+    server = ServerThread()
+    try:
+        stub = server.stub()
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(_request(prompts[0], 3)))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as e:
+            stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=[("authorization", "Bearer wrong")])
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        ok = list(stub.Generate(_request(prompts[0], 3), metadata=[("authorization", "Bearer s3cret")]))
+        assert ok[-1].finished and ok[-1].usage.completion_tokens == 3
+        health = health_pb2_grpc.HealthStub(server.channel())  # probes carry no token
+        assert health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        server.stop()
