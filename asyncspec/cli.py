@@ -59,10 +59,10 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, overrides: di
     for f in dataclasses.fields(cls):
         if overrides and f.name in overrides:
             default = overrides[f.name]
-        elif f.default is not dataclasses.MISSING:
-            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
         else:
-            default = f.default_factory()  # type: ignore[misc]
+            default = f.default
         parser.add_argument(
             "--" + f.name.replace("_", "-"),
             dest=f.name,
