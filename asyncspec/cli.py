@@ -2,6 +2,7 @@
 
     asyncspec serve [--engine-option value ...] [--host H --port P --metrics-port M ...]
     asyncspec generate "def fib(n):" [--address host:port --max-tokens N ...]   # from a running server
+    asyncspec bench [--address host:port --concurrency C | --request-rate R --num-prompts N ...]
     asyncspec-generate --prompt "def f(" --max-tokens 64 [--engine-option value ...]  # offline, no server
 
 Engine flags are EngineConfig's fields with dashes, generated from the dataclass so they never drift;
@@ -164,10 +165,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--timeout", type=float, default=300.0, help="deadline of the call, seconds")
     generate.add_argument("--auth-token-file", default=None, help="else $ASYNCSPEC_AUTH_TOKEN")
+    bench = commands.add_parser("bench", help="load a running server and report throughput and latencies")
+    bench.add_argument("--address", default="127.0.0.1:50051")
+    bench.add_argument("--dataset", default=_default_dataset(), help='JSONL of {"prompt_token_ids": [...]}')
+    bench.add_argument("--num-prompts", type=int, default=100)
+    bench.add_argument("--max-tokens", type=int, default=128, help="tokens per request (ignore_eos)")
+    bench.add_argument("--concurrency", type=int, default=32, help="requests in flight at most")
+    bench.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--output", default=None, help="write the report as JSON here")
+    bench.add_argument("--auth-token-file", default=None, help="else $ASYNCSPEC_AUTH_TOKEN")
     args = parser.parse_args(argv)
     try:
         if args.command == "serve":
             return _serve(args)
+        if args.command == "bench":
+            return _bench(args)
         return _generate_remote(args)
     except AsyncSpecError as e:
         sys.stderr.write(f"asyncspec {args.command}: error: {e}\n")
@@ -187,17 +200,46 @@ def _serve(args: argparse.Namespace) -> int:
     return run(engine_config, server_config)
 
 
+def _default_dataset() -> str:
+    from pathlib import Path
+
+    return str(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "prompts-code.jsonl")
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    from asyncspec.server.app import AUTH_TOKEN_ENV
+
+    if args.auth_token_file:
+        with open(args.auth_token_file) as f:
+            return f.read().strip()
+    return os.environ.get(AUTH_TOKEN_ENV) or None
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from asyncspec.server import bench
+
+    if not os.path.isfile(args.dataset):
+        raise ConfigError(f"dataset {args.dataset!r} does not exist")
+    cfg = bench.BenchConfig(
+        address=args.address,
+        dataset=args.dataset,
+        num_prompts=args.num_prompts,
+        max_tokens=args.max_tokens,
+        concurrency=args.concurrency,
+        request_rate=args.request_rate,
+        seed=args.seed,
+        token=_token(args),
+    )
+    return bench.main(cfg, args.output)
+
+
 def _generate_remote(args: argparse.Namespace) -> int:
     import grpc
 
-    from asyncspec.server.app import AUTH_TOKEN_ENV
     from asyncspec.v1 import asyncspec_pb2 as pb
     from asyncspec.v1 import asyncspec_pb2_grpc as pb_grpc
 
-    token = os.environ.get(AUTH_TOKEN_ENV)
-    if args.auth_token_file:
-        with open(args.auth_token_file) as f:
-            token = f.read().strip()
+    token = _token(args)
     metadata = [("authorization", f"Bearer {token}")] if token else None
     request = pb.GenerateRequest(
         text=args.prompt.encode().decode("unicode_escape"),

@@ -341,3 +341,120 @@ def test_bearer_token(monkeypatch, prompts):
         assert health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.SERVING
     finally:
         server.stop()
+
+
+def test_full_queue_is_resource_exhausted_and_nothing_lost(prompts):
+    server = ServerThread({"max_num_seqs": 1, "max_num_waiting": 1})
+    try:
+        stub = server.stub()
+        running = stub.Generate(_request(prompts[0], 60))
+        next(running)
+        waiting = stub.Generate(_request(prompts[1], 4))
+        refused = 0
+        deadline = time.monotonic() + 10
+        while not refused and time.monotonic() < deadline:
+            try:
+                list(stub.Generate(_request(prompts[2], 4)))
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+                assert "max_num_waiting" in e.details()
+                refused += 1
+        assert refused
+        assert list(running)[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert list(waiting)[-1].usage.completion_tokens == 4
+        _wait_kv_free(server)
+    finally:
+        server.stop()
+
+
+def test_engine_fault_ends_streams_with_internal_and_health_not_serving(prompts):
+    server = ServerThread()
+    try:
+        core = server.server.engine.engine.engine_core
+        real_step = core.step
+        calls = {"n": 0}
+
+        def failing_step():
+            calls["n"] += 1
+            if calls["n"] == 4:
+                raise RuntimeError("injected device fault")
+            return real_step()
+
+        core.step = failing_step
+        stub = server.stub()
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(_request(prompts[0], 100), timeout=30))
+        assert e.value.code() == grpc.StatusCode.INTERNAL and "injected device fault" in e.value.details()
+        health = health_pb2_grpc.HealthStub(server.channel())
+        deadline = time.monotonic() + 5
+        while health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME)).status == (
+            health_pb2.HealthCheckResponse.SERVING
+        ):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(_request(prompts[1], 4), timeout=10))
+        assert e.value.code() == grpc.StatusCode.INTERNAL
+    finally:
+        server.stop()
+
+
+def test_tls_client_with_the_test_ca(tmp_path, prompts):
+    import subprocess
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    server = ServerThread(tls_cert_file=str(cert), tls_key_file=str(key))
+    try:
+        credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        channel = grpc.secure_channel(f"localhost:{server.server.port}", credentials)
+        responses = list(pb_stub(channel).Generate(_request(prompts[0], 3)))
+        assert responses[-1].usage.completion_tokens == 3
+        with pytest.raises(grpc.RpcError):  # plaintext to a TLS port fails
+            list(server.stub().Generate(_request(prompts[0], 3), timeout=5))
+    finally:
+        server.stop()
+
+
+def test_bench_against_the_test_server_fills_every_field(server, tmp_path):
+    import json
+
+    from asyncspec.cli import main
+
+    out, dataset = tmp_path / "bench.json", tmp_path / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt_token_ids": p[:48]}) + "\n" for p in load_prompts(5)))
+    args = ["bench", "--address", server.address, "--num-prompts", "12", "--max-tokens", "6", "--concurrency", "4"]
+    args += ["--dataset", str(dataset)]
+    assert main([*args, "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["completed"] == 12 and report["failed"] == 0 and report["total_output_tokens"] == 72
+    for key in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p99"):
+            assert report[f"{stat}_{key}_ms"] >= 0
+        assert report[f"mean_{key}_ms"] > 0
+    assert report["request_throughput"] > 0 and report["output_throughput"] > 0
+    # Poisson arrivals.
+    assert main([*args, "--request-rate", "50", "--output", str(out)]) == 0
+    assert json.loads(out.read_text())["request_rate"] == 50
+    _wait_kv_free(server)
