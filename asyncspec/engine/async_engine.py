@@ -230,6 +230,10 @@ class AsyncEngine:
             await asyncio.get_running_loop().run_in_executor(self._waiter, handle.wait)
         for output in self.engine.process(core.retire_oldest()):
             self._deliver(output)
+        # Every turn yields once: when the device is ahead of the host its results are ready and nothing
+        # above awaited, and the streams' consumers (a gRPC server's handlers) would starve until the
+        # engine ran dry.
+        await asyncio.sleep(0)
 
     def _end_all_streams(self, error: EngineDeadError) -> None:
         """Aborts every live request (freeing its KV blocks, best effort) and ends every stream

@@ -397,3 +397,43 @@ def test_id_reused_right_after_client_left_is_never_silently_aborted(engine, pro
     if deltas is not None:
         assert deltas[-1].finish_reason == "length"
         assert [t for d in deltas for t in d.token_ids] == reference[0].token_ids
+
+
+def test_pipelined_loop_lets_other_tasks_run_every_step(prompts, monkeypatch):
+    """When each step's results are ready by the time the loop looks (a device ahead of the host),
+    the asynchronous loop must still yield every turn: a ticker task keeps running while a stream
+    is generated."""
+    engine = _new_engine(True)
+    runner = engine.engine.engine_core.runner
+    launch = runner.launch
+
+    def launch_and_finish(so):
+        # A handle whose results are already on the host, as a CUDA step's are when the device is
+        # ahead: nothing in the turn has to wait for it.
+        from asyncspec.worker.model_runner import StepHandle
+
+        handle = launch(so)
+        return StepHandle(output=handle.future.result()) if handle.future is not None else handle
+
+    monkeypatch.setattr(runner, "launch", launch_and_finish)
+
+    async def main():
+        ticks = 0
+        done = False
+
+        async def ticker():
+            nonlocal ticks
+            while not done:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        deltas = await _collect(engine, prompts[0], LONG, "ticks")
+        done = True
+        await task
+        await engine.shutdown()
+        return ticks, deltas
+
+    ticks, deltas = _run(main())
+    assert sum(len(d.token_ids) for d in deltas) == LONG.max_tokens
+    assert ticks >= LONG.max_tokens // 2, ticks
