@@ -1,7 +1,7 @@
-"""AsyncEngine: the asyncio API. One loop task drives the engine. Synchronous mode runs each whole step
-in a worker thread; asynchronous mode plans and launches on the event loop, one step ahead of the
-device, and awaits each step's results without blocking, so the event loop keeps accepting and
-streaming while the device computes."""
+"""AsyncEngine: the asyncio API. One loop task drives the engine: it applies arrivals and aborts between
+steps and hands each step to a worker thread, so the event loop keeps accepting and streaming while
+the model computes. With async_scheduling the worker's step is the pipelined one (step N+1 launched
+before step N's results are awaited), and the worker thread is the one that waits for the device."""
 
 from __future__ import annotations
 
@@ -44,8 +44,6 @@ class AsyncEngine:
         self.config = config
         self.engine = LLMEngine(config)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncspec-worker")
-        # Asynchronous mode: waits for a step's CUDA event, so the event loop never blocks on it.
-        self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncspec-waiter")
         self._streams: dict[str, _Stream] = {}
         self._pending_adds: list[Request] = []
         self._pending_aborts: list[str] = []
@@ -194,9 +192,9 @@ class AsyncEngine:
                         continue
                     await self._wakeup.wait()
                     continue
-                if self.config.async_scheduling:
-                    await self._pipelined_turn()
-                    continue
+                # With async_scheduling the step is the pipelined one (EngineCore.advance: step N+1 is
+                # launched before step N's results are awaited); either way it runs in the worker thread,
+                # which also waits for the device, so the event loop stays free for the streams' I/O.
                 self._inflight_step = self._executor.submit(self.engine.step)
                 outputs = await asyncio.wrap_future(self._inflight_step)
                 self._inflight_step = None
@@ -212,28 +210,6 @@ class AsyncEngine:
             logger.exception("engine loop failed")
             self._dead = EngineDeadError(f"the engine loop failed: {e!r}")
             self._end_all_streams(self._dead)
-
-    async def _pipelined_turn(self) -> None:
-        """The asynchronous loop's turn, on the event loop: launch the next step behind the one in
-        flight (queued on the device, or handed to the CPU worker thread), then await the older
-        step's results without blocking (a waiter thread waits for its CUDA event) and reconcile
-        them while the device works on the newer one."""
-        core = self.engine.engine_core
-        step = core.advance()
-        if step is None:
-            await asyncio.sleep(0)  # the first step of a run: let clients submit before the next
-            return
-        handle = step.handle
-        if handle.future is not None:
-            await asyncio.wait([asyncio.wrap_future(handle.future)])
-        elif not handle.is_ready():
-            await asyncio.get_running_loop().run_in_executor(self._waiter, handle.wait)
-        for output in self.engine.process(core.retire_oldest()):
-            self._deliver(output)
-        # Every turn yields once: when the device is ahead of the host its results are ready and nothing
-        # above awaited, and the streams' consumers (a gRPC server's handlers) would starve until the
-        # engine ran dry.
-        await asyncio.sleep(0)
 
     def _end_all_streams(self, error: EngineDeadError) -> None:
         """Aborts every live request (freeing its KV blocks, best effort) and ends every stream
@@ -267,11 +243,7 @@ class AsyncEngine:
 
         # Waits for a step still computing in the worker thread before touching engine state,
         # without blocking the event loop.
-        def join_threads() -> None:
-            self._executor.shutdown(wait=True)
-            self._waiter.shutdown(wait=True)
-
-        await asyncio.get_running_loop().run_in_executor(None, join_threads)
+        await asyncio.get_running_loop().run_in_executor(None, lambda: self._executor.shutdown(wait=True))
         self._end_all_streams(self._dead)
 
     def stats(self) -> dict[str, float]:

@@ -329,7 +329,7 @@ def test_shutdown_ends_in_flight_streams(prompts, async_scheduling):
 def test_engine_failure_ends_every_stream(prompts, async_scheduling):
     engine = _new_engine(async_scheduling)
     calls = {"n": 0}
-    # The synchronous loop calls step(); the asynchronous one retires each step itself.
+    # The synchronous loop's step() is one retirement; the asynchronous loop's step() retires through it.
     name = "retire_oldest" if async_scheduling else "step"
     real_step = getattr(engine.engine.engine_core, name)
 
