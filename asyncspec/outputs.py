@@ -32,6 +32,8 @@ class RequestOutput:
     """Per generated token, when SamplingParams.logprobs was set."""
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
+    queued_seconds: float | None = None
+    """Time from the request's arrival to its first scheduling (its queue time)."""
     num_draft_tokens: int = 0
     """Draft tokens proposed for this request (speculative decoding)."""
     num_accepted_tokens: int = 0

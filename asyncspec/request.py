@@ -52,6 +52,8 @@ class Request:
     num_output_placeholders: int = 0
     """Tokens the steps in flight will emit if every draft is accepted (the scheduler's optimistic
     view): counted in scheduling, never stored as ids; reconciliation replaces them by real tokens."""
+    queued_seconds: float | None = None
+    """From arrival to first scheduling (set once, at admission)."""
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

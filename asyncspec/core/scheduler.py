@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -250,6 +251,7 @@ class Scheduler:
                 request.num_computed_tokens += num_hit
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_hit
+                    request.queued_seconds = time.monotonic() - request.arrival_time
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 num_scheduled[request.request_id] = num_new
@@ -455,6 +457,7 @@ class Scheduler:
                 new_token_ids=list(sampled) if num_new == len(sampled) else sampled[:num_new],
                 new_logprobs=token_logprobs[:num_new] if token_logprobs else None,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
+                queued_seconds=request.queued_seconds,
                 num_draft_tokens=num_drafts[i] if num_drafts is not None else 0,
                 num_accepted_tokens=num_accepted,
             )

@@ -95,3 +95,5 @@ class EngineCoreOutput:
     """Of them, accepted and kept."""
     new_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
+    queued_seconds: float | None = None
+    """From the request's arrival to its first scheduling."""

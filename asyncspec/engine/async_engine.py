@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -53,6 +53,7 @@ class AsyncEngine:
         self._dead: EngineDeadError | None = None
         self._closed = False
         self._inflight_step: concurrent.futures.Future[list[RequestOutput]] | None = None
+        self._step_listeners: list[Callable[[int], None]] = []
 
     @property
     def is_running(self) -> bool:
@@ -97,6 +98,17 @@ class AsyncEngine:
                 self._pending_aborts.append(request.request_id)
                 if self._wakeup is not None:
                     self._wakeup.set()
+
+    def add_step_listener(self, listener: Callable[[int], None]) -> None:
+        """Calls `listener(num_tokens)` on the event loop for every step the engine retires (metrics)."""
+        self._step_listeners.append(listener)
+
+    def _notify_step_listeners(self) -> None:
+        retired = self.engine.engine_core.retired_step_tokens
+        while retired:
+            num_tokens = retired.popleft()
+            for listener in self._step_listeners:
+                listener(num_tokens)
 
     def has_request(self, request_id: str) -> bool:
         """Whether a live stream has this id."""
@@ -198,6 +210,7 @@ class AsyncEngine:
                 self._inflight_step = self._executor.submit(self.engine.step)
                 outputs = await asyncio.wrap_future(self._inflight_step)
                 self._inflight_step = None
+                self._notify_step_listeners()
                 for output in outputs:
                     self._deliver(output)
         except (asyncio.CancelledError, GeneratorExit):

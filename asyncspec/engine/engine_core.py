@@ -88,6 +88,8 @@ class EngineCore:
         self.async_scheduling = config.async_scheduling
         self._inflight: deque[InflightStep] = deque()
         self._last_collected: float | None = None
+        self.retired_step_tokens: deque[int] = deque(maxlen=4096)
+        """Tokens scheduled in each retired step, until a listener drains them (metrics)."""
         self.step_trace: deque[tuple[str, int, float]] = deque(maxlen=256)
         """The latest launches and collections: (event, step id, time.perf_counter)."""
         self.debug_invariants = os.environ.get("ASYNCSPEC_DEBUG_INVARIANTS", "") not in ("", "0")
@@ -157,6 +159,7 @@ class EngineCore:
         collected = time.perf_counter()
         self.step_trace.append(("collect", step.scheduler_output.step_id, collected))
         so = step.scheduler_output
+        self.retired_step_tokens.append(so.total_num_scheduled_tokens)
         if so.num_speculative_tokens or self.config.num_speculative_tokens:
             self._observe_decode_step(so, self._step_seconds(step, collected))
         plan = self.scheduler.planned_requests(so.step_id) if self.debug_invariants else {}

@@ -46,6 +46,7 @@ class RequestState:
     num_sent_logprobs: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    queued_seconds: float | None = None
 
 
 class OutputProcessor:
@@ -78,6 +79,8 @@ class OutputProcessor:
             state = self.states.get(core.request_id)
             if state is None:
                 continue
+            if state.queued_seconds is None:
+                state.queued_seconds = core.queued_seconds
             try:
                 output = self._process_one(state, core, processed)
             except Exception as e:  # a detokenizer failure ends this request, not the engine
@@ -176,6 +179,7 @@ class OutputProcessor:
             stop_reason=stop_reason,
             logprobs=logprobs if state.sampling_params.logprobs is not None else None,
             num_cached_tokens=num_cached_tokens,
+            queued_seconds=state.queued_seconds,
             num_draft_tokens=state.num_draft_tokens,
             num_accepted_tokens=state.num_accepted_tokens,
         )

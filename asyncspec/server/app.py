@@ -180,6 +180,7 @@ class GenerationServer:
         except Exception as e:
             await self.stop()
             raise ServerStartError(f"the engine failed to start: {e}") from e
+        self.engine.add_step_listener(self.metrics.iteration_tokens.observe)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         logger.info("ready in %.1f s: serving %s", time.perf_counter() - start, self.engine_config.model)
 

@@ -99,6 +99,18 @@ class ServerMetrics:
             buckets=E2E_BUCKETS,
             registry=self.registry,
         )
+        self.request_queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds",
+            "Time from a request's arrival to its first scheduling.",
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        )
+        self.iteration_tokens = Histogram(
+            PREFIX + "iteration_tokens_total",
+            "Tokens computed per engine step.",
+            buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384),
+            registry=self.registry,
+        )
         self.request_generation_tokens = Histogram(
             PREFIX + "request_generation_tokens",
             "Tokens generated per finished request.",
@@ -131,7 +143,9 @@ class RequestTimer:
         self.last = now
         self.num_tokens += num_tokens
 
-    def on_finish(self, now: float, finish_reason: str) -> None:
+    def on_finish(self, now: float, finish_reason: str, queued_seconds: float | None = None) -> None:
         self.metrics.request_success.labels(finish_reason).inc()
+        if queued_seconds is not None:
+            self.metrics.request_queue_time.observe(queued_seconds)
         self.metrics.e2e_request_latency.observe(now - self.arrival)
         self.metrics.request_generation_tokens.observe(self.num_tokens)

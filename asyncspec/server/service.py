@@ -74,7 +74,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 timer.on_delta(now, len(delta.token_ids))
                 usage.add(delta)
                 if delta.finished:
-                    timer.on_finish(now, delta.finish_reason or "")
+                    timer.on_finish(now, delta.finish_reason or "", delta.queued_seconds)
                 yield to_response(delta, usage)
         except (InvalidRequestError, InvalidSamplingParamsError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -284,6 +284,13 @@ def test_metrics_move_by_exact_amounts(server, prompts):
     assert delta("asyncspec:request_success_total{finished_reason=abort}") == 1
     assert delta("asyncspec:time_to_first_token_seconds_count") == 4
     assert delta("asyncspec:e2e_request_latency_seconds_count") == 4
+    assert delta("asyncspec:request_queue_time_seconds_count") == 4
+    # Every step retired is one observation of its token count, and the counts add up.
+    assert delta("asyncspec:iteration_tokens_total_count") == delta("asyncspec:num_steps_total") > 0
+    # (each request's first token comes from its last prefill step, every later one from a decode)
+    assert delta("asyncspec:iteration_tokens_total_sum") == (
+        delta("asyncspec:prompt_tokens_total") + delta("asyncspec:generation_tokens_total") - 4
+    )
     # Prompt tokens are computed unless the prefix cache held them (these prompts ran before).
     computed, cached = delta("asyncspec:prompt_tokens_total"), delta("asyncspec:prefix_cache_hits_total")
     assert computed + cached == sum(len(p) for p in prompts[:4])
