@@ -100,12 +100,12 @@ def test_many_concurrent_streams_complete(server, prompts):
         stub = server.stub()
         results[i] = [t for r in stub.Generate(_request(prompts[i % len(prompts)])) for t in r.token_ids]
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(24)]
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(64)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    assert len(results) == 24
+    assert len(results) == 64
     for i, tokens in results.items():
         assert tokens == reference[i % len(prompts)].token_ids
     _wait_kv_free(server)
