@@ -151,7 +151,11 @@ SERVE_DEFAULTS = {"speculative_method": "draft_model", "num_speculative_tokens":
 def main(argv: Sequence[str] | None = None) -> int:
     from asyncspec.server.app import ServerConfig
 
-    parser = argparse.ArgumentParser(prog="asyncspec", description="asyncspec: serve and query an LLM over gRPC.")
+    parser = argparse.ArgumentParser(
+        prog="asyncspec",
+        description="asyncspec: serve and query an LLM over gRPC. @FILE reads arguments from FILE, one per line.",
+        fromfile_prefix_chars="@",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the gRPC server (metrics on their own HTTP port)")
     add_engine_args(serve, SERVE_DEFAULTS)
@@ -165,6 +169,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--timeout", type=float, default=300.0, help="deadline of the call, seconds")
     generate.add_argument("--auth-token-file", default=None, help="else $ASYNCSPEC_AUTH_TOKEN")
+    health = commands.add_parser("health", help="exit 0 when a server's gRPC health check says SERVING")
+    health.add_argument("--address", default="127.0.0.1:50051")
+    health.add_argument("--service", default="", help='"" (liveness) or asyncspec.v1.Generation (readiness)')
+    health.add_argument("--timeout", type=float, default=5.0)
     bench = commands.add_parser("bench", help="load a running server and report throughput and latencies")
     bench.add_argument("--address", default="127.0.0.1:50051")
     bench.add_argument("--dataset", default=_default_dataset(), help='JSONL of {"prompt_token_ids": [...]}')
@@ -181,6 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serve(args)
         if args.command == "bench":
             return _bench(args)
+        if args.command == "health":
+            return _health(args)
         return _generate_remote(args)
     except AsyncSpecError as e:
         sys.stderr.write(f"asyncspec {args.command}: error: {e}\n")
@@ -198,6 +208,24 @@ def _serve(args: argparse.Namespace) -> int:
     engine_config = engine_config_from_args(args)
     server_config = ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)})
     return run(engine_config, server_config)
+
+
+def _health(args: argparse.Namespace) -> int:
+    """The container's HEALTHCHECK and a manual probe: one gRPC health check, exit 0 only on SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        try:
+            response = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
+        except grpc.RpcError as e:
+            sys.stderr.write(f"asyncspec health: {e.code().name}: {e.details()}\n")
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    print(f"{args.service or '(liveness)'}: {status}")
+    return 0 if response.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def _default_dataset() -> str:
