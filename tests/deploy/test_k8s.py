@@ -25,7 +25,7 @@ from asyncspec.server.service import SERVICE_NAME
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 OVERLAYS = ("gpu", "cpu", "keda", "auth")
-K8S_VERSION = "1.32"
+K8S_VERSION = "1.35"
 """The Kubernetes version whose schemas the built-in objects are validated against."""
 
 
