@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,21 @@ class _Stream:
 
     queue: asyncio.Queue[RequestOutput | BaseException]
     loop: asyncio.AbstractEventLoop
+
+
+def merge_deltas(first: RequestOutput, second: RequestOutput) -> RequestOutput:
+    """Two consecutive deltas of one request as one: tokens, text and logprobs concatenated, the
+    cumulative counters and the finish information from the later one."""
+    logprobs = None
+    if first.logprobs is not None or second.logprobs is not None:
+        logprobs = [*(first.logprobs or []), *(second.logprobs or [])]
+    return dataclasses.replace(
+        second,
+        token_ids=[*first.token_ids, *second.token_ids],
+        text=first.text + second.text,
+        logprobs=logprobs,
+        queued_seconds=first.queued_seconds if first.queued_seconds is not None else second.queued_seconds,
+    )
 
 
 class AsyncEngine:
@@ -65,11 +81,13 @@ class AsyncEngine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        coalesce: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Streams RequestOutput deltas; the last one has finish_reason set. Raises a typed error
         for a bad request, RequestFailedError if this request alone failed, EngineDeadError if the
         engine stopped. An id whose previous client just left is free once that request's abort is
-        applied, which this call waits for."""
+        applied, which this call waits for. With `coalesce`, deltas that piled up while the consumer
+        was busy arrive merged into one (a server then sends one message instead of several)."""
         self._raise_if_dead()
         self._ensure_loop()
         if isinstance(request_id, str) and request_id in self._pending_aborts:
@@ -82,10 +100,18 @@ class AsyncEngine:
         self._pending_adds.append(request)
         self._ensure_loop()
         try:
+            held: RequestOutput | BaseException | None = None
             while True:
-                item = await stream.queue.get()
+                item = held if held is not None else await stream.queue.get()
+                held = None
                 if isinstance(item, BaseException):
                     raise item
+                while coalesce and not item.finished and not stream.queue.empty():
+                    following = stream.queue.get_nowait()
+                    if isinstance(following, BaseException):
+                        held = following
+                        break
+                    item = merge_deltas(item, following)
                 yield item
                 if item.finished:
                     return

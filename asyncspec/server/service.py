@@ -65,8 +65,13 @@ class GenerationService(pb_grpc.GenerationServicer):
         request_id = engine_request.request_id
         self.num_active_streams += 1
         try:
+            # Deltas that piled up while this handler was busy go out as one message.
             stream = engine.generate(
-                engine_request.prompt, engine_request.params, request_id=request_id, priority=engine_request.priority
+                engine_request.prompt,
+                engine_request.params,
+                request_id=request_id,
+                priority=engine_request.priority,
+                coalesce=True,
             )
             async for delta in stream:
                 request_id = delta.request_id

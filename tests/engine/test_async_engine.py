@@ -437,3 +437,24 @@ def test_pipelined_loop_lets_other_tasks_run_every_step(prompts, monkeypatch):
     ticks, deltas = _run(main())
     assert sum(len(d.token_ids) for d in deltas) == LONG.max_tokens
     assert ticks >= LONG.max_tokens // 2, ticks
+
+
+def test_coalesced_stream_merges_piled_up_deltas(engine, prompts, reference):
+    """A consumer that sleeps between deltas receives fewer, merged ones: the same tokens, text and
+    logprobs in order, the finish information on the last."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+
+    async def main():
+        plain = [d async for d in engine.generate(prompts[0], params, request_id="plain")]
+        merged = []
+        async for d in engine.generate(prompts[0], params, request_id="merged", coalesce=True):
+            merged.append(d)
+            await asyncio.sleep(0.05)  # a slow consumer: the engine runs ahead
+        return plain, merged
+
+    plain, merged = _run(main())
+    assert len(merged) < len(plain)
+    for field in ("token_ids", "logprobs"):
+        assert [x for d in merged for x in getattr(d, field)] == [x for d in plain for x in getattr(d, field)]
+    assert "".join(d.text for d in merged) == "".join(d.text for d in plain)
+    assert merged[-1].finish_reason == plain[-1].finish_reason == "length"
