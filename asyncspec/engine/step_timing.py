@@ -19,7 +19,8 @@ class StepTimings:
     scheduling_seconds: float = 0.0
     """CPU time planning steps (`Scheduler.schedule`)."""
     execute_seconds: float = 0.0
-    """Wall time in the worker's `execute_model`, from call to results on the host."""
+    """Wall time from a step's launch to its results on the host (in the asynchronous loop this
+    includes the time it queued behind the step before it)."""
     update_seconds: float = 0.0
     """CPU time reconciling results (`Scheduler.update_from_output`)."""
     launch_gap_seconds: float = 0.0

@@ -102,7 +102,8 @@ class StepHandle:
         return self.ready is None or self.ready.query()
 
     def wait(self) -> None:
-        """Blocks until the results are on the host (a waiter thread calls this, never the event loop)."""
+        """Blocks until the results are on the host (the engine's worker thread calls this, never the
+        event loop)."""
         if self.future is not None:
             concurrent.futures.wait([self.future])
         elif self.ready is not None:
@@ -516,8 +517,8 @@ class ModelRunner:
         self._cpu_step_end = time.perf_counter()
 
     def collect(self, handle: StepHandle) -> ModelRunnerOutput:
-        """The step's results, once its copy landed (blocks until then: the asynchronous engine
-        awaits `handle.wait` in a waiter thread first). Every host-side update of the step happens
+        """The step's results, once its copy landed (blocks until then; the engine calls it from its
+        worker thread, after launching the next step). Every host-side update of the step happens
         here, in launch order."""
         if handle.future is not None:
             output = handle.future.result()
