@@ -121,6 +121,7 @@ class Scheduler:
     def _free(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv_cache_manager.free(request)
+        self._below_min_tokens.discard(request)
         self._finished_since_last_step.add(request.request_id)
         del self.requests[request.request_id]
         self.stats.num_finished_requests += 1
@@ -364,8 +365,15 @@ class Scheduler:
         stats = self.stats
         stats.num_steps += 1
         outputs: list[EngineCoreOutput] = []
+        plan = self._plans.pop(scheduler_output.step_id, {})
         if runner_output.failed_requests:
-            outputs.extend(self._fail_requests(runner_output.failed_requests))
+            # Only the requests this step planned: an id may belong to a newer request by now.
+            failed = {
+                rid: reason
+                for rid, reason in runner_output.failed_requests.items()
+                if plan.get(rid) is not None and plan.get(rid) is self.requests.get(rid)
+            }
+            outputs.extend(self._fail_requests(failed))
         logprobs = runner_output.logprobs
         num_drafts = runner_output.num_draft_tokens
         num_scheduled_map = scheduler_output.num_scheduled_tokens
@@ -384,7 +392,6 @@ class Scheduler:
         for new_req in scheduler_output.scheduled_new_reqs:
             starts[new_req.request_id] = new_req.num_computed_tokens
         draft_positions = scheduler_output.num_draft_positions
-        plan = self._plans.pop(scheduler_output.step_id, {})
         for i, (request_id, sampled) in enumerate(
             zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
         ):

@@ -9,7 +9,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -82,7 +82,7 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
         coalesce: bool = False,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Streams RequestOutput deltas; the last one has finish_reason set. Raises a typed error
         for a bad request, RequestFailedError if this request alone failed, EngineDeadError if the
         engine stopped. An id whose previous client just left is free once that request's abort is
@@ -92,7 +92,13 @@ class AsyncEngine:
         self._ensure_loop()
         if isinstance(request_id, str) and request_id in self._pending_aborts:
             await self._wait_for_abort(request_id)
-        request = self.engine.make_request(prompt, sampling_params, request_id, priority)
+        if isinstance(prompt, str):
+            # Tokenizing a long text takes a while: not on the event loop, whose streams would stall.
+            request = await asyncio.get_running_loop().run_in_executor(
+                None, self.engine.make_request, prompt, sampling_params, request_id, priority
+            )
+        else:
+            request = self.engine.make_request(prompt, sampling_params, request_id, priority)
         if request.request_id in self._streams or request.request_id in self._pending_aborts:
             raise InvalidRequestError(f"request_id {request.request_id!r} is already in use")
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
@@ -202,6 +208,8 @@ class AsyncEngine:
     def _deliver(self, output: RequestOutput) -> None:
         if output.finished and output.request_id in self._pending_aborts:
             self._pending_aborts.remove(output.request_id)  # it ended anyway; the id is free again
+            if self._aborts_applied is not None:
+                self._aborts_applied.set()  # wakes a generate() waiting to reuse the id
         stream = self._streams.get(output.request_id)
         if stream is None:
             return

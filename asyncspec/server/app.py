@@ -5,6 +5,7 @@ a drain on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import signal
@@ -88,7 +89,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or handler_call_details.method.startswith(_OPEN_METHODS):
             return handler
         metadata = dict(handler_call_details.invocation_metadata or ())
-        if metadata.get("authorization") == self._expected:
+        if hmac.compare_digest(str(metadata.get("authorization", "")), self._expected):
             return handler
 
         async def deny(request, context):
@@ -124,6 +125,7 @@ class GenerationServer:
         self._metrics_http: WSGIServer | None = None
         self._service: GenerationService | None = None
         self._stopped = asyncio.Event()
+        self._health_task: asyncio.Task[None] | None = None
 
     def _stats(self) -> dict[str, float]:
         return self.engine.stats() if self.engine is not None else {}
@@ -186,7 +188,9 @@ class GenerationServer:
 
     def mark_engine_dead(self) -> None:
         """The engine failed: readiness (and liveness, so the orchestrator restarts it) NOT_SERVING."""
-        asyncio.get_running_loop().create_task(self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING))
+        self._health_task = asyncio.get_running_loop().create_task(
+            self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        )
 
     async def _set_all(self, status) -> None:
         await self.health.set(SERVICE_NAME, status)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -73,14 +75,17 @@ class GenerationService(pb_grpc.GenerationServicer):
                 priority=engine_request.priority,
                 coalesce=True,
             )
-            async for delta in stream:
-                request_id = delta.request_id
-                now = time.monotonic()
-                timer.on_delta(now, len(delta.token_ids))
-                usage.add(delta)
-                if delta.finished:
-                    timer.on_finish(now, delta.finish_reason or "", delta.queued_seconds)
-                yield to_response(delta, usage)
+            # Closed explicitly (not by the garbage collector) when the client cancels: the abort
+            # and the id's release happen at once.
+            async with contextlib.aclosing(stream):
+                async for delta in stream:
+                    request_id = delta.request_id
+                    now = time.monotonic()
+                    timer.on_delta(now, len(delta.token_ids))
+                    usage.add(delta)
+                    if delta.finished:
+                        timer.on_finish(now, delta.finish_reason or "", delta.queued_seconds)
+                    yield to_response(delta, usage)
         except (InvalidRequestError, InvalidSamplingParamsError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFullError as e:
@@ -96,8 +101,9 @@ class GenerationService(pb_grpc.GenerationServicer):
                 usage=pb.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens),
             )
         except EngineDeadError as e:
-            if not self._is_draining():
-                self._on_engine_dead()
+            if self._is_draining():  # shut down at the end of a drain: another replica can serve it
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"the server shut down: {e}")
+            self._on_engine_dead()
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
         finally:
             self.num_active_streams -= 1
@@ -107,7 +113,10 @@ class GenerationService(pb_grpc.GenerationServicer):
         if tokenizer is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the server runs without a tokenizer")
         assert tokenizer is not None  # context.abort raises
-        return pb.TokenizeResponse(token_ids=tokenizer.encode(request.text, add_special_tokens=False).ids)
+        encoding = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: tokenizer.encode(request.text, add_special_tokens=False)
+        )
+        return pb.TokenizeResponse(token_ids=encoding.ids)
 
     async def Detokenize(  # noqa: N802
         self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext

@@ -457,3 +457,38 @@ def test_abort_preempted_request():
     assert len(s.waiting) == 0
     run_to_completion(s, runner)
     assert s.kv_cache_manager.num_free_blocks == 6
+
+
+def test_a_failure_reported_for_an_old_request_never_ends_a_newer_one_with_its_id():
+    """Asynchronous loop: r1 fails in step N, is aborted and resubmitted under the same id, and
+    the new r1 is planned into step N+1 before step N is reconciled. Step N's failure report names
+    the old r1 only: the new one runs on."""
+    from asyncspec.core.scheduler_output import ModelRunnerOutput
+    from asyncspec.request import RequestStatus
+    from tests.core.scheduler_fakes import make_request, make_scheduler
+
+    scheduler = make_scheduler()
+    old = make_request("r1", 8)
+    scheduler.add_request(old)
+    step_n = scheduler.schedule()
+    scheduler.finish_requests(["r1"], RequestStatus.FINISHED_ABORTED)
+    new = make_request("r1", 8)
+    scheduler.add_request(new)
+    step_n1 = scheduler.schedule()
+    assert "r1" in step_n1.num_scheduled_tokens
+    failed = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], failed_requests={"r1": "no valid token"})
+    outputs = scheduler.update_from_output(step_n, failed)
+    assert outputs == [] and new.status == RequestStatus.RUNNING and scheduler.requests["r1"] is new
+
+
+def test_min_tokens_requests_are_forgotten_when_they_finish():
+    from asyncspec.request import RequestStatus
+    from tests.core.scheduler_fakes import make_request, make_scheduler
+
+    scheduler = make_scheduler()
+    request = make_request("m", 8, min_tokens=4)
+    scheduler.add_request(request)
+    scheduler.schedule()
+    assert scheduler.requires_exact_counts()
+    scheduler.finish_requests(["m"], RequestStatus.FINISHED_ABORTED)
+    assert not scheduler._below_min_tokens and not scheduler.requires_exact_counts()

@@ -458,3 +458,23 @@ def test_coalesced_stream_merges_piled_up_deltas(engine, prompts, reference):
         assert [x for d in merged for x in getattr(d, field)] == [x for d in plain for x in getattr(d, field)]
     assert "".join(d.text for d in merged) == "".join(d.text for d in plain)
     assert merged[-1].finish_reason == plain[-1].finish_reason == "length"
+
+
+def test_waiting_to_reuse_an_id_wakes_when_its_request_ends_on_its_own(async_scheduling):
+    """A cancelled stream's request finished in the step that was running when its abort was
+    queued: the abort is moot, and a generate() waiting to reuse the id must wake, not hang."""
+    from asyncspec.outputs import RequestOutput
+
+    engine = _new_engine(async_scheduling)
+
+    async def main():
+        # The events only, no loop task: nothing else may apply the abort meanwhile.
+        engine._wakeup, engine._aborts_applied = asyncio.Event(), asyncio.Event()
+        engine._pending_aborts.append("x")
+        waiter = asyncio.create_task(engine._wait_for_abort("x"))
+        await asyncio.sleep(0.01)
+        engine._deliver(RequestOutput(request_id="x", prompt_token_ids=[1], finish_reason="length"))
+        await asyncio.wait_for(waiter, 5.0)
+        await engine.shutdown()
+
+    _run(main())
