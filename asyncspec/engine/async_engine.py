@@ -70,6 +70,7 @@ class AsyncEngine:
         self._closed = False
         self._inflight_step: concurrent.futures.Future[list[RequestOutput]] | None = None
         self._step_listeners: list[Callable[[int], None]] = []
+        self._stats_snapshot: dict[str, float] | None = None
 
     @property
     def is_running(self) -> bool:
@@ -232,6 +233,10 @@ class AsyncEngine:
                     self._deliver(output)
             while True:
                 self._apply_pending()
+                # Between steps, with no step running: the counters as a whole, for scrapes that come
+                # from other threads (mid-step, a stop string's correction could show a counter going
+                # down).
+                self._stats_snapshot = self.engine.stats()
                 if not self.engine.has_unfinished_requests():
                     self._wakeup.clear()
                     if self._pending_adds or self._pending_aborts:
@@ -267,6 +272,7 @@ class AsyncEngine:
             self.engine.abort_requests(ids)
         except Exception:  # a broken engine may fail here too; the streams must end regardless
             logger.exception("could not abort the requests of a stopped engine")
+        self._stats_snapshot = None  # the engine is stopped: the current counters are final
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.queue.put_nowait(EngineDeadError(*error.args))
@@ -295,3 +301,9 @@ class AsyncEngine:
 
     def stats(self) -> dict[str, float]:
         return self.engine.stats()
+
+    def stats_snapshot(self) -> dict[str, float]:
+        """The counters as of the last point between steps (monotonic for a scraper on another
+        thread); the current ones before the loop first ran."""
+        snapshot = self._stats_snapshot
+        return dict(snapshot) if snapshot is not None else self.engine.stats()

@@ -128,7 +128,8 @@ class GenerationServer:
         self._health_task: asyncio.Task[None] | None = None
 
     def _stats(self) -> dict[str, float]:
-        return self.engine.stats() if self.engine is not None else {}
+        # Read by the metrics server's thread: the snapshot taken between steps.
+        return self.engine.stats_snapshot() if self.engine is not None else {}
 
     async def start(self) -> None:
         cfg = self.config
