@@ -67,6 +67,16 @@ def _wait_kv_free(server: ServerThread, timeout: float = 20.0) -> dict:
         time.sleep(0.02)
 
 
+def _wait_not_ready(server: ServerThread, timeout: float) -> None:
+    """Until the readiness check stops saying SERVING."""
+    health = health_pb2_grpc.HealthStub(server.channel())
+    deadline = time.monotonic() + timeout
+    request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+    while health.Check(request).status == health_pb2.HealthCheckResponse.SERVING:
+        assert time.monotonic() < deadline, "readiness still SERVING"
+        time.sleep(0.01)
+
+
 def _metrics(server: ServerThread) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics").read().decode()
     values = {}
@@ -312,13 +322,7 @@ def test_drain_refuses_new_requests_and_turns_readiness_off(prompts):
         next(call)
         drained = threading.Thread(target=server.stop, kwargs={"grace_s": 30.0})
         drained.start()
-        health = health_pb2_grpc.HealthStub(server.channel())
-        deadline = time.monotonic() + 10
-        while health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME)).status == (
-            health_pb2.HealthCheckResponse.SERVING
-        ):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        _wait_not_ready(server, 10.0)
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(_request(prompts[1], 4)))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -392,13 +396,7 @@ def test_engine_fault_ends_streams_with_internal_and_health_not_serving(prompts)
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(_request(prompts[0], 100), timeout=30))
         assert e.value.code() == grpc.StatusCode.INTERNAL and "injected device fault" in e.value.details()
-        health = health_pb2_grpc.HealthStub(server.channel())
-        deadline = time.monotonic() + 5
-        while health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME)).status == (
-            health_pb2.HealthCheckResponse.SERVING
-        ):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        _wait_not_ready(server, 5.0)
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(_request(prompts[1], 4), timeout=10))
         assert e.value.code() == grpc.StatusCode.INTERNAL
