@@ -96,11 +96,6 @@ class StepHandle:
     """Debug mode: the step's request rows, and a copy of the device's computed counts after it."""
     debug_computed: torch.Tensor | None = None
 
-    def is_ready(self) -> bool:
-        if self.future is not None:
-            return self.future.done()
-        return self.ready is None or self.ready.query()
-
     def wait(self) -> None:
         """Blocks until the results are on the host (the engine's worker thread calls this, never the
         event loop)."""
@@ -560,12 +555,6 @@ class ModelRunner:
         self.debug_invariants = on
         if self.spec is not None and self.spec.uses_draft_model:
             self.spec.proposer.debug_invariants = on  # type: ignore[union-attr]
-
-    def device_num_computed_tokens(self) -> dict[str, int]:
-        """Per request, num_computed_tokens as the device holds it (a debugging and test aid:
-        synchronizes)."""
-        values = self.input_batch.num_computed_dev.tolist()
-        return {r: values[s.row] for r, s in self.input_batch.rows.items()}
 
     def _device_context(self):
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
