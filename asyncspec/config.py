@@ -96,6 +96,9 @@ class EngineConfig:
     """Run every step eagerly: no CUDA graphs (they are captured on CUDA with the Triton backend)."""
     cuda_graph_max_batch_size: int | None = None
     """Largest batch replayed from a CUDA graph (buckets 1, 2, 4, 8, 16, ...); None: max_num_seqs."""
+    tensor_parallel_size: int = 1
+    """GPUs (or CPU processes) one model is split across, one worker process each (NCCL on cuda,
+    gloo on cpu); on cuda they are cuda:<first> to cuda:<first + size - 1>."""
 
     def __post_init__(self) -> None:
         self._validate()
@@ -135,7 +138,14 @@ class EngineConfig:
                 raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.load_format not in ("safetensors", "dummy"):
             raise ConfigError(f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_waiting", "max_stop_strings"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_num_waiting",
+            "max_stop_strings",
+            "tensor_parallel_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")

@@ -34,3 +34,7 @@ class EngineDeadError(AsyncSpecError, RuntimeError):
 
 class QueueFullError(AsyncSpecError):
     """The waiting queue holds `max_num_waiting` requests; retry later."""
+
+
+class WorkerDiedError(AsyncSpecError, RuntimeError):
+    """A tensor-parallel worker process failed or exited; the engine cannot go on without it."""

@@ -48,6 +48,10 @@ def merge_deltas(first: RequestOutput, second: RequestOutput) -> RequestOutput:
     )
 
 
+_IDLE_HEALTH_CHECK_S = 1.0
+"""How often an idle loop checks that the engine's worker processes are alive."""
+
+
 class AsyncEngine:
     """`async for delta in engine.generate(prompt, params, request_id=...)`; `await engine.abort(id)`.
 
@@ -70,6 +74,7 @@ class AsyncEngine:
         self._closed = False
         self._inflight_step: concurrent.futures.Future[list[RequestOutput]] | None = None
         self._step_listeners: list[Callable[[int], None]] = []
+        self._death_listeners: list[Callable[[EngineDeadError], None]] = []
         self._stats_snapshot: dict[str, float] | None = None
 
     @property
@@ -131,6 +136,11 @@ class AsyncEngine:
                 self._pending_aborts.append(request.request_id)
                 if self._wakeup is not None:
                     self._wakeup.set()
+
+    def add_death_listener(self, listener: Callable[[EngineDeadError], None]) -> None:
+        """Calls `listener(error)` on the event loop once the engine has failed (every stream has
+        then ended with the error); a server exits on it."""
+        self._death_listeners.append(listener)
 
     def add_step_listener(self, listener: Callable[[int], None]) -> None:
         """Calls `listener(num_tokens)` on the event loop for every step the engine retires (metrics)."""
@@ -241,7 +251,11 @@ class AsyncEngine:
                     self._wakeup.clear()
                     if self._pending_adds or self._pending_aborts:
                         continue
-                    await self._wakeup.wait()
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), _IDLE_HEALTH_CHECK_S)
+                    except TimeoutError:
+                        # Idle: a worker process that died now is found before the next request.
+                        self.engine.check_health()
                     continue
                 # With async_scheduling the step is the pipelined one (EngineCore.advance: step N+1 is
                 # launched before step N's results are awaited); either way it runs in the worker thread,
@@ -262,6 +276,8 @@ class AsyncEngine:
             logger.exception("engine loop failed")
             self._dead = EngineDeadError(f"the engine loop failed: {e!r}")
             self._end_all_streams(self._dead)
+            for listener in self._death_listeners:
+                listener(self._dead)
 
     def _end_all_streams(self, error: EngineDeadError) -> None:
         """Aborts every live request (freeing its KV blocks, best effort) and ends every stream
@@ -298,6 +314,7 @@ class AsyncEngine:
         # without blocking the event loop.
         await asyncio.get_running_loop().run_in_executor(None, lambda: self._executor.shutdown(wait=True))
         self._end_all_streams(self._dead)
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown)
 
     def stats(self) -> dict[str, float]:
         return self.engine.stats()

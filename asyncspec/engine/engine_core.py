@@ -8,15 +8,19 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import torch
+
 from asyncspec.config import EngineConfig
 from asyncspec.core.kv_cache import KVCacheManager
 from asyncspec.core.scheduler import Scheduler, SchedulerConfig
 from asyncspec.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from asyncspec.engine.step_timing import StepTimings
 from asyncspec.errors import ConfigError
+from asyncspec.layers.tensor_parallel import TensorParallel, check_divisible
 from asyncspec.models.model_config import ModelConfig
 from asyncspec.request import Request, RequestStatus
 from asyncspec.worker.model_runner import ModelRunner, StepHandle
+from asyncspec.worker.tp_executor import TensorParallelExecutor
 
 MAX_INFLIGHT_STEPS = 2
 """The running step and one planned behind it: a deeper pipeline only adds optimistic
@@ -43,6 +47,26 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
     return config.max_model_len
 
 
+def _make_runner(
+    config: EngineConfig, model_config: ModelConfig, max_model_len: int
+) -> ModelRunner | TensorParallelExecutor:
+    """The model runner in this process, or worker processes for tensor_parallel_size > 1."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return ModelRunner(config, model_config, max_model_len)
+    mc = model_config
+    check_divisible(TensorParallel(0, size), mc.num_attention_heads, mc.num_key_value_heads, mc.intermediate_size)
+    device = config.torch_device
+    if device.type == "cuda":
+        first, visible = device.index or 0, torch.cuda.device_count()
+        if first + size > visible:
+            raise ConfigError(
+                f"tensor_parallel_size={size} from {device} needs cuda:{first} to cuda:{first + size - 1}, but "
+                f"{visible} GPU(s) are visible; lower tensor_parallel_size or set CUDA_VISIBLE_DEVICES"
+            )
+    return TensorParallelExecutor(config, model_config, max_model_len)
+
+
 class EngineCore:
     """Owns the scheduler and the worker; `step()` runs one schedule → execute → update cycle."""
 
@@ -56,7 +80,15 @@ class EngineCore:
                 f"{config.max_num_batched_tokens} is below max_model_len={self.max_model_len}; raise it, "
                 "lower max_model_len or enable chunked prefill"
             )
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        self.runner: ModelRunner | TensorParallelExecutor = _make_runner(config, self.model_config, self.max_model_len)
+        try:
+            self._init_engine()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _init_engine(self) -> None:
+        config = self.config
         num_blocks = self.runner.determine_num_kv_blocks()
         blocks_per_max_len = -(-self.max_model_len // config.block_size)
         if num_blocks < blocks_per_max_len:
@@ -96,6 +128,14 @@ class EngineCore:
         """ASYNCSPEC_DEBUG_INVARIANTS=1: check the placeholder invariant and the host's reconciled
         counts against the device's at every step (tests; synchronizes the device)."""
         self.runner.set_debug_invariants(self.debug_invariants)
+
+    def check_health(self) -> None:
+        """Raises WorkerDiedError if a tensor-parallel worker process has died."""
+        self.runner.check_health()
+
+    def shutdown(self) -> None:
+        """Stops the worker processes (tensor parallelism) or the CPU stream thread; idempotent."""
+        self.runner.close()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

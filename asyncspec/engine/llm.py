@@ -64,6 +64,17 @@ class LLM:
             raise InvalidRequestError(f"{name} has {len(value)} entries for {n} prompts")
         return value
 
+    def shutdown(self) -> None:
+        """Stops the engine's worker processes (tensor parallelism) and threads; idempotent. Also
+        run on leaving a `with LLM(...) as llm:` block, and at exit for an engine never shut down."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def stats(self) -> dict[str, float]:
         """Counters since start: steps, preemptions, prefix-cache queries and hits, tokens, KV blocks."""
         return self.engine.stats()

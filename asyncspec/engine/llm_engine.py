@@ -41,6 +41,14 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
 
+    def check_health(self) -> None:
+        """Raises WorkerDiedError if a tensor-parallel worker process has died."""
+        self.engine_core.check_health()
+
+    def shutdown(self) -> None:
+        """Stops the worker processes (tensor parallelism) and the CPU stream thread; idempotent."""
+        self.engine_core.shutdown()
+
     # -- validation ------------------------------------------------------------------------
     def make_request(
         self,

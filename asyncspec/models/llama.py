@@ -14,16 +14,21 @@ from asyncspec.layers.attention import Attention
 from asyncspec.layers.attention_metadata import AttentionMetadata
 from asyncspec.layers.norm import RMSNorm
 from asyncspec.layers.rotary import RotaryEmbedding, RotaryInputs, apply_rotary, select_fused_rotary
+from asyncspec.layers.tensor_parallel import TensorParallel
+from asyncspec.models.checkpoint import WeightTarget, sliced, whole
 from asyncspec.models.model_config import ModelConfig
 
 
 class LlamaAttention(nn.Module):
-    """Fused q/k/v projection, optional per-head q/k RMSNorm, RoPE, paged attention, output projection."""
+    """Fused q/k/v projection, optional per-head q/k RMSNorm, RoPE, paged attention, output projection.
+    Under tensor parallelism this rank holds its query and KV heads (column-parallel q/k/v) and its
+    columns of o_proj (row-parallel, summed across ranks)."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp
+        self.q_head_start, self.num_heads = tp.split(config.num_attention_heads, "num_attention_heads")
+        self.kv_head_start, self.num_kv_heads = tp.kv_heads(config.num_key_value_heads)
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -64,33 +69,36 @@ class LlamaAttention(nn.Module):
         else:
             q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
             o = self.attn(q, k, v, kv_cache, attn_metadata)
-        return self.o_proj(o.reshape(T, self.q_size))
+        return self.tp.all_reduce(self.o_proj(o.reshape(T, self.q_size)))
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU MLP with the gate and up projections fused into one matmul."""
+    """SwiGLU MLP with the gate and up projections fused into one matmul; under tensor parallelism
+    this rank holds a slice of the intermediate width (column-parallel gate/up, row-parallel down)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.tp = tp
+        self.intermediate_start, self.intermediate_size = tp.split(config.intermediate_size, "intermediate_size")
+        self.full_intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
         self._silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._silu_and_mul is None:
             self._silu_and_mul = select_silu_and_mul(x.device)
-        return self.down_proj(self._silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self._silu_and_mul(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention block then pre-norm MLP block, each with a residual add."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_idx, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -109,13 +117,33 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class VocabParallelEmbedding(nn.Module):
+    """The token embedding; under tensor parallelism each rank holds a range of vocabulary rows,
+    looks up the ids that fall in it (zeros for the others) and the ranks sum the results."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.vocab_start, rows = tp.vocab_shard(vocab_size) if tp.enabled else (0, vocab_size)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        h = F.embedding(torch.where(inside, local, 0), self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(h)
+
+
 class LlamaModel(nn.Module):
     """Embedding, decoder stack and final norm (the `model.` prefix of HF checkpoints)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
@@ -145,16 +173,18 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder-only causal LM; the model runner calls `forward` then `compute_logits` on the rows it samples."""
+    """Decoder-only causal LM; the model runner calls `forward` then `compute_logits` on the rows it
+    samples. `tp` shards it across the ranks of a tensor-parallel group (every rank builds its own)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
-        # Tied models have no lm_head module: the logits reuse the embedding matrix directly.
-        self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        self.tp = tp if tp is not None else TensorParallel()
+        self.model = LlamaModel(config, self.tp)
+        # Tied models have no lm_head module: the logits reuse the embedding matrix directly. The head
+        # is split by vocabulary rows like the embedding.
+        rows = self.model.embed_tokens.weight.shape[0]
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, rows, bias=False)
 
     def forward(
         self,
@@ -167,43 +197,52 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits [N, vocab] in float32."""
+        """Logits [N, vocab] in float32 (gathered from every rank's vocabulary shard)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_states, weight).float()
+        return self.tp.all_gather_rows(F.linear(hidden_states, weight), self.config.vocab_size).float()
 
-    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """HF checkpoint tensor name -> the parameter (or slice of a fused parameter) it fills."""
-        out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.model.embed_tokens.weight}
+    def checkpoint_tensors(self) -> dict[str, WeightTarget]:
+        """HF checkpoint tensor name -> where it goes on this rank (the parameter, or a slice of a fused
+        parameter, and which slice of the checkpoint tensor under tensor parallelism)."""
+        cfg, tp = self.config, self.tp
+        vocab = self.model.embed_tokens
+        out: dict[str, WeightTarget] = {
+            "model.embed_tokens.weight": sliced(vocab.weight, 0, vocab.vocab_start, cfg.vocab_size)
+        }
         for i, layer in enumerate(self.model.decoder_layers):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
+            hd = attn.head_dim
             for kind in ("weight", "bias"):
                 fused = getattr(attn.qkv_proj, kind)
                 if fused is not None:
                     q, k, v = fused.split([attn.q_size, attn.kv_size, attn.kv_size], dim=0)
-                    out.update(
-                        {
-                            f"{p}self_attn.q_proj.{kind}": q,
-                            f"{p}self_attn.k_proj.{kind}": k,
-                            f"{p}self_attn.v_proj.{kind}": v,
-                        }
-                    )
-                if getattr(attn.o_proj, kind) is not None:
-                    out[f"{p}self_attn.o_proj.{kind}"] = getattr(attn.o_proj, kind)
+                    q_full, kv_full = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+                    out[f"{p}self_attn.q_proj.{kind}"] = sliced(q, 0, attn.q_head_start * hd, q_full)
+                    out[f"{p}self_attn.k_proj.{kind}"] = sliced(k, 0, attn.kv_head_start * hd, kv_full)
+                    out[f"{p}self_attn.v_proj.{kind}"] = sliced(v, 0, attn.kv_head_start * hd, kv_full)
                 fused = getattr(mlp.gate_up_proj, kind)
                 if fused is not None:
                     gate, up = fused.split(mlp.intermediate_size, dim=0)
-                    out.update({f"{p}mlp.gate_proj.{kind}": gate, f"{p}mlp.up_proj.{kind}": up})
-                if getattr(mlp.down_proj, kind) is not None:
-                    out[f"{p}mlp.down_proj.{kind}"] = getattr(mlp.down_proj, kind)
+                    start, full = mlp.intermediate_start, mlp.full_intermediate_size
+                    out[f"{p}mlp.gate_proj.{kind}"] = sliced(gate, 0, start, full)
+                    out[f"{p}mlp.up_proj.{kind}"] = sliced(up, 0, start, full)
+            q_full = cfg.num_attention_heads * hd
+            out[f"{p}self_attn.o_proj.weight"] = sliced(attn.o_proj.weight, 1, attn.q_head_start * hd, q_full)
+            out[f"{p}mlp.down_proj.weight"] = sliced(
+                mlp.down_proj.weight, 1, mlp.intermediate_start, mlp.full_intermediate_size
+            )
+            for name, linear in (("self_attn.o_proj", attn.o_proj), ("mlp.down_proj", mlp.down_proj)):
+                if linear.bias is not None:
+                    out[f"{p}{name}.bias"] = WeightTarget(linear.bias, zero=tp.rank > 0)
             if attn.qk_norm:
-                out[f"{p}self_attn.q_norm.weight"] = attn.q_norm.weight
-                out[f"{p}self_attn.k_norm.weight"] = attn.k_norm.weight
-            out[f"{p}input_layernorm.weight"] = layer.input_layernorm.weight
-            out[f"{p}post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
-        out["model.norm.weight"] = self.model.norm.weight
+                out[f"{p}self_attn.q_norm.weight"] = whole(attn.q_norm.weight)
+                out[f"{p}self_attn.k_norm.weight"] = whole(attn.k_norm.weight)
+            out[f"{p}input_layernorm.weight"] = whole(layer.input_layernorm.weight)
+            out[f"{p}post_attention_layernorm.weight"] = whole(layer.post_attention_layernorm.weight)
+        out["model.norm.weight"] = whole(self.model.norm.weight)
         if self.lm_head is not None:
-            out["lm_head.weight"] = self.lm_head.weight
+            out["lm_head.weight"] = sliced(self.lm_head.weight, 0, vocab.vocab_start, cfg.vocab_size)
         return out
 
 

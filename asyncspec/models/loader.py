@@ -11,6 +11,8 @@ from safetensors import safe_open
 from torch import nn
 
 from asyncspec.errors import ModelLoadError
+from asyncspec.layers.tensor_parallel import TensorParallel
+from asyncspec.models.checkpoint import WeightTarget
 from asyncspec.models.llama import LlamaForCausalLM
 from asyncspec.models.model_config import ModelConfig
 from asyncspec.models.registry import get_model_class
@@ -29,18 +31,23 @@ def load_model(
     device: torch.device,
     load_format: str = "safetensors",
     seed: int = 0,
+    tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
-    """The model of `model_config` on `device` in `dtype`, in eval mode, with weights from `model_path`."""
+    """The model of `model_config` on `device` in `dtype`, in eval mode, with weights from `model_path`;
+    under tensor parallelism (`tp`) this rank's shard, sliced straight from the files."""
     device = torch.device(device)
     if load_format not in ("safetensors", "dummy"):
         raise ModelLoadError(f"load_format {load_format!r} is not supported (safetensors, dummy)")
     files = _find_weight_files(model_path) if load_format == "safetensors" else {}
     cls = get_model_class(model_config.architecture)
     with torch.device("meta"):
-        model = cls(model_config)
+        model = cls(model_config, tp)
     _materialize(model, device, dtype)
     targets = model.checkpoint_tensors()
     with torch.no_grad():
+        # Padding rows of the last vocabulary shard, and row-parallel biases off rank 0, stay zero.
+        for target in targets.values():
+            target.tensor.zero_()
         if load_format == "dummy":
             _fill_dummy(targets, device, seed)
         else:
@@ -61,13 +68,27 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
             reset(device)
 
 
-def _fill_dummy(targets: dict[str, torch.Tensor], device: torch.device, seed: int) -> None:
+def _fill_dummy(targets: dict[str, WeightTarget], device: torch.device, seed: int) -> None:
+    """Random weights that do not depend on the sharding: each checkpoint tensor is drawn whole, in
+    checkpoint order from one generator, and each rank keeps its slice (tensor-parallel ranks then
+    hold the same model as a single GPU)."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    for name, t in targets.items():
+    for name, target in targets.items():
+        if target.zero:
+            continue
         if name.endswith("norm.weight"):
-            t.fill_(1.0)
-        else:
-            t.normal_(0.0, 0.02, generator=gen)
+            target.tensor.fill_(1.0)
+            continue
+        full = torch.empty(target.checkpoint_shape, dtype=target.tensor.dtype, device=device)
+        full.normal_(0.0, 0.02, generator=gen)
+        _copy_slice(target, full)
+
+
+def _copy_slice(target: WeightTarget, full: torch.Tensor) -> None:
+    if target.dim is None:
+        target.tensor.copy_(full)
+    else:
+        target.destination().copy_(full.narrow(target.dim, target.start, target.length))
 
 
 def _find_weight_files(model_path: str) -> dict[str, str]:
@@ -121,7 +142,7 @@ def _open(path: str):
         raise ModelLoadError(f"{path}: not a readable safetensors file: {e}") from e
 
 
-def _fill_from_files(targets: dict[str, torch.Tensor], files: dict[str, str], tied: bool) -> None:
+def _fill_from_files(targets: dict[str, WeightTarget], files: dict[str, str], tied: bool) -> None:
     missing = [n for n in targets if n not in files]
     if missing:
         shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
@@ -138,13 +159,23 @@ def _fill_from_files(targets: dict[str, torch.Tensor], files: dict[str, str], ti
             for name in names:
                 if name not in present:
                     raise ModelLoadError(f"tensor {name!r} is mapped to {path} but that file does not contain it")
-                found = tuple(f.get_slice(name).get_shape())
-                expected = tuple(targets[name].shape)
+                target = targets[name]
+                view = f.get_slice(name)
+                found = tuple(view.get_shape())
+                expected = target.checkpoint_shape
                 if found != expected:
                     raise ModelLoadError(
                         f"shape mismatch for tensor {name!r} in {path}: expected {expected}, found {found}"
                     )
-                targets[name].copy_(f.get_tensor(name))
+                if target.zero:
+                    continue
+                if target.dim is None:
+                    target.tensor.copy_(f.get_tensor(name))
+                else:
+                    # Only this rank's rows (or columns) are read from the memory-mapped file.
+                    index = [slice(None)] * len(found)
+                    index[target.dim] = slice(target.start, target.start + target.length)
+                    target.destination().copy_(view[tuple(index)])
 
 
 def _is_harmless(name: str, tied: bool) -> bool:

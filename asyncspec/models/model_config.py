@@ -79,17 +79,29 @@ class ModelConfig:
     model_type: str | None = None
     """The config.json model_type, for information."""
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V one token occupies across all layers."""
+    def kv_heads_per_rank(self, tensor_parallel_size: int = 1) -> int:
+        """KV heads one tensor-parallel rank holds (one replicated head when there are more ranks
+        than heads)."""
+        return max(1, self.num_key_value_heads // tensor_parallel_size)
+
+    def kv_bytes_per_token(self, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+        """Bytes of K and V one token occupies across all layers (on one rank)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * itemsize
+        heads = self.kv_heads_per_rank(tensor_parallel_size)
+        return 2 * self.num_hidden_layers * heads * self.head_dim * itemsize
 
     def allocate_kv_cache(
-        self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+        self,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        tensor_parallel_size: int = 1,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This model's paged KV tensors: one (k_cache, v_cache) pair per layer."""
+        """This model's paged KV tensors (this rank's heads): one (k_cache, v_cache) pair per layer."""
+        heads = self.kv_heads_per_rank(tensor_parallel_size)
         return allocate_paged_kv_cache(
-            self.num_hidden_layers, num_blocks, block_size, self.num_key_value_heads, self.head_dim, dtype, device
+            self.num_hidden_layers, num_blocks, block_size, heads, self.head_dim, dtype, device
         )
 
     def sliding_window_for_layer(self, layer_idx: int) -> int | None:

@@ -9,6 +9,7 @@ import hmac
 import logging
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
@@ -125,6 +126,8 @@ class GenerationServer:
         self._metrics_http: WSGIServer | None = None
         self._service: GenerationService | None = None
         self._stopped = asyncio.Event()
+        self.engine_failed = asyncio.Event()
+        """Set when the engine has failed for good (a worker process died, the loop raised)."""
         self._health_task: asyncio.Task[None] | None = None
 
     def _stats(self) -> dict[str, float]:
@@ -184,8 +187,14 @@ class GenerationServer:
             await self.stop()
             raise ServerStartError(f"the engine failed to start: {e}") from e
         self.engine.add_step_listener(self.metrics.iteration_tokens.observe)
+        self.engine.add_death_listener(self._on_engine_death)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         logger.info("ready in %.1f s: serving %s", time.perf_counter() - start, self.engine_config.model)
+
+    def _on_engine_death(self, error: Exception) -> None:
+        logger.error("the engine failed: %s", error)
+        self.mark_engine_dead()
+        self.engine_failed.set()
 
     def mark_engine_dead(self) -> None:
         """The engine failed: readiness (and liveness, so the orchestrator restarts it) NOT_SERVING."""
@@ -245,7 +254,16 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         loop.add_signal_handler(sig, stop.set)
     await server.start()
     print(f"asyncspec: serving {engine_config.model} on {server_config.host}:{server.port}", flush=True)
-    await stop.wait()
+    stopping = asyncio.ensure_future(stop.wait())
+    failing = asyncio.ensure_future(server.engine_failed.wait())
+    await asyncio.wait([stopping, failing], return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    failing.cancel()
+    if server.engine_failed.is_set():
+        # Every stream has ended with INTERNAL; a restart (the orchestrator's) is the only way on.
+        await server.stop()
+        print("asyncspec: the engine failed; exiting", file=sys.stderr, flush=True)
+        return 1
     logger.info("draining (grace %.1f s)", server_config.drain_grace_s)
     await server.drain()
     return 0

@@ -21,6 +21,7 @@ from asyncspec.core.spec_policy import StepCost, speculation_choices
 from asyncspec.errors import ConfigError
 from asyncspec.layers.attention import select_backend
 from asyncspec.layers.attention_metadata import AttentionMetadata, StaticInputs
+from asyncspec.layers.tensor_parallel import TensorParallel
 from asyncspec.layers.sampler import (
     INVALID_TOKEN_ID,
     Sampler,
@@ -108,8 +109,13 @@ class StepHandle:
 class ModelRunner:
     """Holds the model, the KV cache tensors and the persistent input batch."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> None:
+    def __init__(
+        self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, tp: TensorParallel | None = None
+    ) -> None:
         self.config = config
+        self.tp = tp if tp is not None else TensorParallel()
+        """This runner's rank and group under tensor parallelism (it holds that shard of the target and
+        its KV heads; the draft model is replicated on every rank)."""
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.device = config.torch_device
@@ -120,7 +126,9 @@ class ModelRunner:
             )
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
-        self.model = load_model(config.model, model_config, self.dtype, self.device, config.load_format, config.seed)
+        self.model = load_model(
+            config.model, model_config, self.dtype, self.device, config.load_format, config.seed, self.tp
+        )
         self.sampler = Sampler()
         self.default_generator = make_generator(config.seed, self.device)
         self.input_batch = InputBatch(
@@ -193,12 +201,20 @@ class ModelRunner:
         if self.config.async_scheduling and not pin:
             self._cpu_stream = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asyncspec-cpu-stream")
 
+    def check_health(self) -> None:
+        """Nothing to check in-process (the executor of tensor parallelism watches its workers)."""
+
+    def close(self) -> None:
+        """Stops the CPU stream's thread (after the step it is running); idempotent."""
+        if self._cpu_stream is not None:
+            self._cpu_stream.shutdown(wait=True)
+
     # -- KV cache ---------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
         """Target KV plus the draft model's KV (same block ids) per block."""
         draft = self.spec.kv_bytes_per_token if self.spec is not None else 0
-        return (self.model_config.kv_bytes_per_token(self.dtype) + draft) * self.block_size
+        return (self.model_config.kv_bytes_per_token(self.dtype, self.tp.size) + draft) * self.block_size
 
     def determine_num_kv_blocks(self) -> int:
         """The pool size from the config, or from available host memory on the CPU."""
@@ -259,7 +275,7 @@ class ModelRunner:
         dev = self.device
         num_reqs = max(1, min(self.config.max_num_seqs, num_tokens))
         q_lens = [num_tokens // num_reqs + (1 if i < num_tokens % num_reqs else 0) for i in range(num_reqs)]
-        cache_shape = (1, self.block_size, mc.num_key_value_heads, mc.head_dim)
+        cache_shape = (1, self.block_size, mc.kv_heads_per_rank(self.tp.size), mc.head_dim)
         caches = [(torch.zeros(cache_shape, dtype=self.dtype, device=dev),) * 2 for _ in range(mc.num_hidden_layers)]
         query_start_loc = torch.tensor([0] + list(np.cumsum(q_lens)), dtype=torch.int32, device=dev)
         seq_lens = torch.tensor(q_lens, dtype=torch.int32, device=dev)
@@ -281,7 +297,9 @@ class ModelRunner:
         self.sampler(logits, SamplingMetadata.from_params(params, device=dev), self.default_generator)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = self.model_config.allocate_kv_cache(num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_caches = self.model_config.allocate_kv_cache(
+            num_blocks, self.block_size, self.dtype, self.device, self.tp.size
+        )
         if self.spec is not None:
             self.spec.initialize_kv_cache(num_blocks)
         if self.uses_cuda_graphs:
@@ -356,7 +374,8 @@ class ModelRunner:
         largest = self._graph_batch_sizes()[-1:]
         total = 0
         for model, mc, query_lens in self._graph_plan():
-            caches = mc.allocate_kv_cache(1, self.block_size, self.dtype, self.device)
+            tp_size = self.tp.size if model is self.model else 1
+            caches = mc.allocate_kv_cache(1, self.block_size, self.dtype, self.device, tp_size)
             with self._device_context():
                 total += self._new_graphs(model, caches, query_lens, largest).capture().memory_bytes
             del caches

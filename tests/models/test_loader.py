@@ -68,7 +68,7 @@ def _load(path, dtype=torch.float32):
 
 
 def _assert_weights(model, tensors: dict[str, torch.Tensor]) -> None:
-    targets = model.checkpoint_tensors()
+    targets = {name: target.tensor for name, target in model.checkpoint_tensors().items()}
     assert set(targets) == set(tensors)
     for name, t in tensors.items():
         assert torch.equal(targets[name], t.to(targets[name].dtype)), name
@@ -123,7 +123,7 @@ def test_dummy_weights_are_seeded_and_need_no_files(tmp_path) -> None:
     a = load_model(str(tmp_path), cfg, torch.float32, CPU, load_format="dummy", seed=3)
     b = load_model(str(tmp_path), cfg, torch.float32, CPU, load_format="dummy", seed=3)
     c = load_model(str(tmp_path), cfg, torch.float32, CPU, load_format="dummy", seed=4)
-    ta, tb, tc = a.checkpoint_tensors(), b.checkpoint_tensors(), c.checkpoint_tensors()
+    ta, tb, tc = ({n: t.tensor for n, t in m.checkpoint_tensors().items()} for m in (a, b, c))
     for name in ta:
         assert torch.isfinite(ta[name]).all()
         assert torch.equal(ta[name], tb[name]), name

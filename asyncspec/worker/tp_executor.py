@@ -1,0 +1,232 @@
+"""The engine's side of tensor parallelism: one spawned process per rank, each holding its shard
+of the target (and a replica of the draft), driven through one pipe per rank.
+
+A step crosses as the SchedulerOutput, pickled once and written to every rank's pipe; nothing
+waits for the ranks at launch, so the asynchronous loop keeps a step in flight across all of them.
+Only rank 0 answers a collect. Any rank that raises reports it and exits; any rank that dies is
+seen through its process sentinel: either way every rank is stopped and the call raises
+WorkerDiedError (no hang on a collective that will never complete)."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import weakref
+from collections import deque
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from asyncspec.config import EngineConfig
+from asyncspec.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from asyncspec.core.spec_policy import StepCost
+from asyncspec.errors import AsyncSpecError, WorkerDiedError
+from asyncspec.models.model_config import ModelConfig
+from asyncspec.worker.model_runner import StepHandle
+from asyncspec.worker.tp_worker import WorkerArgs, worker_main
+
+logger = logging.getLogger(__name__)
+
+_STOP_TIMEOUT_S = 10.0
+"""How long `close` waits for a rank to exit by itself before killing it."""
+
+
+class TensorParallelExecutor:
+    """Runs the model over `config.tensor_parallel_size` worker processes; the same methods as
+    ModelRunner that the engine core calls."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> None:
+        self.config = config
+        self.size = config.tensor_parallel_size
+        self.last_device_idle_seconds: float | None = None
+        """Rank 0's device idle before the last collected step."""
+        self._handles: deque[StepHandle] = deque()
+        self._dead: WorkerDiedError | None = None
+        self._store_dir = tempfile.mkdtemp(prefix="asyncspec-tp-")
+        context = mp.get_context("spawn")
+        self._conns: list[Connection] = []
+        self._procs: list[BaseProcess] = []
+        level = logging.getLogger().getEffectiveLevel()
+        init_method = f"file://{os.path.join(self._store_dir, 'store')}"
+        for rank in range(self.size):
+            parent, child = context.Pipe()
+            args = WorkerArgs(rank, self.size, init_method, config, model_config, max_model_len, level)
+            proc = context.Process(
+                target=worker_main, args=(args, child), name=f"asyncspec-tp{rank}", daemon=True
+            )
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        # Ranks are stopped when the executor is collected or the interpreter exits, even unclosed.
+        self._finalizer = weakref.finalize(self, _stop_all, self._conns, self._procs, self._store_dir)
+        start = time.perf_counter()
+        try:
+            self._replies(range(self.size), "starting")
+        except BaseException:
+            self.close()
+            raise
+        logger.info("%d tensor-parallel ranks ready in %.1f s", self.size, time.perf_counter() - start)
+
+    # -- the engine core's interface ------------------------------------------------------------
+    def determine_num_kv_blocks(self) -> int:
+        """The smallest pool any rank can hold (every rank holds the same block ids)."""
+        return min(self._call_all("determine_num_kv_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._call_all("initialize_kv_cache", num_blocks)
+
+    def speculation_step_cost(self) -> StepCost | None:
+        table = self._call_first("speculation_step_costs")
+        if table is None:
+            return None
+
+        def step_cost(num_decodes: int, k: int) -> float:
+            return table[(num_decodes, k)]
+
+        return step_cost
+
+    def set_debug_invariants(self, on: bool) -> None:
+        self._call_all("set_debug_invariants", on)
+
+    def launch(self, so: SchedulerOutput) -> StepHandle:
+        """Sends the step to every rank and returns at once."""
+        self._send("launch", (so,), "none")
+        handle = StepHandle()
+        self._handles.append(handle)
+        return handle
+
+    def collect(self, handle: StepHandle) -> ModelRunnerOutput:
+        """Rank 0's results of the oldest step in flight (steps are collected in launch order)."""
+        if not self._handles or self._handles[0] is not handle:
+            raise RuntimeError("steps must be collected in the order they were launched")
+        self._handles.popleft()
+        self._send("collect", (), "first")
+        output, idle = self._replies([0], "collect")[0]
+        self.last_device_idle_seconds = idle
+        return output
+
+    def reset_device_idle(self) -> None:
+        self._send("reset_device_idle", (), "none")
+
+    def graph_stats(self) -> dict[str, int]:
+        stats: dict[str, int] = self._call_first("graph_stats")
+        return stats
+
+    def close(self) -> None:
+        """Stops every rank (politely, then by force) and frees the rendezvous files."""
+        self._finalizer()
+
+    def check_health(self) -> None:
+        """Raises WorkerDiedError (after stopping every rank) if any rank has exited."""
+        self._check_alive()
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _call_all(self, method: str, *args: Any) -> list[Any]:
+        self._send(method, args, "all")
+        return self._replies(range(self.size), method)
+
+    def _call_first(self, method: str, *args: Any) -> Any:
+        self._send(method, args, "first")
+        return self._replies([0], method)[0]
+
+    def _send(self, method: str, args: tuple[Any, ...], reply: str) -> None:
+        self._check_alive()
+        message = pickle.dumps((method, args, reply), protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send_bytes(message)
+            except OSError:
+                self._fail(f"rank {rank} is unreachable ({self._describe(rank)})")
+
+    def _replies(self, ranks: Any, what: str) -> list[Any]:
+        """One reply from each of `ranks`, in rank order, while watching every rank: an error reply
+        or an exit from any rank fails the executor."""
+        pending = {rank: self._conns[rank] for rank in ranks}
+        values: dict[int, Any] = {}
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self._procs)}
+        watched = {conn: rank for rank, conn in enumerate(self._conns)}
+        while pending:
+            ready = wait([*watched, *sentinels])
+            # Read replies first: a rank that answered and then exited (a stop) is not a failure.
+            for item in ready:
+                rank = watched.get(item)  # type: ignore[call-overload]
+                if rank is None:
+                    continue
+                try:
+                    reply = self._conns[rank].recv()
+                except (EOFError, OSError):
+                    self._fail(f"rank {rank} exited during {what} ({self._describe(rank)})")
+                if reply[0] == "error":
+                    self._raise_error(rank, what, reply)
+                if rank not in pending:
+                    self._fail(f"rank {rank} answered {what} unexpectedly")
+                values[rank] = reply[1]
+                del pending[rank]
+            for item in ready:
+                rank = sentinels.get(item)  # type: ignore[call-overload]
+                if rank is not None and not self._conns[rank].poll():
+                    self._fail(f"rank {rank} exited during {what} ({self._describe(rank)})")
+        return [values[rank] for rank in sorted(values)]
+
+    def _raise_error(self, rank: int, what: str, reply: tuple[Any, ...]) -> None:
+        error, text = reply[1], reply[2]
+        logger.error("tensor-parallel rank %d failed during %s:\n%s", rank, what, text)
+        self._stop()
+        if isinstance(error, AsyncSpecError) and what == "starting":
+            raise error  # a config or model error: the same message as with one GPU
+        self._dead = WorkerDiedError(f"tensor-parallel rank {rank} failed during {what}: {error!r}")
+        raise self._dead
+
+    def _fail(self, message: str) -> None:
+        self._stop()
+        self._dead = WorkerDiedError(f"{message}; every rank was stopped and the engine cannot continue")
+        raise self._dead
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise WorkerDiedError(*self._dead.args)
+        for rank, proc in enumerate(self._procs):
+            if not proc.is_alive():
+                self._fail(f"rank {rank} is not running ({self._describe(rank)})")
+
+    def _describe(self, rank: int) -> str:
+        proc = self._procs[rank]
+        code = proc.exitcode
+        if code is None:
+            return f"pid {proc.pid}"
+        if code < 0:
+            return f"pid {proc.pid} killed by signal {-code}"
+        return f"pid {proc.pid} exit status {code}"
+
+    def _stop(self) -> None:
+        """After a failure: the other ranks may be blocked in a collective that will never complete,
+        so they are killed at once."""
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        self._finalizer()
+
+
+def _stop_all(conns: list[Connection], procs: list[BaseProcess], store_dir: str) -> None:
+    message = pickle.dumps(("stop", (), "none"))
+    for conn in conns:
+        try:
+            conn.send_bytes(message)
+        except OSError:
+            pass
+    deadline = time.monotonic() + _STOP_TIMEOUT_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5.0)
+    for conn in conns:
+        conn.close()
+    shutil.rmtree(store_dir, ignore_errors=True)

@@ -1,0 +1,168 @@
+"""The process of one tensor-parallel rank: joins the group, builds its shard of the model runner,
+then runs the engine's commands from its pipe until told to stop or the engine goes away.
+
+Every rank runs every step (the same SchedulerOutput, in the same order) and samples the same
+tokens from the same gathered logits with the same seeds, so the device-resident state of the
+asynchronous loop (last sampled tokens, drafts, computed counts) stays identical on all ranks
+without any exchange beyond the model's own collectives. Only rank 0 sends a step's results back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import signal
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asyncspec.config import EngineConfig
+from asyncspec.core.scheduler_output import SchedulerOutput
+from asyncspec.core.spec_policy import speculation_choices
+from asyncspec.layers.tensor_parallel import TensorParallel
+from asyncspec.models.model_config import ModelConfig
+from asyncspec.worker.model_runner import ModelRunner, StepHandle
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    """Everything a rank's process needs to start (pickled to the spawned process)."""
+
+    rank: int
+    """This process's rank."""
+    size: int
+    """tensor_parallel_size."""
+    init_method: str
+    """torch.distributed rendezvous address (tcp://127.0.0.1:<port>)."""
+    config: EngineConfig
+    """The engine's config (this rank's device is derived from it)."""
+    model_config: ModelConfig
+    """The target's config, as the engine read it."""
+    max_model_len: int
+    """The engine's resolved max_model_len."""
+    log_level: int
+    """The engine process's logging level."""
+
+
+def rank_device(config: EngineConfig, rank: int) -> str:
+    """cuda:<first + rank> on the GPU (first: the index in config.device, 0 by default); cpu stays cpu."""
+    device = config.torch_device
+    if device.type != "cuda":
+        return "cpu"
+    return f"cuda:{(device.index or 0) + rank}"
+
+
+class RankWorker:
+    """Executes the engine's commands on this rank's runner."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._handles: deque[StepHandle] = deque()
+
+    def determine_num_kv_blocks(self) -> int:
+        return self.runner.determine_num_kv_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def speculation_step_costs(self) -> dict[tuple[int, int], float] | None:
+        """The step-cost function as a table over every batch size and k the policy may ask about
+        (a closure cannot cross the pipe)."""
+        cost = self.runner.speculation_step_cost()
+        spec = self.runner.spec
+        if cost is None or spec is None:
+            return None
+        ks = speculation_choices(spec.k) if self.runner.config.adaptive_speculation else [spec.k]
+        return {(n, k): cost(n, k) for n in range(1, self.runner.config.max_num_seqs + 1) for k in ks}
+
+    def set_debug_invariants(self, on: bool) -> None:
+        self.runner.set_debug_invariants(on)
+
+    def launch(self, so: SchedulerOutput) -> None:
+        self._handles.append(self.runner.launch(so))
+
+    def collect(self) -> tuple[Any, float | None]:
+        output = self.runner.collect(self._handles.popleft())
+        return output, self.runner.last_device_idle_seconds
+
+    def reset_device_idle(self) -> None:
+        self.runner.reset_device_idle()
+
+    def graph_stats(self) -> dict[str, int]:
+        return self.runner.graph_stats()
+
+
+def worker_main(args: WorkerArgs, conn: Connection) -> None:
+    """The spawned process's entry point. Replies are ("ok", value) or ("error", exception, text)."""
+    # Ctrl-C reaches the whole process group: the engine process decides when ranks stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s rank{args.rank} %(name)s: %(message)s")
+    try:
+        worker = _start(args)
+    except BaseException as e:  # reported to the engine, which raises it there
+        _send_error(conn, e)
+        return
+    conn.send(("ok", None))
+    try:
+        _serve(worker, conn)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _start(args: WorkerArgs) -> RankWorker:
+    device = rank_device(args.config, args.rank)
+    config = dataclasses.replace(args.config, device=device)
+    if device == "cpu":
+        # The ranks share the host's cores.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.size))
+        backend = "gloo"
+    else:
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    dist.init_process_group(backend, init_method=args.init_method, rank=args.rank, world_size=args.size)
+    tp = TensorParallel(args.rank, args.size, dist.group.WORLD)
+    runner = ModelRunner(config, args.model_config, args.max_model_len, tp)
+    return RankWorker(runner)
+
+
+def _serve(worker: RankWorker, conn: Connection) -> None:
+    """Commands arrive as pickled (method, args, reply): reply "all" (every rank answers), "first"
+    (rank 0 answers: a step's results) or "none". An error ends the process after reporting it (the
+    group cannot go on with one rank out of step)."""
+    rank = worker.runner.tp.rank
+    while True:
+        try:
+            method, call_args, reply = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return  # the engine process is gone
+        if method == "stop":
+            return
+        try:
+            value = getattr(worker, method)(*call_args)
+        except BaseException as e:
+            logger.error("rank %d failed in %s: %s", worker.runner.tp.rank, method, e)
+            _send_error(conn, e)
+            return
+        if reply == "all" or (reply == "first" and rank == 0):
+            conn.send(("ok", value))
+
+
+def _send_error(conn: Connection, error: BaseException) -> None:
+    text = "".join(traceback.format_exception(error))
+    try:
+        conn.send(("error", error, text))
+    except Exception:  # an exception that does not pickle is sent as text
+        try:
+            conn.send(("error", None, text))
+        except OSError:
+            pass
