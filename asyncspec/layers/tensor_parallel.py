@@ -83,9 +83,7 @@ class TensorParallel:
         return gathered.view(self.size, n, shard).permute(1, 0, 2).reshape(n, self.size * shard)[:, :total]
 
 
-def check_divisible(
-    tp: TensorParallel, num_heads: int, num_kv_heads: int, intermediate_size: int
-) -> None:
+def check_divisible(tp: TensorParallel, num_heads: int, num_kv_heads: int, intermediate_size: int) -> None:
     """Raises ConfigError naming the first model dimension that `tp.size` cannot split."""
     if not tp.enabled:
         return

@@ -21,7 +21,6 @@ from asyncspec.core.spec_policy import StepCost, speculation_choices
 from asyncspec.errors import ConfigError
 from asyncspec.layers.attention import select_backend
 from asyncspec.layers.attention_metadata import AttentionMetadata, StaticInputs
-from asyncspec.layers.tensor_parallel import TensorParallel
 from asyncspec.layers.sampler import (
     INVALID_TOKEN_ID,
     Sampler,
@@ -31,6 +30,7 @@ from asyncspec.layers.sampler import (
     host_list_to_device,
     make_generator,
 )
+from asyncspec.layers.tensor_parallel import TensorParallel
 from asyncspec.models.loader import load_model
 from asyncspec.models.model_config import ModelConfig
 from asyncspec.outputs import TokenLogprobs

@@ -46,6 +46,7 @@ class TensorParallelExecutor:
         self.last_device_idle_seconds: float | None = None
         """Rank 0's device idle before the last collected step."""
         self._handles: deque[StepHandle] = deque()
+        self._graph_stats: dict[str, int] = {"cuda_graph_replays": 0, "cuda_graph_eager_forwards": 0}
         self._dead: WorkerDiedError | None = None
         self._store_dir = tempfile.mkdtemp(prefix="asyncspec-tp-")
         context = mp.get_context("spawn")
@@ -56,9 +57,7 @@ class TensorParallelExecutor:
         for rank in range(self.size):
             parent, child = context.Pipe()
             args = WorkerArgs(rank, self.size, init_method, config, model_config, max_model_len, level)
-            proc = context.Process(
-                target=worker_main, args=(args, child), name=f"asyncspec-tp{rank}", daemon=True
-            )
+            proc = context.Process(target=worker_main, args=(args, child), name=f"asyncspec-tp{rank}", daemon=True)
             proc.start()
             child.close()
             self._conns.append(parent)
@@ -107,7 +106,7 @@ class TensorParallelExecutor:
             raise RuntimeError("steps must be collected in the order they were launched")
         self._handles.popleft()
         self._send("collect", (), "first")
-        output, idle = self._replies([0], "collect")[0]
+        output, idle, self._graph_stats = self._replies([0], "collect")[0]
         self.last_device_idle_seconds = idle
         return output
 
@@ -115,11 +114,18 @@ class TensorParallelExecutor:
         self._send("reset_device_idle", (), "none")
 
     def graph_stats(self) -> dict[str, int]:
-        stats: dict[str, int] = self._call_first("graph_stats")
-        return stats
+        """Rank 0's graph counters as of the last collected step (readable after a failure too)."""
+        return dict(self._graph_stats)
+
+    def set_sync_debug_mode(self, mode: str) -> None:
+        """torch.cuda.set_sync_debug_mode on every rank ("error": a step that synchronizes the host
+        with its device fails; tests of the hot loop)."""
+        self._call_all("set_sync_debug_mode", mode)
 
     def close(self) -> None:
-        """Stops every rank (politely, then by force) and frees the rendezvous files."""
+        """Stops every rank (politely, then by force) and frees the rendezvous files; idempotent."""
+        if self._dead is None:
+            self._dead = WorkerDiedError("the engine was shut down: its tensor-parallel workers are stopped")
         self._finalizer()
 
     def check_health(self) -> None:
@@ -155,7 +161,7 @@ class TensorParallelExecutor:
             ready = wait([*watched, *sentinels])
             # Read replies first: a rank that answered and then exited (a stop) is not a failure.
             for item in ready:
-                rank = watched.get(item)  # type: ignore[call-overload]
+                rank = watched.get(item) if isinstance(item, Connection) else None
                 if rank is None:
                     continue
                 try:
@@ -169,7 +175,7 @@ class TensorParallelExecutor:
                 values[rank] = reply[1]
                 del pending[rank]
             for item in ready:
-                rank = sentinels.get(item)  # type: ignore[call-overload]
+                rank = sentinels.get(item) if isinstance(item, int) else None
                 if rank is not None and not self._conns[rank].poll():
                     self._fail(f"rank {rank} exited during {what} ({self._describe(rank)})")
         return [values[rank] for rank in sorted(values)]
@@ -197,6 +203,8 @@ class TensorParallelExecutor:
 
     def _describe(self, rank: int) -> str:
         proc = self._procs[rank]
+        # Its pipe closes a moment before the kernel reports the exit: wait briefly for the status.
+        proc.join(1.0)
         code = proc.exitcode
         if code is None:
             return f"pid {proc.pid}"

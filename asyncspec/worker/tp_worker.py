@@ -90,15 +90,20 @@ class RankWorker:
     def launch(self, so: SchedulerOutput) -> None:
         self._handles.append(self.runner.launch(so))
 
-    def collect(self) -> tuple[Any, float | None]:
+    def collect(self) -> tuple[Any, float | None, dict[str, int]]:
+        """The step's output, the device idle before it and the graph counters (sent with every
+        step so that reading the engine's stats needs no round trip)."""
         output = self.runner.collect(self._handles.popleft())
-        return output, self.runner.last_device_idle_seconds
+        return output, self.runner.last_device_idle_seconds, self.runner.graph_stats()
 
     def reset_device_idle(self) -> None:
         self.runner.reset_device_idle()
 
     def graph_stats(self) -> dict[str, int]:
         return self.runner.graph_stats()
+
+    def set_sync_debug_mode(self, mode: str) -> None:
+        torch.cuda.set_sync_debug_mode(mode)
 
 
 def worker_main(args: WorkerArgs, conn: Connection) -> None:

@@ -1,0 +1,216 @@
+"""tensor_parallel_size=2 on the CPU (gloo, two worker processes, fp32): greedy output equals one
+process token for token (bundled pair with its draft, tiny random models of every family, a model
+with fewer KV heads than ranks), in both loops; a worker that dies or fails ends every stream with a
+clear error, stops the other ranks and frees the KV pool."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import time
+
+import pytest
+import torch
+
+from asyncspec import LLM, SamplingParams
+from asyncspec.engine.async_engine import AsyncEngine
+from asyncspec.errors import ConfigError, EngineDeadError, ModelLoadError, WorkerDiedError
+from asyncspec.worker.tp_executor import TensorParallelExecutor
+from tests.conftest import TARGET_MODEL, load_prompts
+from tests.engine.engine_helpers import assert_kv_free
+from tests.engine.test_tiny_families import _TINY, FAMILIES
+from tests.hf_tiny_models import save_random_hf_model
+
+CPU = dict(device="cpu", dtype="float32")
+BUNDLED = dict(block_size=16, max_model_len=512, num_kv_blocks=96, max_num_batched_tokens=128, max_num_seqs=8, **CPU)
+
+
+def _executor(llm: LLM) -> TensorParallelExecutor:
+    runner = llm.engine.engine_core.runner
+    assert isinstance(runner, TensorParallelExecutor)
+    return runner
+
+
+def _pids(executor: TensorParallelExecutor) -> list[int]:
+    return [p.pid for p in executor._procs if p.pid is not None]
+
+
+def _assert_gone(pids: list[int]) -> None:
+    deadline = time.monotonic() + 15
+    for pid in pids:
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            # A zombie counts as gone once its parent reaped it: join() in close() does.
+            assert time.monotonic() < deadline, f"worker {pid} still running"
+            time.sleep(0.05)
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize(
+    "spec,async_scheduling",
+    [(None, False), ("draft_model", True)],
+    ids=["plain-sync", "draft-async"],
+)
+def test_bundled_pair_tp2_equals_tp1(spec, async_scheduling) -> None:
+    prompts = [p[:60] for p in load_prompts(6)]
+    kwargs = dict(async_scheduling=async_scheduling, **BUNDLED)
+    if spec:
+        kwargs.update(speculative_method=spec, num_speculative_tokens=4)
+    with LLM(str(TARGET_MODEL), **kwargs) as single:
+        reference = _greedy(single, prompts, 32)
+    with LLM(str(TARGET_MODEL), tensor_parallel_size=2, **kwargs) as llm:
+        pids = _pids(_executor(llm))
+        assert len(pids) == 2
+        assert _greedy(llm, prompts, 32) == reference
+        stats = llm.stats()
+        assert_kv_free(stats)
+        if spec:
+            assert stats["spec_num_accepted_tokens"] > 0
+    _assert_gone(pids)
+
+
+TP_FAMILIES = {
+    **FAMILIES,
+    # One KV head for two ranks (replicated), and a vocabulary that does not split evenly.
+    "llama-mqa-odd-vocab": (FAMILIES["llama-untied"][0], FAMILIES["llama-untied"][1], dict(num_key_value_heads=1)),
+}
+
+
+@pytest.mark.parametrize("family", list(TP_FAMILIES))
+def test_tiny_family_tp2_equals_tp1(family, tmp_path) -> None:
+    cfg_cls, model_cls, overrides = TP_FAMILIES[family]
+    config = {**_TINY, **overrides}
+    if family == "llama-mqa-odd-vocab":
+        config["vocab_size"] = 509
+    save_random_hf_model(cfg_cls, model_cls, config, tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TARGET_MODEL / name, tmp_path / name)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (5, 23, 11, 40)]
+    # Chunked prefill (16-token budget) and, in the asynchronous loop, n-gram speculation.
+    kwargs = dict(block_size=4, max_model_len=64, num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=4, **CPU)
+    if family in ("qwen2", "llama-mqa-odd-vocab"):
+        kwargs.update(async_scheduling=True, speculative_method="ngram", num_speculative_tokens=3)
+    with LLM(str(tmp_path), skip_tokenizer_init=True, **kwargs) as single:
+        reference = _greedy(single, prompts, 16)
+    with LLM(str(tmp_path), skip_tokenizer_init=True, tensor_parallel_size=2, **kwargs) as llm:
+        assert _greedy(llm, prompts, 16) == reference
+        assert_kv_free(llm.stats())
+
+
+def test_killed_worker_ends_every_stream_and_frees_everything() -> None:
+    async def main() -> None:
+        engine = AsyncEngine(_config(tensor_parallel_size=2, async_scheduling=True))
+        executor = engine.engine.engine_core.runner
+        assert isinstance(executor, TensorParallelExecutor)
+        pids = _pids(executor)
+        params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        first_tokens = asyncio.Event()
+
+        async def consume(i: int) -> BaseException | None:
+            try:
+                async for _ in engine.generate(load_prompts(3)[i][:40], params, request_id=f"r{i}"):
+                    first_tokens.set()
+            except BaseException as e:
+                return e
+            return None
+
+        tasks = [asyncio.create_task(consume(i)) for i in range(3)]
+        await asyncio.wait_for(first_tokens.wait(), 60)
+        os.kill(pids[1], signal.SIGKILL)
+        errors = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        for error in errors:
+            assert isinstance(error, EngineDeadError), error
+            assert "rank 1" in str(error) and "signal 9" in str(error), error
+        assert_kv_free(engine.engine.stats())
+        with pytest.raises(EngineDeadError):
+            async for _ in engine.generate([1, 2, 3], params):
+                pass
+        await engine.shutdown()
+        _assert_gone(pids)
+
+    asyncio.run(main())
+
+
+def test_worker_dying_while_idle_is_noticed_without_a_request() -> None:
+    async def main() -> None:
+        engine = AsyncEngine(_config(tensor_parallel_size=2))
+        deaths: list[EngineDeadError] = []
+        engine.add_death_listener(deaths.append)
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        async for _ in engine.generate([5, 6, 7], params):  # the loop runs, then idles
+            pass
+        executor = engine.engine.engine_core.runner
+        assert isinstance(executor, TensorParallelExecutor)
+        pids = _pids(executor)
+        os.kill(pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not deaths and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert deaths and "rank 0" in str(deaths[0])
+        _assert_gone(pids)
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def _config(**overrides):
+    from asyncspec.config import make_config
+
+    return make_config(str(TARGET_MODEL), skip_tokenizer_init=True, **{**BUNDLED, **overrides})
+
+
+def test_worker_failing_to_load_raises_its_error_and_leaves_no_process(tmp_path) -> None:
+    save_random_hf_model(*FAMILIES["llama-untied"][:2], dict(_TINY), tmp_path)
+    # A checkpoint whose tensor has the wrong shape: each rank finds it while slicing its shard.
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"] = weights["model.layers.1.mlp.down_proj.weight"][:, :-2].clone()
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    before = set(_children())
+    with pytest.raises(ModelLoadError, match="shape mismatch for tensor 'model.layers.1.mlp.down_proj.weight'"):
+        LLM(str(tmp_path), skip_tokenizer_init=True, tensor_parallel_size=2, **CPU)
+    deadline = time.monotonic() + 15
+    while set(_children()) - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not set(_children()) - before
+
+
+def _children() -> list[int]:
+    import multiprocessing
+
+    return [p.pid for p in multiprocessing.active_children() if p.pid is not None]
+
+
+def test_bad_sizes_are_refused_before_any_process_starts(tmp_path) -> None:
+    before = set(_children())
+    with pytest.raises(ConfigError, match="tensor_parallel_size must be a positive integer"):
+        LLM(str(TARGET_MODEL), tensor_parallel_size=0, **CPU)
+    with pytest.raises(ConfigError, match="num_attention_heads=6 is not divisible by tensor_parallel_size=4"):
+        LLM(str(TARGET_MODEL), tensor_parallel_size=4, **CPU)
+    with pytest.raises(ConfigError, match="num_key_value_heads=2 is below tensor_parallel_size=3"):
+        LLM(str(TARGET_MODEL), tensor_parallel_size=3, **CPU)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"needs cuda:0 to cuda:1, but 0 GPU\(s\) are visible"):
+            LLM(str(TARGET_MODEL), tensor_parallel_size=2, device="cuda")
+    assert set(_children()) == before
+
+
+def test_a_closed_executor_refuses_steps() -> None:
+    llm = LLM(str(TARGET_MODEL), tensor_parallel_size=2, skip_tokenizer_init=True, **BUNDLED)
+    pids = _pids(_executor(llm))
+    llm.shutdown()
+    llm.shutdown()  # idempotent
+    _assert_gone(pids)
+    with pytest.raises(WorkerDiedError):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
