@@ -205,3 +205,16 @@ def test_bubble_smoke_and_timeline(tmp_path: Path) -> None:
     if importlib.util.find_spec("matplotlib") is not None:  # a plotting extra, not a test dependency
         _run(str(REPO / "benchmarks" / "bubble.py"), "--plot", str(out), "--out", str(tmp_path))
         assert (tmp_path / "bubble_timeline.png").stat().st_size > 0
+
+
+def test_tensor_parallel_smoke(tmp_path: Path) -> None:
+    """benchmarks/tensor_parallel.py --smoke: sizes 1 and 2 on the CPU (gloo), each in its own process,
+    with TPOT, throughput and the ratio to size 1 in its JSON."""
+    out = tmp_path / "tp.json"
+    proc = _run(str(REPO / "benchmarks" / "tensor_parallel.py"), "--smoke", "--output", str(out))
+    assert "| 2 |" in proc.stdout
+    r = json.loads(out.read_text())
+    assert r["schema"] == "asyncspec.tensor_parallel/1" and set(r["sizes"]) == {"1", "2"}
+    for key, row in r["sizes"].items():
+        assert row["size"] == int(key) and _positive(row["tpot_ms"]) and _positive(row["startup_s"])
+        assert _positive(row["throughput"]["4"]["e2e_tok_s"]) and _positive(row["tpot_vs_tp1"])

@@ -1,0 +1,283 @@
+"""Tensor parallelism on one host: batch-1 TPOT and 32/128-stream throughput at tensor_parallel_size
+1, 2 (and 4 where the host has four GPUs), the Llama-8B shape with random weights, in one call on one
+host. Each size runs in a fresh process; the same call measures the read bandwidth of one GPU and the
+all-reduce of one decode step's hidden state alone (NCCL, CUDA graph), so that each TPOT is reported
+against its roofline: the weights one GPU reads per step over the bandwidth, plus the step's
+all-reduces.
+
+    python3 benchmarks/tensor_parallel.py --sizes 1,2 --output $OUT/tensor_parallel.json
+    python3 benchmarks/tensor_parallel.py --smoke     # CPU, gloo, tiny shape: checks the script only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_step_speed import LLAMA_8B, TINY_DUMMY, _import_asyncspec, load_prompts, read_params, shape_of  # noqa: E402
+
+SCHEMA = "asyncspec.tensor_parallel/1"
+
+
+def _model_dir(cfg: dict[str, Any]) -> str:
+    path = tempfile.mkdtemp(prefix="tp-bench-")
+    (Path(path) / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def _median_time(fn: Any, trials: int) -> float:
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_size(size: int, s: dict[str, Any]) -> dict[str, Any]:
+    """One tensor_parallel_size: start-up, batch-1 TPOT by subtraction, throughput per concurrency."""
+    asyncspec = _import_asyncspec()
+    cfg = TINY_DUMMY if s["smoke"] else LLAMA_8B
+    kwargs: dict[str, Any] = dict(
+        device="cpu" if s["smoke"] else "cuda",
+        dtype="float32" if s["smoke"] else "bfloat16",
+        load_format="dummy",
+        tensor_parallel_size=size,
+        async_scheduling=s["async_scheduling"],
+        max_model_len=2048,
+        max_num_seqs=max(s["concurrency"]),
+        max_num_batched_tokens=max(2048, max(s["concurrency"])),
+        enable_prefix_caching=False,
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=s["gpu_memory_utilization"],
+    )
+    if s["smoke"]:
+        kwargs["num_kv_blocks"] = 256
+    t0 = time.perf_counter()
+    llm = asyncspec.LLM(_model_dir(cfg), **kwargs)
+    row: dict[str, Any] = {"size": size, "engine_kwargs": kwargs, "startup_s": time.perf_counter() - t0}
+    n = s["new_tokens"]
+    full = asyncspec.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    one = asyncspec.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    prompts = load_prompts(max(s["concurrency"]))
+    llm.generate([prompts[0]], full)
+    t_full = _median_time(lambda: llm.generate([prompts[0]], full), s["trials"])
+    t_one = _median_time(lambda: llm.generate([prompts[0]], one), s["trials"])
+    row["tpot_ms"] = (t_full - t_one) / (n - 1) * 1e3
+    row["throughput"] = {}
+    for c in s["concurrency"]:
+        if c == 1:
+            continue
+        batch = prompts[:c]
+        llm.generate(batch, full)  # warm: this batch's shapes
+        outs: list[Any] = []
+
+        def timed(b: list[list[int]] = batch, outs: list[Any] = outs) -> None:
+            outs[:] = llm.generate(b, full)
+
+        t = _median_time(timed, s["trials"])
+        row["throughput"][str(c)] = {"streams": c, "e2e_tok_s": sum(len(o.token_ids) for o in outs) / t}
+    row["stats"] = {k: v for k, v in llm.stats().items() if k.startswith(("cuda_graph", "num_steps"))}
+    llm.shutdown()
+    return row
+
+
+def bench_bandwidth(s: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    x = torch.empty(s["bandwidth_bytes"] // 2, dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
+    times = []
+    for i in range(8):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.sum(x)
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end))
+    gb_s = x.numel() * 2 / (statistics.median(times) / 1e3) / 1e9
+    return {"GB_s": gb_s, "card": torch.cuda.get_device_name()}
+
+
+def _allreduce_rank(rank: int, size: int, hidden: int, init: str, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=size)
+    x = torch.ones(1, hidden, dtype=torch.bfloat16, device="cuda")
+    for _ in range(10):
+        dist.all_reduce(x)
+    torch.cuda.synchronize()
+    reps = 200
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        for _ in range(reps):
+            dist.all_reduce(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    if rank == 0:
+        out.put(start.elapsed_time(end) / (5 * reps) * 1e3)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def bench_allreduce(size: int, hidden: int) -> dict[str, Any]:
+    """Microseconds of one all-reduce of a [1, hidden] bf16 tensor inside a CUDA graph (the batch-1
+    decode step's), with nothing else running."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    init = f"file://{tempfile.mkdtemp(prefix='tp-ar-')}/store"
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, size, hidden, init, queue)) for r in range(size)]
+    for p in procs:
+        p.start()
+    us = queue.get(timeout=120)
+    for p in procs:
+        p.join(60)
+    return {"size": size, "us_per_allreduce": us}
+
+
+def run_child(kind: str, arg: int, s: dict[str, Any], timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", kind, "--child-arg", str(arg), "--settings", json.dumps(s)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        return {"error": (proc.stderr or proc.stdout)[-3000:]}
+    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+    return result
+
+
+def derive(results: dict[str, Any], s: dict[str, Any]) -> None:
+    """Roofline per size: weights per GPU over the bandwidth, plus one step's all-reduces."""
+    cfg = TINY_DUMMY if s["smoke"] else LLAMA_8B
+    shape = shape_of(cfg)
+    weight_bytes = read_params(shape) * (4 if s["smoke"] else 2)
+    gb_s = results.get("bandwidth", {}).get("GB_s")
+    allreduces_per_step = 2 * shape["num_hidden_layers"] + 1  # o_proj, down_proj per layer; the embedding
+    base = results["sizes"].get("1", {}).get("tpot_ms")
+    for key, row in results["sizes"].items():
+        if "error" in row:
+            continue
+        size = int(key)
+        ar = results.get("allreduce", {}).get(key, {}).get("us_per_allreduce", 0.0) if size > 1 else 0.0
+        if gb_s:
+            weights_ms = weight_bytes / size / (gb_s * 1e9) * 1e3
+            row["roofline_ms"] = weights_ms + allreduces_per_step * ar / 1e3
+            row["weights_roofline_ms"] = weights_ms
+            row["allreduce_ms_per_step"] = allreduces_per_step * ar / 1e3
+            row["tpot_over_roofline"] = row["tpot_ms"] / row["roofline_ms"]
+        if base:
+            row["tpot_vs_tp1"] = row["tpot_ms"] / base
+
+
+def print_table(results: dict[str, Any]) -> None:
+    print(
+        f"card: {results.get('bandwidth', {}).get('card', '?')}, bandwidth {results.get('bandwidth', {}).get('GB_s')}"
+    )
+    print(
+        "| TP | TPOT ms | vs TP=1 | roofline ms (weights + all-reduce) | TPOT / roofline "
+        "| 32 streams tok/s | 128 streams tok/s | start-up s |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for key, row in sorted(results["sizes"].items(), key=lambda kv: int(kv[0])):
+        if "error" in row:
+            print(f"| {key} | error: {row['error'][-300:]!r} |")
+            continue
+        tp = row.get("throughput", {})
+
+        def f(x: Any, spec: str = ".2f") -> str:
+            return "-" if x is None else format(x, spec)
+
+        print(
+            f"| {key} | {f(row['tpot_ms'])} | {f(row.get('tpot_vs_tp1'))} | {f(row.get('roofline_ms'))} "
+            f"({f(row.get('weights_roofline_ms'))} + {f(row.get('allreduce_ms_per_step'))}) | "
+            f"{f(row.get('tpot_over_roofline'))} | {f(tp.get('32', {}).get('e2e_tok_s'), '.0f')} | "
+            f"{f(tp.get('128', {}).get('e2e_tok_s'), '.0f')} | {f(row['startup_s'], '.1f')} |"
+        )
+    for key, row in results.get("allreduce", {}).items():
+        print(f"all-reduce alone, TP={key}: {row.get('us_per_allreduce', row)} us per [1, hidden] bf16")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1,2", help="tensor_parallel_size values")
+    ap.add_argument("--concurrency", default="1,32,128")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--sync", action="store_true", help="the synchronous loop (default: asynchronous)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per size")
+    ap.add_argument("--smoke", action="store_true", help="CPU (gloo), a tiny shape, 8 tokens")
+    ap.add_argument("--output", type=Path)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child-arg", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--settings", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        s = json.loads(args.settings)
+        if args.child == "size":
+            result = bench_size(args.child_arg, s)
+        elif args.child == "bandwidth":
+            result = bench_bandwidth(s)
+        else:
+            result = bench_allreduce(args.child_arg, (TINY_DUMMY if s["smoke"] else LLAMA_8B)["hidden_size"])
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
+    s = {
+        "smoke": args.smoke,
+        "concurrency": [int(c) for c in args.concurrency.split(",")],
+        "new_tokens": 8 if args.smoke else args.new_tokens,
+        "trials": 1 if args.smoke else args.trials,
+        "async_scheduling": not args.sync,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "bandwidth_bytes": 2 << 30,
+    }
+    if args.smoke:
+        s["concurrency"] = [1, 4]
+    sizes = [int(x) for x in args.sizes.split(",")]
+    results: dict[str, Any] = {
+        "schema": SCHEMA,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "settings": s,
+        "sizes": {},
+        "allreduce": {},
+    }
+    if not args.smoke:
+        results["bandwidth"] = run_child("bandwidth", 0, s, 120)
+        for size in sizes:
+            if size > 1:
+                results["allreduce"][str(size)] = run_child("allreduce", size, s, 180)
+    for size in sizes:
+        results["sizes"][str(size)] = run_child("size", size, s, args.timeout)
+    derive(results, s)
+    print_table(results)
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(results, indent=1))
+    return 0 if all("error" not in r for r in results["sizes"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
