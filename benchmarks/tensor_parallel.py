@@ -109,50 +109,71 @@ def bench_bandwidth(s: dict[str, Any]) -> dict[str, Any]:
 
 
 def _allreduce_rank(rank: int, size: int, hidden: int, init: str, out: Any) -> None:
-    import torch
-    import torch.distributed as dist
+    """One rank of the all-reduce measurement: NCCL and the symmetric-memory one-shot path, each as
+    200 all-reduces of a [1, hidden] bf16 tensor captured in a CUDA graph."""
+    try:
+        import torch
+        import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=size)
-    x = torch.ones(1, hidden, dtype=torch.bfloat16, device="cuda")
-    for _ in range(10):
-        dist.all_reduce(x)
-    torch.cuda.synchronize()
-    reps = 200
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        for _ in range(reps):
-            dist.all_reduce(x)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    if rank == 0:
-        out.put(start.elapsed_time(end) / (5 * reps) * 1e3)
-    dist.barrier()
-    dist.destroy_process_group()
+        _import_asyncspec()
+        from asyncspec.layers.tensor_parallel import TensorParallel as tp
+        from asyncspec.worker.symm_all_reduce import make_small_all_reduce
+
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=size)
+        group = dist.group.WORLD
+        small = make_small_all_reduce(group, torch.device("cuda", rank), torch.bfloat16)
+        paths = {"nccl": tp(rank, size, group), "symm_mem": tp(rank, size, group, small) if small else None}
+        result: dict[str, Any] = {}
+        for name, par in paths.items():
+            if par is None:
+                result[name] = None
+                continue
+            x = torch.ones(1, hidden, dtype=torch.bfloat16, device="cuda")
+            reps = 200
+            for _ in range(3):
+                par.all_reduce(x.clone())
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y = x
+                for _ in range(reps):
+                    y = par.all_reduce(y.clone())
+            graph.replay()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(5):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            result[name] = start.elapsed_time(end) / (5 * reps) * 1e3
+        if rank == 0:
+            out.put(result)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as e:  # reported, not hung on
+        out.put({"error": f"rank {rank}: {type(e).__name__}: {e}"})
 
 
 def bench_allreduce(size: int, hidden: int) -> dict[str, Any]:
-    """Microseconds of one all-reduce of a [1, hidden] bf16 tensor inside a CUDA graph (the batch-1
-    decode step's), with nothing else running."""
+    """Microseconds of one all-reduce of a [1, hidden] bf16 tensor (the batch-1 decode step's) inside
+    a CUDA graph, with nothing else running, through NCCL and through symmetric memory. (Each graph
+    node also holds the clone that feeds it: a copy kernel of 8 KiB, a microsecond or two.)"""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     init = f"file://{tempfile.mkdtemp(prefix='tp-ar-')}/store"
-    procs = [ctx.Process(target=_allreduce_rank, args=(r, size, hidden, init, queue)) for r in range(size)]
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, size, hidden, init, queue), daemon=True) for r in range(size)]
     for p in procs:
         p.start()
-    us = queue.get(timeout=120)
+    result: dict[str, Any] = queue.get(timeout=150)
     for p in procs:
-        p.join(60)
-    return {"size": size, "us_per_allreduce": us}
+        p.join(20)
+        if p.is_alive():
+            p.kill()
+    return {"size": size, "us_per_allreduce": result.get("symm_mem") or result.get("nccl"), **result}
 
 
 def run_child(kind: str, arg: int, s: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -179,8 +200,10 @@ def derive(results: dict[str, Any], s: dict[str, Any]) -> None:
     for key, row in results["sizes"].items():
         if "error" in row:
             continue
-        size = int(key)
-        ar = results.get("allreduce", {}).get(key, {}).get("us_per_allreduce", 0.0) if size > 1 else 0.0
+        size = int(key.split("-")[0])
+        measured = results.get("allreduce", {}).get(str(size), {})
+        ar = (measured.get("nccl") if key.endswith("-nccl") else measured.get("us_per_allreduce")) or 0.0
+        ar = ar if size > 1 else 0.0
         if gb_s:
             weights_ms = weight_bytes / size / (gb_s * 1e9) * 1e3
             row["roofline_ms"] = weights_ms + allreduces_per_step * ar / 1e3
@@ -200,7 +223,7 @@ def print_table(results: dict[str, Any]) -> None:
         "| 32 streams tok/s | 128 streams tok/s | start-up s |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for key, row in sorted(results["sizes"].items(), key=lambda kv: int(kv[0])):
+    for key, row in sorted(results["sizes"].items()):
         if "error" in row:
             print(f"| {key} | error: {row['error'][-300:]!r} |")
             continue
@@ -229,6 +252,7 @@ def main() -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per size")
     ap.add_argument("--smoke", action="store_true", help="CPU (gloo), a tiny shape, 8 tokens")
+    ap.add_argument("--nccl-only-too", action="store_true", help="also each size > 1 with NCCL all-reduces only")
     ap.add_argument("--output", type=Path)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-arg", type=int, help=argparse.SUPPRESS)
@@ -271,6 +295,13 @@ def main() -> int:
                 results["allreduce"][str(size)] = run_child("allreduce", size, s, 180)
     for size in sizes:
         results["sizes"][str(size)] = run_child("size", size, s, args.timeout)
+    if args.nccl_only_too and not args.smoke:
+        # The same sizes with every all-reduce through NCCL: what the symmetric-memory path saves.
+        os.environ["ASYNCSPEC_TP_ALL_REDUCE"] = "nccl"
+        for size in sizes:
+            if size > 1:
+                results["sizes"][f"{size}-nccl"] = run_child("size", size, s, args.timeout)
+        del os.environ["ASYNCSPEC_TP_ALL_REDUCE"]
     derive(results, s)
     print_table(results)
     if args.output:

@@ -11,6 +11,7 @@ and its query heads find their KV head locally.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,9 @@ class TensorParallel:
     """Number of ranks sharing one model."""
     group: Any = None
     """The torch.distributed process group (None when size is 1)."""
+    small_all_reduce: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+    """A faster all-reduce for small messages (the worker's symmetric-memory one-shot); it returns
+    None for a message it does not take, which then goes through the group's backend."""
 
     @property
     def enabled(self) -> bool:
@@ -65,9 +69,14 @@ class TensorParallel:
 
     # -- collectives ----------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sums `x` across the ranks in place (identity for size 1)."""
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+        """`x` summed across the ranks (`x` itself for size 1; maybe a new tensor otherwise)."""
+        if self.size == 1:
+            return x
+        if self.small_all_reduce is not None:
+            reduced = self.small_all_reduce(x)
+            if reduced is not None:
+                return reduced
+        dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_rows(self, x: torch.Tensor, total: int) -> torch.Tensor:

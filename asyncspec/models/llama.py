@@ -24,9 +24,9 @@ class LlamaAttention(nn.Module):
     Under tensor parallelism this rank holds its query and KV heads (column-parallel q/k/v) and its
     columns of o_proj (row-parallel, summed across ranks)."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.tp = tp
+        self.tp = tp = tp if tp is not None else TensorParallel()
         self.q_head_start, self.num_heads = tp.split(config.num_attention_heads, "num_attention_heads")
         self.kv_head_start, self.num_kv_heads = tp.kv_heads(config.num_key_value_heads)
         self.head_dim = config.head_dim
@@ -76,9 +76,9 @@ class LlamaMLP(nn.Module):
     """SwiGLU MLP with the gate and up projections fused into one matmul; under tensor parallelism
     this rank holds a slice of the intermediate width (column-parallel gate/up, row-parallel down)."""
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.tp = tp
+        self.tp = tp = tp if tp is not None else TensorParallel()
         self.intermediate_start, self.intermediate_size = tp.split(config.intermediate_size, "intermediate_size")
         self.full_intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
@@ -95,7 +95,7 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention block then pre-norm MLP block, each with a residual add."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, tp)
         self.mlp = LlamaMLP(config, tp)
@@ -140,8 +140,9 @@ class VocabParallelEmbedding(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder stack and final norm (the `model.` prefix of HF checkpoints)."""
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        tp = tp if tp is not None else TensorParallel()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -29,6 +29,7 @@ from asyncspec.core.spec_policy import speculation_choices
 from asyncspec.layers.tensor_parallel import TensorParallel
 from asyncspec.models.model_config import ModelConfig
 from asyncspec.worker.model_runner import ModelRunner, StepHandle
+from asyncspec.worker.symm_all_reduce import make_small_all_reduce
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +136,10 @@ def _start(args: WorkerArgs) -> RankWorker:
         torch.cuda.set_device(device)
         backend = "nccl"
     dist.init_process_group(backend, init_method=args.init_method, rank=args.rank, world_size=args.size)
-    tp = TensorParallel(args.rank, args.size, dist.group.WORLD)
+    group = dist.group.WORLD
+    assert group is not None
+    small = make_small_all_reduce(group, torch.device(device), config.torch_dtype)
+    tp = TensorParallel(args.rank, args.size, group, small)
     runner = ModelRunner(config, args.model_config, args.max_model_len, tp)
     return RankWorker(runner)
 
