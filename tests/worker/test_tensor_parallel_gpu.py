@@ -90,3 +90,17 @@ def test_tp2_hot_loop_makes_no_host_sync(method, monkeypatch) -> None:
         executor.set_sync_debug_mode("default")
         assert steps > 10
         assert llm.stats()["cuda_graph_replays"] > 10
+
+
+def test_symmetric_memory_all_reduce_gives_the_nccl_tokens(monkeypatch) -> None:
+    """ASYNCSPEC_TP_ALL_REDUCE=symm_mem (opt-in): with two ranks both paths round the same sum of two
+    bf16 values, so the tokens are identical."""
+    prompts = load_prompts(8)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    with LLM(str(TARGET_MODEL), tensor_parallel_size=2, async_scheduling=True, **CONFIG) as llm:
+        nccl = [o.token_ids for o in llm.generate(prompts, params)]
+    monkeypatch.setenv("ASYNCSPEC_TP_ALL_REDUCE", "symm_mem")
+    with LLM(str(TARGET_MODEL), tensor_parallel_size=2, async_scheduling=True, **CONFIG) as llm:
+        symm = [o.token_ids for o in llm.generate(prompts, params)]
+        assert llm.stats()["cuda_graph_replays"] > 20
+    assert symm == nccl
