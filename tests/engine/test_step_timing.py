@@ -67,7 +67,7 @@ def test_device_idle_is_measured_with_cuda_events():
 def test_async_loop_leaves_the_gpu_less_idle_than_the_sync_loop(monkeypatch, tmp_path):
     """The bubble, measured by the step events: the asynchronous loop queues step N+1 before step N
     ends, so the device waits less between steps than in the synchronous loop. The model is a
-    random-weight Llama-1B-width stack whose decode step outlasts the host's work per step (with the
+    random-weight Llama-1B shape whose decode step outlasts the host's work per step (with the
     15.7M bundled model the host, not the device, sets the pace in both loops, and neither can keep
     the device busy: docs/benchmarks.md)."""
     import json
@@ -75,14 +75,16 @@ def test_async_loop_leaves_the_gpu_less_idle_than_the_sync_loop(monkeypatch, tmp
     from asyncspec import LLM
 
     monkeypatch.setenv("ASYNCSPEC_DEBUG_INVARIANTS", "0")  # its device reads would add bubbles
-    config = dict(
+    config = dict(  # the Llama-3.2-1B shape (benchmarks/gpu_step_speed.py), plain RoPE
         architectures=["LlamaForCausalLM"],
-        vocab_size=32000,
+        vocab_size=128256,
         hidden_size=2048,
         intermediate_size=8192,
-        num_hidden_layers=12,
+        num_hidden_layers=16,
         num_attention_heads=32,
         num_key_value_heads=8,
+        head_dim=64,
+        tie_word_embeddings=True,
         max_position_embeddings=512,
     )
     (tmp_path / "config.json").write_text(json.dumps(config))
