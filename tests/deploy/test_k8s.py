@@ -24,7 +24,7 @@ from asyncspec.server.service import SERVICE_NAME
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
-OVERLAYS = ("gpu", "cpu", "keda", "auth")
+OVERLAYS = ("gpu", "cpu", "keda", "auth", "gpu-tp2")
 K8S_VERSION = "1.35"
 """The Kubernetes version whose schemas the built-in objects are validated against."""
 
@@ -132,6 +132,20 @@ def test_every_configmap_flag_is_accepted_by_serve(overlay):
     with pytest.raises(SystemExit) as e:  # parses every flag, then --help exits 0; a bad flag exits 2
         main([*args, "--help"])
     assert e.value.code == 0
+
+
+@pytest.mark.parametrize("overlay", ["gpu", "gpu-tp2"], ids=lambda o: f"{o}-overlay")
+def test_gpu_limit_matches_tensor_parallel_size(overlay):
+    """Each tensor-parallel rank needs a GPU of its own on the pod's node."""
+    objects = render(overlay)
+    args = serve_args(objects)
+    size = int(flag(args, "--tensor-parallel-size")) if "--tensor-parallel-size" in args else 1
+    (deployment,) = by_kind(objects, "Deployment")
+    limits = deployment["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert int(limits["nvidia.com/gpu"]) == size
+    if size > 1:
+        volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"  # NCCL's shared-memory transport
 
 
 def _metric_names_in(text: str) -> set[str]:

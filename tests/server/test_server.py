@@ -463,3 +463,80 @@ def test_bench_against_the_test_server_fills_every_field(server, tmp_path):
     assert main([*args, "--request-rate", "50", "--output", str(out)]) == 0
     assert json.loads(out.read_text())["request_rate"] == 50
     _wait_kv_free(server)
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """The multiprocessing-spawned children of `pid` (the tensor-parallel ranks, not the resource tracker)."""
+    import os
+
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and b"spawn_main" in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def test_dead_tensor_parallel_worker_fails_the_stream_and_serve_exits_non_zero(prompts):
+    """`asyncspec serve --tensor-parallel-size 2` as a process: a rank killed mid-stream ends the
+    stream with INTERNAL naming the rank, and the server exits with status 1 (an orchestrator
+    restarts it) instead of serving a broken engine."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = Path(sys.executable).parent / "asyncspec"
+    if not exe.exists():
+        pytest.skip("the asyncspec console script is not installed in this environment")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [str(exe), "serve", "--device", "cpu", "--dtype", "float32", "--tensor-parallel-size", "2"]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", "-1", "--max-model-len", "512"]
+    argv += ["--num-kv-blocks", "64"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        health = health_pb2_grpc.HealthStub(channel)
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not become ready"
+            try:
+                status = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=1).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+        ranks = _spawned_children(proc.pid)
+        assert len(ranks) == 2, ranks
+        stream = pb_grpc_stub(channel).Generate(_request(prompts[0], 400), timeout=60)
+        next(stream)  # the request runs
+        os.kill(ranks[1], signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stream)
+        assert e.value.code() == grpc.StatusCode.INTERNAL and "rank 1" in e.value.details(), e.value.details()
+        assert proc.wait(30) == 1
+        for pid in ranks:
+            assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split(")")[1][:3]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def pb_grpc_stub(channel):
+    from asyncspec.v1 import asyncspec_pb2_grpc
+
+    return asyncspec_pb2_grpc.GenerationStub(channel)
