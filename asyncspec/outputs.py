@@ -38,6 +38,9 @@ class RequestOutput:
     """Draft tokens proposed for this request (speculative decoding)."""
     num_accepted_tokens: int = 0
     """Draft tokens the target accepted."""
+    num_drafts: int = 0
+    """Verification steps that held at least one of this request's drafts (acceptance length:
+    1 + num_accepted_tokens / num_drafts)."""
     error: str | None = None
     """Why this request alone failed (finish_reason "error"); AsyncEngine raises RequestFailedError
     with it instead of yielding the output."""

@@ -46,6 +46,7 @@ class RequestState:
     num_sent_logprobs: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_drafts: int = 0
     queued_seconds: float | None = None
 
 
@@ -100,6 +101,7 @@ class OutputProcessor:
             return self._make_error_output(state, core.error or "the request failed", core.num_cached_tokens)
         finish_reason, stop_reason = core.finish_reason, core.stop_reason
         state.num_draft_tokens += core.num_draft_tokens
+        state.num_drafts += 1 if core.num_draft_tokens else 0
         num_accepted = core.num_accepted_tokens
         state.token_ids.extend(core.new_token_ids)
         if core.new_logprobs:
@@ -182,4 +184,5 @@ class OutputProcessor:
             queued_seconds=state.queued_seconds,
             num_draft_tokens=state.num_draft_tokens,
             num_accepted_tokens=state.num_accepted_tokens,
+            num_drafts=state.num_drafts,
         )

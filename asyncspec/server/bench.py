@@ -47,6 +47,7 @@ class RequestResult:
     itls: list[float] = field(default_factory=list)
     drafted: int = 0
     accepted: int = 0
+    drafts: int = 0
     error: str = ""
 
 
@@ -82,6 +83,7 @@ async def _one(stub: pb_grpc.GenerationStub, prompt: list[int], cfg: BenchConfig
             if response.finished:
                 result.drafted = response.usage.drafted_tokens
                 result.accepted = response.usage.accepted_tokens
+                result.drafts = response.usage.num_drafts
                 result.ok = response.finish_reason != pb.FINISH_REASON_ERROR
                 result.error = response.error
         result.e2el = time.perf_counter() - start
@@ -136,6 +138,7 @@ def report(results: list[RequestResult], duration: float, cfg: BenchConfig) -> d
     prompt = sum(r.prompt_tokens for r in done)
     drafted = sum(r.drafted for r in done)
     accepted = sum(r.accepted for r in done)
+    drafts = sum(r.drafts for r in done)
     tpots = [(r.e2el - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
     out: dict[str, Any] = {
         "duration": duration,
@@ -154,6 +157,8 @@ def report(results: list[RequestResult], duration: float, cfg: BenchConfig) -> d
         **_stats("itl", [x for r in done for x in r.itls]),
         **_stats("e2el", [r.e2el for r in done]),
         "spec_decode_acceptance_rate": accepted / drafted if drafted else None,
+        "spec_decode_acceptance_length": 1.0 + accepted / drafts if drafts else None,
+        "spec_decode_num_drafts": drafts,
         "spec_decode_num_draft_tokens": drafted,
         "spec_decode_num_accepted_tokens": accepted,
     }
@@ -174,6 +179,7 @@ def print_report(out: dict[str, Any]) -> None:
             rows.append((f"{stat.capitalize()} {name.upper()} (ms)", f"{out[f'{stat}_{name}_ms']:.2f}"))
     if out["spec_decode_acceptance_rate"] is not None:
         rows.append(("Draft acceptance rate", f"{out['spec_decode_acceptance_rate']:.3f}"))
+        rows.append(("Mean acceptance length", f"{out['spec_decode_acceptance_length']:.2f}"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

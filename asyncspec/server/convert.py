@@ -91,6 +91,7 @@ class UsageCounter:
     cached_tokens: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    num_drafts: int = 0
 
     def add(self, delta: RequestOutput) -> None:
         self.prompt_tokens = len(delta.prompt_token_ids)
@@ -98,6 +99,7 @@ class UsageCounter:
         self.cached_tokens = delta.num_cached_tokens
         self.drafted_tokens = delta.num_draft_tokens  # cumulative in every delta
         self.accepted_tokens = delta.num_accepted_tokens
+        self.num_drafts = delta.num_drafts
 
 
 def to_response(delta: RequestOutput, usage: UsageCounter) -> pb.GenerateResponse:
@@ -121,6 +123,7 @@ def to_response(delta: RequestOutput, usage: UsageCounter) -> pb.GenerateRespons
                 cached_tokens=usage.cached_tokens,
                 drafted_tokens=usage.drafted_tokens,
                 accepted_tokens=usage.accepted_tokens,
+                num_drafts=usage.num_drafts,
             )
         )
     return response

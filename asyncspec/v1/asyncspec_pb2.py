@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61syncspec/v1/asyncspec.proto\x12\x0c\x61syncspec.v1\"\x8d\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.asyncspec.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.asyncspec.v1.SamplingOptions\x12/\n\x08stopping\x18\x05 \x01(\x0b\x32\x1d.asyncspec.v1.StoppingOptions\x12+\n\x06output\x18\x06 \x01(\x0b\x32\x1b.asyncspec.v1.OutputOptions\x12\x10\n\x08priority\x18\x07 \x01(\x03\x42\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xd3\x02\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"\xf7\x01\n\x0fStoppingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\x03\x12\x17\n\nignore_eos\x18\x05 \x01(\x08H\x02\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08H\x03\x88\x01\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x1d\n\x1b_include_stop_str_in_output\"m\n\rOutputOptions\x12\x15\n\x08logprobs\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x01\x88\x01\x01\x42\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"P\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x1a\n\x12sampled_token_rank\x18\x03 \x01(\x03\"\x81\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x15\n\rcached_tokens\x18\x03 \x01(\x03\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\x03\"\x83\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.asyncspec.v1.TokenLogprobs\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x31\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1a.asyncspec.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\"\n\x05usage\x18\x08 \x01(\x0b\x32\x13.asyncspec.v1.Usage\x12\r\n\x05\x65rror\x18\t \x01(\t\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xf3\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x15\n\reos_token_ids\x18\x04 \x03(\x03\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x1a\n\x12speculative_method\x18\x06 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x07 \x01(\x05\x12\x13\n\x0b\x64raft_model\x18\x08 \x01(\t\x12\x18\n\x10\x61sync_scheduling\x18\t \x01(\x08\x42\x0f\n\r_bos_token_id\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*\xcf\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x04\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x05\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x06\x32\x83\x03\n\nGeneration\x12K\n\x08Generate\x12\x1d.asyncspec.v1.GenerateRequest\x1a\x1e.asyncspec.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.asyncspec.v1.TokenizeRequest\x1a\x1e.asyncspec.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.asyncspec.v1.DetokenizeRequest\x1a .asyncspec.v1.DetokenizeResponse\x12J\n\x0cGetModelInfo\x12!.asyncspec.v1.GetModelInfoRequest\x1a\x17.asyncspec.v1.ModelInfo\x12@\n\x05\x41\x62ort\x12\x1a.asyncspec.v1.AbortRequest\x1a\x1b.asyncspec.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61syncspec/v1/asyncspec.proto\x12\x0c\x61syncspec.v1\"\x8d\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.asyncspec.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.asyncspec.v1.SamplingOptions\x12/\n\x08stopping\x18\x05 \x01(\x0b\x32\x1d.asyncspec.v1.StoppingOptions\x12+\n\x06output\x18\x06 \x01(\x0b\x32\x1b.asyncspec.v1.OutputOptions\x12\x10\n\x08priority\x18\x07 \x01(\x03\x42\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xd3\x02\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"\xf7\x01\n\x0fStoppingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\x03\x12\x17\n\nignore_eos\x18\x05 \x01(\x08H\x02\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08H\x03\x88\x01\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x1d\n\x1b_include_stop_str_in_output\"m\n\rOutputOptions\x12\x15\n\x08logprobs\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x01\x88\x01\x01\x42\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"P\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x1a\n\x12sampled_token_rank\x18\x03 \x01(\x03\"\x95\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x15\n\rcached_tokens\x18\x03 \x01(\x03\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\x03\x12\x12\n\nnum_drafts\x18\x06 \x01(\x03\"\x83\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.asyncspec.v1.TokenLogprobs\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x31\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1a.asyncspec.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\"\n\x05usage\x18\x08 \x01(\x0b\x32\x13.asyncspec.v1.Usage\x12\r\n\x05\x65rror\x18\t \x01(\t\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xf3\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x15\n\reos_token_ids\x18\x04 \x03(\x03\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x1a\n\x12speculative_method\x18\x06 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x07 \x01(\x05\x12\x13\n\x0b\x64raft_model\x18\x08 \x01(\t\x12\x18\n\x10\x61sync_scheduling\x18\t \x01(\x08\x42\x0f\n\r_bos_token_id\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*\xcf\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x04\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x05\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x06\x32\x83\x03\n\nGeneration\x12K\n\x08Generate\x12\x1d.asyncspec.v1.GenerateRequest\x1a\x1e.asyncspec.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.asyncspec.v1.TokenizeRequest\x1a\x1e.asyncspec.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.asyncspec.v1.DetokenizeRequest\x1a .asyncspec.v1.DetokenizeResponse\x12J\n\x0cGetModelInfo\x12!.asyncspec.v1.GetModelInfoRequest\x1a\x17.asyncspec.v1.ModelInfo\x12@\n\x05\x41\x62ort\x12\x1a.asyncspec.v1.AbortRequest\x1a\x1b.asyncspec.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'asyncspec.v1.asyncspec_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2066
-  _globals['_FINISHREASON']._serialized_end=2273
+  _globals['_FINISHREASON']._serialized_start=2086
+  _globals['_FINISHREASON']._serialized_end=2293
   _globals['_GENERATEREQUEST']._serialized_start=47
   _globals['_GENERATEREQUEST']._serialized_end=316
   _globals['_TOKENIDS']._serialized_start=318
@@ -46,25 +46,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENLOGPROBS']._serialized_start=1046
   _globals['_TOKENLOGPROBS']._serialized_end=1126
   _globals['_USAGE']._serialized_start=1129
-  _globals['_USAGE']._serialized_end=1258
-  _globals['_GENERATERESPONSE']._serialized_start=1261
-  _globals['_GENERATERESPONSE']._serialized_end=1520
-  _globals['_TOKENIZEREQUEST']._serialized_start=1522
-  _globals['_TOKENIZEREQUEST']._serialized_end=1553
-  _globals['_TOKENIZERESPONSE']._serialized_start=1555
-  _globals['_TOKENIZERESPONSE']._serialized_end=1592
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1594
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1690
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1692
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1726
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1728
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1749
-  _globals['_MODELINFO']._serialized_start=1752
-  _globals['_MODELINFO']._serialized_end=1995
-  _globals['_ABORTREQUEST']._serialized_start=1997
-  _globals['_ABORTREQUEST']._serialized_end=2031
-  _globals['_ABORTRESPONSE']._serialized_start=2033
-  _globals['_ABORTRESPONSE']._serialized_end=2063
-  _globals['_GENERATION']._serialized_start=2276
-  _globals['_GENERATION']._serialized_end=2663
+  _globals['_USAGE']._serialized_end=1278
+  _globals['_GENERATERESPONSE']._serialized_start=1281
+  _globals['_GENERATERESPONSE']._serialized_end=1540
+  _globals['_TOKENIZEREQUEST']._serialized_start=1542
+  _globals['_TOKENIZEREQUEST']._serialized_end=1573
+  _globals['_TOKENIZERESPONSE']._serialized_start=1575
+  _globals['_TOKENIZERESPONSE']._serialized_end=1612
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1614
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1710
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1712
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1746
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1748
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1769
+  _globals['_MODELINFO']._serialized_start=1772
+  _globals['_MODELINFO']._serialized_end=2015
+  _globals['_ABORTREQUEST']._serialized_start=2017
+  _globals['_ABORTREQUEST']._serialized_end=2051
+  _globals['_ABORTRESPONSE']._serialized_start=2053
+  _globals['_ABORTRESPONSE']._serialized_end=2083
+  _globals['_GENERATION']._serialized_start=2296
+  _globals['_GENERATION']._serialized_end=2683
 # @@protoc_insertion_point(module_scope)

@@ -465,6 +465,47 @@ def test_bench_against_the_test_server_fills_every_field(server, tmp_path):
     _wait_kv_free(server)
 
 
+def test_speculative_usage_metrics_and_bench_acceptance_length(prompts, tmp_path):
+    """With the draft model on: a stream's usage carries its drafts, draft tokens and accepted tokens,
+    exactly what the engine and the Prometheus counters count for it; the bench reports the mean
+    acceptance length 1 + accepted / drafts."""
+    import json
+
+    from asyncspec.cli import main
+
+    server = ServerThread(
+        {"speculative_method": "draft_model", "num_speculative_tokens": 4, "max_num_batched_tokens": 320}
+    )
+    try:
+        before, metrics_before = server.stats(), _metrics(server)
+        responses = list(server.stub().Generate(_request(prompts[0][:64], 40), timeout=60))
+        usage = responses[-1].usage
+        after, metrics_after = _wait_kv_free(server), _metrics(server)
+        assert usage.completion_tokens == 40 and 0 < usage.num_drafts <= usage.drafted_tokens
+        assert 0 < usage.accepted_tokens <= usage.drafted_tokens
+        assert usage.num_drafts == after["spec_num_drafts"] - before["spec_num_drafts"]
+        assert usage.drafted_tokens == after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
+        assert usage.accepted_tokens == after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
+        for name, value in (
+            ("num_drafts", usage.num_drafts),
+            ("num_draft_tokens", usage.drafted_tokens),
+            ("num_accepted_tokens", usage.accepted_tokens),
+        ):
+            key = f"asyncspec:spec_decode_{name}_total"
+            assert metrics_after[key] - metrics_before[key] == value, key
+
+        out, dataset = tmp_path / "bench.json", tmp_path / "prompts.jsonl"
+        dataset.write_text("".join(json.dumps({"prompt_token_ids": p[:48]}) + "\n" for p in load_prompts(4)))
+        args = ["bench", "--address", server.address, "--num-prompts", "8", "--max-tokens", "24"]
+        assert main([*args, "--concurrency", "4", "--dataset", str(dataset), "--output", str(out)]) == 0
+        report = json.loads(out.read_text())
+        drafts, accepted = report["spec_decode_num_drafts"], report["spec_decode_num_accepted_tokens"]
+        assert drafts > 0 and report["spec_decode_acceptance_length"] == 1 + accepted / drafts > 1
+        assert report["spec_decode_acceptance_rate"] == accepted / report["spec_decode_num_draft_tokens"]
+    finally:
+        server.stop()
+
+
 def _spawned_children(pid: int) -> list[int]:
     """The multiprocessing-spawned children of `pid` (the tensor-parallel ranks, not the resource tracker)."""
     import os
