@@ -180,6 +180,12 @@ class AsyncEngine:
             await self._aborts_applied.wait()
         self._raise_if_dead()
 
+    def start(self) -> None:
+        """Starts the engine loop on the running event loop now rather than at the first request, so
+        that a worker process dying before any request is noticed (a server calls this when ready)."""
+        self._raise_if_dead()
+        self._ensure_loop()
+
     def _ensure_loop(self) -> None:
         """Starts the loop task on the running event loop unless it already runs there."""
         loop = asyncio.get_running_loop()
@@ -253,7 +259,7 @@ class AsyncEngine:
                         continue
                     try:
                         await asyncio.wait_for(self._wakeup.wait(), _IDLE_HEALTH_CHECK_S)
-                    except TimeoutError:
+                    except asyncio.TimeoutError:  # noqa: UP041 - not the builtin before Python 3.11
                         # Idle: a worker process that died now is found before the next request.
                         self.engine.check_health()
                     continue

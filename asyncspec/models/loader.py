@@ -74,14 +74,14 @@ def _fill_dummy(targets: dict[str, WeightTarget], device: torch.device, seed: in
     hold the same model as a single GPU)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, target in targets.items():
-        if target.zero:
-            continue
         if name.endswith("norm.weight"):
             target.tensor.fill_(1.0)
             continue
+        # Drawn on every rank, also where it stays zero, so that the generator's state is the same.
         full = torch.empty(target.checkpoint_shape, dtype=target.tensor.dtype, device=device)
         full.normal_(0.0, 0.02, generator=gen)
-        _copy_slice(target, full)
+        if not target.zero:
+            _copy_slice(target, full)
 
 
 def _copy_slice(target: WeightTarget, full: torch.Tensor) -> None:

@@ -188,6 +188,7 @@ class GenerationServer:
             raise ServerStartError(f"the engine failed to start: {e}") from e
         self.engine.add_step_listener(self.metrics.iteration_tokens.observe)
         self.engine.add_death_listener(self._on_engine_death)
+        self.engine.start()
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         logger.info("ready in %.1f s: serving %s", time.perf_counter() - start, self.engine_config.model)
 

@@ -18,7 +18,7 @@ from asyncspec.config import EngineConfig
 from asyncspec.core.kv_cache import num_blocks_for_bytes
 from asyncspec.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncspec.core.spec_policy import StepCost, speculation_choices
-from asyncspec.errors import ConfigError
+from asyncspec.errors import ConfigError, EngineDeadError
 from asyncspec.layers.attention import select_backend
 from asyncspec.layers.attention_metadata import AttentionMetadata, StaticInputs
 from asyncspec.layers.sampler import (
@@ -197,6 +197,7 @@ class ModelRunner:
         """Device idle before the last collected step (CUDA events); None on the CPU or when not measured."""
         # On the CPU in asynchronous mode a worker thread plays the CUDA stream: it runs the steps
         # in launch order while the engine plans the next one.
+        self._closed = False
         self._cpu_stream: concurrent.futures.ThreadPoolExecutor | None = None
         if self.config.async_scheduling and not pin:
             self._cpu_stream = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asyncspec-cpu-stream")
@@ -205,7 +206,9 @@ class ModelRunner:
         """Nothing to check in-process (the executor of tensor parallelism watches its workers)."""
 
     def close(self) -> None:
-        """Stops the CPU stream's thread (after the step it is running); idempotent."""
+        """Stops the CPU stream's thread (after the step it is running); idempotent. Steps launched
+        afterwards raise EngineDeadError."""
+        self._closed = True
         if self._cpu_stream is not None:
             self._cpu_stream.shutdown(wait=True)
 
@@ -452,9 +455,11 @@ class ModelRunner:
         could not be admitted (id -> reason: they fail alone and sit out the step), and the ids
         admitted (their computed counts come from the host this step)."""
         batch = self.input_batch
-        for request_id in so.finished_req_ids:
+        # Sorted: freed rows are reused last-in first-out, and tensor-parallel ranks (processes with
+        # their own string hashing) must give each request the same row.
+        for request_id in sorted(so.finished_req_ids):
             batch.remove_request(request_id)
-        for request_id in so.preempted_req_ids:
+        for request_id in sorted(so.preempted_req_ids):
             batch.remove_request(request_id, preempted=True)
         failed: dict[str, str] = {}
         admitted: set[str] = set()
@@ -462,6 +467,10 @@ class ModelRunner:
             try:
                 state = batch.add_request(data)
             except Exception as e:  # one request's bad data must not end the others' streams
+                if self.tp.enabled:
+                    # A failure on one rank only (out of memory) would leave the ranks computing
+                    # different batches, whose collectives never match: the rank stops instead.
+                    raise
                 logger.warning("request %s failed at admission to the worker: %r", data.request_id, e)
                 failed[data.request_id] = f"the worker could not admit the request: {e!r}"
             else:
@@ -489,6 +498,8 @@ class ModelRunner:
     def launch(self, so: SchedulerOutput) -> StepHandle:
         """Queues the whole step on the device and returns at once: nothing here waits for the GPU.
         Steps run in launch order; a step may be launched before the previous one is collected."""
+        if self._closed:
+            raise EngineDeadError("the engine was shut down")
         if self._cpu_stream is not None:
             handle = StepHandle()
             handle.future = self._cpu_stream.submit(self._run_step, so, handle)

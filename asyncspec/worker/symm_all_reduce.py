@@ -39,23 +39,32 @@ def make_small_all_reduce(group: dist.ProcessGroup, device: torch.device, dtype:
         ok = True
     except Exception as e:  # an older torch, or no peer access: NCCL it is
         error = f"{type(e).__name__}: {e}"
-    # Every rank must take the same path, or a collective would wait for ever.
-    agreed = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-    if reduce is not None and int(agreed.item()) == 1:
-        ok = reduce.self_check()
-        agreed.fill_(1 if ok else 0)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-        if int(agreed.item()) == 1:
+    # Every rank must take the same path, or a collective would wait for ever: agree before the
+    # rendezvous (itself a collective), and again on the self-check.
+    if reduce is not None and _all_agree(ok, group, device):
+        try:
+            reduce.rendezvous()
+            ok = reduce.self_check()
+        except Exception as e:
+            ok, error = False, f"{type(e).__name__}: {e}"
+        if _all_agree(ok, group, device):
             logger.info(
                 "tensor-parallel all-reduce: symmetric-memory one-shot up to %d KiB, NCCL above", MAX_BYTES // 1024
             )
             return reduce
         error = error or "the self-check against NCCL failed on a rank"
+    elif reduce is None:
+        _all_agree(False, group, device)
     logger.warning(
         "ASYNCSPEC_TP_ALL_REDUCE=symm_mem: using NCCL only (%s)", error or "another rank could not set it up"
     )
     return None
+
+
+def _all_agree(ok: bool, group: dist.ProcessGroup, device: torch.device) -> bool:
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return int(flag.item()) == 1
 
 
 class _SymmetricAllReduce:
@@ -69,10 +78,14 @@ class _SymmetricAllReduce:
             enable(self.group_name)
         self.max_numel = MAX_BYTES // torch.empty((), dtype=dtype).element_size()
         self.buffer = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
-        symm_mem.rendezvous(self.buffer, self.group_name)
+        self._rendezvous = symm_mem.rendezvous
         ops = torch.ops.symm_mem
         self._copy_reduce = getattr(ops, "one_shot_all_reduce_copy", None)
         self._reduce = ops.one_shot_all_reduce
+
+    def rendezvous(self) -> None:
+        """Exchanges the buffers' handles with the peers (a collective)."""
+        self._rendezvous(self.buffer, self.group_name)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         n = x.numel()

@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 _STOP_TIMEOUT_S = 10.0
 """How long `close` waits for a rank to exit by itself before killing it."""
+_START_UP = ("starting", "determine_num_kv_blocks", "initialize_kv_cache")
+"""Calls whose AsyncSpecError (a ConfigError: no memory for the KV pool, ...) is raised as itself."""
 
 
 class TensorParallelExecutor:
@@ -52,20 +54,21 @@ class TensorParallelExecutor:
         context = mp.get_context("spawn")
         self._conns: list[Connection] = []
         self._procs: list[BaseProcess] = []
+        # Ranks are stopped when the executor is closed, collected or the interpreter exits; the
+        # finalizer exists before the first rank does, so that a failed start leaks nothing.
+        self._finalizer = weakref.finalize(self, _stop_all, self._conns, self._procs, self._store_dir)
         level = logging.getLogger().getEffectiveLevel()
         init_method = f"file://{os.path.join(self._store_dir, 'store')}"
-        for rank in range(self.size):
-            parent, child = context.Pipe()
-            args = WorkerArgs(rank, self.size, init_method, config, model_config, max_model_len, level)
-            proc = context.Process(target=worker_main, args=(args, child), name=f"asyncspec-tp{rank}", daemon=True)
-            proc.start()
-            child.close()
-            self._conns.append(parent)
-            self._procs.append(proc)
-        # Ranks are stopped when the executor is collected or the interpreter exits, even unclosed.
-        self._finalizer = weakref.finalize(self, _stop_all, self._conns, self._procs, self._store_dir)
         start = time.perf_counter()
         try:
+            for rank in range(self.size):
+                parent, child = context.Pipe()
+                args = WorkerArgs(rank, self.size, init_method, config, model_config, max_model_len, level)
+                proc = context.Process(target=worker_main, args=(args, child), name=f"asyncspec-tp{rank}", daemon=True)
+                self._conns.append(parent)
+                proc.start()
+                self._procs.append(proc)
+                child.close()
             self._replies(range(self.size), "starting")
         except BaseException:
             self.close()
@@ -148,6 +151,7 @@ class TensorParallelExecutor:
             try:
                 conn.send_bytes(message)
             except OSError:
+                self._raise_pending_error(rank)
                 self._fail(f"rank {rank} is unreachable ({self._describe(rank)})")
 
     def _replies(self, ranks: Any, what: str) -> list[Any]:
@@ -184,9 +188,9 @@ class TensorParallelExecutor:
         error, text = reply[1], reply[2]
         logger.error("tensor-parallel rank %d failed during %s:\n%s", rank, what, text)
         self._stop()
-        if isinstance(error, AsyncSpecError) and what == "starting":
-            raise error  # a config or model error: the same message as with one GPU
         self._dead = WorkerDiedError(f"tensor-parallel rank {rank} failed during {what}: {error!r}")
+        if isinstance(error, AsyncSpecError) and what in _START_UP:
+            raise error  # a config or model error: the same message as with one GPU
         raise self._dead
 
     def _fail(self, message: str) -> None:
@@ -199,7 +203,20 @@ class TensorParallelExecutor:
             raise WorkerDiedError(*self._dead.args)
         for rank, proc in enumerate(self._procs):
             if not proc.is_alive():
+                self._raise_pending_error(rank)
                 self._fail(f"rank {rank} is not running ({self._describe(rank)})")
+
+    def _raise_pending_error(self, rank: int) -> None:
+        """A rank that failed in a command nobody waits a reply to (launch, or collect on a rank
+        other than 0) left its error in the pipe: raise that, not a bare exit."""
+        conn = self._conns[rank]
+        try:
+            while conn.poll():
+                reply = conn.recv()
+                if reply[0] == "error":
+                    self._raise_error(rank, "a step", reply)
+        except (EOFError, OSError):
+            pass
 
     def _describe(self, rank: int) -> str:
         proc = self._procs[rank]

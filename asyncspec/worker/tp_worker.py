@@ -14,6 +14,7 @@ import logging
 import os
 import pickle
 import signal
+import sys
 import traceback
 from collections import deque
 from dataclasses import dataclass
@@ -119,10 +120,13 @@ def worker_main(args: WorkerArgs, conn: Connection) -> None:
         return
     conn.send(("ok", None))
     try:
-        _serve(worker, conn)
+        failed = _serve(worker, conn)
     finally:
+        worker.runner.close()  # the CPU stream's step, if one runs, ends before the group goes
         if dist.is_initialized():
             dist.destroy_process_group()
+    if failed:
+        sys.exit(1)
 
 
 def _start(args: WorkerArgs) -> RankWorker:
@@ -144,24 +148,24 @@ def _start(args: WorkerArgs) -> RankWorker:
     return RankWorker(runner)
 
 
-def _serve(worker: RankWorker, conn: Connection) -> None:
+def _serve(worker: RankWorker, conn: Connection) -> bool:
     """Commands arrive as pickled (method, args, reply): reply "all" (every rank answers), "first"
     (rank 0 answers: a step's results) or "none". An error ends the process after reporting it (the
-    group cannot go on with one rank out of step)."""
+    group cannot go on with one rank out of step). Returns whether it ended on an error."""
     rank = worker.runner.tp.rank
     while True:
         try:
             method, call_args, reply = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
-            return  # the engine process is gone
+            return False  # the engine process is gone
         if method == "stop":
-            return
+            return False
         try:
             value = getattr(worker, method)(*call_args)
         except BaseException as e:
-            logger.error("rank %d failed in %s: %s", worker.runner.tp.rank, method, e)
+            logger.exception("rank %d failed in %s", rank, method)
             _send_error(conn, e)
-            return
+            return True
         if reply == "all" or (reply == "first" and rank == 0):
             conn.send(("ok", value))
 

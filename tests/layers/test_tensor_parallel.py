@@ -112,7 +112,9 @@ def test_row_parallel_biases_are_added_once(tmp_path) -> None:
 
 
 def test_dummy_weights_do_not_depend_on_the_sharding(tmp_path) -> None:
-    save_tiny_family_model("llama", tmp_path, torch.float32)
+    # Row-parallel biases (zero off rank 0) are drawn on every rank all the same: the tensors after
+    # them come out equal too.
+    save_tiny_family_model("llama", tmp_path, torch.float32, attention_bias=True, mlp_bias=True)
     cfg = ModelConfig.from_pretrained(str(tmp_path))
     full = load_model(str(tmp_path), cfg, torch.float32, CPU, load_format="dummy", seed=5)
     shards = [
@@ -123,3 +125,7 @@ def test_dummy_weights_do_not_depend_on_the_sharding(tmp_path) -> None:
     assert torch.equal(o, list(full.model.decoder_layers)[1].self_attn.o_proj.weight)
     embed = torch.cat([s.model.embed_tokens.weight for s in shards])[: cfg.vocab_size]
     assert torch.equal(embed, full.model.embed_tokens.weight)
+    down = torch.cat([list(s.model.decoder_layers)[1].mlp.down_proj.weight for s in shards], dim=1)
+    assert torch.equal(down, list(full.model.decoder_layers)[1].mlp.down_proj.weight)
+    bias = [list(s.model.decoder_layers)[1].mlp.down_proj.bias for s in shards]
+    assert torch.equal(bias[0], list(full.model.decoder_layers)[1].mlp.down_proj.bias) and (bias[1] == 0).all()

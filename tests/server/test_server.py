@@ -577,6 +577,41 @@ def test_dead_tensor_parallel_worker_fails_the_stream_and_serve_exits_non_zero(p
         proc.wait(10)
 
 
+def test_rank_dying_before_any_request_makes_serve_exit_non_zero():
+    """The engine loop runs from the moment the server is ready: a rank that dies while no request
+    was ever sent is noticed, and the server exits 1."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = Path(sys.executable).parent / "asyncspec"
+    if not exe.exists():
+        pytest.skip("the asyncspec console script is not installed in this environment")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [str(exe), "serve", "--device", "cpu", "--dtype", "float32", "--tensor-parallel-size", "2"]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", "-1", "--max-model-len", "512"]
+    argv += ["--num-kv-blocks", "64"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert "serving" in proc.stdout.readline()
+        deadline = time.monotonic() + 60
+        while len(_spawned_children(proc.pid)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(0.5)
+        os.kill(_spawned_children(proc.pid)[0], signal.SIGKILL)
+        assert proc.wait(20) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
 def pb_grpc_stub(channel):
     from asyncspec.v1 import asyncspec_pb2_grpc
 

@@ -214,3 +214,20 @@ def test_a_closed_executor_refuses_steps() -> None:
     _assert_gone(pids)
     with pytest.raises(WorkerDiedError):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+
+
+def test_a_rank_failing_in_a_step_reports_its_own_error() -> None:
+    """A rank that fails in a command nobody waits a reply to (a launch, or a collect on a rank
+    other than 0) exits with status 1, and the engine raises that rank's error, not a bare exit."""
+    with LLM(str(TARGET_MODEL), tensor_parallel_size=2, skip_tokenizer_init=True, **BUNDLED) as llm:
+        executor = _executor(llm)
+        pids = _pids(executor)
+        executor._send("no_such_command", (), "none")  # every rank raises AttributeError, replying to nobody
+        deadline = time.monotonic() + 15
+        while all(p.is_alive() for p in executor._procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(WorkerDiedError, match="AttributeError.*no_such_command"):
+            executor.check_health()
+        with pytest.raises(WorkerDiedError):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    _assert_gone(pids)
