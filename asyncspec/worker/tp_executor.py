@@ -126,7 +126,9 @@ class TensorParallelExecutor:
         self._call_all("set_sync_debug_mode", mode)
 
     def close(self) -> None:
-        """Stops every rank (politely, then by force) and frees the rendezvous files; idempotent."""
+        """Stops every rank (politely, then by force) and frees the rendezvous files; idempotent.
+        Call it with no step in progress on another thread (AsyncEngine.shutdown waits for its step):
+        the pipes are not shared between threads."""
         if self._dead is None:
             self._dead = WorkerDiedError("the engine was shut down: its tensor-parallel workers are stopped")
         self._finalizer()
