@@ -50,6 +50,7 @@ class TensorParallelExecutor:
         self._handles: deque[StepHandle] = deque()
         self._graph_stats: dict[str, int] = {"cuda_graph_replays": 0, "cuda_graph_eager_forwards": 0}
         self._dead: WorkerDiedError | None = None
+        self._debug = False
         self._store_dir = tempfile.mkdtemp(prefix="asyncspec-tp-")
         context = mp.get_context("spawn")
         self._conns: list[Connection] = []
@@ -94,7 +95,9 @@ class TensorParallelExecutor:
         return step_cost
 
     def set_debug_invariants(self, on: bool) -> None:
+        """Also makes every rank answer each collect, and checks that they agree (see collect)."""
         self._call_all("set_debug_invariants", on)
+        self._debug = on
 
     def launch(self, so: SchedulerOutput) -> StepHandle:
         """Sends the step to every rank and returns at once."""
@@ -108,8 +111,13 @@ class TensorParallelExecutor:
         if not self._handles or self._handles[0] is not handle:
             raise RuntimeError("steps must be collected in the order they were launched")
         self._handles.popleft()
-        self._send("collect", (), "first")
-        output, idle, self._graph_stats = self._replies([0], "collect")[0]
+        if self._debug:
+            replies = self._call_all("collect")
+            check_ranks_agree([reply[0] for reply in replies])
+        else:
+            self._send("collect", (), "first")
+            replies = self._replies([0], "collect")
+        output, idle, self._graph_stats = replies[0]
         self.last_device_idle_seconds = idle
         return output
 
@@ -238,6 +246,20 @@ class TensorParallelExecutor:
             if proc.is_alive():
                 proc.kill()
         self._finalizer()
+
+
+def check_ranks_agree(outputs: list[ModelRunnerOutput]) -> None:
+    """Debug mode: every rank sampled the same tokens, verified the same drafts and holds the same
+    computed counts. Each rank feeds its own sampled tokens to its next step, so ranks that parted
+    would compute a different batch each, silently: this is the invariant that rules it out."""
+    first = outputs[0]
+    for rank, other in enumerate(outputs[1:], start=1):
+        for field in ("req_ids", "sampled_token_ids", "num_draft_tokens", "device_num_computed_tokens"):
+            if getattr(other, field) != getattr(first, field):
+                raise AssertionError(
+                    f"tensor-parallel rank {rank} parted from rank 0 in {field}: "
+                    f"{getattr(other, field)!r} != {getattr(first, field)!r}"
+                )
 
 
 def _stop_all(conns: list[Connection], procs: list[BaseProcess], store_dir: str) -> None:

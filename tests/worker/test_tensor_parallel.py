@@ -231,3 +231,35 @@ def test_a_rank_failing_in_a_step_reports_its_own_error() -> None:
         with pytest.raises(WorkerDiedError):
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
     _assert_gone(pids)
+
+
+def test_ranks_that_part_are_caught_in_debug_mode() -> None:
+    """Debug mode (on in every test) compares every rank's step results; the comparison names the
+    first field where a rank parted from rank 0."""
+    from asyncspec.core.scheduler_output import ModelRunnerOutput
+    from asyncspec.worker.tp_executor import check_ranks_agree
+
+    same = [ModelRunnerOutput(["a", "b"], [[5], [7, 8]], num_draft_tokens=[0, 1]) for _ in range(2)]
+    check_ranks_agree(same)
+    parted = [same[0], ModelRunnerOutput(["a", "b"], [[5], [7, 9]], num_draft_tokens=[0, 1])]
+    with pytest.raises(AssertionError, match="rank 1 parted from rank 0 in sampled_token_ids"):
+        check_ranks_agree(parted)
+
+
+def test_debug_mode_compares_every_rank_in_real_steps() -> None:
+    """With ASYNCSPEC_DEBUG_INVARIANTS=1 (tests/conftest.py) the executor asks all ranks for each
+    step's results: a seeded stochastic run and speculation keep them identical."""
+    with LLM(
+        str(TARGET_MODEL),
+        tensor_parallel_size=2,
+        async_scheduling=True,
+        speculative_method="draft_model",
+        num_speculative_tokens=4,
+        skip_tokenizer_init=True,
+        **BUNDLED,
+    ) as llm:
+        assert _executor(llm)._debug
+        params = [SamplingParams(temperature=0.9, top_p=0.95, seed=i, max_tokens=24) for i in range(4)]
+        outs = llm.generate([p[:40] for p in load_prompts(4)], params)
+        assert all(len(o.token_ids) > 0 for o in outs)
+        assert_kv_free(llm.stats())
