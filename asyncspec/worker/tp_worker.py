@@ -117,7 +117,7 @@ def worker_main(args: WorkerArgs, conn: Connection) -> None:
         worker = _start(args)
     except BaseException as e:  # reported to the engine, which raises it there
         _send_error(conn, e)
-        return
+        sys.exit(1)
     conn.send(("ok", None))
     try:
         failed = _serve(worker, conn)
