@@ -52,6 +52,12 @@ class SchedulerStats:
     num_steps: int = 0
     num_preemptions: int = 0
     num_prompt_tokens_computed: int = 0
+    """Prompt tokens run through prefill steps, recomputation after a preemption included."""
+    num_prompt_tokens: int = 0
+    """Prompt tokens of each request that produced its first token, counted once per request and
+    prefix-cache hits included (vLLM's prompt_tokens)."""
+    num_prompt_tokens_cached: int = 0
+    """Of num_prompt_tokens, those the prefix cache held when the request was admitted."""
     num_generation_tokens: int = 0
     num_finished_requests: int = 0
     num_drafts: int = 0
@@ -428,6 +434,9 @@ class Scheduler:
             max_tokens = params.max_tokens
             status: RequestStatus | None = None
             num_new = 0
+            if not output_ids:  # its first token: the prompt is counted once, whatever came before
+                stats.num_prompt_tokens += num_prompt
+                stats.num_prompt_tokens_cached += max(request.num_cached_tokens, 0)
             for token_id in sampled:
                 output_ids.append(token_id)
                 all_ids.append(token_id)

@@ -162,6 +162,8 @@ class LLMEngine:
             "num_steps": scheduler.stats.num_steps,
             "num_preemptions": scheduler.stats.num_preemptions,
             "num_prompt_tokens_computed": scheduler.stats.num_prompt_tokens_computed,
+            "num_prompt_tokens": scheduler.stats.num_prompt_tokens,
+            "num_prompt_tokens_cached": scheduler.stats.num_prompt_tokens_cached,
             "num_generation_tokens": scheduler.stats.num_generation_tokens,
             "num_finished_requests": scheduler.stats.num_finished_requests,
             "spec_num_drafts": scheduler.stats.num_drafts,

@@ -31,7 +31,16 @@ _COUNTERS = (
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
     ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
     ("num_preemptions", "Requests preempted (their KV freed, recomputed later).", "num_preemptions"),
-    ("prompt_tokens", "Prompt tokens computed (prefill).", "num_prompt_tokens_computed"),
+    (
+        "prompt_tokens",
+        "Prompt tokens of the requests that started generating: once per request, prefix-cache hits included.",
+        "num_prompt_tokens",
+    ),
+    (
+        "prompt_tokens_computed",
+        "Prompt tokens run through prefill steps, recomputation after a preemption included.",
+        "num_prompt_tokens_computed",
+    ),
     ("generation_tokens", "Tokens generated.", "num_generation_tokens"),
     ("spec_decode_num_drafts", "Verification steps of a request with at least one draft.", "spec_num_drafts"),
     ("spec_decode_num_draft_tokens", "Draft tokens verified.", "spec_num_draft_tokens"),
@@ -65,6 +74,15 @@ class EngineCollector(Collector):
             if key.startswith("spec_accepted_at_position_"):
                 per_position.add_metric([key.rsplit("_", 1)[1]], float(value))
         yield per_position
+        by_source = CounterMetricFamily(
+            PREFIX + "prompt_tokens_by_source",
+            "prompt_tokens split by where their KV came from: computed, or the prefix cache.",
+            labels=["source"],
+        )
+        prompt, cached = stats.get("num_prompt_tokens", 0.0), stats.get("num_prompt_tokens_cached", 0.0)
+        by_source.add_metric(["local_compute"], float(prompt - cached))
+        by_source.add_metric(["local_cache_hit"], float(cached))
+        yield by_source
 
 
 class ServerMetrics:

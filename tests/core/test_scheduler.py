@@ -173,6 +173,9 @@ def test_preempts_newest_fcfs_and_resumes_with_generated_tokens():
     # Deterministic "model": preemption changed nothing in the output.
     assert generated + tokens["r2"] == [runner.token_fn("r2", 7 + i) for i in range(4)]
     assert s.kv_cache_manager.num_free_blocks == 6
+    # The prefill steps ran r2's prompt (and its 2 generated tokens) twice; its prompt counts once.
+    assert s.stats.num_prompt_tokens == 3 * 7 + 3
+    assert s.stats.num_prompt_tokens_computed >= 3 * 7 + 3 + 7
 
 
 def test_preempted_request_uses_its_cached_prefix_on_resume():

@@ -24,6 +24,8 @@ STAT_KEYS = {
     "num_steps",
     "num_preemptions",
     "num_prompt_tokens_computed",
+    "num_prompt_tokens",
+    "num_prompt_tokens_cached",
     "num_generation_tokens",
     "num_finished_requests",
     "num_running_requests",

@@ -299,11 +299,15 @@ def test_metrics_move_by_exact_amounts(server, prompts):
     assert delta("asyncspec:iteration_tokens_total_count") == delta("asyncspec:num_steps_total") > 0
     # (each request's first token comes from its last prefill step, every later one from a decode)
     assert delta("asyncspec:iteration_tokens_total_sum") == (
-        delta("asyncspec:prompt_tokens_total") + delta("asyncspec:generation_tokens_total") - 4
+        delta("asyncspec:prompt_tokens_computed_total") + delta("asyncspec:generation_tokens_total") - 4
     )
     # Prompt tokens are computed unless the prefix cache held them (these prompts ran before).
-    computed, cached = delta("asyncspec:prompt_tokens_total"), delta("asyncspec:prefix_cache_hits_total")
+    computed, cached = delta("asyncspec:prompt_tokens_computed_total"), delta("asyncspec:prefix_cache_hits_total")
     assert computed + cached == sum(len(p) for p in prompts[:4])
+    # vLLM's prompt_tokens: each request's prompt once (all four produced a token), split by source.
+    assert delta("asyncspec:prompt_tokens_total") == sum(len(p) for p in prompts[:4])
+    assert delta("asyncspec:prompt_tokens_by_source_total{source=local_cache_hit}") == cached
+    assert delta("asyncspec:prompt_tokens_by_source_total{source=local_compute}") == computed
     assert delta("asyncspec:prefix_cache_queries_total") == sum(len(p) for p in prompts[:4])
     generated = delta("asyncspec:generation_tokens_total")
     assert generated >= 3 * 7 + 1
