@@ -147,6 +147,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             num_speculative_tokens=config.num_speculative_tokens,
             draft_model=config.draft_model_path or "",
             async_scheduling=config.async_scheduling,
+            tensor_parallel_size=config.tensor_parallel_size,
         )
         if engine.model_config.bos_token_id is not None:
             info.bos_token_id = engine.model_config.bos_token_id

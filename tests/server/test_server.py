@@ -130,6 +130,7 @@ def test_text_prompt_tokenize_detokenize_and_model_info(server):
     assert by_text == by_ids and len(by_text) == 6
     info = stub.GetModelInfo(pb.GetModelInfoRequest())
     assert info.vocab_size == 8192 and info.max_model_len == 256 and info.model.endswith("stdlib-coder-target")
+    assert info.tensor_parallel_size == 1
     with pytest.raises(grpc.RpcError) as e:
         stub.Detokenize(pb.DetokenizeRequest(token_ids=[5, 9000]))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids[1]" in e.value.details()
@@ -566,6 +567,7 @@ def test_dead_tensor_parallel_worker_fails_the_stream_and_serve_exits_non_zero(p
             time.sleep(0.2)
         ranks = _spawned_children(proc.pid)
         assert len(ranks) == 2, ranks
+        assert pb_grpc_stub(channel).GetModelInfo(pb.GetModelInfoRequest()).tensor_parallel_size == 2
         stream = pb_grpc_stub(channel).Generate(_request(prompts[0], 400), timeout=60)
         next(stream)  # the request runs
         os.kill(ranks[1], signal.SIGKILL)
