@@ -4,9 +4,15 @@ health, reflection without generated stubs, metrics that move by exact amounts, 
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -410,8 +416,6 @@ def test_engine_fault_ends_streams_with_internal_and_health_not_serving(prompts)
 
 
 def test_tls_client_with_the_test_ca(tmp_path, prompts):
-    import subprocess
-
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(
         [
@@ -513,8 +517,6 @@ def test_speculative_usage_metrics_and_bench_acceptance_length(prompts, tmp_path
 
 def _spawned_children(pid: int) -> list[int]:
     """The multiprocessing-spawned children of `pid` (the tensor-parallel ranks, not the resource tracker)."""
-    import os
-
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -531,17 +533,8 @@ def _spawned_children(pid: int) -> list[int]:
     return found
 
 
-def test_dead_tensor_parallel_worker_fails_the_stream_and_serve_exits_non_zero(prompts):
-    """`asyncspec serve --tensor-parallel-size 2` as a process: a rank killed mid-stream ends the
-    stream with INTERNAL naming the rank, and the server exits with status 1 (an orchestrator
-    restarts it) instead of serving a broken engine."""
-    import os
-    import signal
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
-
+def _serve_tensor_parallel_process() -> tuple[subprocess.Popen, int]:
+    """`asyncspec serve --tensor-parallel-size 2` on the CPU as a process, on a free port."""
     exe = Path(sys.executable).parent / "asyncspec"
     if not exe.exists():
         pytest.skip("the asyncspec console script is not installed in this environment")
@@ -551,7 +544,14 @@ def test_dead_tensor_parallel_worker_fails_the_stream_and_serve_exits_non_zero(p
     argv = [str(exe), "serve", "--device", "cpu", "--dtype", "float32", "--tensor-parallel-size", "2"]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", "-1", "--max-model-len", "512"]
     argv += ["--num-kv-blocks", "64"]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True), port
+
+
+def test_dead_tensor_parallel_worker_fails_the_stream_and_serve_exits_non_zero(prompts):
+    """`asyncspec serve --tensor-parallel-size 2` as a process: a rank killed mid-stream ends the
+    stream with INTERNAL naming the rank, and the server exits with status 1 (an orchestrator
+    restarts it) instead of serving a broken engine."""
+    proc, port = _serve_tensor_parallel_process()
     try:
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         health = health_pb2_grpc.HealthStub(channel)
@@ -586,23 +586,7 @@ def test_dead_tensor_parallel_worker_fails_the_stream_and_serve_exits_non_zero(p
 def test_rank_dying_before_any_request_makes_serve_exit_non_zero():
     """The engine loop runs from the moment the server is ready: a rank that dies while no request
     was ever sent is noticed, and the server exits 1."""
-    import os
-    import signal
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    exe = Path(sys.executable).parent / "asyncspec"
-    if not exe.exists():
-        pytest.skip("the asyncspec console script is not installed in this environment")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv = [str(exe), "serve", "--device", "cpu", "--dtype", "float32", "--tensor-parallel-size", "2"]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", "-1", "--max-model-len", "512"]
-    argv += ["--num-kv-blocks", "64"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc, port = _serve_tensor_parallel_process()
     try:
         assert "serving" in proc.stdout.readline()
         deadline = time.monotonic() + 60
