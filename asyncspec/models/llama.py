@@ -125,7 +125,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp = tp
         self.vocab_size = vocab_size
-        self.vocab_start, rows = tp.vocab_shard(vocab_size) if tp.enabled else (0, vocab_size)
+        self.vocab_start, rows = tp.vocab_shard(vocab_size)
         self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

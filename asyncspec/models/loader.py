@@ -45,9 +45,11 @@ def load_model(
     _materialize(model, device, dtype)
     targets = model.checkpoint_tensors()
     with torch.no_grad():
-        # Padding rows of the last vocabulary shard, and row-parallel biases off rank 0, stay zero.
+        # Padding rows of the last vocabulary shard, and row-parallel biases off rank 0, stay zero
+        # (every other parameter is overwritten in full).
         for target in targets.values():
-            target.tensor.zero_()
+            if target.zero or (target.dim is not None and target.length < target.tensor.shape[target.dim]):
+                target.tensor.zero_()
         if load_format == "dummy":
             _fill_dummy(targets, device, seed)
         else:
