@@ -38,3 +38,7 @@ class QueueFullError(AsyncSpecError):
 
 class WorkerDiedError(AsyncSpecError, RuntimeError):
     """A tensor-parallel worker process failed or exited; the engine cannot go on without it."""
+
+
+class ProfilerError(AsyncSpecError, RuntimeError):
+    """start_profile / stop_profile called out of order, or the trace directory is unusable."""

@@ -87,8 +87,63 @@ def bench_size(size: int, s: dict[str, Any]) -> dict[str, Any]:
         t = _median_time(timed, s["trials"])
         row["throughput"][str(c)] = {"streams": c, "e2e_tok_s": sum(len(o.token_ids) for o in outs) / t}
     row["stats"] = {k: v for k, v in llm.stats().items() if k.startswith(("cuda_graph", "num_steps"))}
+    if s.get("profile_dir"):
+        row["profile"] = profile_batch1(llm, prompts[0], s, size)
     llm.shutdown()
     return row
+
+
+# Kernel name fragments -> what the time went to (first match wins; names lower-cased).
+KERNEL_CATEGORIES = [
+    ("all-reduce / all-gather (NCCL)", ("nccl",)),
+    ("all-reduce (symmetric memory)", ("one_shot", "two_shot", "symm")),
+    ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "splitk", "sm90_", "cublas")),
+    ("attention", ("paged_attention", "combine_splits")),
+    ("residual add + RMSNorm", ("rms_norm",)),
+    ("RoPE + KV write", ("rotary", "kv_cache_write")),
+    ("SiLU-and-mul", ("silu",)),
+    ("step inputs and sampling", ("prepare_inputs", "resolve_computed", "slot_mapping", "rejection", "argmax")),
+    ("copies and fills", ("memcpy", "memset")),
+]
+
+
+def categorize(name: str) -> str:
+    lower = name.lower()
+    for category, fragments in KERNEL_CATEGORIES:
+        if any(f in lower for f in fragments):
+            return category
+    return "other"
+
+
+def profile_batch1(llm: Any, prompt: list[int], s: dict[str, Any], size: int) -> dict[str, Any]:
+    """A batch-1 generation under torch.profiler: each rank's device time per decode step, by kind
+    of kernel, and the device's idle share of the window."""
+    asyncspec = _import_asyncspec()
+    n = s["profile_tokens"]
+    params = asyncspec.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    llm.start_profile(Path(s["profile_dir"]) / f"tp{size}")
+    llm.generate([prompt], params)
+    summaries = llm.stop_profile()
+    ranks = []
+    for summary in summaries:
+        per_step: dict[str, float] = {}
+        for k in summary.top_kernels:
+            per_step[categorize(k.name)] = per_step.get(categorize(k.name), 0.0) + k.total_seconds * 1e3 / n
+        ranks.append(
+            {
+                "process": summary.process,
+                "trace": summary.trace_path,
+                "steps": n,
+                "device_busy_ms_per_step": summary.device_busy_seconds * 1e3 / n,
+                "device_span_ms_per_step": summary.device_span_seconds * 1e3 / n,
+                "ms_per_step_by_kind": dict(sorted(per_step.items(), key=lambda kv: -kv[1])),
+                "top_kernels": [
+                    {"name": k.name[:120], "count": k.count, "ms_per_step": k.total_seconds * 1e3 / n}
+                    for k in summary.top_kernels[:15]
+                ],
+            }
+        )
+    return {"ranks": ranks}
 
 
 def bench_bandwidth(s: dict[str, Any]) -> dict[str, Any]:
@@ -241,6 +296,13 @@ def print_table(results: dict[str, Any]) -> None:
         )
     for key, row in results.get("allreduce", {}).items():
         print(f"all-reduce alone, TP={key}, us per [1, hidden] bf16 in a CUDA graph: {row}")
+    for key, row in sorted(results["sizes"].items()):
+        for rank in row.get("profile", {}).get("ranks", [])[:1]:
+            kinds = ", ".join(f"{k} {v:.3f}" for k, v in rank["ms_per_step_by_kind"].items())
+            print(
+                f"profile TP={key} {rank['process']}: device busy {rank['device_busy_ms_per_step']:.3f} of "
+                f"{rank['device_span_ms_per_step']:.3f} ms per step; by kind (ms per step): {kinds}"
+            )
 
 
 def main() -> int:
@@ -256,6 +318,8 @@ def main() -> int:
     ap.add_argument(
         "--symm-mem-too", action="store_true", help="also each size > 1 with ASYNCSPEC_TP_ALL_REDUCE=symm_mem"
     )
+    ap.add_argument("--profile-dir", type=Path, help="also profile a batch-1 generation per size; traces go here")
+    ap.add_argument("--profile-tokens", type=int, default=32, help="decode steps profiled")
     ap.add_argument("--output", type=Path)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-arg", type=int, help=argparse.SUPPRESS)
@@ -279,6 +343,8 @@ def main() -> int:
         "async_scheduling": not args.sync,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "bandwidth_bytes": 2 << 30,
+        "profile_dir": str(args.profile_dir.resolve()) if args.profile_dir else None,
+        "profile_tokens": args.profile_tokens,
     }
     if args.smoke:
         s["concurrency"] = [1, 4]

@@ -7,6 +7,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -15,11 +16,12 @@ from asyncspec.core.kv_cache import KVCacheManager
 from asyncspec.core.scheduler import Scheduler, SchedulerConfig
 from asyncspec.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from asyncspec.engine.step_timing import StepTimings
-from asyncspec.errors import ConfigError
+from asyncspec.errors import ConfigError, ProfilerError
 from asyncspec.layers.tensor_parallel import TensorParallel, check_divisible
 from asyncspec.models.model_config import ModelConfig
 from asyncspec.request import Request, RequestStatus
 from asyncspec.worker.model_runner import ModelRunner, StepHandle
+from asyncspec.worker.profiler import ProfileSummary, StepProfiler
 from asyncspec.worker.tp_executor import TensorParallelExecutor
 
 MAX_INFLIGHT_STEPS = 2
@@ -81,6 +83,9 @@ class EngineCore:
                 "lower max_model_len or enable chunked prefill"
             )
         self.runner: ModelRunner | TensorParallelExecutor = _make_runner(config, self.model_config, self.max_model_len)
+        self._profiler: StepProfiler | None = None
+        """The running profiler of an in-process runner (the ranks of tensor parallelism hold their own)."""
+        self._profiling = False
         try:
             self._init_engine()
         except BaseException:
@@ -136,6 +141,33 @@ class EngineCore:
     def shutdown(self) -> None:
         """Stops the worker processes (tensor parallelism) or the CPU stream thread; idempotent."""
         self.runner.close()
+
+    def start_profile(self, trace_dir: str | Path) -> None:
+        """Starts torch.profiler in every process that runs the model (this one, or each rank)."""
+        if self._profiling:
+            raise ProfilerError("the profiler is already running: call stop_profile() first")
+        path = Path(trace_dir).resolve()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ProfilerError(f"cannot create the trace directory {path}: {e}") from e
+        if isinstance(self.runner, TensorParallelExecutor):
+            self.runner.start_profile(str(path))
+        else:
+            self._profiler = StepProfiler("engine", self.runner.device)
+            self._profiler.start(path)
+        self._profiling = True
+
+    def stop_profile(self) -> list[ProfileSummary]:
+        """Stops the profiler after the device's queued work; one summary per process (rank order)."""
+        if not self._profiling:
+            raise ProfilerError("the profiler is not running: call start_profile(trace_dir) first")
+        self._profiling = False
+        if isinstance(self.runner, TensorParallelExecutor):
+            return self.runner.stop_profile()
+        assert self._profiler is not None
+        profiler, self._profiler = self._profiler, None
+        return [profiler.stop()]
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

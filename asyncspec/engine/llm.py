@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from asyncspec.config import make_config
@@ -10,6 +11,7 @@ from asyncspec.engine.llm_engine import LLMEngine, PromptType
 from asyncspec.errors import InvalidRequestError
 from asyncspec.outputs import RequestOutput
 from asyncspec.sampling_params import SamplingParams
+from asyncspec.worker.profiler import ProfileSummary
 
 
 class LLM:
@@ -74,6 +76,16 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+    def start_profile(self, trace_dir: str | Path) -> None:
+        """Starts torch.profiler (CPU and CUDA activity) in each process that runs the model: this
+        one, or every tensor-parallel rank. Raises ProfilerError if it is already running."""
+        self.engine.start_profile(trace_dir)
+
+    def stop_profile(self) -> list[ProfileSummary]:
+        """Stops it: each process writes a Chrome trace into trace_dir ("engine-*.trace.json" or
+        "rank<N>-*.trace.json") and its summary (device busy time, time per kernel) is returned."""
+        return self.engine.stop_profile()
 
     def stats(self) -> dict[str, float]:
         """Counters since start: steps, preemptions, prefix-cache queries and hits, tokens, KV blocks."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -17,6 +18,7 @@ from asyncspec.errors import InvalidRequestError, ModelLoadError, QueueFullError
 from asyncspec.outputs import RequestOutput
 from asyncspec.request import Request
 from asyncspec.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from asyncspec.worker.profiler import ProfileSummary
 
 PromptType = str | Sequence[int]
 
@@ -48,6 +50,12 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stops the worker processes (tensor parallelism) and the CPU stream thread; idempotent."""
         self.engine_core.shutdown()
+
+    def start_profile(self, trace_dir: str | Path) -> None:
+        self.engine_core.start_profile(trace_dir)
+
+    def stop_profile(self) -> list[ProfileSummary]:
+        return self.engine_core.stop_profile()
 
     # -- validation ------------------------------------------------------------------------
     def make_request(

@@ -28,6 +28,7 @@ from asyncspec.core.spec_policy import StepCost
 from asyncspec.errors import AsyncSpecError, WorkerDiedError
 from asyncspec.models.model_config import ModelConfig
 from asyncspec.worker.model_runner import StepHandle
+from asyncspec.worker.profiler import ProfileSummary
 from asyncspec.worker.tp_worker import WorkerArgs, worker_main
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,15 @@ class TensorParallelExecutor:
         """torch.cuda.set_sync_debug_mode on every rank ("error": a step that synchronizes the host
         with its device fails; tests of the hot loop)."""
         self._call_all("set_sync_debug_mode", mode)
+
+    def start_profile(self, trace_dir: str) -> None:
+        """Starts torch.profiler on every rank (each writes its own trace into trace_dir). A rank's
+        failure ends the group, so the caller checks the order of calls and the directory first."""
+        self._call_all("start_profile", trace_dir)
+
+    def stop_profile(self) -> list[ProfileSummary]:
+        """Stops every rank's profiler; their summaries in rank order."""
+        return self._call_all("stop_profile")
 
     def close(self) -> None:
         """Stops every rank (politely, then by force) and frees the rendezvous files; idempotent.

@@ -30,6 +30,7 @@ from asyncspec.core.spec_policy import speculation_choices
 from asyncspec.layers.tensor_parallel import TensorParallel
 from asyncspec.models.model_config import ModelConfig
 from asyncspec.worker.model_runner import ModelRunner, StepHandle
+from asyncspec.worker.profiler import ProfileSummary, StepProfiler
 from asyncspec.worker.symm_all_reduce import make_small_all_reduce
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class RankWorker:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self._handles: deque[StepHandle] = deque()
+        self.profiler = StepProfiler(f"rank{runner.tp.rank}", runner.device)
 
     def determine_num_kv_blocks(self) -> int:
         return self.runner.determine_num_kv_blocks()
@@ -106,6 +108,12 @@ class RankWorker:
 
     def set_sync_debug_mode(self, mode: str) -> None:
         torch.cuda.set_sync_debug_mode(mode)
+
+    def start_profile(self, trace_dir: str) -> None:
+        self.profiler.start(trace_dir)
+
+    def stop_profile(self) -> ProfileSummary:
+        return self.profiler.stop()
 
 
 def worker_main(args: WorkerArgs, conn: Connection) -> None:

@@ -263,3 +263,23 @@ def test_debug_mode_compares_every_rank_in_real_steps() -> None:
         outs = llm.generate([p[:40] for p in load_prompts(4)], params)
         assert all(len(o.token_ids) > 0 for o in outs)
         assert_kv_free(llm.stats())
+
+
+def test_every_rank_writes_its_own_profile(tmp_path) -> None:
+    import json
+
+    from asyncspec.errors import ProfilerError
+
+    with LLM(str(TARGET_MODEL), tensor_parallel_size=2, skip_tokenizer_init=True, **BUNDLED) as llm:
+        llm.start_profile(tmp_path)
+        with pytest.raises(ProfilerError, match="already running"):  # refused here: no rank is disturbed
+            llm.start_profile(tmp_path)
+        out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=4))
+        summaries = llm.stop_profile()
+        assert [s.process for s in summaries] == ["rank0", "rank1"]
+        for s in summaries:
+            events = json.loads(open(s.trace_path).read())["traceEvents"]
+            assert any(e.get("name") == "aten::embedding" for e in events)
+        assert (
+            llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=4))[0].token_ids == out[0].token_ids
+        )

@@ -104,3 +104,18 @@ def test_symmetric_memory_all_reduce_gives_the_nccl_tokens(monkeypatch) -> None:
         symm = [o.token_ids for o in llm.generate(prompts, params)]
         assert llm.stats()["cuda_graph_replays"] > 20
     assert symm == nccl
+
+
+def test_profile_of_each_rank_holds_its_graphed_kernels_and_all_reduces(tmp_path) -> None:
+    with LLM(str(TARGET_MODEL), tensor_parallel_size=2, async_scheduling=True, **CONFIG) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+        llm.generate([load_prompts(1)[0]], params)  # warm
+        llm.start_profile(tmp_path)
+        llm.generate([load_prompts(1)[0]], params)
+        summaries = llm.stop_profile()
+    assert [s.process for s in summaries] == ["rank0", "rank1"]
+    for s in summaries:
+        names = [k.name for k in s.top_kernels]
+        assert any("nccl" in n.lower() for n in names), f"{s.process}: no all-reduce kernel among {names}"
+        assert s.num_device_events > 32 * 2 * 2, "fewer kernels than one all-reduce per half-layer per step"
+        assert 0 < s.device_busy_seconds <= s.device_span_seconds
