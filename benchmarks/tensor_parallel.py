@@ -121,7 +121,7 @@ def profile_batch1(llm: Any, prompt: list[int], s: dict[str, Any], size: int) ->
     asyncspec = _import_asyncspec()
     n = s["profile_tokens"]
     params = asyncspec.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    llm.start_profile(Path(s["profile_dir"]) / f"tp{size}")
+    llm.start_profile(Path(s["profile_dir"]) / f"tp{size}", with_cpu=False)  # the host at its own pace
     llm.generate([prompt], params)
     summaries = llm.stop_profile()
     ranks = []
@@ -137,6 +137,10 @@ def profile_batch1(llm: Any, prompt: list[int], s: dict[str, Any], size: int) ->
                 "device_busy_ms_per_step": summary.device_busy_seconds * 1e3 / n,
                 "device_span_ms_per_step": summary.device_span_seconds * 1e3 / n,
                 "ms_per_step_by_kind": dict(sorted(per_step.items(), key=lambda kv: -kv[1])),
+                "idle_gaps": [
+                    {"before": g.before, "after": g.after, "count": g.count, "ms_per_step": g.total_seconds * 1e3 / n}
+                    for g in summary.idle_gaps[:10]
+                ],
                 "top_kernels": [
                     {"name": k.name[:120], "count": k.count, "ms_per_step": k.total_seconds * 1e3 / n}
                     for k in summary.top_kernels[:15]
@@ -297,12 +301,17 @@ def print_table(results: dict[str, Any]) -> None:
     for key, row in results.get("allreduce", {}).items():
         print(f"all-reduce alone, TP={key}, us per [1, hidden] bf16 in a CUDA graph: {row}")
     for key, row in sorted(results["sizes"].items()):
-        for rank in row.get("profile", {}).get("ranks", [])[:1]:
+        for rank in row.get("profile", {}).get("ranks", []):
             kinds = ", ".join(f"{k} {v:.3f}" for k, v in rank["ms_per_step_by_kind"].items())
             print(
                 f"profile TP={key} {rank['process']}: device busy {rank['device_busy_ms_per_step']:.3f} of "
                 f"{rank['device_span_ms_per_step']:.3f} ms per step; by kind (ms per step): {kinds}"
             )
+            for g in rank["idle_gaps"][:5]:
+                print(
+                    f"    idle {g['ms_per_step']:.3f} ms per step ({g['count']}x): "
+                    f"{g['before'][:50]} -> {g['after'][:50]}"
+                )
 
 
 def main() -> int:

@@ -142,7 +142,7 @@ class EngineCore:
         """Stops the worker processes (tensor parallelism) or the CPU stream thread; idempotent."""
         self.runner.close()
 
-    def start_profile(self, trace_dir: str | Path) -> None:
+    def start_profile(self, trace_dir: str | Path, with_cpu: bool = True) -> None:
         """Starts torch.profiler in every process that runs the model (this one, or each rank)."""
         if self._profiling:
             raise ProfilerError("the profiler is already running: call stop_profile() first")
@@ -152,10 +152,10 @@ class EngineCore:
         except OSError as e:
             raise ProfilerError(f"cannot create the trace directory {path}: {e}") from e
         if isinstance(self.runner, TensorParallelExecutor):
-            self.runner.start_profile(str(path))
+            self.runner.start_profile(str(path), with_cpu)
         else:
             self._profiler = StepProfiler("engine", self.runner.device)
-            self._profiler.start(path)
+            self._profiler.start(path, with_cpu)
         self._profiling = True
 
     def stop_profile(self) -> list[ProfileSummary]:

@@ -77,10 +77,11 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    def start_profile(self, trace_dir: str | Path) -> None:
-        """Starts torch.profiler (CPU and CUDA activity) in each process that runs the model: this
-        one, or every tensor-parallel rank. Raises ProfilerError if it is already running."""
-        self.engine.start_profile(trace_dir)
+    def start_profile(self, trace_dir: str | Path, with_cpu: bool = True) -> None:
+        """Starts torch.profiler (CUDA activity, and the host's ops unless with_cpu=False, which
+        slows the host far less) in each process that runs the model: this one, or every
+        tensor-parallel rank. Raises ProfilerError if it is already running."""
+        self.engine.start_profile(trace_dir, with_cpu)
 
     def stop_profile(self) -> list[ProfileSummary]:
         """Stops it: each process writes a Chrome trace into trace_dir ("engine-*.trace.json" or

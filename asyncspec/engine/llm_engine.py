@@ -51,8 +51,8 @@ class LLMEngine:
         """Stops the worker processes (tensor parallelism) and the CPU stream thread; idempotent."""
         self.engine_core.shutdown()
 
-    def start_profile(self, trace_dir: str | Path) -> None:
-        self.engine_core.start_profile(trace_dir)
+    def start_profile(self, trace_dir: str | Path, with_cpu: bool = True) -> None:
+        self.engine_core.start_profile(trace_dir, with_cpu)
 
     def stop_profile(self) -> list[ProfileSummary]:
         return self.engine_core.stop_profile()

@@ -31,6 +31,20 @@ class KernelTime:
 
 
 @dataclass
+class IdleGap:
+    """The device's idle time between two kinds of consecutive events."""
+
+    before: str
+    """The name of the event that ended the busy stretch (truncated to 80 characters)."""
+    after: str
+    """The name of the event that began the next one."""
+    count: int
+    """How many such gaps."""
+    total_seconds: float
+    """Their summed length."""
+
+
+@dataclass
 class ProfileSummary:
     """What one process's device did during the profiled window."""
 
@@ -46,6 +60,9 @@ class ProfileSummary:
     """Kernels, copies and fills recorded."""
     top_kernels: list[KernelTime] = field(default_factory=list)
     """Device time by name, largest first."""
+    idle_gaps: list[IdleGap] = field(default_factory=list)
+    """Where the device waited: idle time between consecutive device events, by the pair of names
+    around it, largest first (a wait after a step's last kernel is the host's turn)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -57,18 +74,27 @@ def summarize_trace(trace: dict[str, Any], process: str, trace_path: str, top: i
     summary = ProfileSummary(process, trace_path, num_device_events=len(events))
     if not events:
         return summary
-    intervals = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events)
+    ordered = sorted(events, key=lambda e: float(e["ts"]))
     busy = 0.0
-    start, end = intervals[0]
-    for s, e in intervals[1:]:
+    gaps: dict[tuple[str, str], list[float]] = {}
+    start = float(ordered[0]["ts"])
+    end = start + float(ordered[0]["dur"])
+    last_name = str(ordered[0].get("name", "?"))[:80]
+    for e in ordered[1:]:
+        s, d, name = float(e["ts"]), float(e["dur"]), str(e.get("name", "?"))[:80]
         if s > end:
             busy += end - start
-            start, end = s, e
+            gaps.setdefault((last_name, name), []).append(s - end)
+            start, end = s, s + d
         else:
-            end = max(end, e)
+            end = max(end, s + d)
+        if s + d >= end:
+            last_name = name
     busy += end - start
-    summary.device_span_seconds = (max(e for _, e in intervals) - intervals[0][0]) / 1e6  # trace times are µs
+    summary.device_span_seconds = (end - float(ordered[0]["ts"])) / 1e6  # trace times are µs
     summary.device_busy_seconds = busy / 1e6
+    ranked_gaps = sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]
+    summary.idle_gaps = [IdleGap(b, a, len(g), sum(g) / 1e6) for (b, a), g in ranked_gaps]
     by_name: dict[str, list[float]] = {}
     for e in events:
         by_name.setdefault(str(e.get("name", "?")), []).append(float(e["dur"]))
@@ -91,7 +117,9 @@ class StepProfiler:
     def active(self) -> bool:
         return self._profile is not None
 
-    def start(self, trace_dir: str | Path) -> None:
+    def start(self, trace_dir: str | Path, with_cpu: bool = True) -> None:
+        """with_cpu=False records device activity only: far less host overhead, so the device's
+        idle gaps are those of an unprofiled run."""
         if self._profile is not None:
             raise ProfilerError("the profiler is already running: call stop_profile() first")
         path = Path(trace_dir)
@@ -99,7 +127,7 @@ class StepProfiler:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ProfilerError(f"cannot create the trace directory {path}: {e}") from e
-        activities = [ProfilerActivity.CPU]
+        activities = [ProfilerActivity.CPU] if with_cpu or self.device.type != "cuda" else []
         if self.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
         self._profile = profile(activities=activities)

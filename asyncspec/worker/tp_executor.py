@@ -134,10 +134,10 @@ class TensorParallelExecutor:
         with its device fails; tests of the hot loop)."""
         self._call_all("set_sync_debug_mode", mode)
 
-    def start_profile(self, trace_dir: str) -> None:
+    def start_profile(self, trace_dir: str, with_cpu: bool = True) -> None:
         """Starts torch.profiler on every rank (each writes its own trace into trace_dir). A rank's
         failure ends the group, so the caller checks the order of calls and the directory first."""
-        self._call_all("start_profile", trace_dir)
+        self._call_all("start_profile", trace_dir, with_cpu)
 
     def stop_profile(self) -> list[ProfileSummary]:
         """Stops every rank's profiler; their summaries in rank order."""

@@ -109,8 +109,8 @@ class RankWorker:
     def set_sync_debug_mode(self, mode: str) -> None:
         torch.cuda.set_sync_debug_mode(mode)
 
-    def start_profile(self, trace_dir: str) -> None:
-        self.profiler.start(trace_dir)
+    def start_profile(self, trace_dir: str, with_cpu: bool) -> None:
+        self.profiler.start(trace_dir, with_cpu)
 
     def stop_profile(self) -> ProfileSummary:
         return self.profiler.stop()

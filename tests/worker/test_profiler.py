@@ -34,6 +34,11 @@ def test_summary_counts_overlaps_once_and_ranks_kernels_by_time() -> None:
     assert s.device_busy_seconds == pytest.approx((80 + 10 + 50) * 1e-6)
     assert [(k.name, k.count) for k in s.top_kernels] == [("gemm", 2), ("nccl", 1), ("Memcpy DtoH", 1)]
     assert s.top_kernels[0].total_seconds == pytest.approx(100e-6)
+    assert [(g.before, g.after, g.count) for g in s.idle_gaps] == [
+        ("Memcpy DtoH", "gemm", 1),
+        ("nccl", "Memcpy DtoH", 1),
+    ]
+    assert [g.total_seconds for g in s.idle_gaps] == pytest.approx([90e-6, 20e-6])
     empty = summarize_trace({"traceEvents": []}, "engine", "t.json")
     assert empty.num_device_events == 0 and empty.device_busy_seconds == 0.0
 
