@@ -73,7 +73,7 @@ def profile_config(name: str, cfg: dict[str, Any], args: argparse.Namespace) -> 
     llm.shutdown()
     stats = pstats.Stats(profiler)
     rows = []
-    for (file, line, func), (cc, nc, tt, ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+    for (file, line, func), (_cc, nc, tt, ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
         rows.append(
             {
                 "function": f"{Path(file).name}:{line}({func})",
