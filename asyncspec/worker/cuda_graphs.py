@@ -28,6 +28,11 @@ logger = logging.getLogger(__name__)
 ModelForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, "int | None"], torch.Tensor]
 """forward(input_ids [T], positions [T], metadata, uniform query length or None) -> hidden [T, H]."""
 
+DecodeTail = Callable[[torch.Tensor, StaticInputs, int], torch.Tensor]
+"""tail(hidden [B, H] of a one-token-per-request graph, its static inputs, B) -> [B] int64: what
+follows the forward pass of a plain decode step (greedy sampling), captured as a graph of its own
+so that a step that needs the eager sampler still replays the forward alone."""
+
 
 def batch_size_buckets(max_num_reqs: int) -> list[int]:
     """1, 2, 4, 8, then multiples of 8 up to max_num_reqs (which is always a bucket)."""
@@ -62,6 +67,7 @@ class CudaGraphForward:
         batch_sizes: Iterable[int],
         query_lens: Iterable[int],
         device: torch.device,
+        decode_tail: DecodeTail | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -74,11 +80,16 @@ class CudaGraphForward:
         if static.query_start_loc.shape[0] <= self.batch_sizes[-1] or static.input_ids.shape[0] < max_tokens:
             raise ValueError("the static inputs are smaller than the largest graph")
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.decode_tail = decode_tail
+        self._tails: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        """Bucket -> the decode tail's graph over the (bucket, 1) forward graph's output."""
         self._pool: Any = None  # the first graph's private memory pool handle
         self.num_replays = 0
         """Forward passes served by a graph (tests and benchmarks read it)."""
         self.num_eager = 0
         """Forward passes that ran eagerly."""
+        self.num_decode_tail_replays = 0
+        """Decode steps whose greedy sampling was replayed from the tail graph."""
         self.replay_seconds: dict[tuple[int, int], float] = {}
         """Device time of one replay per (batch size, query length), measured at capture."""
 
@@ -116,11 +127,26 @@ class CudaGraphForward:
                 self._pool = graph.pool()
             self._graphs[(num_reqs, query_len)] = (graph, out)
             self.replay_seconds[(num_reqs, query_len)] = self._time_replays(graph)
+            if query_len == 1 and self.decode_tail is not None:
+                self._tails[num_reqs] = self._capture_tail(self.decode_tail, out, num_reqs)
             if progress is not None:
                 progress(i + 1, len(keys))
         torch.cuda.synchronize(self.device)
         memory = torch.cuda.memory_reserved(self.device) - reserved_before
-        return CaptureStats(len(keys), time.perf_counter() - start, memory)
+        return CaptureStats(len(keys) + len(self._tails), time.perf_counter() - start, memory)
+
+    def _capture_tail(
+        self, tail: DecodeTail, hidden: torch.Tensor, num_reqs: int
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # Warm-up runs the tail for real: capture happens at start-up, before any request owns
+        # the buffers it writes.
+        for _ in range(2):
+            tail(hidden, self.static, num_reqs)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = tail(hidden, self.static, num_reqs)
+        return graph, out
 
     def _time_replays(self, graph: torch.cuda.CUDAGraph, repeats: int = 3) -> float:
         graph.replay()
@@ -175,3 +201,14 @@ class CudaGraphForward:
         graph.replay()
         self.num_replays += 1
         return out[:num_tokens]
+
+    def has_decode_tail(self, bucket: int) -> bool:
+        return bucket in self._tails
+
+    def replay_decode_tail(self, bucket: int, num_reqs: int) -> torch.Tensor:
+        """Runs the decode tail over the output of the (bucket, 1) graph just replayed; returns
+        its first num_reqs results (valid until the next replay)."""
+        graph, out = self._tails[bucket]
+        graph.replay()
+        self.num_decode_tail_replays += 1
+        return out[:num_reqs]

@@ -27,6 +27,7 @@ from asyncspec.layers.sampler import (
     SamplerOutput,
     SamplingMetadata,
     check_token_ids,
+    greedy_sample,
     host_list_to_device,
     make_generator,
 )
@@ -364,12 +365,41 @@ class ModelRunner:
     def _new_graphs(
         self, model, kv_caches, query_lens: list[int], batch_sizes: list[int], static: StaticInputs | None = None
     ) -> CudaGraphForward:
-        """Graphs over `static` (the target's step buffers) or over buffers of their own (the draft's)."""
+        """Graphs over `static` (the target's step buffers) or over buffers of their own (the draft's).
+        The target's decode graphs get the greedy tail when nothing but the plain decode uses them."""
         if static is None:
             max_tokens = max(batch_sizes) * max(query_lens)
             cols = self.input_batch.max_blocks_per_req
             static = StaticInputs.allocate(max(batch_sizes), max_tokens, cols, self.device)
-        return CudaGraphForward(model, kv_caches, self.block_size, static, batch_sizes, query_lens, self.device)
+        tail = self._greedy_decode_tail if model is self.model and self.spec is None else None
+        return CudaGraphForward(
+            model, kv_caches, self.block_size, static, batch_sizes, query_lens, self.device, decode_tail=tail
+        )
+
+    def _greedy_decode_tail(self, hidden: torch.Tensor, static: StaticInputs, num_reqs: int) -> torch.Tensor:
+        """Greedy sampling of a decode step, graphed after its forward pass: logits, argmax, and each
+        new token into the device token buffer at its sequence length, as the eager path does. Padding
+        requests (sequence length 0, row 0) write back the value already there."""
+        sampled = greedy_sample(self.model.compute_logits(hidden[:num_reqs]))
+        rows = self._meta_dev[0, :num_reqs]
+        cols = static.seq_lens[:num_reqs].to(torch.int64)
+        token_ids = self.input_batch.token_ids
+        token_ids[rows, cols] = torch.where(cols > 0, sampled.clamp_min(0), token_ids[rows, cols])
+        return sampled
+
+    def _greedy_in_graph(self, step: StepInputs, num_reqs: int, num_sampling: int) -> bool:
+        """Whether this step's sampling is the decode tail already captured in its graph: a graphed
+        decode of the whole batch, every request sampling, greedily, with nothing the eager sampler
+        adds (penalties, logprobs, a min_tokens block)."""
+        graphs = self.cuda_graphs
+        if graphs is None or step.graph_bucket is None or step.query_len != 1:
+            return False
+        if num_sampling != num_reqs or num_reqs != len(self.input_batch):
+            return False
+        counts = self.input_batch.feature_counts
+        if counts["random"] or counts["penalties"] or counts["logprobs"] or counts["min_tokens"]:
+            return False
+        return graphs.has_decode_tail(step.graph_bucket)
 
     def _estimate_cuda_graph_memory(self) -> int:
         """Captures the largest bucket of each model over a one-block KV cache and measures its
@@ -642,27 +672,35 @@ class ModelRunner:
             output = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids], failed_requests=failed)
             return StepHandle(output=output)
         num_sampling = len(sampling_rows)
-        sample_index = self._meta_dev[3, :num_sampling]
-        last_token_index = attn_metadata.query_start_loc[1:].to(torch.int64) - 1
-        logits = self.model.compute_logits(hidden_states[last_token_index[sample_index]])
         sampling_states = [states[i] for i in sampling_rows]
-        batch_rows = self._meta_dev[0].index_select(0, sample_index)
-        metadata = self._sampling_metadata(sampling_states, batch_rows)
-        out = self.sampler(logits, metadata, self.default_generator)
-        # The device token buffer is the source of truth for the next step's input ids; a
-        # sampling request's new token goes at index seq_len (always < max_model_len).
-        token_cols = attn_metadata.seq_lens.to(torch.int64).index_select(0, sample_index)
-        sampled = out.sampled_token_ids
-        # Never a placeholder in the buffer: the drafter reads the new token this step, and a step
-        # already planned behind this one feeds it to the model (a failed row's results are void).
-        self.input_batch.token_ids[batch_rows, token_cols] = sampled.clamp_min(0)
-        self.input_batch.record_sampled(batch_rows, sampled)
-        if self.spec is not None:
-            self._propose_without_drafts(
-                states, num_scheduled, sampling_rows, batch_rows, token_cols + 1, metadata, so, computed_before
-            )
-        num_logprobs = metadata.max_num_logprobs
-        tensors = [sampled] + (_logprob_tensors(out) if num_logprobs is not None else [])
+        num_logprobs: int | None = None
+        if self._greedy_in_graph(step, len(states), num_sampling):
+            assert self.cuda_graphs is not None and step.graph_bucket is not None
+            sampled = self.cuda_graphs.replay_decode_tail(step.graph_bucket, num_sampling)
+            if self.input_batch.output_token_counts is not None:
+                self.input_batch.record_sampled(self._meta_dev[0, :num_sampling], sampled)
+            tensors = [sampled]
+        else:
+            sample_index = self._meta_dev[3, :num_sampling]
+            last_token_index = attn_metadata.query_start_loc[1:].to(torch.int64) - 1
+            logits = self.model.compute_logits(hidden_states[last_token_index[sample_index]])
+            batch_rows = self._meta_dev[0].index_select(0, sample_index)
+            metadata = self._sampling_metadata(sampling_states, batch_rows)
+            out = self.sampler(logits, metadata, self.default_generator)
+            # The device token buffer is the source of truth for the next step's input ids; a
+            # sampling request's new token goes at index seq_len (always < max_model_len).
+            token_cols = attn_metadata.seq_lens.to(torch.int64).index_select(0, sample_index)
+            sampled = out.sampled_token_ids
+            # Never a placeholder in the buffer: the drafter reads the new token this step, and a step
+            # already planned behind this one feeds it to the model (a failed row's results are void).
+            self.input_batch.token_ids[batch_rows, token_cols] = sampled.clamp_min(0)
+            self.input_batch.record_sampled(batch_rows, sampled)
+            if self.spec is not None:
+                self._propose_without_drafts(
+                    states, num_scheduled, sampling_rows, batch_rows, token_cols + 1, metadata, so, computed_before
+                )
+            num_logprobs = metadata.max_num_logprobs
+            tensors = [sampled] + (_logprob_tensors(out) if num_logprobs is not None else [])
         host, ready = self._copy_to_host(tensors)
 
         def finish(values: np.ndarray) -> ModelRunnerOutput:

@@ -50,6 +50,17 @@ class _EagerStandIn:
         self.out.copy_(self.graphs._run_static(self.num_reqs, self.query_len))
 
 
+class _TailStandIn:
+    """Replays the decode tail (greedy sampling into the token buffer) over a stand-in's output."""
+
+    def __init__(self, graphs: CudaGraphForward, num_reqs: int, hidden: torch.Tensor, out: torch.Tensor) -> None:
+        self.graphs, self.num_reqs, self.hidden, self.out = graphs, num_reqs, hidden, out
+
+    def replay(self) -> None:
+        assert self.graphs.decode_tail is not None
+        self.out.copy_(self.graphs.decode_tail(self.hidden, self.graphs.static, self.num_reqs))
+
+
 def _install_stand_ins(runner: ModelRunner) -> list[CudaGraphForward]:
     installed = []
     for model, mc, query_lens in runner._graph_plan():
@@ -64,6 +75,9 @@ def _install_stand_ins(runner: ModelRunner) -> list[CudaGraphForward]:
             for b in graphs.batch_sizes:
                 out = torch.full((b * q, mc.hidden_size), float("nan"))
                 graphs._graphs[(b, q)] = (_EagerStandIn(graphs, b, q, out), out)  # type: ignore[assignment]
+                if q == 1 and graphs.decode_tail is not None:
+                    sampled = torch.full((b,), -5, dtype=torch.int64)
+                    graphs._tails[b] = (_TailStandIn(graphs, b, out, sampled), sampled)  # type: ignore[assignment]
         if is_target:
             runner.cuda_graphs = graphs
         else:
@@ -100,11 +114,40 @@ def test_padded_static_replay_equals_eager(method):
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
     target = graphs[0]
     assert target.num_replays > 10 and target.num_eager > 0  # decodes replayed, prefills eager
+    # Without speculation the greedy decodes sample inside the graph (the tail); verification never does.
+    assert (target.num_decode_tail_replays > 10) == (method is None), target.num_decode_tail_replays
     if method == "draft_model":
         assert graphs[1].num_replays > 10
     if method is not None:  # drafts trimmed near max_tokens, a draft catching up: ragged batches replay
         assert ragged, "expected ragged decode batches to replay through a graph"
     assert stats["cuda_graph_replays"] == sum(g.num_replays for g in graphs)
+
+
+def test_decode_tail_serves_only_plain_greedy_batches():
+    """A request with logprobs or a temperature in the batch sends every step through the eager
+    sampler; once it finishes the others go back to the graphed tail. The tokens equal the eager
+    engine's throughout."""
+    kwargs = dict(device="cpu", dtype="float32", **CONFIG)
+    params = _params()
+    params[0] = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    params[2] = SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
+    ref = LLM(str(TARGET_MODEL), **kwargs).generate(_prompts(), params)
+    llm = LLM(str(TARGET_MODEL), **kwargs)
+    (target,) = _install_stand_ins(llm.engine.engine_core.runner)
+    used: list[bool] = []
+    replay_tail = target.replay_decode_tail
+
+    def recording(bucket: int, num_reqs: int) -> torch.Tensor:
+        used.append(True)
+        return replay_tail(bucket, num_reqs)
+
+    target.replay_decode_tail = recording  # type: ignore[method-assign]
+    got = llm.generate(_prompts(), params)
+    assert_same_outputs(ref, got, "the graphed decode tail")
+    assert got[0].logprobs is not None and len(got[0].logprobs) == 12
+    # Decode steps replay the forward every time, the tail only once requests 0 and 2 are done:
+    # fewer than 64 - 20 steps remain after request 2's last token.
+    assert 10 < len(used) < target.num_replays - 10
 
 
 def test_bucket_choice():
