@@ -178,7 +178,7 @@ ASYNCSPEC_CONFIGS: dict[str, dict[str, Any]] = {
     # Opt-in (group `fixed-k`): CUDA graphs with a fixed k = 4, what the adaptive policy is measured against.
     "graphed-ngram-fixed": {"enforce_eager": False, **_NGRAM, "adaptive_speculation": False},
     "graphed-draft-fixed": {"enforce_eager": False, **_DRAFT, "adaptive_speculation": False},
-    # Opt-in (group `async`): the asynchronous loop (issue 9), next to the graphed rows above.
+    # Opt-in (group `async-all`): the asynchronous loop (issue 9), next to the graphed rows above.
     "async": {"enforce_eager": False, "async_scheduling": True},
     "async-ngram": {"enforce_eager": False, **_NGRAM, "adaptive_speculation": True, "async_scheduling": True},
     "async-draft": {"enforce_eager": False, **_DRAFT, "adaptive_speculation": True, "async_scheduling": True},
@@ -191,7 +191,7 @@ PART_ORDER = ("bandwidth", *ASYNCSPEC_CONFIGS, "startup", *HF_PARTS)
 GROUPS = {
     "asyncspec": [c for c in ASYNCSPEC_CONFIGS if not c.endswith("-fixed") and not c.startswith("async")],
     "fixed-k": [c for c in ASYNCSPEC_CONFIGS if c.endswith("-fixed")],
-    "async": [c for c in ASYNCSPEC_CONFIGS if c.startswith("async")],
+    "async-all": [c for c in ASYNCSPEC_CONFIGS if c.startswith("async")],
     "hf": list(HF_PARTS),
 }
 GROUPS["all"] = [*GROUPS["asyncspec"], "startup", *HF_PARTS]
