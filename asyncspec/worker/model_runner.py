@@ -107,6 +107,25 @@ class StepHandle:
             self.ready.synchronize()
 
 
+class GreedyDecodeTail:
+    """Greedy sampling of a decode step, graphed after its forward pass: logits, argmax, and each
+    new token into the device token buffer at its sequence length, as the eager path does. Padding
+    requests (sequence length 0, row 0) write back the value already there. It holds the tensors it
+    needs, not the runner: the graphs that keep it must not keep the runner (and its KV cache) alive
+    in a reference cycle."""
+
+    def __init__(self, model: torch.nn.Module, meta: torch.Tensor, token_ids: torch.Tensor) -> None:
+        self.model, self.meta, self.token_ids = model, meta, token_ids
+
+    def __call__(self, hidden: torch.Tensor, static: StaticInputs, num_reqs: int) -> torch.Tensor:
+        sampled = greedy_sample(self.model.compute_logits(hidden[:num_reqs]))  # type: ignore[operator]
+        rows = self.meta[0, :num_reqs]
+        cols = static.seq_lens[:num_reqs].to(torch.int64)
+        token_ids = self.token_ids
+        token_ids[rows, cols] = torch.where(cols > 0, sampled.clamp_min(0), token_ids[rows, cols])
+        return sampled
+
+
 class ModelRunner:
     """Holds the model, the KV cache tensors and the persistent input batch."""
 
@@ -371,21 +390,12 @@ class ModelRunner:
             max_tokens = max(batch_sizes) * max(query_lens)
             cols = self.input_batch.max_blocks_per_req
             static = StaticInputs.allocate(max(batch_sizes), max_tokens, cols, self.device)
-        tail = self._greedy_decode_tail if model is self.model and self.spec is None else None
+        tail = None
+        if model is self.model and self.spec is None:
+            tail = GreedyDecodeTail(self.model, self._meta_dev, self.input_batch.token_ids)
         return CudaGraphForward(
             model, kv_caches, self.block_size, static, batch_sizes, query_lens, self.device, decode_tail=tail
         )
-
-    def _greedy_decode_tail(self, hidden: torch.Tensor, static: StaticInputs, num_reqs: int) -> torch.Tensor:
-        """Greedy sampling of a decode step, graphed after its forward pass: logits, argmax, and each
-        new token into the device token buffer at its sequence length, as the eager path does. Padding
-        requests (sequence length 0, row 0) write back the value already there."""
-        sampled = greedy_sample(self.model.compute_logits(hidden[:num_reqs]))
-        rows = self._meta_dev[0, :num_reqs]
-        cols = static.seq_lens[:num_reqs].to(torch.int64)
-        token_ids = self.input_batch.token_ids
-        token_ids[rows, cols] = torch.where(cols > 0, sampled.clamp_min(0), token_ids[rows, cols])
-        return sampled
 
     def _greedy_in_graph(self, step: StepInputs, num_reqs: int, num_sampling: int) -> bool:
         """Whether this step's sampling is the decode tail already captured in its graph: a graphed
