@@ -457,10 +457,12 @@ class ModelRunner:
                 self.spec.proposer.graphs = graphs  # type: ignore[union-attr]
 
     def graph_stats(self) -> dict[str, int]:
-        """Forward passes replayed from a CUDA graph and run eagerly, target and draft together."""
+        """Forward passes replayed from a CUDA graph and run eagerly, target and draft together, and
+        the decode steps whose greedy sampling replayed the decode tail."""
         graphs = [g for g in (self.cuda_graphs, self.draft_cuda_graphs) if g is not None]
         return {
             "cuda_graph_replays": sum(g.num_replays for g in graphs),
+            "cuda_graph_decode_tail_replays": sum(g.num_decode_tail_replays for g in graphs),
             "cuda_graph_eager_forwards": sum(g.num_eager for g in graphs),
         }
 

@@ -49,7 +49,11 @@ class TensorParallelExecutor:
         self.last_device_idle_seconds: float | None = None
         """Rank 0's device idle before the last collected step."""
         self._handles: deque[StepHandle] = deque()
-        self._graph_stats: dict[str, int] = {"cuda_graph_replays": 0, "cuda_graph_eager_forwards": 0}
+        self._graph_stats: dict[str, int] = {
+            "cuda_graph_replays": 0,
+            "cuda_graph_decode_tail_replays": 0,
+            "cuda_graph_eager_forwards": 0,
+        }
         self._dead: WorkerDiedError | None = None
         self._debug = False
         self._store_dir = tempfile.mkdtemp(prefix="asyncspec-tp-")

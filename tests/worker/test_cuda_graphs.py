@@ -121,6 +121,7 @@ def test_padded_static_replay_equals_eager(method):
     if method is not None:  # drafts trimmed near max_tokens, a draft catching up: ragged batches replay
         assert ragged, "expected ragged decode batches to replay through a graph"
     assert stats["cuda_graph_replays"] == sum(g.num_replays for g in graphs)
+    assert stats["cuda_graph_decode_tail_replays"] == target.num_decode_tail_replays
 
 
 def test_decode_tail_serves_only_plain_greedy_batches():
@@ -207,6 +208,8 @@ def test_graphs_equal_eager_on_gpu_fp32(method):
     stats = llm.stats()
     assert stats["num_preemptions"] > 0
     assert stats["cuda_graph_replays"] > 20
+    # Without speculation the greedy decodes sample in the decode tail's graph.
+    assert (stats["cuda_graph_decode_tail_replays"] > 10) == (method is None), stats
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
 
 

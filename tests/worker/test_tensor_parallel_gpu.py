@@ -68,6 +68,19 @@ def test_bundled_pair_tp2_close_to_one_gpu(async_scheduling) -> None:
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
 
 
+def test_tp2_greedy_decode_tail_close_to_one_gpu() -> None:
+    """Without speculation a greedy batch samples inside the graphs (the decode tail, its logits
+    all-gathered there): close to one GPU's eager sampler (the reference asks for logprobs)."""
+    prompts = load_prompts(16)
+    kwargs = dict(async_scheduling=True, **CONFIG)
+    reference = _one_gpu(prompts, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=5), kwargs)
+    with LLM(str(TARGET_MODEL), tensor_parallel_size=2, **kwargs) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
+        stats = llm.stats()
+    _assert_close(reference, outs)
+    assert stats["cuda_graph_decode_tail_replays"] > 20, stats
+
+
 @pytest.mark.parametrize("method", [None, "draft_model"])
 def test_tp2_hot_loop_makes_no_host_sync(method, monkeypatch) -> None:
     monkeypatch.setenv("ASYNCSPEC_DEBUG_INVARIANTS", "0")  # the debug checks read the device
