@@ -17,7 +17,7 @@ pack)
     mkdir -p .devdata
     git archive "$base" --prefix=clean/ -o .devdata/ab_base.tar ':!models'
     git archive "$new" --prefix=clean/ -o .devdata/ab_new.tar ':!models'
-    cp "$0" .devdata/ab_commits.sh
+    [ "$0" -ef .devdata/ab_commits.sh ] || cp "$0" .devdata/ab_commits.sh
     echo "packed base $base and new $new into .devdata/ (carry it)"
     ;;
 run)
@@ -32,8 +32,9 @@ run)
         (cd "/tmp/ab_$v/clean" && if [ -d kernels ] && [ ! -e asyncspec/kernels ]; then ln -s ../kernels asyncspec/kernels; fi)
     done
     for arg in "$@"; do
-        if [[ "$arg" == benchmarks/*.py && -f "/tmp/ab_new/clean/$arg" ]]; then
-            cp "/tmp/ab_new/clean/$arg" "/tmp/ab_base/clean/$arg"
+        script=${arg#./}
+        if [[ "$script" == benchmarks/*.py && -f "/tmp/ab_new/clean/$script" ]]; then
+            cp "/tmp/ab_new/clean/$script" "/tmp/ab_base/clean/$script"
         fi
     done
     for round in $(seq 1 "$rounds"); do

@@ -107,6 +107,9 @@ def main() -> int:
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
     results = []
+    unknown = [n for n in args.configs.split(",") if n not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
     for name in args.configs.split(","):
         r = profile_config(name, CONFIGS[name], args)
         results.append(r)

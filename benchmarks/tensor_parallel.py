@@ -102,7 +102,10 @@ KERNEL_CATEGORIES = [
     ("residual add + RMSNorm", ("rms_norm",)),
     ("RoPE + KV write", ("rotary", "kv_cache_write")),
     ("SiLU-and-mul", ("silu",)),
-    ("step inputs and sampling", ("prepare_inputs", "resolve_computed", "slot_mapping", "rejection", "argmax")),
+    (
+        "step inputs and sampling",
+        ("prepare_inputs", "resolve_computed", "slot_mapping", "rejection", "argmax", "maxops"),
+    ),
     ("copies and fills", ("memcpy", "memset")),
 ]
 
@@ -116,14 +119,22 @@ def categorize(name: str) -> str:
 
 
 def profile_batch1(llm: Any, prompt: list[int], s: dict[str, Any], size: int) -> dict[str, Any]:
-    """A batch-1 generation under torch.profiler: each rank's device time per decode step, by kind
-    of kernel, and the device's idle share of the window."""
+    """Decode steps of one request under torch.profiler (the prefill and the first decode run
+    before it starts): each rank's device time per decode step, by kind of kernel, and the
+    device's idle share of the window."""
     asyncspec = _import_asyncspec()
-    n = s["profile_tokens"]
-    params = asyncspec.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    llm.start_profile(Path(s["profile_dir"]) / f"tp{size}", with_cpu=False)  # the host at its own pace
-    llm.generate([prompt], params)
+    engine = llm.engine
+    params = asyncspec.SamplingParams(temperature=0.0, max_tokens=s["profile_tokens"] + 2, ignore_eos=True)
+    engine.add_request(engine.make_request(prompt, params, f"profile-{size}"), stream_deltas=False)
+    for _ in range(2):
+        engine.step()
+    steps_before = llm.stats()["num_steps"]
+    path = Path(s["profile_dir"]) / f"tp{size}-{os.environ.get('ASYNCSPEC_TP_ALL_REDUCE', 'nccl')}"
+    llm.start_profile(path, with_cpu=False)  # the host at its own pace
+    while engine.has_unfinished_requests():
+        engine.step()
     summaries = llm.stop_profile()
+    n = max(1, int(llm.stats()["num_steps"] - steps_before))
     ranks = []
     for summary in summaries:
         per_step: dict[str, float] = {}

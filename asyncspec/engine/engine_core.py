@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import deque
@@ -139,7 +140,13 @@ class EngineCore:
         self.runner.check_health()
 
     def shutdown(self) -> None:
-        """Stops the worker processes (tensor parallelism) or the CPU stream thread; idempotent."""
+        """Stops the worker processes (tensor parallelism) or the CPU stream thread; idempotent. A
+        profiler still running in this process is stopped, its trace discarded."""
+        if self._profiler is not None and isinstance(self.runner, ModelRunner):
+            profiler, self._profiler = self._profiler, None
+            self._profiling = False
+            with contextlib.suppress(Exception):
+                self.runner.call_on_stream(profiler.discard)
         self.runner.close()
 
     def start_profile(self, trace_dir: str | Path, with_cpu: bool = True) -> None:
@@ -154,8 +161,10 @@ class EngineCore:
         if isinstance(self.runner, TensorParallelExecutor):
             self.runner.start_profile(str(path), with_cpu)
         else:
-            self._profiler = StepProfiler("engine", self.runner.device)
-            self._profiler.start(path, with_cpu)
+            profiler = StepProfiler("engine", self.runner.device)
+            # Where the steps run (the CPU stream's thread in the asynchronous loop on the CPU).
+            self.runner.call_on_stream(lambda: profiler.start(path, with_cpu))
+            self._profiler = profiler
         self._profiling = True
 
     def stop_profile(self) -> list[ProfileSummary]:
@@ -167,7 +176,7 @@ class EngineCore:
             return self.runner.stop_profile()
         assert self._profiler is not None
         profiler, self._profiler = self._profiler, None
-        return [profiler.stop()]
+        return [self.runner.call_on_stream(profiler.stop)]
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

@@ -10,6 +10,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -225,6 +226,14 @@ class ModelRunner:
     def check_health(self) -> None:
         """Nothing to check in-process (the executor of tensor parallelism watches its workers)."""
 
+    def call_on_stream(self, fn: Callable[[], Any]) -> Any:
+        """Runs fn where the steps run and returns its result: on the CPU stream's thread (the
+        asynchronous loop on the CPU), after the steps submitted before it; else here. A profiler
+        started elsewhere would not see the steps' operations."""
+        if self._cpu_stream is None:
+            return fn()
+        return self._cpu_stream.submit(fn).result()
+
     def close(self) -> None:
         """Stops the CPU stream's thread (after the step it is running); idempotent. Steps launched
         afterwards raise EngineDeadError."""
@@ -399,12 +408,13 @@ class ModelRunner:
 
     def _greedy_in_graph(self, step: StepInputs, num_reqs: int, num_sampling: int) -> bool:
         """Whether this step's sampling is the decode tail already captured in its graph: a graphed
-        decode of the whole batch, every request sampling, greedily, with nothing the eager sampler
-        adds (penalties, logprobs, a min_tokens block)."""
+        step of one token per request, every request sampling, and every row of the batch (counted
+        whether scheduled or not) greedy with nothing the eager sampler adds (penalties, logprobs,
+        a min_tokens block)."""
         graphs = self.cuda_graphs
         if graphs is None or step.graph_bucket is None or step.query_len != 1:
             return False
-        if num_sampling != num_reqs or num_reqs != len(self.input_batch):
+        if num_sampling != num_reqs:  # a request mid-prompt: its "next token" slot holds the prompt
             return False
         counts = self.input_batch.feature_counts
         if counts["random"] or counts["penalties"] or counts["logprobs"] or counts["min_tokens"]:

@@ -4,6 +4,7 @@ tensor-parallel rank's) and a summary of where the device's time went."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -68,7 +69,7 @@ class ProfileSummary:
         return asdict(self)
 
 
-def summarize_trace(trace: dict[str, Any], process: str, trace_path: str, top: int = 30) -> ProfileSummary:
+def summarize_trace(trace: dict[str, Any], process: str, trace_path: str, top: int = 100) -> ProfileSummary:
     """The device-time summary of a Chrome trace as torch.profiler exports it."""
     events = [e for e in trace.get("traceEvents", []) if e.get("cat") in _DEVICE_CATEGORIES and "dur" in e]
     summary = ProfileSummary(process, trace_path, num_device_events=len(events))
@@ -112,10 +113,7 @@ class StepProfiler:
         self.device = device
         self._profile: profile | None = None
         self._trace_dir: Path | None = None
-
-    @property
-    def active(self) -> bool:
-        return self._profile is not None
+        self._num_traces = 0
 
     def start(self, trace_dir: str | Path, with_cpu: bool = True) -> None:
         """with_cpu=False records device activity only: far less host overhead, so the device's
@@ -130,9 +128,15 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU] if with_cpu or self.device.type != "cuda" else []
         if self.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
-        self._profile = profile(activities=activities)
-        self._profile.__enter__()
-        self._trace_dir = path
+        prof = profile(activities=activities)
+        prof.__enter__()
+        self._profile, self._trace_dir = prof, path
+
+    def discard(self) -> None:
+        """Stops recording without writing a trace (the engine shuts down with it running)."""
+        prof, self._profile = self._profile, None
+        if prof is not None:
+            prof.__exit__(None, None, None)
 
     def stop(self) -> ProfileSummary:
         """Waits for the device's queued work, writes the trace and returns its summary."""
@@ -142,7 +146,10 @@ class StepProfiler:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         prof.__exit__(None, None, None)
-        trace_path = self._trace_dir / f"{self.process}-{time.strftime('%Y%m%dT%H%M%S')}.trace.json"
+        self._num_traces += 1
+        now = time.time_ns()
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime(now // 10**9)) + f".{now % 10**9:09d}"
+        trace_path = self._trace_dir / f"{self.process}-{stamp}-pid{os.getpid()}-{self._num_traces}.trace.json"
         prof.export_chrome_trace(str(trace_path))
         trace = json.loads(trace_path.read_text())
         return summarize_trace(trace, self.process, str(trace_path))

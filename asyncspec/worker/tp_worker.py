@@ -110,10 +110,11 @@ class RankWorker:
         torch.cuda.set_sync_debug_mode(mode)
 
     def start_profile(self, trace_dir: str, with_cpu: bool) -> None:
-        self.profiler.start(trace_dir, with_cpu)
+        self.runner.call_on_stream(lambda: self.profiler.start(trace_dir, with_cpu))
 
     def stop_profile(self) -> ProfileSummary:
-        return self.profiler.stop()
+        summary: ProfileSummary = self.runner.call_on_stream(self.profiler.stop)
+        return summary
 
 
 def worker_main(args: WorkerArgs, conn: Connection) -> None:

@@ -132,6 +132,8 @@ def test_decode_tail_serves_only_plain_greedy_batches():
     params = _params()
     params[0] = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     params[2] = SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
+    params[4] = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3)
+    params[5] = SamplingParams(temperature=0.0, max_tokens=18, min_tokens=14)
     ref = LLM(str(TARGET_MODEL), **kwargs).generate(_prompts(), params)
     llm = LLM(str(TARGET_MODEL), **kwargs)
     (target,) = _install_stand_ins(llm.engine.engine_core.runner)
@@ -146,9 +148,53 @@ def test_decode_tail_serves_only_plain_greedy_batches():
     got = llm.generate(_prompts(), params)
     assert_same_outputs(ref, got, "the graphed decode tail")
     assert got[0].logprobs is not None and len(got[0].logprobs) == 12
-    # Decode steps replay the forward every time, the tail only once requests 0 and 2 are done:
-    # fewer than 64 - 20 steps remain after request 2's last token.
+    # Decode steps replay the forward every time, the tail only once requests 0, 2, 4 and 5 are
+    # done (after at most 20 decode steps of the 64 that request 3 needs).
     assert 10 < len(used) < target.num_replays - 10
+
+
+def test_decode_tail_leaves_requests_mid_prompt_to_the_eager_path():
+    """With one-token prefill chunks a uniform one-token step holds requests still inside their
+    prompt: they sample nothing, and the slot after their chunk holds a prompt token the tail
+    must not overwrite."""
+    kwargs = dict(device="cpu", dtype="float32", **{**CONFIG, "long_prefill_token_threshold": 1})
+    prompts = [p[: 12 + 5 * i] for i, p in enumerate(load_prompts(4))]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    ref = LLM(str(TARGET_MODEL), **kwargs).generate(prompts, params)
+    llm = LLM(str(TARGET_MODEL), **kwargs)
+    (target,) = _install_stand_ins(llm.engine.engine_core.runner)
+    got = llm.generate(prompts, params)
+    assert_same_outputs(ref, got, "one-token prefill chunks beside the decode tail")
+    assert target.num_replays > 30 and target.num_decode_tail_replays > 0
+
+
+def test_greedy_decode_tail_writes_each_token_at_its_sequence_length():
+    """The tail's own contract on crafted logits: argmax per row, written at (row, seq_len) of the
+    token buffer; a padding request (seq_len 0, row 0) writes back what is there; a row with no
+    valid token reports INVALID_TOKEN_ID and writes 0, as the eager path does."""
+    from asyncspec.layers.sampler import INVALID_TOKEN_ID
+    from asyncspec.worker.model_runner import GreedyDecodeTail
+
+    class Logits(torch.nn.Module):
+        def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+            return hidden.float()
+
+    static = StaticInputs.allocate(4, 8, 2, torch.device("cpu"))
+    meta = torch.zeros((6, 4), dtype=torch.int64)
+    meta[0, :3] = torch.tensor([2, 5, 1])  # batch rows of the three real requests; the 4th pads
+    static.seq_lens[:4] = torch.tensor([3, 7, 4, 0], dtype=torch.int32)
+    token_ids = torch.arange(6 * 10, dtype=torch.int64).view(6, 10)
+    before = token_ids.clone()
+    hidden = torch.full((4, 6), -1.0)
+    hidden[0, 4] = 5.0
+    hidden[1, 2] = 3.0
+    hidden[2] = float("nan")
+    hidden[3, 1] = 9.0  # the padding row's "token"
+    sampled = GreedyDecodeTail(Logits(), meta, token_ids)(hidden, static, 4)
+    assert sampled[:3].tolist() == [4, 2, INVALID_TOKEN_ID]
+    expected = before.clone()
+    expected[2, 3], expected[5, 7], expected[1, 4] = 4, 2, 0
+    assert torch.equal(token_ids, expected), "only (row, seq_len) of the real requests may change"
 
 
 def test_bucket_choice():
@@ -259,3 +305,24 @@ def test_graphed_steps_make_no_host_sync(method, async_scheduling, monkeypatch):
         torch.cuda.set_sync_debug_mode("default")
     assert steps > 10
     assert llm.stats()["cuda_graph_replays"] > 10
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_decode_tail_makes_no_host_sync(async_scheduling, monkeypatch):
+    """An all-greedy batch decodes through the graphed tail under set_sync_debug_mode("error")."""
+    monkeypatch.setenv("ASYNCSPEC_DEBUG_INVARIANTS", "0")
+    llm = _gpu_llm(None, "bfloat16", False, async_scheduling=async_scheduling)
+    engine = llm.engine
+    for i, prompt in enumerate(_prompts()):
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS[i], ignore_eos=True)
+        engine.add_request(engine.make_request(prompt, params, f"r{i}"), stream_deltas=False)
+    engine.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert llm.stats()["cuda_graph_decode_tail_replays"] > 20

@@ -4,6 +4,7 @@ out of order refused with a clear error that leaves the engine serving."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -57,9 +58,18 @@ def test_cpu_profile_writes_a_trace_of_the_ops_run(tmp_path) -> None:
         profiler.stop()
 
 
-def test_llm_profiles_generation_and_refuses_calls_out_of_order(tmp_path) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_llm_profiles_generation_and_refuses_calls_out_of_order(tmp_path, async_scheduling) -> None:
+    """The asynchronous loop on the CPU runs its steps on a thread of their own: the profiler is
+    started there, or the trace would hold none of the model's operations."""
     llm = LLM(
-        str(TARGET_MODEL), device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=64, skip_tokenizer_init=True
+        str(TARGET_MODEL),
+        device="cpu",
+        dtype="float32",
+        max_model_len=256,
+        num_kv_blocks=64,
+        skip_tokenizer_init=True,
+        async_scheduling=async_scheduling,
     )
     params = SamplingParams(temperature=0.0, max_tokens=4)
     with pytest.raises(ProfilerError, match="not running"):
@@ -77,3 +87,11 @@ def test_llm_profiles_generation_and_refuses_calls_out_of_order(tmp_path) -> Non
     events = json.loads(open(summary.trace_path).read())["traceEvents"]
     assert any(e.get("name") == "aten::embedding" for e in events), "the model's forward is not in the trace"
     assert llm.generate([[5, 6, 7, 8]], params)[0].token_ids == out[0].token_ids
+    # A second window in the same second gets a trace of its own.
+    llm.start_profile(tmp_path)
+    llm.generate([[5, 6, 7, 8]], params)
+    (second,) = llm.stop_profile()
+    assert second.trace_path != summary.trace_path
+    assert os.path.exists(summary.trace_path) and os.path.exists(second.trace_path)
+    llm.start_profile(tmp_path)
+    llm.shutdown()  # stops the running profiler too
