@@ -124,10 +124,12 @@ def test_padded_static_replay_equals_eager(method):
     assert stats["cuda_graph_decode_tail_replays"] == target.num_decode_tail_replays
 
 
-def test_decode_tail_serves_only_plain_greedy_batches():
-    """A request with logprobs or a temperature in the batch sends every step through the eager
-    sampler; once it finishes the others go back to the graphed tail. The tokens equal the eager
-    engine's throughout."""
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_decode_tail_serves_only_plain_greedy_batches(async_scheduling):
+    """A request with logprobs, a temperature, penalties or min_tokens in the batch sends every step
+    through the eager sampler; once they finish the others go back to the graphed tail. The tokens
+    equal the eager synchronous engine's throughout (the asynchronous loop also plans steps that
+    leave a request near its end unscheduled)."""
     kwargs = dict(device="cpu", dtype="float32", **CONFIG)
     params = _params()
     params[0] = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
@@ -135,7 +137,7 @@ def test_decode_tail_serves_only_plain_greedy_batches():
     params[4] = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3)
     params[5] = SamplingParams(temperature=0.0, max_tokens=18, min_tokens=14)
     ref = LLM(str(TARGET_MODEL), **kwargs).generate(_prompts(), params)
-    llm = LLM(str(TARGET_MODEL), **kwargs)
+    llm = LLM(str(TARGET_MODEL), async_scheduling=async_scheduling, **kwargs)
     (target,) = _install_stand_ins(llm.engine.engine_core.runner)
     used: list[bool] = []
     replay_tail = target.replay_decode_tail
@@ -149,8 +151,8 @@ def test_decode_tail_serves_only_plain_greedy_batches():
     assert_same_outputs(ref, got, "the graphed decode tail")
     assert got[0].logprobs is not None and len(got[0].logprobs) == 12
     # Decode steps replay the forward every time, the tail only once requests 0, 2, 4 and 5 are
-    # done (after at most 20 decode steps of the 64 that request 3 needs).
-    assert 10 < len(used) < target.num_replays - 10
+    # done (the small pool's preemptions and recomputes stretch their share of the steps).
+    assert 5 <= len(used) < target.num_replays - 10, (len(used), target.num_replays)
 
 
 def test_decode_tail_leaves_requests_mid_prompt_to_the_eager_path():
