@@ -206,7 +206,9 @@ class AsyncEngine:
                 del self._streams[request_id]
                 self._pending_aborts.append(request_id)
 
-    def _apply_pending(self) -> None:
+    def _apply_pending(self) -> tuple[list[str], list[RequestOutput]]:
+        """Applies the adds and aborts that came in since the last step; returns the aborted ids and
+        their final outputs, which the caller delivers after the previous step's outputs."""
         adds, self._pending_adds = self._pending_adds, []
         for request in adds:
             if request.request_id not in self._streams:
@@ -215,12 +217,28 @@ class AsyncEngine:
                 self.engine.add_request(request)
             except Exception as e:  # queue full, duplicate id: the stream ends with the error
                 self._streams.pop(request.request_id).queue.put_nowait(e)
-        aborts, self._pending_aborts = self._pending_aborts, []
-        if aborts:
-            for output in self.engine.abort_requests(aborts):
-                self._deliver(output)
-            assert self._aborts_applied is not None
-            self._aborts_applied.set()
+        aborts = list(self._pending_aborts)
+        if not aborts:
+            return [], []
+        # The ids stay in _pending_aborts until their outputs are delivered: a generate() reusing
+        # one waits for that.
+        return aborts, self.engine.abort_requests(aborts)
+
+    def _deliver_in_order(
+        self, step_outputs: list[RequestOutput], aborted_ids: list[str], aborted: list[RequestOutput]
+    ) -> None:
+        """A step's outputs, then the final outputs of the requests aborted after it; then the
+        aborted ids are free for reuse."""
+        for output in step_outputs:
+            self._deliver(output)
+        if not aborted_ids:
+            return
+        for output in aborted:
+            self._deliver(output)
+        done = set(aborted_ids)
+        self._pending_aborts = [rid for rid in self._pending_aborts if rid not in done]
+        assert self._aborts_applied is not None
+        self._aborts_applied.set()
 
     def _deliver(self, output: RequestOutput) -> None:
         if output.finished and output.request_id in self._pending_aborts:
@@ -240,20 +258,24 @@ class AsyncEngine:
     async def _run_loop(self) -> None:
         assert self._wakeup is not None
         try:
+            outputs: list[RequestOutput] = []
             step, self._inflight_step = self._inflight_step, None
             if step is not None and not step.cancelled():
                 # A loop task cancelled mid-step (its event loop closed) left a step computing in
                 # the worker thread: engine state may be touched only once it is done. (A step
                 # cancelled while still queued never ran: there is nothing to wait for.)
-                for output in await asyncio.wrap_future(step):
-                    self._deliver(output)
+                outputs = await asyncio.wrap_future(step)
+                self._notify_step_listeners()
             while True:
-                self._apply_pending()
+                # Engine state is touched here only while no step runs in the worker thread.
+                aborted_ids, aborted = self._apply_pending()
                 # Between steps, with no step running: the counters as a whole, for scrapes that come
                 # from other threads (mid-step, a stop string's correction could show a counter going
                 # down).
                 self._stats_snapshot = self.engine.stats()
                 if not self.engine.has_unfinished_requests():
+                    self._deliver_in_order(outputs, aborted_ids, aborted)
+                    outputs = []
                     self._wakeup.clear()
                     if self._pending_adds or self._pending_aborts:
                         continue
@@ -267,11 +289,13 @@ class AsyncEngine:
                 # launched before step N's results are awaited); either way it runs in the worker thread,
                 # which also waits for the device, so the event loop stays free for the streams' I/O.
                 self._inflight_step = self._executor.submit(self.engine.step)
+                # The previous step's outputs go to their streams while the next step computes: the
+                # worker thread does not wait for the streams' handlers (delivery touches only the
+                # streams' queues, never the engine).
+                self._deliver_in_order(outputs, aborted_ids, aborted)
                 outputs = await asyncio.wrap_future(self._inflight_step)
                 self._inflight_step = None
                 self._notify_step_listeners()
-                for output in outputs:
-                    self._deliver(output)
         except (asyncio.CancelledError, GeneratorExit):
             # Cancelled, or closed by the garbage collector as a pending task of an event loop
             # that was closed: the loop is gone, not the engine.

@@ -478,3 +478,67 @@ def test_waiting_to_reuse_an_id_wakes_when_its_request_ends_on_its_own(async_sch
         await engine.shutdown()
 
     _run(main())
+
+
+def test_next_step_runs_while_the_previous_outputs_are_delivered(async_scheduling) -> None:
+    """The worker thread does not wait for the deliveries: when a step's outputs are put on their
+    streams, the next step has already been handed to the worker thread (128 streams' deliveries are
+    a fraction of a millisecond of the event loop's time). Each stream still receives its deltas in
+    order and complete."""
+    import threading
+
+    eng = _new_engine(async_scheduling)
+    lock = threading.Lock()
+    started = 0
+    produced_by: dict[int, int] = {}  # id(output) -> the step call that returned it
+    step = eng.engine.step
+
+    def counting_step():
+        nonlocal started
+        with lock:
+            started += 1
+            k = started
+        outputs = step()
+        for out in outputs:
+            produced_by[id(out)] = k
+        return outputs
+
+    eng.engine.step = counting_step  # type: ignore[method-assign]
+    submitted = 0  # steps handed to the worker thread (they run in this order)
+    submit = eng._executor.submit
+
+    def counting_submit(fn, *args, **kwargs):
+        nonlocal submitted
+        submitted += 1
+        return submit(fn, *args, **kwargs)
+
+    eng._executor.submit = counting_submit  # type: ignore[method-assign]
+    at_delivery: list[tuple[int, int]] = []  # (the step that produced it, steps handed over when delivered)
+    deliver = eng._deliver
+
+    def recording_deliver(output):
+        if id(output) in produced_by:
+            at_delivery.append((produced_by[id(output)], submitted))
+        deliver(output)
+
+    eng._deliver = recording_deliver  # type: ignore[method-assign]
+
+    async def consume(prompt: list[int]) -> list[int]:
+        tokens: list[int] = []
+        async for out in eng.generate(prompt, GREEDY):
+            tokens.extend(out.token_ids)
+        return tokens
+
+    prompts = [p[:40] for p in load_prompts(3)]
+
+    async def main() -> list[list[int]]:
+        results = await asyncio.gather(*(consume(p) for p in prompts))
+        await eng.shutdown()
+        return results
+
+    results = asyncio.run(main())
+    assert results == [list(r.token_ids) for r in bundled_llm().generate(prompts, GREEDY)]
+    last = max(k for k, _ in at_delivery)
+    behind = [(k, s) for k, s in at_delivery if k < last]
+    assert len(behind) > 10
+    assert all(s > k for k, s in behind), [(k, s) for k, s in behind if s <= k][:5]
