@@ -247,6 +247,19 @@ def bench_allreduce(size: int, hidden: int) -> dict[str, Any]:
     return {"size": size, **result}
 
 
+def parse_env_variants(specs: list[str]) -> list[tuple[str, dict[str, str]]]:
+    """["nomix:NCCL_GRAPH_MIXING_SUPPORT=0,NCCL_PROTO=LL"] -> [("nomix", {...})]; SystemExit on a
+    malformed one."""
+    variants = []
+    for spec in specs:
+        name, _, assignments = spec.partition(":")
+        env = dict(a.split("=", 1) for a in assignments.split(",") if "=" in a)
+        if not name or not env or len(env) != len(assignments.split(",")):
+            raise SystemExit(f"--env-variant {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE]")
+        variants.append((name, env))
+    return variants
+
+
 def run_child(kind: str, arg: int, s: dict[str, Any], timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", kind, "--child-arg", str(arg), "--settings", json.dumps(s)]
     try:
@@ -338,7 +351,15 @@ def main() -> int:
     ap.add_argument(
         "--symm-mem-too", action="store_true", help="also each size > 1 with ASYNCSPEC_TP_ALL_REDUCE=symm_mem"
     )
-    ap.add_argument("--profile-dir", type=Path, help="also profile a batch-1 generation per size; traces go here")
+    ap.add_argument(
+        "--env-variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+        help="also each size > 1 with these environment variables, reported as <size>-NAME (repeatable), "
+        "e.g. nomix:NCCL_GRAPH_MIXING_SUPPORT=0",
+    )
+    ap.add_argument("--profile-dir", type=Path, help="decode steps of one request profiled per size; traces go here")
     ap.add_argument("--profile-tokens", type=int, default=32, help="decode steps profiled")
     ap.add_argument("--output", type=Path)
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -391,6 +412,21 @@ def main() -> int:
             if size > 1:
                 results["sizes"][f"{size}-symm_mem"] = run_child("size", size, s, args.timeout)
         del os.environ["ASYNCSPEC_TP_ALL_REDUCE"]
+    for name, env in parse_env_variants(args.env_variant):
+        # The same sizes again with extra environment variables (NCCL tuning, say): the ranks
+        # inherit the child's environment.
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        for size in sizes:
+            if size > 1:
+                row = run_child("size", size, s, args.timeout)
+                row["env"] = env
+                results["sizes"][f"{size}-{name}"] = row
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     derive(results, s)
     print_table(results)
     if args.output:

@@ -209,12 +209,27 @@ def test_bubble_smoke_and_timeline(tmp_path: Path) -> None:
 
 def test_tensor_parallel_smoke(tmp_path: Path) -> None:
     """benchmarks/tensor_parallel.py --smoke: sizes 1 and 2 on the CPU (gloo), each in its own process,
-    with TPOT, throughput and the ratio to size 1 in its JSON."""
+    with TPOT, throughput and the ratio to size 1 in its JSON; a variant with extra environment
+    variables reruns size 2 under them; the profile of decode steps gives each rank's summary."""
     out = tmp_path / "tp.json"
-    proc = _run(str(REPO / "benchmarks" / "tensor_parallel.py"), "--smoke", "--output", str(out))
-    assert "| 2 |" in proc.stdout
+    proc = _run(
+        str(REPO / "benchmarks" / "tensor_parallel.py"),
+        "--smoke",
+        "--env-variant",
+        "quiet:NCCL_DEBUG=WARN",
+        "--profile-dir",
+        str(tmp_path / "prof"),
+        "--profile-tokens",
+        "4",
+        "--output",
+        str(out),
+    )
+    assert "| 2 |" in proc.stdout and "| 2-quiet |" in proc.stdout
     r = json.loads(out.read_text())
-    assert r["schema"] == "asyncspec.tensor_parallel/1" and set(r["sizes"]) == {"1", "2"}
+    assert r["schema"] == "asyncspec.tensor_parallel/1" and set(r["sizes"]) == {"1", "2", "2-quiet"}
+    assert r["sizes"]["2-quiet"]["env"] == {"NCCL_DEBUG": "WARN"}
     for key, row in r["sizes"].items():
-        assert row["size"] == int(key) and _positive(row["tpot_ms"]) and _positive(row["startup_s"])
+        assert row["size"] == int(key.split("-")[0]) and _positive(row["tpot_ms"]) and _positive(row["startup_s"])
         assert _positive(row["throughput"]["4"]["e2e_tok_s"]) and _positive(row["tpot_vs_tp1"])
+        ranks = row["profile"]["ranks"]
+        assert len(ranks) == row["size"] and all(rank["steps"] >= 3 for rank in ranks)
