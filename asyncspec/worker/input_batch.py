@@ -187,6 +187,19 @@ class InputBatch:
                 0, outputs, torch.ones(len(state.output_token_ids), device=self.device)
             )
 
+    def write_sampled_tokens(
+        self, batch_rows: torch.Tensor, cols: torch.Tensor, sampled: torch.Tensor, padded: bool = False
+    ) -> None:
+        """The sampled tokens into the device token buffer at (row, sequence length), where the next
+        step reads its input ids. Never a placeholder: an invalid (negative) id is written as 0 (its
+        request fails; a step already planned behind this one feeds the value to the model). With
+        `padded`, entries of sequence length 0 (the padding requests of a graph bucket, row 0) write
+        back the value already there."""
+        values = sampled.clamp_min(0)
+        if padded:
+            values = torch.where(cols > 0, values, self.token_ids[batch_rows, cols])
+        self.token_ids[batch_rows, cols] = values
+
     def record_sampled(self, batch_rows: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Counts the sampled tokens of rows [N] in the device output statistics (if any row is
         penalised). An invalid (negative) id counts nothing: as an index it would wrap around."""

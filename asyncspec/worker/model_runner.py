@@ -108,22 +108,24 @@ class StepHandle:
             self.ready.synchronize()
 
 
+GRAPH_STATS = ("cuda_graph_replays", "cuda_graph_decode_tail_replays", "cuda_graph_eager_forwards")
+"""The counters of `ModelRunner.graph_stats` (a tensor-parallel executor starts from them at 0)."""
+
+
 class GreedyDecodeTail:
     """Greedy sampling of a decode step, graphed after its forward pass: logits, argmax, and each
-    new token into the device token buffer at its sequence length, as the eager path does. Padding
-    requests (sequence length 0, row 0) write back the value already there. It holds the tensors it
-    needs, not the runner: the graphs that keep it must not keep the runner (and its KV cache) alive
-    in a reference cycle."""
+    new token into the device token buffer (`InputBatch.write_sampled_tokens`, as the eager path;
+    padding requests leave it alone). It holds what it needs, not the runner: the graphs that keep
+    it must not keep the runner (and its KV cache) alive in a reference cycle."""
 
-    def __init__(self, model: torch.nn.Module, meta: torch.Tensor, token_ids: torch.Tensor) -> None:
-        self.model, self.meta, self.token_ids = model, meta, token_ids
+    def __init__(self, model: torch.nn.Module, meta: torch.Tensor, input_batch: InputBatch) -> None:
+        self.model, self.meta, self.input_batch = model, meta, input_batch
 
     def __call__(self, hidden: torch.Tensor, static: StaticInputs, num_reqs: int) -> torch.Tensor:
         sampled = greedy_sample(self.model.compute_logits(hidden[:num_reqs]))  # type: ignore[operator]
         rows = self.meta[0, :num_reqs]
         cols = static.seq_lens[:num_reqs].to(torch.int64)
-        token_ids = self.token_ids
-        token_ids[rows, cols] = torch.where(cols > 0, sampled.clamp_min(0), token_ids[rows, cols])
+        self.input_batch.write_sampled_tokens(rows, cols, sampled, padded=True)
         return sampled
 
 
@@ -401,7 +403,7 @@ class ModelRunner:
             static = StaticInputs.allocate(max(batch_sizes), max_tokens, cols, self.device)
         tail = None
         if model is self.model and self.spec is None:
-            tail = GreedyDecodeTail(self.model, self._meta_dev, self.input_batch.token_ids)
+            tail = GreedyDecodeTail(self.model, self._meta_dev, self.input_batch)
         return CudaGraphForward(
             model, kv_caches, self.block_size, static, batch_sizes, query_lens, self.device, decode_tail=tail
         )
@@ -470,11 +472,12 @@ class ModelRunner:
         """Forward passes replayed from a CUDA graph and run eagerly, target and draft together, and
         the decode steps whose greedy sampling replayed the decode tail."""
         graphs = [g for g in (self.cuda_graphs, self.draft_cuda_graphs) if g is not None]
-        return {
-            "cuda_graph_replays": sum(g.num_replays for g in graphs),
-            "cuda_graph_decode_tail_replays": sum(g.num_decode_tail_replays for g in graphs),
-            "cuda_graph_eager_forwards": sum(g.num_eager for g in graphs),
-        }
+        counts = (
+            sum(g.num_replays for g in graphs),
+            sum(g.num_decode_tail_replays for g in graphs),
+            sum(g.num_eager for g in graphs),
+        )
+        return dict(zip(GRAPH_STATS, counts, strict=True))
 
     def _forward(self, step: StepInputs) -> torch.Tensor:
         """The target's forward pass: a graph replay for a uniform batch, else eager."""
@@ -713,9 +716,7 @@ class ModelRunner:
             # sampling request's new token goes at index seq_len (always < max_model_len).
             token_cols = attn_metadata.seq_lens.to(torch.int64).index_select(0, sample_index)
             sampled = out.sampled_token_ids
-            # Never a placeholder in the buffer: the drafter reads the new token this step, and a step
-            # already planned behind this one feeds it to the model (a failed row's results are void).
-            self.input_batch.token_ids[batch_rows, token_cols] = sampled.clamp_min(0)
+            self.input_batch.write_sampled_tokens(batch_rows, token_cols, sampled)
             self.input_batch.record_sampled(batch_rows, sampled)
             if self.spec is not None:
                 self._propose_without_drafts(

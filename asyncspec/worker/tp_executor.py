@@ -27,7 +27,7 @@ from asyncspec.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncspec.core.spec_policy import StepCost
 from asyncspec.errors import AsyncSpecError, WorkerDiedError
 from asyncspec.models.model_config import ModelConfig
-from asyncspec.worker.model_runner import StepHandle
+from asyncspec.worker.model_runner import GRAPH_STATS, StepHandle
 from asyncspec.worker.profiler import ProfileSummary
 from asyncspec.worker.tp_worker import WorkerArgs, worker_main
 
@@ -49,11 +49,7 @@ class TensorParallelExecutor:
         self.last_device_idle_seconds: float | None = None
         """Rank 0's device idle before the last collected step."""
         self._handles: deque[StepHandle] = deque()
-        self._graph_stats: dict[str, int] = {
-            "cuda_graph_replays": 0,
-            "cuda_graph_decode_tail_replays": 0,
-            "cuda_graph_eager_forwards": 0,
-        }
+        self._graph_stats: dict[str, int] = dict.fromkeys(GRAPH_STATS, 0)
         self._dead: WorkerDiedError | None = None
         self._debug = False
         self._store_dir = tempfile.mkdtemp(prefix="asyncspec-tp-")

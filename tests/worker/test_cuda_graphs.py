@@ -175,6 +175,7 @@ def test_greedy_decode_tail_writes_each_token_at_its_sequence_length():
     token buffer; a padding request (seq_len 0, row 0) writes back what is there; a row with no
     valid token reports INVALID_TOKEN_ID and writes 0, as the eager path does."""
     from asyncspec.layers.sampler import INVALID_TOKEN_ID
+    from asyncspec.worker.input_batch import InputBatch
     from asyncspec.worker.model_runner import GreedyDecodeTail
 
     class Logits(torch.nn.Module):
@@ -185,14 +186,16 @@ def test_greedy_decode_tail_writes_each_token_at_its_sequence_length():
     meta = torch.zeros((6, 4), dtype=torch.int64)
     meta[0, :3] = torch.tensor([2, 5, 1])  # batch rows of the three real requests; the 4th pads
     static.seq_lens[:4] = torch.tensor([3, 7, 4, 0], dtype=torch.int32)
-    token_ids = torch.arange(6 * 10, dtype=torch.int64).view(6, 10)
+    batch = InputBatch(6, 10, 16, 6, torch.device("cpu"))
+    token_ids = batch.token_ids
+    token_ids.copy_(torch.arange(token_ids.numel(), dtype=torch.int64).view_as(token_ids))
     before = token_ids.clone()
     hidden = torch.full((4, 6), -1.0)
     hidden[0, 4] = 5.0
     hidden[1, 2] = 3.0
     hidden[2] = float("nan")
     hidden[3, 1] = 9.0  # the padding row's "token"
-    sampled = GreedyDecodeTail(Logits(), meta, token_ids)(hidden, static, 4)
+    sampled = GreedyDecodeTail(Logits(), meta, batch)(hidden, static, 4)
     assert sampled[:3].tolist() == [4, 2, INVALID_TOKEN_ID]
     expected = before.clone()
     expected[2, 3], expected[5, 7], expected[1, 4] = 4, 2, 0
