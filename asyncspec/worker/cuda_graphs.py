@@ -28,10 +28,11 @@ logger = logging.getLogger(__name__)
 ModelForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, "int | None"], torch.Tensor]
 """forward(input_ids [T], positions [T], metadata, uniform query length or None) -> hidden [T, H]."""
 
-DecodeTail = Callable[[torch.Tensor, StaticInputs, int], torch.Tensor]
-"""tail(hidden [B, H] of a one-token-per-request graph, its static inputs, B) -> [B] int64: what
-follows the forward pass of a plain decode step (greedy sampling), captured as a graph of its own
-so that a step that needs the eager sampler still replays the forward alone."""
+StepTail = Callable[[torch.Tensor, StaticInputs, int, int], Any]
+"""tail(hidden [B * q, H] of a graph, its static inputs, B, q) -> its results (tensors): what follows
+the forward pass of a greedy step (the plain decode's sampling, or a speculative step's
+verification), captured as a graph of its own so that a step that needs the eager sampler still
+replays the forward alone."""
 
 
 def batch_size_buckets(max_num_reqs: int) -> list[int]:
@@ -67,7 +68,8 @@ class CudaGraphForward:
         batch_sizes: Iterable[int],
         query_lens: Iterable[int],
         device: torch.device,
-        decode_tail: DecodeTail | None = None,
+        tail: StepTail | None = None,
+        tail_query_lens: Iterable[int] = (),
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -80,16 +82,20 @@ class CudaGraphForward:
         if static.query_start_loc.shape[0] <= self.batch_sizes[-1] or static.input_ids.shape[0] < max_tokens:
             raise ValueError("the static inputs are smaller than the largest graph")
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.decode_tail = decode_tail
-        self._tails: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        """Bucket -> the decode tail's graph over the (bucket, 1) forward graph's output."""
+        self.tail = tail
+        self.tail_query_lens = frozenset(tail_query_lens) if tail is not None else frozenset()
+        """The query lengths whose graphs get the tail (1: plain decode; k + 1: verification)."""
+        self._tails: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Any]] = {}
+        """(bucket, q) -> the tail's graph over the (bucket, q) forward graph's output, and its results."""
         self._pool: Any = None  # the first graph's private memory pool handle
         self.num_replays = 0
         """Forward passes served by a graph (tests and benchmarks read it)."""
         self.num_eager = 0
         """Forward passes that ran eagerly."""
         self.num_decode_tail_replays = 0
-        """Decode steps whose greedy sampling was replayed from the tail graph."""
+        """Decode steps whose greedy sampling was replayed from a tail graph."""
+        self.num_verify_tail_replays = 0
+        """Speculative steps whose greedy verification was replayed from a tail graph."""
         self.replay_seconds: dict[tuple[int, int], float] = {}
         """Device time of one replay per (batch size, query length), measured at capture."""
 
@@ -127,8 +133,8 @@ class CudaGraphForward:
                 self._pool = graph.pool()
             self._graphs[(num_reqs, query_len)] = (graph, out)
             self.replay_seconds[(num_reqs, query_len)] = self._time_replays(graph)
-            if query_len == 1 and self.decode_tail is not None:
-                self._tails[num_reqs] = self._capture_tail(self.decode_tail, out, num_reqs)
+            if self.tail is not None and query_len in self.tail_query_lens:
+                self._tails[(num_reqs, query_len)] = self._capture_tail(self.tail, out, num_reqs, query_len)
             if progress is not None:
                 progress(i + 1, len(keys))
         torch.cuda.synchronize(self.device)
@@ -136,16 +142,16 @@ class CudaGraphForward:
         return CaptureStats(len(keys) + len(self._tails), time.perf_counter() - start, memory)
 
     def _capture_tail(
-        self, tail: DecodeTail, hidden: torch.Tensor, num_reqs: int
-    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        self, tail: StepTail, hidden: torch.Tensor, num_reqs: int, query_len: int
+    ) -> tuple[torch.cuda.CUDAGraph, Any]:
         # Warm-up runs the tail for real: capture happens at start-up, before any request owns
         # the buffers it writes.
         for _ in range(2):
-            tail(hidden, self.static, num_reqs)
+            tail(hidden, self.static, num_reqs, query_len)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = tail(hidden, self.static, num_reqs)
+            out = tail(hidden, self.static, num_reqs, query_len)
         return graph, out
 
     def _time_replays(self, graph: torch.cuda.CUDAGraph, repeats: int = 3) -> float:
@@ -202,13 +208,16 @@ class CudaGraphForward:
         self.num_replays += 1
         return out[:num_tokens]
 
-    def has_decode_tail(self, bucket: int) -> bool:
-        return bucket in self._tails
+    def has_tail(self, bucket: int, query_len: int) -> bool:
+        return (bucket, query_len) in self._tails
 
-    def replay_decode_tail(self, bucket: int, num_reqs: int) -> torch.Tensor:
-        """Runs the decode tail over the output of the (bucket, 1) graph just replayed; returns
-        its first num_reqs results (valid until the next replay)."""
-        graph, out = self._tails[bucket]
+    def replay_tail(self, bucket: int, query_len: int) -> Any:
+        """Runs the tail over the output of the (bucket, query_len) graph just replayed; returns its
+        results for the whole bucket (valid until the next replay; the caller slices)."""
+        graph, out = self._tails[(bucket, query_len)]
         graph.replay()
-        self.num_decode_tail_replays += 1
-        return out[:num_reqs]
+        if query_len == 1:
+            self.num_decode_tail_replays += 1
+        else:
+            self.num_verify_tail_replays += 1
+        return out

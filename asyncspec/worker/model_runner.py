@@ -39,6 +39,7 @@ from asyncspec.outputs import TokenLogprobs
 from asyncspec.sampling_params import MAX_LOGPROBS, SAMPLING_EPS, SamplingParams
 from asyncspec.spec.draft_model_proposer import DraftModelProposer, DraftStep
 from asyncspec.spec.factory import make_speculative_decoder
+from asyncspec.spec.greedy_verify import GreedyVerification, GreedyVerifyResult
 from asyncspec.spec.spec_decoder import SpeculativeDecoder, VerifyInputs
 from asyncspec.worker.cuda_graphs import CudaGraphForward, batch_size_buckets
 from asyncspec.worker.input_batch import SAMPLING_FEATURES, InputBatch, RowState
@@ -108,7 +109,12 @@ class StepHandle:
             self.ready.synchronize()
 
 
-GRAPH_STATS = ("cuda_graph_replays", "cuda_graph_decode_tail_replays", "cuda_graph_eager_forwards")
+GRAPH_STATS = (
+    "cuda_graph_replays",
+    "cuda_graph_decode_tail_replays",
+    "cuda_graph_verify_tail_replays",
+    "cuda_graph_eager_forwards",
+)
 """The counters of `ModelRunner.graph_stats` (a tensor-parallel executor starts from them at 0)."""
 
 
@@ -121,7 +127,7 @@ class GreedyDecodeTail:
     def __init__(self, model: torch.nn.Module, meta: torch.Tensor, input_batch: InputBatch) -> None:
         self.model, self.meta, self.input_batch = model, meta, input_batch
 
-    def __call__(self, hidden: torch.Tensor, static: StaticInputs, num_reqs: int) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, static: StaticInputs, num_reqs: int, query_len: int = 1) -> torch.Tensor:
         sampled = greedy_sample(self.model.compute_logits(hidden[:num_reqs]))  # type: ignore[operator]
         rows = self.meta[0, :num_reqs]
         cols = static.seq_lens[:num_reqs].to(torch.int64)
@@ -174,6 +180,16 @@ class ModelRunner:
         """Check at each boundary that no placeholder or out-of-vocabulary id is fed to a model, and
         report the device's computed counts with each step (tests; synchronizes the device)."""
         self._init_step_buffers()
+        self._greedy_verification: GreedyVerification | None = None
+        """Greedy verification over the step's device buffers (a graph tail, or run eagerly)."""
+        if self.spec is not None:
+            self._greedy_verification = GreedyVerification(
+                self.model.compute_logits,
+                self._meta_dev,
+                self.input_batch.token_ids,
+                self.input_batch.num_computed_dev,
+                self.spec,
+            )
 
     def _init_step_buffers(self) -> None:
         """Per-step inputs go through these fixed buffers: no host or device allocation per step
@@ -396,32 +412,46 @@ class ModelRunner:
         self, model, kv_caches, query_lens: list[int], batch_sizes: list[int], static: StaticInputs | None = None
     ) -> CudaGraphForward:
         """Graphs over `static` (the target's step buffers) or over buffers of their own (the draft's).
-        The target's decode graphs get the greedy tail when nothing but the plain decode uses them."""
+        The target's graphs get a greedy tail: sampling after a plain decode (without speculation),
+        verification after a speculative step's forward pass (with it)."""
         if static is None:
             max_tokens = max(batch_sizes) * max(query_lens)
             cols = self.input_batch.max_blocks_per_req
             static = StaticInputs.allocate(max(batch_sizes), max_tokens, cols, self.device)
-        tail = None
+        tail: GreedyDecodeTail | GreedyVerification | None = None
+        tail_query_lens: list[int] = []
         if model is self.model and self.spec is None:
-            tail = GreedyDecodeTail(self.model, self._meta_dev, self.input_batch)
+            tail, tail_query_lens = GreedyDecodeTail(self.model, self._meta_dev, self.input_batch), [1]
+        elif model is self.model and self._greedy_verification is not None:
+            tail, tail_query_lens = self._greedy_verification, [q for q in query_lens if q > 1]
         return CudaGraphForward(
-            model, kv_caches, self.block_size, static, batch_sizes, query_lens, self.device, decode_tail=tail
+            model,
+            kv_caches,
+            self.block_size,
+            static,
+            batch_sizes,
+            query_lens,
+            self.device,
+            tail=tail,
+            tail_query_lens=tail_query_lens,
         )
 
-    def _greedy_in_graph(self, step: StepInputs, num_reqs: int, num_sampling: int) -> bool:
-        """Whether this step's sampling is the decode tail already captured in its graph: a graphed
-        step of one token per request, every request sampling, and every row of the batch (counted
-        whether scheduled or not) greedy with nothing the eager sampler adds (penalties, logprobs,
-        a min_tokens block)."""
-        graphs = self.cuda_graphs
-        if graphs is None or step.graph_bucket is None or step.query_len != 1:
-            return False
+    def _only_greedy(self, num_reqs: int, num_sampling: int) -> bool:
+        """Every request samples this step, and every row of the batch (counted whether scheduled or
+        not) is greedy with nothing the eager sampler adds (penalties, logprobs, a min_tokens block):
+        the step's sampling needs no metadata, so a tail graph can do it."""
         if num_sampling != num_reqs:  # a request mid-prompt: its "next token" slot holds the prompt
             return False
         counts = self.input_batch.feature_counts
-        if counts["random"] or counts["penalties"] or counts["logprobs"] or counts["min_tokens"]:
+        return not (counts["random"] or counts["penalties"] or counts["logprobs"] or counts["min_tokens"])
+
+    def _greedy_in_graph(self, step: StepInputs, num_reqs: int, num_sampling: int) -> bool:
+        """Whether this step's sampling is the decode tail already captured in its graph: a graphed
+        step of one token per request that needs nothing but the argmax."""
+        graphs = self.cuda_graphs
+        if graphs is None or step.graph_bucket is None or step.query_len != 1:
             return False
-        return graphs.has_decode_tail(step.graph_bucket)
+        return self._only_greedy(num_reqs, num_sampling) and graphs.has_tail(step.graph_bucket, 1)
 
     def _estimate_cuda_graph_memory(self) -> int:
         """Captures the largest bucket of each model over a one-block KV cache and measures its
@@ -475,6 +505,7 @@ class ModelRunner:
         counts = (
             sum(g.num_replays for g in graphs),
             sum(g.num_decode_tail_replays for g in graphs),
+            sum(g.num_verify_tail_replays for g in graphs),
             sum(g.num_eager for g in graphs),
         )
         return dict(zip(GRAPH_STATS, counts, strict=True))
@@ -689,6 +720,7 @@ class ModelRunner:
                 failed,
                 so.num_proposals,
                 computed_before,
+                step,
             )
         if not sampling_rows:
             if self.spec is not None:  # the draft's KV follows every prefill chunk
@@ -701,7 +733,7 @@ class ModelRunner:
         num_logprobs: int | None = None
         if self._greedy_in_graph(step, len(states), num_sampling):
             assert self.cuda_graphs is not None and step.graph_bucket is not None
-            sampled = self.cuda_graphs.replay_decode_tail(step.graph_bucket, num_sampling)
+            sampled = self.cuda_graphs.replay_tail(step.graph_bucket, 1)[:num_sampling]
             if self.input_batch.output_token_counts is not None:
                 self.input_batch.record_sampled(self._meta_dev[0, :num_sampling], sampled)
             tensors = [sampled]
@@ -831,6 +863,7 @@ class ModelRunner:
         failed: dict[str, str],
         num_proposals: int,
         computed_before: torch.Tensor,
+        step: StepInputs,
     ) -> StepHandle:
         """Speculative sampling: every sampling request emits its accepted drafts plus one token
         (a request without drafts: one sampled token), then proposes `num_proposals` drafts for the
@@ -839,65 +872,28 @@ class ModelRunner:
         if not sampling_rows:
             if self.spec.uses_draft_model:  # the draft's KV follows every prefill chunk
                 no_rows = torch.empty(0, dtype=torch.int64, device=self.device)
-                step = self._draft_step(states, num_scheduled, [], [], no_rows, None, 0, computed_before)
-                self.spec.propose(self.input_batch.token_ids, no_rows, no_rows, 0, step, 0)
+                catch_up = self._draft_step(states, num_scheduled, [], [], no_rows, None, 0, computed_before)
+                self.spec.propose(self.input_batch.token_ids, no_rows, no_rows, 0, catch_up, 0)
             output = ModelRunnerOutput(req_ids, [[] for _ in req_ids], failed_requests=failed)
             return StepHandle(output=output)
         num_sampling = len(sampling_rows)
-        ends = np.cumsum(num_scheduled)
         num_positions = max(num_draft_positions) + 1
-        # Hidden rows of each request's last known token and its draft positions (padding repeats
-        # the last row: its verdict is never read).
-        index = [
-            int(ends[i]) - 1 - d + min(j, d)
-            for i, d in zip(sampling_rows, num_draft_positions, strict=True)
-            for j in range(num_positions)
-        ]
-        gather = host_list_to_device(index, self.device)
-        logits = self.model.compute_logits(hidden_states.index_select(0, gather))
-        logits = logits.view(num_sampling, num_positions, -1)
         sampling_states = [states[i] for i in sampling_rows]
-        row_ids = [s.row for s in sampling_states]
         rows = self._meta_dev[0].index_select(0, self._meta_dev[3, :num_sampling])
         metadata = self._sampling_metadata(sampling_states, rows)
-        blocked: dict[int, list[int]] = {}
-        if self.input_batch.feature_counts["min_tokens"]:
-            for i, state in enumerate(sampling_states):
-                p = state.sampling_params
-                for j in range(num_positions):
-                    if p.min_tokens and len(state.output_token_ids) + j < p.min_tokens:
-                        ids = p.all_stop_token_ids(self.eos_token_ids)
-                        if ids:
-                            blocked[i * num_positions + j] = sorted(ids)
-        is_greedy = metadata.temperature < SAMPLING_EPS
-        planned = self._meta_dev[5, :num_sampling]
-        result = self.spec.verify(
-            VerifyInputs(
-                rows=rows,
-                row_ids=row_ids,
-                num_draft_positions=planned,
-                logits=logits,
-                metadata=metadata,
-                blocked_token_ids=blocked,
-                is_greedy=is_greedy,
-            ),
-            metadata.generators,
-            self.default_generator,
-        )
-        out, num_accepted = result.output_token_ids, result.num_accepted
-        # The emitted tokens become known tokens on the device: positions num_tokens + j, j <= accepted,
-        # where num_tokens (before the step) = seq_len - planned draft positions.
+        logits: torch.Tensor | None = None
+        if self._only_greedy(len(states), num_sampling):
+            greedy = self._verify_greedily(hidden_states, step, len(states), num_positions)
+            num_positions = greedy.output_token_ids.shape[1]
+            out, num_accepted = greedy.output_token_ids[:num_sampling], greedy.num_accepted[:num_sampling]
+            num_valid, new_num_tokens = greedy.num_valid_drafts[:num_sampling], greedy.new_num_tokens[:num_sampling]
+            if self.input_batch.output_token_counts is not None:
+                self.input_batch.record_sampled(rows.unsqueeze(1).expand_as(out).reshape(-1), out.reshape(-1))
+        else:
+            out, num_accepted, num_valid, new_num_tokens, logits = self._verify(
+                states, num_scheduled, sampling_rows, num_draft_positions, hidden_states, rows, metadata
+            )
         token_ids = self.input_batch.token_ids
-        sample_index = self._meta_dev[3, :num_sampling]
-        base = self._inputs.seq_lens.to(torch.int64).index_select(0, sample_index) - planned
-        cols = base.unsqueeze(1) + torch.arange(num_positions, device=self.device)
-        row_grid = rows.unsqueeze(1).expand_as(cols)
-        keep = out >= 0
-        token_ids[row_grid, cols] = torch.where(keep, out, token_ids[row_grid, cols])
-        self.input_batch.record_sampled(row_grid.reshape(-1), out.reshape(-1))
-        # The accepted counts correct the device's computed counts: rejected positions are not computed.
-        self.input_batch.num_computed_dev.index_add_(0, rows, num_accepted - planned)
-        new_num_tokens = base + num_accepted + 1
         bound = self._token_bound(states, sampling_rows)
         draft_step = None
         if self.spec.uses_draft_model:
@@ -913,8 +909,9 @@ class ModelRunner:
             )
         self.spec.propose(token_ids, rows, new_num_tokens, bound, draft_step, num_proposals)
         num_logprobs = metadata.max_num_logprobs
-        tensors = [out, num_accepted, result.num_valid_drafts]
+        tensors = [out, num_accepted, num_valid]
         if num_logprobs is not None:
+            assert logits is not None  # the greedy path serves no batch that asks for logprobs
             raw = logits.float().log_softmax(dim=-1).view(-1, logits.shape[-1])
             logprob_out = SamplerOutput(sampled_token_ids=out.clamp_min(0).view(-1))
             Sampler._gather_logprobs(logprob_out, raw, num_logprobs)
@@ -956,6 +953,85 @@ class ModelRunner:
             )
 
         return StepHandle(finish=finish, host=host, ready=ready)
+
+    def _verify_greedily(
+        self, hidden_states: torch.Tensor, step: StepInputs, num_reqs: int, num_positions: int
+    ) -> GreedyVerifyResult:
+        """Greedy verification of an all-greedy step: the tail graph of the step's forward graph
+        (over its query length, at least num_positions), or the same function run eagerly (a step
+        without a graph)."""
+        assert self._greedy_verification is not None
+        graphs, bucket = self.cuda_graphs, step.graph_bucket
+        if graphs is not None and bucket is not None and graphs.has_tail(bucket, step.query_len):
+            return graphs.replay_tail(bucket, step.query_len)
+        return self._greedy_verification(hidden_states, self._inputs, num_reqs, num_positions)
+
+    def _verify(
+        self,
+        states: list[RowState],
+        num_scheduled: list[int],
+        sampling_rows: list[int],
+        num_draft_positions: list[int],
+        hidden_states: torch.Tensor,
+        rows: torch.Tensor,
+        metadata: SamplingMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Verification with the full sampler (temperature, penalties, min_tokens): the emitted runs
+        go into the token buffer and the rejected positions leave the device's computed counts.
+        Returns (output ids [S, P], accepted [S], verified drafts [S], known tokens after [S],
+        logits [S, P, V])."""
+        assert self.spec is not None
+        num_sampling = len(sampling_rows)
+        ends = np.cumsum(num_scheduled)
+        num_positions = max(num_draft_positions) + 1
+        # Hidden rows of each request's last known token and its draft positions (padding repeats
+        # the last row: its verdict is never read).
+        index = [
+            int(ends[i]) - 1 - d + min(j, d)
+            for i, d in zip(sampling_rows, num_draft_positions, strict=True)
+            for j in range(num_positions)
+        ]
+        gather = host_list_to_device(index, self.device)
+        logits = self.model.compute_logits(hidden_states.index_select(0, gather))
+        logits = logits.view(num_sampling, num_positions, -1)
+        sampling_states = [states[i] for i in sampling_rows]
+        blocked: dict[int, list[int]] = {}
+        if self.input_batch.feature_counts["min_tokens"]:
+            for i, state in enumerate(sampling_states):
+                p = state.sampling_params
+                for j in range(num_positions):
+                    if p.min_tokens and len(state.output_token_ids) + j < p.min_tokens:
+                        ids = p.all_stop_token_ids(self.eos_token_ids)
+                        if ids:
+                            blocked[i * num_positions + j] = sorted(ids)
+        planned = self._meta_dev[5, :num_sampling]
+        result = self.spec.verify(
+            VerifyInputs(
+                rows=rows,
+                row_ids=[s.row for s in sampling_states],
+                num_draft_positions=planned,
+                logits=logits,
+                metadata=metadata,
+                blocked_token_ids=blocked,
+                is_greedy=metadata.temperature < SAMPLING_EPS,
+            ),
+            metadata.generators,
+            self.default_generator,
+        )
+        out, num_accepted = result.output_token_ids, result.num_accepted
+        # The emitted tokens become known tokens on the device: positions num_tokens + j, j <= accepted,
+        # where num_tokens (before the step) = seq_len - planned draft positions.
+        token_ids = self.input_batch.token_ids
+        sample_index = self._meta_dev[3, :num_sampling]
+        base = self._inputs.seq_lens.to(torch.int64).index_select(0, sample_index) - planned
+        cols = base.unsqueeze(1) + torch.arange(num_positions, device=self.device)
+        row_grid = rows.unsqueeze(1).expand_as(cols)
+        keep = out >= 0
+        token_ids[row_grid, cols] = torch.where(keep, out, token_ids[row_grid, cols])
+        self.input_batch.record_sampled(row_grid.reshape(-1), out.reshape(-1))
+        # The accepted counts correct the device's computed counts: rejected positions are not computed.
+        self.input_batch.num_computed_dev.index_add_(0, rows, num_accepted - planned)
+        return out, num_accepted, result.num_valid_drafts, base + num_accepted + 1, logits
 
     def _draft_step(
         self,

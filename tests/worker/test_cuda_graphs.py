@@ -8,6 +8,8 @@ graphs are captured and compared with `enforce_eager=True` over changing batch c
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -50,15 +52,30 @@ class _EagerStandIn:
         self.out.copy_(self.graphs._run_static(self.num_reqs, self.query_len))
 
 
-class _TailStandIn:
-    """Replays the decode tail (greedy sampling into the token buffer) over a stand-in's output."""
+def _tensors(result) -> list[torch.Tensor]:
+    """The tensors of a tail's result (one tensor, or a dataclass of them), in field order."""
+    if isinstance(result, torch.Tensor):
+        return [result]
+    return [getattr(result, f.name) for f in dataclasses.fields(result)]
 
-    def __init__(self, graphs: CudaGraphForward, num_reqs: int, hidden: torch.Tensor, out: torch.Tensor) -> None:
-        self.graphs, self.num_reqs, self.hidden, self.out = graphs, num_reqs, hidden, out
+
+class _TailStandIn:
+    """Replays a tail (greedy sampling or greedy verification, writing the token buffer) over a
+    stand-in's output, into fixed result tensors as the captured graph would."""
+
+    def __init__(self, graphs: CudaGraphForward, num_reqs: int, query_len: int, hidden: torch.Tensor) -> None:
+        self.graphs, self.num_reqs, self.query_len, self.hidden = graphs, num_reqs, query_len, hidden
+        assert graphs.tail is not None
+        # Shapes from a run over the poisoned buffers (capture runs the tail too), then poisoned.
+        self.out = graphs.tail(hidden, graphs.static, num_reqs, query_len)
+        for t in _tensors(self.out):
+            t.fill_(-5)
 
     def replay(self) -> None:
-        assert self.graphs.decode_tail is not None
-        self.out.copy_(self.graphs.decode_tail(self.hidden, self.graphs.static, self.num_reqs))
+        assert self.graphs.tail is not None
+        result = self.graphs.tail(self.hidden, self.graphs.static, self.num_reqs, self.query_len)
+        for mine, new in zip(_tensors(self.out), _tensors(result), strict=True):
+            mine.copy_(new)
 
 
 def _install_stand_ins(runner: ModelRunner) -> list[CudaGraphForward]:
@@ -75,9 +92,9 @@ def _install_stand_ins(runner: ModelRunner) -> list[CudaGraphForward]:
             for b in graphs.batch_sizes:
                 out = torch.full((b * q, mc.hidden_size), float("nan"))
                 graphs._graphs[(b, q)] = (_EagerStandIn(graphs, b, q, out), out)  # type: ignore[assignment]
-                if q == 1 and graphs.decode_tail is not None:
-                    sampled = torch.full((b,), -5, dtype=torch.int64)
-                    graphs._tails[b] = (_TailStandIn(graphs, b, out, sampled), sampled)  # type: ignore[assignment]
+                if q in graphs.tail_query_lens:
+                    tail = _TailStandIn(graphs, b, q, out)
+                    graphs._tails[(b, q)] = (tail, tail.out)  # type: ignore[assignment]
         if is_target:
             runner.cuda_graphs = graphs
         else:
@@ -114,39 +131,51 @@ def test_padded_static_replay_equals_eager(method):
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
     target = graphs[0]
     assert target.num_replays > 10 and target.num_eager > 0  # decodes replayed, prefills eager
-    # Without speculation the greedy decodes sample inside the graph (the tail); verification never does.
+    # Greedy steps sample inside the graph: the decode tail without speculation, the verification
+    # tail with it.
     assert (target.num_decode_tail_replays > 10) == (method is None), target.num_decode_tail_replays
+    assert (target.num_verify_tail_replays > 10) == (method is not None), target.num_verify_tail_replays
     if method == "draft_model":
         assert graphs[1].num_replays > 10
     if method is not None:  # drafts trimmed near max_tokens, a draft catching up: ragged batches replay
         assert ragged, "expected ragged decode batches to replay through a graph"
     assert stats["cuda_graph_replays"] == sum(g.num_replays for g in graphs)
     assert stats["cuda_graph_decode_tail_replays"] == target.num_decode_tail_replays
+    assert stats["cuda_graph_verify_tail_replays"] == target.num_verify_tail_replays
 
 
+@pytest.mark.parametrize("method", [None, "ngram", "draft_model"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_decode_tail_serves_only_plain_greedy_batches(async_scheduling):
+def test_tail_serves_only_greedy_batches(async_scheduling, method):
     """A request with logprobs, a temperature, penalties or min_tokens in the batch sends every step
-    through the eager sampler; once they finish the others go back to the graphed tail. The tokens
-    equal the eager synchronous engine's throughout (the asynchronous loop also plans steps that
-    leave a request near its end unscheduled)."""
-    kwargs = dict(device="cpu", dtype="float32", **CONFIG)
+    through the eager sampler (or the eager verification); once they finish the others go back to
+    the graphed tail (greedy sampling, or greedy verification with speculation). The tokens equal
+    the eager synchronous engine's throughout (the asynchronous loop also plans steps that leave a
+    request near its end unscheduled)."""
+    kwargs = dict(device="cpu", dtype="float32", **CONFIG, **(spec_kwargs(method, 3) if method else {}))
     params = _params()
     params[0] = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     params[2] = SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
     params[4] = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3)
     params[5] = SamplingParams(temperature=0.0, max_tokens=18, min_tokens=14)
+    if method is not None:  # a few tokens per step: the greedy requests outlive the others longer
+        params[1] = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+        params[3] = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
     ref = LLM(str(TARGET_MODEL), **kwargs).generate(_prompts(), params)
     llm = LLM(str(TARGET_MODEL), async_scheduling=async_scheduling, **kwargs)
-    (target,) = _install_stand_ins(llm.engine.engine_core.runner)
+    runner = llm.engine.engine_core.runner
+    target = _install_stand_ins(runner)[0]
     used: list[bool] = []
-    replay_tail = target.replay_decode_tail
+    replay_tail = target.replay_tail
 
-    def recording(bucket: int, num_reqs: int) -> torch.Tensor:
+    def recording(bucket: int, query_len: int) -> torch.Tensor:
+        assert (query_len == 1) == (method is None)
+        counts = runner.input_batch.feature_counts
+        assert not (counts["random"] or counts["penalties"] or counts["logprobs"] or counts["min_tokens"]), counts
         used.append(True)
-        return replay_tail(bucket, num_reqs)
+        return replay_tail(bucket, query_len)
 
-    target.replay_decode_tail = recording  # type: ignore[method-assign]
+    target.replay_tail = recording  # type: ignore[method-assign]
     got = llm.generate(_prompts(), params)
     assert_same_outputs(ref, got, "the graphed decode tail")
     assert got[0].logprobs is not None and len(got[0].logprobs) == 12
