@@ -10,9 +10,11 @@ it runs on the device with shapes known on the host: the accepted counts are nev
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -42,7 +44,17 @@ class GraphReplayer(Protocol):
 
     def replay(self, bucket: int, query_len: int, num_tokens: int) -> Tensor: ...
 
+    def capture_function(self, fn: Callable[[], Any]) -> CapturedFunction: ...
+
     num_eager: int
+
+
+class CapturedFunction(Protocol):
+    """A function captured as a graph over fixed buffers: `replay` runs it, `out` holds its results."""
+
+    out: Any
+
+    def replay(self) -> None: ...
 
 
 @dataclass
@@ -138,6 +150,19 @@ class DraftModelProposer:
         )
         """The draft's step inputs, built in place by one kernel; its CUDA graphs read them."""
         self._pass_meta = torch.zeros((3, max_num_seqs), dtype=torch.int64, device=device)
+        # The greedy proposal loop's fixed inputs and results (its graphs read and write them).
+        hidden_size = self.model_config.hidden_size
+        self._loop_hidden = torch.zeros((max_num_seqs, hidden_size), dtype=dtype, device=device)
+        self._loop_position = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        self._loop_capacity = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        self._loop_tokens = torch.zeros(
+            (max_num_seqs, max(num_speculative_tokens, 1)), dtype=torch.int64, device=device
+        )
+        self._loops: dict[tuple[int, int], CapturedFunction] = {}
+        self._loop_token_ids: Tensor | None = None
+        self.num_loop_replays = 0
+        """Proposal steps served by a captured greedy loop (tests and benchmarks read it)."""
+        """(pass bucket, proposals) -> the captured greedy proposal loop."""
         self.graphs: GraphReplayer | None = None
         """The draft's CUDA graphs over `inputs`, set by the worker once captured."""
         self.debug_invariants = False
@@ -149,6 +174,48 @@ class DraftModelProposer:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self.model_config.allocate_kv_cache(num_blocks, self.block_size, self.dtype, self.device)
+
+    def capture_proposal_loops(self, token_ids: Tensor, batch_sizes: list[int], proposal_counts: list[int]) -> int:
+        """Captures the greedy proposal loop for each pass bucket and each count of proposals above 1
+        (one proposal needs no pass), over the target's token buffer `token_ids` (every step's
+        DraftStep.token_ids). Needs the draft's graphs; returns the number of graphs."""
+        assert self.graphs is not None
+        self._loop_token_ids = token_ids
+        for bucket in batch_sizes:
+            for n in proposal_counts:
+                if 1 < n <= self.k:
+                    loop = functools.partial(self._greedy_proposal_loop, token_ids, bucket, n)
+                    self._loops[(bucket, n)] = self.graphs.capture_function(loop)
+        return len(self._loops)
+
+    def _greedy_proposal_loop(self, token_ids: Tensor, bucket: int, num_proposals: int) -> Tensor:
+        """n greedy proposals for `bucket` requests, from the hidden state of each one's newest token
+        (`_loop_hidden`) at `_loop_position`: argmax, then n - 1 passes of one token per request over
+        the static inputs (`_pass_meta` rows 0 and 2 hold the rows and token counts, 0 for padding).
+        Every shape is fixed by (bucket, n): the body of a CUDA graph."""
+        inputs = self.inputs
+        live = self._pass_meta[2, :bucket] > 0
+        token = self.model.compute_logits(self._loop_hidden[:bucket]).argmax(dim=-1)
+        self._loop_tokens[:bucket, 0] = token
+        position = self._loop_position[:bucket]
+        for j in range(1, num_proposals):
+            position = position + 1
+            self._pass_meta[1, :bucket] = torch.where(live, position.clamp_max(self.max_model_len - 1), 0)
+            inputs.fill(
+                self._prepare,
+                self._pass_meta,
+                bucket,
+                bucket,
+                token_ids,  # its gathered ids are replaced by `token` below
+                self.block_size,
+                self._loop_capacity,
+            )
+            inputs.input_ids[:bucket].copy_(token)
+            metadata = inputs.metadata(bucket, bucket, 1, self.block_size)
+            hidden = self.model(inputs.input_ids[:bucket], inputs.positions[:bucket], self.kv_caches, metadata)
+            token = self.model.compute_logits(hidden).argmax(dim=-1)
+            self._loop_tokens[:bucket, j] = token
+        return self._loop_tokens[:bucket, :num_proposals]
 
     def propose(self, step: DraftStep) -> tuple[Tensor, Tensor | None]:
         """Catches up on the step, then proposes step.num_proposals tokens per sampling request.
@@ -202,10 +269,6 @@ class DraftModelProposer:
         if num_proposals == 0:
             return torch.empty((num_sampling, 0), dtype=torch.int64, device=dev), None
         last_index = new_row + step.num_accepted
-        logits = self.model.compute_logits(hidden.index_select(0, last_index))
-        expanded = expand_rows(step.metadata, 1)
-        tokens: list[Tensor] = []
-        probs: list[Tensor] = []
         position = new_position + step.num_accepted
         # Proposal passes: one token per sampling request, padded to the (S, 1) graph bucket by
         # requests with no tokens.
@@ -217,6 +280,20 @@ class DraftModelProposer:
             pass_meta[:, num_sampling:pass_padded] = 0
             pass_meta[0, :num_sampling] = token_rows
             pass_meta[2, :num_sampling] = 1
+        loop = None
+        if step.metadata.all_greedy and step.token_ids is self._loop_token_ids:
+            loop = self._loops.get((pass_padded, num_proposals))
+        if loop is not None:  # the whole greedy loop in one replay
+            torch.index_select(hidden, 0, last_index, out=self._loop_hidden[:num_sampling])
+            self._loop_position[:num_sampling].copy_(position)
+            self._loop_capacity[:num_sampling].copy_(capacity)
+            loop.replay()
+            self.num_loop_replays += 1
+            return loop.out[:num_sampling], None
+        logits = self.model.compute_logits(hidden.index_select(0, last_index))
+        expanded = None if step.metadata.all_greedy else expand_rows(step.metadata, 1)
+        tokens: list[Tensor] = []
+        probs: list[Tensor] = []
         for j in range(num_proposals):
             token, q = self._sample(logits, expanded, step)
             tokens.append(token)
@@ -263,12 +340,13 @@ class DraftModelProposer:
         return self.model(inputs.input_ids[:num_tokens], inputs.positions[:num_tokens], self.kv_caches, metadata)
 
     @staticmethod
-    def _sample(logits: Tensor, expanded: SamplingMetadata, step: DraftStep) -> tuple[Tensor, Tensor | None]:
+    def _sample(logits: Tensor, expanded: SamplingMetadata | None, step: DraftStep) -> tuple[Tensor, Tensor | None]:
         """The draft's own sampling distribution q (temperature, top-k/p, min-p; no penalties) and a
-        token drawn from it; greedy rows take the argmax."""
+        token drawn from it; greedy rows take the argmax (`expanded`: the metadata per row, None when
+        every row is greedy)."""
         logits = logits.float()
         greedy = logits.argmax(dim=-1)
-        if step.metadata.all_greedy:
+        if expanded is None:
             return greedy, None
         q = process_logits(logits, expanded).softmax(dim=-1)
         sampled = random_sample(q, step.metadata.generators, step.default_generator)

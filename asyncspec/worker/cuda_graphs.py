@@ -54,6 +54,17 @@ class CaptureStats:
     """Device memory reserved by the graphs' private pool."""
 
 
+class CapturedGraph:
+    """A function captured as a graph: `replay` runs it again over the same buffers, and `out` holds
+    its results (tensors of the graph's pool, valid until the next replay)."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, out: Any) -> None:
+        self.graph, self.out = graph, out
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
 class CudaGraphForward:
     """The graphs of one model over its KV cache and its static inputs. The caller writes a step's
     inputs into the static buffers (padded to `bucket`), then `replay`s; without a bucket it runs
@@ -153,6 +164,19 @@ class CudaGraphForward:
         with torch.cuda.graph(graph, pool=self._pool):
             out = tail(hidden, self.static, num_reqs, query_len)
         return graph, out
+
+    @torch.inference_mode()
+    def capture_function(self, fn: Callable[[], Any]) -> CapturedGraph:
+        """Captures `fn` (several forward passes over these static buffers and what lies between
+        them, e.g. the draft's greedy proposal loop) into the pool of the graphs already captured.
+        Warm-up runs it for real: call this at start-up, before any request owns what it writes."""
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = fn()
+        return CapturedGraph(graph, out)
 
     def _time_replays(self, graph: torch.cuda.CUDAGraph, repeats: int = 3) -> float:
         graph.replay()

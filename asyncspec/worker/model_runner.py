@@ -113,6 +113,7 @@ GRAPH_STATS = (
     "cuda_graph_replays",
     "cuda_graph_decode_tail_replays",
     "cuda_graph_verify_tail_replays",
+    "cuda_graph_draft_loop_replays",
     "cuda_graph_eager_forwards",
 )
 """The counters of `ModelRunner.graph_stats` (a tensor-parallel executor starts from them at 0)."""
@@ -496,7 +497,18 @@ class ModelRunner:
                 self.cuda_graphs = graphs
             else:
                 self.draft_cuda_graphs = graphs
-                self.spec.proposer.graphs = graphs  # type: ignore[union-attr]
+                proposer = self.spec.proposer  # type: ignore[union-attr]
+                assert isinstance(proposer, DraftModelProposer)
+                proposer.graphs = graphs
+                start = time.perf_counter()
+                choices = self._speculation_choices()
+                num_loops = proposer.capture_proposal_loops(self.input_batch.token_ids, batch_sizes, choices)
+                logger.info(
+                    "captured %d CUDA graphs of the draft's greedy proposal loop (%s proposals) in %.2f s",
+                    num_loops,
+                    [c for c in choices if c > 1],
+                    time.perf_counter() - start,
+                )
 
     def graph_stats(self) -> dict[str, int]:
         """Forward passes replayed from a CUDA graph and run eagerly, target and draft together, and
@@ -506,6 +518,7 @@ class ModelRunner:
             sum(g.num_replays for g in graphs),
             sum(g.num_decode_tail_replays for g in graphs),
             sum(g.num_verify_tail_replays for g in graphs),
+            self.spec.proposer.num_loop_replays if self.spec is not None and self.spec.uses_draft_model else 0,  # type: ignore[union-attr]
             sum(g.num_eager for g in graphs),
         )
         return dict(zip(GRAPH_STATS, counts, strict=True))

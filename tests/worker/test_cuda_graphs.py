@@ -78,6 +78,20 @@ class _TailStandIn:
             mine.copy_(new)
 
 
+class _FunctionStandIn:
+    """A captured function (the draft's greedy proposal loop): replay runs it over the static
+    buffers, whose results it returns as views of fixed buffers, as the captured graph writes them."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.out = fn()
+        self.out.fill_(-5)
+
+    def replay(self) -> None:
+        result = self.fn()
+        assert result.data_ptr() == self.out.data_ptr()
+
+
 def _install_stand_ins(runner: ModelRunner) -> list[CudaGraphForward]:
     installed = []
     for model, mc, query_lens in runner._graph_plan():
@@ -100,6 +114,10 @@ def _install_stand_ins(runner: ModelRunner) -> list[CudaGraphForward]:
         else:
             runner.draft_cuda_graphs = graphs
             runner.spec.proposer.graphs = graphs
+            graphs.capture_function = _FunctionStandIn  # type: ignore[method-assign]
+            runner.spec.proposer.capture_proposal_loops(
+                runner.input_batch.token_ids, runner._graph_batch_sizes(), runner._speculation_choices()
+            )
         installed.append(graphs)
     return installed
 
@@ -137,6 +155,7 @@ def test_padded_static_replay_equals_eager(method):
     assert (target.num_verify_tail_replays > 10) == (method is not None), target.num_verify_tail_replays
     if method == "draft_model":
         assert graphs[1].num_replays > 10
+        assert stats["cuda_graph_draft_loop_replays"] > 10, stats
     if method is not None:  # drafts trimmed near max_tokens, a draft catching up: ragged batches replay
         assert ragged, "expected ragged decode batches to replay through a graph"
     assert stats["cuda_graph_replays"] == sum(g.num_replays for g in graphs)
@@ -288,8 +307,11 @@ def test_graphs_equal_eager_on_gpu_fp32(method):
     stats = llm.stats()
     assert stats["num_preemptions"] > 0
     assert stats["cuda_graph_replays"] > 20
-    # Without speculation the greedy decodes sample in the decode tail's graph.
+    # Greedy steps sample in a tail graph: the decode tail without speculation, the verification
+    # tail with it; the draft's proposals replay its captured greedy loop.
     assert (stats["cuda_graph_decode_tail_replays"] > 10) == (method is None), stats
+    assert (stats["cuda_graph_verify_tail_replays"] > 10) == (method is not None), stats
+    assert (stats["cuda_graph_draft_loop_replays"] > 10) == (method == "draft_model"), stats
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
 
 
