@@ -163,6 +163,7 @@ class CudaGraphForward:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             out = tail(hidden, self.static, num_reqs, query_len)
+        graph.replay()  # the first launch uploads the graph: not on a request's step
         return graph, out
 
     @torch.inference_mode()
@@ -176,6 +177,7 @@ class CudaGraphForward:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             out = fn()
+        graph.replay()  # the first launch uploads the graph: not on a request's step
         return CapturedGraph(graph, out)
 
     def _time_replays(self, graph: torch.cuda.CUDAGraph, repeats: int = 3) -> float:
