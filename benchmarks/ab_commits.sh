@@ -42,7 +42,10 @@ run)
             echo "=== $v, round $round"
             export AB_VERSION=$v AB_ROUND=$round AB_OUT="${OUT:-/tmp/ab_out}/$v-$round"
             mkdir -p "$AB_OUT"
-            (cd "/tmp/ab_$v/clean" && "$@") || echo "=== $v, round $round: exit $?"
+            # The command names the run's folder as a literal '$AB_OUT' (quoted here, so that the
+            # caller's shell leaves it alone): substituted per run.
+            args=("${@//\$AB_OUT/$AB_OUT}")
+            (cd "/tmp/ab_$v/clean" && "${args[@]}") || echo "=== $v, round $round: exit $?"
         done
     done
     ;;
