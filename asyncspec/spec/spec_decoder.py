@@ -4,7 +4,9 @@ by rejection sampling, and proposal of the next drafts.
 Drafts never leave the device. The scheduler plans each decode for 1 + k tokens without knowing
 how many drafts a request really has (the n-gram proposer may find none): the valid count lives in
 `num_draft_tokens` on the device, draft positions past it hold a real padding token, and
-verification stops there.
+verification stops there. Proposing places the drafts in the device token buffer right after each
+request's known tokens, where the next step's input gather finds them (verification overwrites
+what it keeps; the positions past a request's tokens are never read as known tokens).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class SpeculativeDecoder:
         # Seeded rows draw randomness for k positions whatever the step's widest row: their
         # streams must not depend on their neighbours.
         self.rejection_sampler = RejectionSampler(device, num_speculative_tokens=num_speculative_tokens)
+        self._slots = torch.arange(max(num_speculative_tokens, 1), dtype=torch.int64, device=device)
 
     @property
     def uses_draft_model(self) -> bool:
@@ -96,20 +99,6 @@ class SpeculativeDecoder:
     def reset_rows(self, rows: Sequence[int]) -> None:
         if rows:
             self.num_draft_tokens.index_fill_(0, host_list_to_device(rows, self.device), 0)
-
-    # -- 2. the drafts become the target's input --------------------------------------------
-    def insert_drafts(
-        self, token_ids: Tensor, rows: Tensor, num_tokens: Tensor, counts: Tensor, num_positions: int
-    ) -> None:
-        """Writes each row's first `count` draft slots after its `num_tokens` known tokens in the
-        device token buffer, where the runner's input gather finds them (they are overwritten once
-        verified). Everything is on the device ([S] tensors): the token counts may not be known on
-        the host yet. `num_positions` is the largest count."""
-        slots = torch.arange(num_positions, device=self.device)
-        cols = num_tokens.unsqueeze(1) + slots
-        grid = rows.unsqueeze(1).expand_as(cols)
-        drafts = self.draft_token_ids.index_select(0, rows)[:, :num_positions]
-        token_ids[grid, cols] = torch.where(slots < counts.unsqueeze(1), drafts, token_ids[grid, cols])
 
     # -- 3. verification ----------------------------------------------------------------------
     def verify(
@@ -161,6 +150,7 @@ class SpeculativeDecoder:
                 self.draft_probs[:, :n].index_copy_(0, rows, q)
             if n > 0:
                 self.draft_token_ids[:, :n].index_copy_(0, rows, drafts)
+                self._place_drafts(token_ids, rows, num_tokens, drafts)
             self.num_draft_tokens.index_fill_(0, rows, n)
             return
         if rows.shape[0] == 0:
@@ -173,3 +163,11 @@ class SpeculativeDecoder:
             counts = counts.clamp_max(n)
         self.draft_token_ids.index_copy_(0, rows, drafts)
         self.num_draft_tokens.index_copy_(0, rows, counts)
+        self._place_drafts(token_ids, rows, num_tokens, drafts)
+
+    def _place_drafts(self, token_ids: Tensor, rows: Tensor, num_tokens: Tensor, drafts: Tensor) -> None:
+        """Writes the drafts [S, n] at positions num_tokens + j of each row of the token buffer (its
+        spare columns hold them at max_model_len). Invalid drafts (past num_draft_tokens) are real
+        padding ids: the next step feeds them to the target but never accepts them."""
+        cols = num_tokens.unsqueeze(1) + self._slots[: drafts.shape[1]]
+        token_ids[rows.unsqueeze(1).expand_as(cols), cols] = drafts

@@ -1126,8 +1126,6 @@ class ModelRunner:
             event.record(self._stream)
             self._copy_done[i] = event
         self._resolve_computed(num_reqs)
-        if self.spec is not None and any(num_draft_positions):
-            self._insert_drafts(num_reqs, num_sampling, max(num_draft_positions))
         inputs = self._inputs
         # The block tables were copied into inputs.block_tables (= self._block_table_dev) above.
         inputs.fill(
@@ -1154,16 +1152,6 @@ class ModelRunner:
         except for rows admitted this step (the host's count is theirs), and advances the device's
         counts by the scheduled tokens (verification takes back the rejected ones)."""
         self._resolve_kernel(self._meta_dev, num_reqs, self.input_batch.num_computed_dev)
-
-    def _insert_drafts(self, num_reqs: int, num_sampling: int, num_positions: int) -> None:
-        """Writes each sampling request's planned drafts after its known tokens in the device token
-        buffer, where the input gather finds them (verification overwrites them with what it keeps)."""
-        assert self.spec is not None
-        meta = self._meta_dev
-        sample_index = meta[3, :num_sampling]
-        rows = meta[0, :num_reqs].index_select(0, sample_index)
-        num_tokens = (meta[1, :num_reqs] + meta[2, :num_reqs]).index_select(0, sample_index) - meta[5, :num_sampling]
-        self.spec.insert_drafts(self.input_batch.token_ids, rows, num_tokens, meta[5, :num_sampling], num_positions)
 
     def _sampling_metadata(self, states: list[RowState], batch_rows: torch.Tensor) -> SamplingMetadata:
         """Gathers the rows' device-resident parameters. When the rows are the whole batch (every
