@@ -26,7 +26,6 @@ from asyncspec.layers.attention_metadata import StaticInputs
 from asyncspec.layers.sampler import (
     SamplingMetadata,
     check_token_ids,
-    host_array_to_device,
     process_logits,
     random_sample,
 )
@@ -150,6 +149,15 @@ class DraftModelProposer:
         )
         """The draft's step inputs, built in place by one kernel; its CUDA graphs read them."""
         self._pass_meta = torch.zeros((3, max_num_seqs), dtype=torch.int64, device=device)
+        # A step's host facts go through one of two pinned buffers (a non-blocking copy reads its
+        # buffer whenever the GPU gets to it: a buffer is refilled only after its last copy's event)
+        # into one device buffer (the copies and the step's kernels are ordered on the stream).
+        pin = device.type == "cuda"
+        meta_size = 9 * max_num_seqs  # catch-up meta [4, bucket <= max_num_seqs], 5 per sampling request
+        self._host_meta = [torch.zeros(meta_size, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._copy_done = [torch.cuda.Event() for _ in range(2)] if pin else None
+        self._host_index = 0
+        self._meta_dev = torch.zeros(meta_size, dtype=torch.int64, device=device)
         # The greedy proposal loop's fixed inputs and results (its graphs read and write them).
         hidden_size = self.model_config.hidden_size
         self._loop_hidden = torch.zeros((max_num_seqs, hidden_size), dtype=dtype, device=device)
@@ -174,6 +182,13 @@ class DraftModelProposer:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self.model_config.allocate_kv_cache(num_blocks, self.block_size, self.dtype, self.device)
+
+    def _next_host_meta(self) -> Tensor:
+        """The pinned host buffer for this step's facts, once its previous copy has landed."""
+        self._host_index ^= 1
+        if self._copy_done is not None:
+            self._copy_done[self._host_index].synchronize()
+        return self._host_meta[self._host_index]
 
     def capture_proposal_loops(self, token_ids: Tensor, batch_sizes: list[int], proposal_counts: list[int]) -> int:
         """Captures the greedy proposal loop for each pass bucket and each count of proposals above 1
@@ -236,7 +251,10 @@ class DraftModelProposer:
         graph = self.graphs.select(num_reqs, int(lengths.max()), num_tokens) if self.graphs is not None else None
         bucket, query_len = graph if graph is not None else (None, int(lengths.max()))
         padded = bucket if bucket is not None else num_reqs
-        host = np.zeros(4 * padded + 5 * num_sampling, dtype=np.int64)
+        size = 4 * padded + 5 * num_sampling
+        host_tensor = self._next_host_meta()
+        host = host_tensor.numpy()[:size]
+        host[:] = 0
         meta = host[: 4 * padded].reshape(4, padded)
         meta[0, :num_reqs] = step.rows
         meta[1, :num_reqs] = computed
@@ -252,7 +270,10 @@ class DraftModelProposer:
         # The last position's draft could never be kept: the passes write KV below max_model_len - 1.
         per_sampling[3] = np.minimum(np.asarray(step.num_slots, dtype=np.int64)[sampling], self.max_model_len - 1)
         per_sampling[4] = np.asarray(step.rows, dtype=np.int64)[sampling]
-        device_host = host_array_to_device(host, dev)
+        device_host = self._meta_dev[:size]
+        device_host.copy_(host_tensor[:size], non_blocking=True)
+        if self._copy_done is not None:
+            self._copy_done[self._host_index].record()
         meta_dev = device_host[: 4 * padded].view(4, padded)
         new_row, new_position, sampling_dev, capacity, token_rows = device_host[4 * padded :].view(5, num_sampling)
         if step.computed_base is not None:
