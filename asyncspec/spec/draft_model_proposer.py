@@ -167,6 +167,8 @@ class DraftModelProposer:
             (max_num_seqs, max(num_speculative_tokens, 1)), dtype=torch.int64, device=device
         )
         self._loops: dict[tuple[int, int], CapturedFunction] = {}
+        self._step_meta = torch.zeros((4, max_num_seqs), dtype=torch.int64, device=device)
+        """The catch-up meta of `greedy_step`, built on the device."""
         self._loop_token_ids: Tensor | None = None
         self.num_loop_replays = 0
         """Proposal steps served by a captured greedy loop (tests and benchmarks read it)."""
@@ -202,6 +204,52 @@ class DraftModelProposer:
                     loop = functools.partial(self._greedy_proposal_loop, token_ids, bucket, n)
                     self._loops[(bucket, n)] = self.graphs.capture_function(loop)
         return len(self._loops)
+
+    def greedy_step(
+        self,
+        step_meta: Tensor,
+        block_tables: Tensor,
+        token_ids: Tensor,
+        num_accepted: Tensor,
+        bucket: int,
+        query_len: int,
+    ) -> Tensor:
+        """The draft's whole step after a greedy verification in which every request of the batch
+        sampled and no request's draft lags: the catch-up over the target's step plus each emitted
+        token, then query_len - 1 greedy proposals. Everything comes from device buffers, with shapes
+        fixed by (bucket, query_len), so it can be captured as one graph. `step_meta` is the target
+        step's meta: rows 0 (token-buffer row), 1 (computed tokens before the step), 2 (scheduled;
+        0 for padding), 5 (planned draft positions), 6 (writable KV slots). Returns the drafts [B, n]."""
+        b = bucket
+        scheduled = step_meta[2, :b]
+        real = scheduled > 0
+        planned = torch.where(real, step_meta[5, :b], 0)
+        lengths = torch.where(real, scheduled + 1, 0)  # each request also feeds its newest token
+        computed = step_meta[1, :b]
+        meta = self._step_meta
+        meta[0, :b] = step_meta[0, :b]
+        meta[1, :b] = computed
+        meta[2, :b] = lengths
+        meta[3, :b] = step_meta[6, :b]
+        inputs = self.inputs
+        inputs.block_tables[:b].copy_(block_tables[:b])
+        catch_up_len = query_len + 1
+        num_tokens = b * catch_up_len
+        inputs.fill(self._prepare, meta, b, num_tokens, token_ids, self.block_size, meta[3])
+        metadata = inputs.metadata(b, num_tokens, catch_up_len, self.block_size)
+        hidden = self.model(inputs.input_ids[:num_tokens], inputs.positions[:num_tokens], self.kv_caches, metadata)
+        # The newest token's row in the catch-up and its position: after the committed tokens and
+        # the accepted drafts.
+        committed = scheduled - planned
+        accepted = num_accepted[:b]
+        starts = torch.cumsum(lengths, dim=0) - lengths
+        last_index = (starts + committed + accepted).clamp(0, num_tokens - 1)
+        torch.index_select(hidden, 0, last_index, out=self._loop_hidden[:b])
+        self._loop_position[:b] = computed + committed + accepted
+        self._loop_capacity[:b] = meta[3, :b].clamp_max(self.max_model_len - 1)
+        self._pass_meta[0, :b] = meta[0, :b]
+        self._pass_meta[2, :b] = real.to(torch.int64)
+        return self._greedy_proposal_loop(token_ids, b, query_len - 1)
 
     def _greedy_proposal_loop(self, token_ids: Tensor, bucket: int, num_proposals: int) -> Tensor:
         """n greedy proposals for `bucket` requests, from the hidden state of each one's newest token

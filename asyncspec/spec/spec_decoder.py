@@ -72,8 +72,9 @@ class SpeculativeDecoder:
         self.vocab_size = vocab_size
         self.device = device
         self.max_num_reqs = max_num_reqs
-        self.draft_token_ids = torch.zeros((max_num_reqs, self.k), dtype=torch.int64, device=device)
-        self.num_draft_tokens = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
+        # One spare row past the last: a graphed step's padding requests write their drafts there.
+        self.draft_token_ids = torch.zeros((max_num_reqs + 1, self.k), dtype=torch.int64, device=device)
+        self.num_draft_tokens = torch.zeros(max_num_reqs + 1, dtype=torch.int64, device=device)
         # The draft model's sampling distributions q, per row and draft position: allocated with
         # the first sampled (non-greedy) proposal.
         self.draft_probs: Tensor | None = None
@@ -164,6 +165,21 @@ class SpeculativeDecoder:
         self.draft_token_ids.index_copy_(0, rows, drafts)
         self.num_draft_tokens.index_copy_(0, rows, counts)
         self._place_drafts(token_ids, rows, num_tokens, drafts)
+
+    def record_greedy_drafts(
+        self, token_ids: Tensor, rows: Tensor, real: Tensor, num_tokens: Tensor, drafts: Tensor
+    ) -> None:
+        """The drafts [B, n] of a graphed step's padded batch (`real` marks the requests; padding
+        has row 0): kept per row and placed in the token buffer, as `propose` does. Shapes are fixed
+        by the batch bucket: padding writes into the spare row, and back into row 0's first column
+        what is there (a real request writes only past its known tokens, never column 0)."""
+        n = drafts.shape[1]
+        kept_rows = torch.where(real, rows, self.max_num_reqs)
+        self.draft_token_ids[:, :n].index_copy_(0, kept_rows, drafts)
+        self.num_draft_tokens.index_fill_(0, kept_rows, n)
+        cols = torch.where(real.unsqueeze(1), num_tokens.unsqueeze(1) + self._slots[:n], 0)
+        grid = rows.unsqueeze(1).expand_as(cols)
+        token_ids[grid, cols] = torch.where(real.unsqueeze(1), drafts, token_ids[grid, cols])
 
     def _place_drafts(self, token_ids: Tensor, rows: Tensor, num_tokens: Tensor, drafts: Tensor) -> None:
         """Writes the drafts [S, n] at positions num_tokens + j of each row of the token buffer (its

@@ -237,6 +237,10 @@ class CudaGraphForward:
     def has_tail(self, bucket: int, query_len: int) -> bool:
         return (bucket, query_len) in self._tails
 
+    def tail_outputs(self) -> dict[tuple[int, int], Any]:
+        """(bucket, query length) -> the results its tail graph writes at every replay."""
+        return {key: out for key, (_, out) in self._tails.items()}
+
     def replay_tail(self, bucket: int, query_len: int) -> Any:
         """Runs the tail over the output of the (bucket, query_len) graph just replayed; returns its
         results for the whole bucket (valid until the next replay; the caller slices)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -41,7 +42,7 @@ from asyncspec.spec.draft_model_proposer import DraftModelProposer, DraftStep
 from asyncspec.spec.factory import make_speculative_decoder
 from asyncspec.spec.greedy_verify import GreedyVerification, GreedyVerifyResult
 from asyncspec.spec.spec_decoder import SpeculativeDecoder, VerifyInputs
-from asyncspec.worker.cuda_graphs import CudaGraphForward, batch_size_buckets
+from asyncspec.worker.cuda_graphs import CapturedGraph, CudaGraphForward, batch_size_buckets
 from asyncspec.worker.input_batch import SAMPLING_FEATURES, InputBatch, RowState
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ GRAPH_STATS = (
     "cuda_graph_decode_tail_replays",
     "cuda_graph_verify_tail_replays",
     "cuda_graph_draft_loop_replays",
+    "cuda_graph_draft_step_replays",
     "cuda_graph_eager_forwards",
 )
 """The counters of `ModelRunner.graph_stats` (a tensor-parallel executor starts from them at 0)."""
@@ -181,6 +183,11 @@ class ModelRunner:
         """Check at each boundary that no placeholder or out-of-vocabulary id is fed to a model, and
         report the device's computed counts with each step (tests; synchronizes the device)."""
         self._init_step_buffers()
+        self._greedy_draft_steps: dict[tuple[int, int], CapturedGraph] = {}
+        self.num_greedy_draft_steps = 0
+        """Steps whose draft work replayed one of `_greedy_draft_steps`."""
+        """(bucket, query length) -> the draft's whole step after that verification graph's greedy
+        tail (catch-up and proposals), captured when the draft model proposes."""
         self._greedy_verification: GreedyVerification | None = None
         """Greedy verification over the step's device buffers (a graph tail, or run eagerly)."""
         if self.spec is not None:
@@ -203,12 +210,12 @@ class ModelRunner:
         # buffer is refilled only after the event of its previous copy (two steps back) has fired.
         # Rows of meta: batch row, num_computed_tokens, num_scheduled_tokens, sampling indices, whether
         # the row's computed count comes from the host (admitted this step) rather than the device,
-        # and per sampling request its draft positions.
-        self._meta_host = [torch.zeros((6, n), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        # per sampling request its draft positions, and per request its writable KV slots.
+        self._meta_host = [torch.zeros((7, n), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._block_table_host = [torch.zeros((n, cols), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._copy_done: list[torch.cuda.Event | None] = [None, None]
         self._buffer_index = 0
-        self._meta_dev = torch.zeros((6, n), dtype=torch.int64, device=self.device)
+        self._meta_dev = torch.zeros((7, n), dtype=torch.int64, device=self.device)
         # The step's model inputs (and the target's CUDA graphs) live at these fixed addresses; the
         # block tables are both the copy target of the host table and the graphs' input.
         self._inputs = StaticInputs.allocate(n, self.config.max_num_batched_tokens, cols, self.device)
@@ -509,6 +516,34 @@ class ModelRunner:
                     [c for c in choices if c > 1],
                     time.perf_counter() - start,
                 )
+                self._capture_greedy_draft_steps(graphs)
+
+    def _capture_greedy_draft_steps(self, draft_graphs: CudaGraphForward) -> None:
+        """For each verification graph with a greedy tail: the draft's whole step after it (catch-up,
+        proposals, drafts recorded and placed), one graph reading the tail's results."""
+        assert self.cuda_graphs is not None and self.spec is not None
+        proposer = self.spec.proposer
+        assert isinstance(proposer, DraftModelProposer)
+        start = time.perf_counter()
+        self._meta_dev.zero_()  # warm-up runs for real: every request of it is padding
+        for (bucket, query_len), result in self.cuda_graphs.tail_outputs().items():
+            step = functools.partial(self._greedy_draft_step, proposer, bucket, query_len, result)
+            self._greedy_draft_steps[(bucket, query_len)] = draft_graphs.capture_function(step)
+        logger.info(
+            "captured %d CUDA graphs of the draft's step after a greedy verification in %.2f s",
+            len(self._greedy_draft_steps),
+            time.perf_counter() - start,
+        )
+
+    def _greedy_draft_step(
+        self, proposer: DraftModelProposer, bucket: int, query_len: int, verified: GreedyVerifyResult
+    ) -> None:
+        assert self.spec is not None
+        token_ids = self.input_batch.token_ids
+        meta = self._meta_dev
+        drafts = proposer.greedy_step(meta, self._block_table_dev, token_ids, verified.num_accepted, bucket, query_len)
+        real = meta[2, :bucket] > 0
+        self.spec.record_greedy_drafts(token_ids, meta[0, :bucket], real, verified.new_num_tokens[:bucket], drafts)
 
     def graph_stats(self) -> dict[str, int]:
         """Forward passes replayed from a CUDA graph and run eagerly, target and draft together, and
@@ -519,6 +554,7 @@ class ModelRunner:
             sum(g.num_decode_tail_replays for g in graphs),
             sum(g.num_verify_tail_replays for g in graphs),
             self.spec.proposer.num_loop_replays if self.spec is not None and self.spec.uses_draft_model else 0,  # type: ignore[union-attr]
+            self.num_greedy_draft_steps,
             sum(g.num_eager for g in graphs),
         )
         return dict(zip(GRAPH_STATS, counts, strict=True))
@@ -895,8 +931,10 @@ class ModelRunner:
         rows = self._meta_dev[0].index_select(0, self._meta_dev[3, :num_sampling])
         metadata = self._sampling_metadata(sampling_states, rows)
         logits: torch.Tensor | None = None
+        draft_done = False
         if self._only_greedy(len(states), num_sampling):
             greedy = self._verify_greedily(hidden_states, step, len(states), num_positions)
+            draft_done = self._replay_greedy_draft_step(step, states, num_proposals)
             num_positions = greedy.output_token_ids.shape[1]
             out, num_accepted = greedy.output_token_ids[:num_sampling], greedy.num_accepted[:num_sampling]
             num_valid, new_num_tokens = greedy.num_valid_drafts[:num_sampling], greedy.new_num_tokens[:num_sampling]
@@ -906,21 +944,21 @@ class ModelRunner:
             out, num_accepted, num_valid, new_num_tokens, logits = self._verify(
                 states, num_scheduled, sampling_rows, num_draft_positions, hidden_states, rows, metadata
             )
-        token_ids = self.input_batch.token_ids
-        bound = self._token_bound(states, sampling_rows)
-        draft_step = None
-        if self.spec.uses_draft_model:
-            draft_step = self._draft_step(
-                states,
-                num_scheduled,
-                sampling_rows,
-                num_draft_positions,
-                num_accepted,
-                metadata,
-                num_proposals,
-                computed_before,
-            )
-        self.spec.propose(token_ids, rows, new_num_tokens, bound, draft_step, num_proposals)
+        if not draft_done:
+            draft_step = None
+            if self.spec.uses_draft_model:
+                draft_step = self._draft_step(
+                    states,
+                    num_scheduled,
+                    sampling_rows,
+                    num_draft_positions,
+                    num_accepted,
+                    metadata,
+                    num_proposals,
+                    computed_before,
+                )
+            bound = self._token_bound(states, sampling_rows)
+            self.spec.propose(self.input_batch.token_ids, rows, new_num_tokens, bound, draft_step, num_proposals)
         num_logprobs = metadata.max_num_logprobs
         tensors = [out, num_accepted, num_valid]
         if num_logprobs is not None:
@@ -978,6 +1016,20 @@ class ModelRunner:
         if graphs is not None and bucket is not None and graphs.has_tail(bucket, step.query_len):
             return graphs.replay_tail(bucket, step.query_len)
         return self._greedy_verification(hidden_states, self._inputs, num_reqs, num_positions)
+
+    def _replay_greedy_draft_step(self, step: StepInputs, states: list[RowState], num_proposals: int) -> bool:
+        """After a greedy verification replayed from its tail graph: the draft's whole step from one
+        graph, when it proposes as many drafts as this step verified (the graph's shape) and no
+        request's draft lags. Returns whether it ran."""
+        bucket = step.graph_bucket
+        if bucket is None or num_proposals != step.query_len - 1:
+            return False
+        graph = self._greedy_draft_steps.get((bucket, step.query_len))
+        if graph is None or any(s.draft_lag for s in states):
+            return False
+        graph.replay()
+        self.num_greedy_draft_steps += 1
+        return True
 
     def _verify(
         self,
@@ -1115,6 +1167,8 @@ class ModelRunner:
         meta[3, :num_sampling] = sampling_rows
         meta[4, :num_reqs] = [s.request_id in admitted for s in states] if admitted else 0
         meta[5, :num_sampling] = num_draft_positions
+        if self._greedy_draft_steps:
+            meta[6, :num_reqs] = [min(len(s.block_ids) * self.block_size, self.max_model_len) for s in states]
         if self._pending_start is not None:
             self._pending_start.record(self._stream)
             self._pending_start = None
