@@ -110,6 +110,11 @@ class StepHandle:
             self.ready.synchronize()
 
 
+GREEDY_DRAFT_STEP_GRAPH_ENV = "ASYNCSPEC_GREEDY_DRAFT_STEP_GRAPH"
+"""Set to 1 to capture the draft's whole step after a greedy verification as one graph. Opt-in
+until it has run on a GPU: CI's CPU stand-ins check its results token for token, but no device
+has captured it yet."""
+
 GRAPH_STATS = (
     "cuda_graph_replays",
     "cuda_graph_decode_tail_replays",
@@ -516,7 +521,8 @@ class ModelRunner:
                     [c for c in choices if c > 1],
                     time.perf_counter() - start,
                 )
-                self._capture_greedy_draft_steps(graphs)
+                if os.environ.get(GREEDY_DRAFT_STEP_GRAPH_ENV, "0") == "1":
+                    self._capture_greedy_draft_steps(graphs)
 
     def _capture_greedy_draft_steps(self, draft_graphs: CudaGraphForward) -> None:
         """For each verification graph with a greedy tail: the draft's whole step after it (catch-up,

@@ -16,7 +16,7 @@ import torch
 from asyncspec import LLM, SamplingParams
 from asyncspec.layers.attention_metadata import StaticInputs
 from asyncspec.worker.cuda_graphs import CudaGraphForward, batch_size_buckets
-from asyncspec.worker.model_runner import ModelRunner
+from asyncspec.worker.model_runner import GREEDY_DRAFT_STEP_GRAPH_ENV, ModelRunner
 from tests.conftest import TARGET_MODEL, load_prompts
 from tests.spec.spec_helpers import assert_same_outputs, spec_kwargs
 
@@ -299,8 +299,9 @@ def _gpu_llm(method: str | None, dtype: str, enforce_eager: bool, **overrides) -
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", [None, "ngram", "draft_model"])
-def test_graphs_equal_eager_on_gpu_fp32(method):
+def test_graphs_equal_eager_on_gpu_fp32(method, monkeypatch):
     """Real CUDA graphs against enforce_eager, fp32 greedy, with joins, finishes and preemption."""
+    monkeypatch.setenv(GREEDY_DRAFT_STEP_GRAPH_ENV, "1")
     ref = _gpu_llm(method, "float32", True).generate(_prompts(), _params())
     llm = _gpu_llm(method, "float32", False)
     runner = llm.engine.engine_core.runner
@@ -348,6 +349,7 @@ def test_graphed_steps_make_no_host_sync(method, async_scheduling, monkeypatch):
     """Many steps, prefill and decode, under set_sync_debug_mode("error"): the step's one copy
     of the sampled tokens goes through pinned memory and an event, nothing else syncs."""
     monkeypatch.setenv("ASYNCSPEC_DEBUG_INVARIANTS", "0")  # the debug checks read the device
+    monkeypatch.setenv(GREEDY_DRAFT_STEP_GRAPH_ENV, "1")
     llm = _gpu_llm(method, "bfloat16", False, async_scheduling=async_scheduling)
     engine = llm.engine
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, top_k=40, seed=i, max_tokens=48) for i in range(6)]
