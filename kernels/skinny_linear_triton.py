@@ -1,0 +1,460 @@
+"""Triton decode-shaped linear layer: y = x @ W^T (+ bias) for M <= 32 rows (same contract as `skinny_linear_ref`).
+
+At decode batch sizes the layer is a pure weight stream, so the kernel is built to read W [N, K] once, at the
+GPU's read bandwidth. One program owns BLOCK_N output columns for all M rows and walks (its share of) K in
+BLOCK_K chunks, loading W rows with unmasked, 16-byte-wide loads: out-of-range rows are clamped to row N - 1
+(loaded, never stored) and the K tail is masked only when K % BLOCK_K != 0. Two inner products:
+
+- FMA (M <= 4 in the table; up to 8 rows per program): one fp32 accumulator tile [BLOCK_N, BLOCK_K] per row of
+  x, all in the W tile's register layout, summed over K once after the loop; no tensor cores, no shared memory,
+  memory parallelism from occupancy and an unrolled loop. It turns ALU-bound above M ~ 4.
+- dot: W tile [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M] on the tensor cores (wgmma for BLOCK_N = 64, 128),
+  M padded to BLOCK_M >= 16 (the small M sits in the MMA's N slot, a "swap AB" GEMM), W streamed through a
+  cp.async shared-memory pipeline of num_stages; fp32 inputs use IEEE fp32 products, not TF32.
+
+When N / BLOCK_N programs leave SMs idle, K is split deterministically: each of SPLIT_K programs of a column
+block writes an fp32 partial to a workspace [SPLIT_K, M, N], and the last of them to arrive (a per-device
+arrival counter, CUTLASS's serial split-K semaphore) sums the partials in split order, adds the bias and rounds
+once; or, where no counter can be used, a second tiny kernel does that sum. No float atomics: results are
+bitwise reproducible run to run, whichever program arrives last.
+
+The block shapes come from `choose_config`, a fixed table over (M, N, K) read off sweeps of
+benchmarks/skinny_linear.py on an H100: nothing is benchmarked or synchronised at call time, so calls can be
+captured in CUDA graphs. Only shapes are read on the host.
+
+`skinny_linear_silu` is the down projection of the MLP's gate|up tensor. At M = 1 it is this kernel applying
+silu(gate) * up while loading x; above, the activation kernel runs first (measured faster). Either way the
+activation has exactly the two roundings of `silu_and_mul` (silu in fp32 rounded to the dtype, the product
+rounded again).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from asyncspec.kernels.paged_attention_triton import _patch_interpreter
+from asyncspec.kernels.silu_and_mul_triton import silu_and_mul
+from asyncspec.kernels.triton_rounding import round_to_dtype
+
+if triton.knobs.runtime.interpret:
+    _patch_interpreter()  # tensor loop bounds and bf16 tl.dot under TRITON_INTERPRET=1 (idempotent)
+
+MAX_M = 32
+_MAX_FMA_M = 8  # the FMA kernel keeps one accumulator per row of x
+# Above M = 1 the fused activation costs more than the activation kernel it saves (an H100 on the Llama down
+# projections: the FMA kernel evaluates it once per W row a thread holds, and the tensor-core kernel's x loads
+# then miss the shared-memory pipeline).
+_MAX_FUSED_SILU_M = 1
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_DEFAULT_SMS = 132  # an H100 SXM; used where no CUDA device is asked (the interpreter on CPU)
+_REDUCE_BLOCK = 1024
+_COUNTER_SLOTS = 1 << 16  # serial split-K arrival counters per device (one per column block of a launch)
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """Launch parameters of one call. block_n, block_k: powers of two (>= 16 each with use_dot); split_k: how many
+    programs share one column block's K range (1: no workspace); num_stages: the dot kernel's shared-memory
+    pipeline depth (the FMA kernel is not pipelined)."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 1
+    use_dot: bool = False
+    unroll: int = 1  # FMA loop unroll factor
+    serial_split: bool = True  # split-K partials summed by the last program (False: by a second kernel)
+
+
+@triton.jit
+def _x_tile(x_ptr, x_rows, offs_k, K, EVEN_K: tl.constexpr, SILU: tl.constexpr):
+    """x[rows, offs_k] ([BLOCK_M, 1] row offsets, [1, BLOCK_K] columns) in x's dtype; with SILU, the
+    activation silu(gate) * up of gate|up rows (up starts K columns after gate), rounded as silu_and_mul does."""
+    ptrs = x_ptr + x_rows + offs_k
+    if EVEN_K:
+        x = tl.load(ptrs)
+        if SILU:
+            up = tl.load(ptrs + K)
+    else:
+        mask = offs_k < K
+        x = tl.load(ptrs, mask=mask, other=0.0)
+        if SILU:
+            up = tl.load(ptrs + K, mask=mask, other=0.0)
+    if SILU:
+        gate = x.to(tl.float32)
+        act = round_to_dtype(gate / (1.0 + tl.exp(-gate)), x_ptr.dtype.element_ty).to(tl.float32)
+        x = round_to_dtype(act * up.to(tl.float32), x_ptr.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def _fma_row(acc, w, x_ptr, row, M, stride_xm, offs_k, K, EVEN_K: tl.constexpr, SILU: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_K] += W tile * x row `row` (clamped to M - 1), elementwise in fp32."""
+    # x is loaded through a [BLOCK_N, BLOCK_K] pointer tile that is constant along N: it then gets the W tile's
+    # register layout (L1 serves the repeats), where a [1, BLOCK_K] load would be converted through shared
+    # memory behind a barrier in every iteration.
+    x_row = tl.minimum(row, M - 1).to(tl.int64) * stride_xm + tl.zeros_like(acc).to(tl.int64)
+    return acc + w * _x_tile(x_ptr, x_row, offs_k, K, EVEN_K, SILU).to(tl.float32)
+
+
+@triton.jit
+def _row_sum(acc, rows, i: tl.constexpr, BLOCK_M: tl.constexpr):
+    """rows [BLOCK_M, BLOCK_N] with line i set to acc [BLOCK_N, BLOCK_K] summed over K."""
+    return tl.where(tl.arange(0, BLOCK_M)[:, None] == i, tl.sum(acc, axis=1)[None, :], rows)
+
+
+@triton.jit
+def _store_rows(acc, bias_ptr, out_ptr, rows_n, offs_m, offs_n, stride_om, mask, HAS_BIAS: tl.constexpr):
+    """out[offs_m, offs_n] = acc (+ bias), rounded once to out's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows_n).to(tl.float32)[None, :]
+    result = round_to_dtype(acc, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], result, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile serves every M of a BLOCK_M (M = 1 would get its own)
+def _skinny_linear_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    ws_ptr,
+    counter_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    k_per_split,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SILU: tl.constexpr,
+    UNROLL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    row0 = tl.program_id(2) * BLOCK_M  # row blocks: only the FMA kernel with M > BLOCK_M has several
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    # Clamped rows keep every load in bounds without a mask (masks would cost the 16-byte vector loads on the
+    # row tail); the duplicates are computed and dropped by the masked store.
+    rows_n = tl.minimum(offs_n, N - 1)
+    w_rows = w_ptr + rows_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    arange_k = tl.arange(0, BLOCK_K)
+    k_begin = pid_k * k_per_split  # k_per_split is a multiple of BLOCK_K: only the last chunk can be partial
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    if USE_DOT:
+        x_rows = tl.minimum(offs_m, M - 1).to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            offs_k = (k0 + arange_k)[None, :]
+            if EVEN_K:
+                w = tl.load(w_rows + offs_k)
+            else:
+                w = tl.load(w_rows + offs_k, mask=offs_k < K, other=0.0)
+            xt = tl.trans(_x_tile(x_ptr, x_rows, offs_k, K, EVEN_K, SILU))
+            if x_ptr.dtype.element_ty == tl.float32:
+                acc = tl.dot(w, xt, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, xt, acc)
+        acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    else:
+        # One [BLOCK_N, BLOCK_K] fp32 accumulator per row of x (BLOCK_M <= 8), all in the W tile's register
+        # layout, summed over K once after the loop: a reduction (or a 3-D broadcast) inside the loop changes
+        # layout through shared memory behind a barrier every chunk, which stalls the loads.
+        acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc4 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc5 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc6 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc7 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        # Unrolling lets the next chunk's loads issue before this chunk's FMAs (no shared-memory pipeline here).
+        for k0 in tl.range(k_begin, k_end, BLOCK_K, loop_unroll_factor=UNROLL):
+            offs_k = (k0 + arange_k)[None, :]
+            if EVEN_K:
+                w = tl.load(w_rows + offs_k).to(tl.float32)
+            else:
+                w = tl.load(w_rows + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            acc0 = _fma_row(acc0, w, x_ptr, row0 + 0, M, stride_xm, offs_k, K, EVEN_K, SILU)
+            if BLOCK_M > 1:
+                acc1 = _fma_row(acc1, w, x_ptr, row0 + 1, M, stride_xm, offs_k, K, EVEN_K, SILU)
+            if BLOCK_M > 2:
+                acc2 = _fma_row(acc2, w, x_ptr, row0 + 2, M, stride_xm, offs_k, K, EVEN_K, SILU)
+                acc3 = _fma_row(acc3, w, x_ptr, row0 + 3, M, stride_xm, offs_k, K, EVEN_K, SILU)
+            if BLOCK_M > 4:
+                acc4 = _fma_row(acc4, w, x_ptr, row0 + 4, M, stride_xm, offs_k, K, EVEN_K, SILU)
+                acc5 = _fma_row(acc5, w, x_ptr, row0 + 5, M, stride_xm, offs_k, K, EVEN_K, SILU)
+                acc6 = _fma_row(acc6, w, x_ptr, row0 + 6, M, stride_xm, offs_k, K, EVEN_K, SILU)
+                acc7 = _fma_row(acc7, w, x_ptr, row0 + 7, M, stride_xm, offs_k, K, EVEN_K, SILU)
+        acc = _row_sum(acc0, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), 0, BLOCK_M)
+        if BLOCK_M > 1:
+            acc = _row_sum(acc1, acc, 1, BLOCK_M)
+        if BLOCK_M > 2:
+            acc = _row_sum(acc2, acc, 2, BLOCK_M)
+            acc = _row_sum(acc3, acc, 3, BLOCK_M)
+        if BLOCK_M > 4:
+            acc = _row_sum(acc4, acc, 4, BLOCK_M)
+            acc = _row_sum(acc5, acc, 5, BLOCK_M)
+            acc = _row_sum(acc6, acc, 6, BLOCK_M)
+            acc = _row_sum(acc7, acc, 7, BLOCK_M)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if SPLIT == 0:
+        _store_rows(acc, bias_ptr, out_ptr, rows_n, offs_m, offs_n, stride_om, mask, HAS_BIAS)
+    else:
+        # fp32 partial into the workspace [SPLIT_K, M, N], summed in split order (deterministic) either by
+        # _split_reduce_kernel (SPLIT == 1) or here by the last of the column block's programs to arrive
+        # (SPLIT == 2), which saves the second launch: CUTLASS's serial split-K semaphore. The barrier puts every
+        # thread's partial before the single-thread acq_rel increment (release), whose acquire side makes the
+        # other programs' partials visible to the last one; it reads them through L2 (.cg), never a stale L1.
+        ws_tile = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ws_tile + pid_k * M * N, acc, mask=mask)
+        if SPLIT == 2:
+            splits = tl.num_programs(1)
+            counter = counter_ptr + tl.program_id(2) * tl.num_programs(0) + pid_n
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == splits - 1:
+                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for s in range(0, splits):
+                    total += tl.load(ws_tile + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                _store_rows(total, bias_ptr, out_ptr, rows_n, offs_m, offs_n, stride_om, mask, HAS_BIAS)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_reduce_kernel(
+    ws_ptr, bias_ptr, out_ptr, M, N, stride_om, split_k, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+):
+    """out[m, n] = round(sum over s in order of ws[s, m, n] (+ bias[n])): a fixed order, so deterministic."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(split_k):
+        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
+    m = offs // N
+    n = offs % N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + n, round_to_dtype(acc, out_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------- heuristic
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of `device` (cached: a property query, no sync); a nominal H100 for the CPU."""
+    if device.type != "cuda":
+        return _DEFAULT_SMS
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _split_for(columns: int, k: int, block_k: int, target_programs: int, max_split: int = 16) -> int:
+    """The smallest power-of-two split of K that gives `target_programs` programs, keeping >= 2 chunks each."""
+    split = 1
+    while columns * split < target_programs and split < max_split and k >= 4 * split * block_k:
+        split *= 2
+    return split
+
+
+def _dot_split(columns: int, k: int, sms: int) -> int:
+    """Split of K for the tensor-core tiles: up to ~2/3 of the SMs busy, but each split keeps >= 512 of K, and
+    >= 2048 once there are 48 column blocks (a short split costs more in partials than its extra SMs give)."""
+    split = 1
+    while columns * split < (2 * sms) // 3 and split < 16:
+        per_split = k // (2 * split)
+        if per_split < 512 or (columns >= 48 and per_split < 2048):
+            break
+        split *= 2
+    return split
+
+
+def choose_config(m: int, n: int, k: int, sms: int = _DEFAULT_SMS) -> SkinnyConfig:
+    """Launch parameters for x [m, k] @ W[n, k]^T: a fixed rule (no benchmarking at call time), read off sweeps
+    of benchmarks/skinny_linear.py on an H100 (bf16) over the Llama-1B / 8B projections and the 8B's TP = 2, 4
+    shards. Tensor-core tiles use 120 KB (64x256, 3 stages), 108 KB (128x128, 3), 80 KB (64x128, 4) and 64 KB
+    (16x256, 4) of shared memory: 1, 2, 2 and 3 programs per SM."""
+    if m <= 2:
+        # FMA: BLOCK_M accumulators of BLOCK_N * BLOCK_K / 128 fp32 per thread, 64 registers in all; enough
+        # columns to fill the SMs down to N ~ 1000 (below that, K is split).
+        block_n, block_k, unroll = (8, 512, 2) if m == 1 else (4, 512, 1)
+        split = _split_for(triton.cdiv(n, block_n), k, block_k, sms)
+        return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=1, unroll=unroll)
+    if m <= 4 and n * k <= 9 << 20:
+        # Small weights at M = 3, 4: the FMA kernel's many small programs still beat the tensor-core tiles (it
+        # turns ALU-bound above M = 4: every W element costs 2 M + 1 instructions).
+        block_n, block_k = (4, 512) if n < 16 * sms else (8, 256)
+        split = _split_for(triton.cdiv(n, block_n), k, block_k, sms)
+        return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=1, unroll=2)
+    if n >= 14336 and (m > 8 or n <= 128 * sms):
+        block_n, block_k, stages = 128, 128, 3  # one wave of 2-per-SM programs, or M > 8 on wide layers
+    elif m > 8 and k >= 2048 and 3 * n // 4 <= k <= 2 * n and (n // 16) % sms >= 0.85 * sms:
+        # Row-parallel-like shapes at M = 16, 32 whose N / 16 programs end on a nearly full wave.
+        block_n, block_k, stages = 16, 256, 4
+    elif m > 8 or k <= 1024:
+        block_n, block_k, stages = 64, 128, 4
+    else:
+        block_n, block_k, stages = 64, 256, 3
+    split = _dot_split(triton.cdiv(n, block_n), k, sms)
+    return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=stages, use_dot=True)
+
+
+# -------------------------------------------------------------------------------------------------- launch
+
+
+def make_split_counters(device: torch.device | str) -> torch.Tensor:
+    """Arrival counters for the serial split-K (the last program of a column block sums the partials): zero
+    between launches, since that program resets its own. The caller owns them (one set per stream: launches
+    sharing a set must not run concurrently) and passes them to every call; without them a split takes a
+    second kernel to sum. Create them outside a CUDA-graph capture (a capture would record the zeroing)."""
+    return torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
+
+
+def skinny_linear_supported(x: torch.Tensor, weight: torch.Tensor, *, gated: bool = False) -> bool:
+    """Whether `skinny_linear` (gated: `skinny_linear_silu`, x holding gate|up) takes these operands: 2-D,
+    1 <= M <= MAX_M rows, K matching (2 * K with gated), dense last dims, one dtype among bf16 / fp16 / fp32,
+    on a CUDA device (or the CPU under TRITON_INTERPRET=1). Callers fall back to F.linear otherwise."""
+    if x.dim() != 2 or weight.dim() != 2 or x.dtype != weight.dtype or x.dtype not in _DTYPES:
+        return False
+    if x.device != weight.device or not (x.is_cuda or triton.knobs.runtime.interpret):
+        return False
+    k = weight.shape[1] * (2 if gated else 1)
+    if not (1 <= x.shape[0] <= MAX_M) or x.shape[1] != k or weight.shape[0] == 0 or k == 0:
+        return False
+    return x.stride(-1) == 1 and weight.stride(-1) == 1
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None,
+    config: SkinnyConfig | None,
+    silu: bool,
+    counters: torch.Tensor | None,
+) -> torch.Tensor:
+    if not skinny_linear_supported(x, weight, gated=silu):
+        raise ValueError(
+            f"skinny_linear does not take x {tuple(x.shape)} {x.dtype} stride {x.stride()} on {x.device} with "
+            f"weight {tuple(weight.shape)} {weight.dtype} stride {weight.stride()} (see skinny_linear_supported)"
+        )
+    m, (n, k) = x.shape[0], weight.shape
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a dense [{n}] {x.dtype} tensor, got {tuple(bias.shape)} {bias.dtype}")
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{m}, {n}] {x.dtype} with a dense last dim, got {tuple(out.shape)}")
+    cfg = config or choose_config(m, n, k, num_sms(x.device))
+    block_m = max(16, triton.next_power_of_2(m)) if cfg.use_dot else min(triton.next_power_of_2(m), _MAX_FMA_M)
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)  # a requested split larger than K's chunks shrinks
+    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m))
+    if counters is not None and (
+        counters.shape != (_COUNTER_SLOTS,) or counters.dtype != torch.int32 or counters.device != x.device
+    ):
+        raise ValueError("counters must come from make_split_counters on the operands' device")
+    if not (split > 1 and cfg.serial_split and grid[0] * grid[2] <= _COUNTER_SLOTS):
+        counters = None
+    mode = 0 if split == 1 else 2 if counters is not None else 1
+    ws = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    bias_arg = bias if bias is not None else x  # never read without HAS_BIAS
+    _skinny_linear_kernel[grid](
+        x,
+        weight,
+        bias_arg,
+        out,
+        ws,  # never touched without a split
+        counters if counters is not None else ws,  # never touched unless mode 2
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        k_per_split,
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        USE_DOT=cfg.use_dot,
+        SPLIT=mode,
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % cfg.block_k == 0,
+        SILU=silu,
+        UNROLL=cfg.unroll,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if mode == 1:
+        _split_reduce_kernel[(triton.cdiv(m * n, _REDUCE_BLOCK),)](
+            ws,
+            bias_arg,
+            out,
+            m,
+            n,
+            out.stride(0),
+            split,
+            HAS_BIAS=bias is not None,
+            BLOCK=_REDUCE_BLOCK,
+            num_warps=4,
+        )
+    return out
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+    counters: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x.dtype; see `skinny_linear_ref` for the contract.
+
+    Raises ValueError for operands `skinny_linear_supported` refuses (never computes a wrong result). Rows of
+    x, weight and out may be strided. `config` overrides `choose_config` (benchmarks and tests); `counters`
+    (`make_split_counters`) lets a split-K launch sum its partials without a second kernel.
+    """
+    return _launch(x, weight, bias, out, config, silu=False, counters=counters)
+
+
+def skinny_linear_silu(
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+    fused: bool | None = None,
+    counters: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """silu_and_mul(x2) @ weight^T (+ bias) for the MLP's gate|up x2 [M, 2 * K] and down_proj weight [N, K];
+    see `skinny_linear_silu_ref`. Fused (the activation is applied while loading x, never written to memory)
+    where that was measured faster, M <= _MAX_FUSED_SILU_M (fused=None); otherwise the activation kernel
+    runs first. Both give bitwise the same result: the same two roundings of the activation."""
+    if fused is None:
+        fused = x2.shape[0] <= _MAX_FUSED_SILU_M
+    if fused:
+        return _launch(x2, weight, bias, out, config, silu=True, counters=counters)
+    if not skinny_linear_supported(x2, weight, gated=True):
+        return _launch(x2, weight, bias, out, config, silu=True, counters=counters)  # raises the ValueError
+    return _launch(silu_and_mul(x2), weight, bias, out, config, silu=False, counters=counters)
