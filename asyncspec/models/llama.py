@@ -12,6 +12,7 @@ from torch import nn
 from asyncspec.layers.activation import select_silu_and_mul
 from asyncspec.layers.attention import Attention
 from asyncspec.layers.attention_metadata import AttentionMetadata
+from asyncspec.layers.linear import DecodeLinear, SkinnyLinear, linear
 from asyncspec.layers.norm import RMSNorm
 from asyncspec.layers.rotary import RotaryEmbedding, RotaryInputs, apply_rotary, select_fused_rotary
 from asyncspec.layers.tensor_parallel import TensorParallel
@@ -32,8 +33,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.qkv_proj = DecodeLinear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = DecodeLinear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -81,8 +82,8 @@ class LlamaMLP(nn.Module):
         self.tp = tp = tp if tp is not None else TensorParallel()
         self.intermediate_start, self.intermediate_size = tp.split(config.intermediate_size, "intermediate_size")
         self.full_intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = DecodeLinear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = DecodeLinear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
         self._silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
 
@@ -185,7 +186,9 @@ class LlamaForCausalLM(nn.Module):
         # Tied models have no lm_head module: the logits reuse the embedding matrix directly. The head
         # is split by vocabulary rows like the embedding.
         rows = self.model.embed_tokens.weight.shape[0]
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, rows, bias=False)
+        self.lm_head = None if config.tie_word_embeddings else DecodeLinear(config.hidden_size, rows, bias=False)
+        self.skinny_linear: SkinnyLinear | None = None
+        """The decode-shaped kernel for the logits of few rows (see layers/linear.py); None: F.linear."""
 
     def forward(
         self,
@@ -200,7 +203,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in float32 (gathered from every rank's vocabulary shard)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.tp.all_gather_rows(F.linear(hidden_states, weight), self.config.vocab_size).float()
+        logits = linear(hidden_states, weight, None, self.skinny_linear)
+        return self.tp.all_gather_rows(logits, self.config.vocab_size).float()
 
     def checkpoint_tensors(self) -> dict[str, WeightTarget]:
         """HF checkpoint tensor name -> where it goes on this rank (the parameter, or a slice of a fused
@@ -233,9 +237,9 @@ class LlamaForCausalLM(nn.Module):
             out[f"{p}mlp.down_proj.weight"] = sliced(
                 mlp.down_proj.weight, 1, mlp.intermediate_start, mlp.full_intermediate_size
             )
-            for name, linear in (("self_attn.o_proj", attn.o_proj), ("mlp.down_proj", mlp.down_proj)):
-                if linear.bias is not None:
-                    out[f"{p}{name}.bias"] = WeightTarget(linear.bias, zero=tp.rank > 0)
+            for name, proj in (("self_attn.o_proj", attn.o_proj), ("mlp.down_proj", mlp.down_proj)):
+                if proj.bias is not None:
+                    out[f"{p}{name}.bias"] = WeightTarget(proj.bias, zero=tp.rank > 0)
             if attn.qk_norm:
                 out[f"{p}self_attn.q_norm.weight"] = whole(attn.q_norm.weight)
                 out[f"{p}self_attn.k_norm.weight"] = whole(attn.k_norm.weight)

@@ -23,6 +23,7 @@ from asyncspec.core.spec_policy import StepCost, speculation_choices
 from asyncspec.errors import ConfigError, EngineDeadError
 from asyncspec.layers.attention import select_backend
 from asyncspec.layers.attention_metadata import AttentionMetadata, StaticInputs
+from asyncspec.layers.linear import make_skinny_linear, use_skinny_linear
 from asyncspec.layers.sampler import (
     INVALID_TOKEN_ID,
     Sampler,
@@ -110,6 +111,11 @@ class StepHandle:
             self.ready.synchronize()
 
 
+SKINNY_LINEAR_ENV = "ASYNCSPEC_SKINNY_LINEAR"
+"""Set to 1 to send the linear layers' calls of one or two rows (decode) to the skinny Triton kernel
+(layers/linear.py). Opt-in until measured inside the engine on a GPU: alone it beat cuBLAS on every
+Llama shape at those sizes (docs/benchmarks.md)."""
+
 GREEDY_DRAFT_STEP_GRAPH_ENV = "ASYNCSPEC_GREEDY_DRAFT_STEP_GRAPH"
 """Set to 1 to capture the draft's whole step after a greedy verification as one graph. Opt-in
 until it has run on a GPU: CI's CPU stand-ins check its results token for token, but no device
@@ -181,6 +187,11 @@ class ModelRunner:
         self.spec: SpeculativeDecoder | None = make_speculative_decoder(
             config, model_config, max_model_len, self.dtype, self.device
         )
+        if self.device.type == "cuda" and os.environ.get(SKINNY_LINEAR_ENV, "0") == "1":
+            skinny = make_skinny_linear(self.device)
+            use_skinny_linear(self.model, skinny)
+            if self.spec is not None and isinstance(self.spec.proposer, DraftModelProposer):
+                use_skinny_linear(self.spec.proposer.model, skinny)
         self.cuda_graphs: CudaGraphForward | None = None
         """The target's graphs (captured with the KV cache); None runs every step eagerly."""
         self.draft_cuda_graphs: CudaGraphForward | None = None

@@ -1,0 +1,71 @@
+"""Linear layers whose decode-sized calls may take the skinny Triton kernel.
+
+A decode step multiplies one or two rows per request by every weight matrix: purely a read of the
+weights, where the Triton kernel of `kernels/skinny_linear_triton.py` measured faster than cuBLAS
+at one and two rows on every Llama-1B / 8B / tensor-parallel shape (benchmarks/skinny_linear.py).
+`DecodeLinear` is an `nn.Linear` (same parameters, same checkpoint names) that sends its calls of
+at most `SkinnyLinear.max_rows` rows there once a model is switched over (`use_skinny_linear`);
+every other call, and every call before that, is `F.linear`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class SkinnyLinear:
+    """The decode-shaped kernel as a model's linear layers use it."""
+
+    max_rows: int
+    """Calls with at most this many rows take the kernel (where it measured faster than cuBLAS)."""
+    counters: torch.Tensor
+    """Split-K arrival counters shared by the model's layers (they run one after another on one stream)."""
+    kernel: Callable[..., torch.Tensor]
+    """skinny_linear(x, weight, bias, counters=...)."""
+    supported: Callable[[torch.Tensor, torch.Tensor], bool]
+    """Whether the kernel takes these operands (else F.linear)."""
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, skinny: SkinnyLinear | None
+) -> torch.Tensor:
+    """x @ weight^T (+ bias): the skinny kernel for a decode-sized x it takes, else F.linear."""
+    if skinny is not None and x.dim() == 2 and x.shape[0] <= skinny.max_rows and skinny.supported(x, weight):
+        return skinny.kernel(x, weight, bias, counters=skinny.counters)
+    return F.linear(x, weight, bias)
+
+
+class DecodeLinear(nn.Linear):
+    """`nn.Linear` whose decode-sized calls take the skinny kernel once `skinny_linear` is set."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.skinny_linear: SkinnyLinear | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.skinny_linear)
+
+
+def make_skinny_linear(device: torch.device, max_rows: int = 2) -> SkinnyLinear:
+    """The Triton kernel on `device` (CUDA) for calls of at most `max_rows` rows."""
+    from asyncspec.kernels.skinny_linear_triton import make_split_counters, skinny_linear, skinny_linear_supported
+
+    return SkinnyLinear(max_rows, make_split_counters(device), skinny_linear, skinny_linear_supported)
+
+
+def use_skinny_linear(model: nn.Module, skinny: SkinnyLinear | None) -> int:
+    """Points every module of `model` that has a `skinny_linear` attribute (the `DecodeLinear`
+    layers, and a causal LM for its logits) at `skinny` (None: back to F.linear everywhere).
+    Returns how many modules it set."""
+    count = 0
+    for module in model.modules():
+        if "skinny_linear" in vars(module):
+            setattr(module, "skinny_linear", skinny)  # noqa: B010 - mypy types nn.Module attributes as Tensor | Module
+            count += 1
+    return count

@@ -1,0 +1,90 @@
+"""Linear layers' dispatch to the decode-shaped kernel: which calls take it, and that a model switched
+over generates what it did before. On the CPU a recording stand-in (the kernel's torch reference)
+plays the kernel; on a GPU the real Triton kernel runs inside the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from asyncspec import LLM, SamplingParams
+from asyncspec.kernels.skinny_linear import skinny_linear_ref
+from asyncspec.layers.linear import DecodeLinear, SkinnyLinear, linear, use_skinny_linear
+from asyncspec.worker.model_runner import SKINNY_LINEAR_ENV
+from tests.conftest import DRAFT_MODEL, TARGET_MODEL, load_prompts
+from tests.spec.spec_helpers import assert_same_outputs
+
+
+class _Recording:
+    """The kernel's reference, counting the rows of every call it serves."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+
+    def __call__(self, x, weight, bias, *, counters):
+        assert counters is not None
+        self.rows.append(x.shape[0])
+        return skinny_linear_ref(x, weight, bias)
+
+
+def _stand_in(max_rows: int = 2, supported=lambda x, w: True) -> tuple[SkinnyLinear, _Recording]:
+    kernel = _Recording()
+    return SkinnyLinear(max_rows, torch.zeros(8, dtype=torch.int32), kernel, supported), kernel
+
+
+def test_linear_sends_only_decode_sized_calls_the_kernel_takes() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(24, 16, generator=gen), torch.randn(24, generator=gen)
+    skinny, kernel = _stand_in()
+    for rows in (1, 2, 3, 9):
+        x = torch.randn(rows, 16, generator=gen)
+        torch.testing.assert_close(linear(x, weight, bias, skinny), F.linear(x, weight, bias))
+    assert kernel.rows == [1, 2]
+    refusing, kernel = _stand_in(supported=lambda x, w: False)
+    x = torch.randn(1, 16, generator=gen)
+    torch.testing.assert_close(linear(x, weight, None, refusing), F.linear(x, weight))
+    assert kernel.rows == []
+    layer = DecodeLinear(16, 24)
+    assert layer.skinny_linear is None  # F.linear until a model is switched over
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "draft"])
+def test_switched_model_generates_the_same_tokens(spec: bool) -> None:
+    """Every projection and the logits of the target (and the draft) take the kernel for their decode
+    calls; prefill chunks stay on F.linear; greedy fp32 tokens are unchanged."""
+    kwargs = dict(device="cpu", dtype="float32", max_model_len=256, max_num_seqs=2, num_kv_blocks=64)
+    if spec:
+        kwargs.update(speculative_method="draft_model", draft_model=str(DRAFT_MODEL), num_speculative_tokens=3)
+    prompts = [p[:40] for p in load_prompts(2)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ref = LLM(str(TARGET_MODEL), **kwargs).generate(prompts, params)
+    llm = LLM(str(TARGET_MODEL), **kwargs)
+    runner = llm.engine.engine_core.runner
+    skinny, kernel = _stand_in()
+    num_layers = runner.model_config.num_hidden_layers
+    assert use_skinny_linear(runner.model, skinny) == 4 * num_layers + 1  # projections, and the logits
+    if spec:
+        use_skinny_linear(runner.spec.proposer.model, skinny)
+    assert_same_outputs(ref, llm.generate(prompts, params), "the decode-shaped kernel")
+    assert kernel.rows and max(kernel.rows) <= 2
+    # Two requests decoding one token each: every projection of every layer, then the logits.
+    assert kernel.rows.count(2) >= 4 * num_layers
+    assert use_skinny_linear(runner.model, None) == 4 * num_layers + 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "draft"])
+def test_skinny_linear_in_the_engine_on_gpu(spec: bool, monkeypatch) -> None:
+    """The Triton kernel inside the engine (CUDA graphs on): fp32 greedy tokens equal the cuBLAS run's."""
+    kwargs = dict(device="cuda", dtype="float32", max_model_len=512, max_num_seqs=8, gpu_memory_utilization=0.3)
+    if spec:
+        kwargs.update(speculative_method="draft_model", draft_model=str(DRAFT_MODEL), num_speculative_tokens=4)
+    prompts = load_prompts(6)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    ref = LLM(str(TARGET_MODEL), **kwargs).generate(prompts, params)
+    monkeypatch.setenv(SKINNY_LINEAR_ENV, "1")
+    llm = LLM(str(TARGET_MODEL), **kwargs)
+    assert llm.engine.engine_core.runner.model.skinny_linear is not None
+    assert_same_outputs(ref, llm.generate(prompts, params), "the decode-shaped kernel on the GPU")
