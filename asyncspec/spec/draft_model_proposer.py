@@ -167,12 +167,12 @@ class DraftModelProposer:
             (max_num_seqs, max(num_speculative_tokens, 1)), dtype=torch.int64, device=device
         )
         self._loops: dict[tuple[int, int], CapturedFunction] = {}
+        """(pass bucket, proposals) -> the captured greedy proposal loop."""
         self._step_meta = torch.zeros((4, max_num_seqs), dtype=torch.int64, device=device)
         """The catch-up meta of `greedy_step`, built on the device."""
         self._loop_token_ids: Tensor | None = None
         self.num_loop_replays = 0
         """Proposal steps served by a captured greedy loop (tests and benchmarks read it)."""
-        """(pass bucket, proposals) -> the captured greedy proposal loop."""
         self.graphs: GraphReplayer | None = None
         """The draft's CUDA graphs over `inputs`, set by the worker once captured."""
         self.debug_invariants = False

@@ -200,10 +200,10 @@ class ModelRunner:
         report the device's computed counts with each step (tests; synchronizes the device)."""
         self._init_step_buffers()
         self._greedy_draft_steps: dict[tuple[int, int], CapturedGraph] = {}
-        self.num_greedy_draft_steps = 0
-        """Steps whose draft work replayed one of `_greedy_draft_steps`."""
         """(bucket, query length) -> the draft's whole step after that verification graph's greedy
         tail (catch-up and proposals), captured when the draft model proposes."""
+        self.num_greedy_draft_steps = 0
+        """Steps whose draft work replayed one of `_greedy_draft_steps`."""
         self._greedy_verification: GreedyVerification | None = None
         """Greedy verification over the step's device buffers (a graph tail, or run eagerly)."""
         if self.spec is not None:
