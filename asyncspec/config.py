@@ -99,6 +99,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     """GPUs (or CPU processes) one model is split across, one worker process each (NCCL on cuda,
     gloo on cpu); on cuda they are cuda:<first> to cuda:<first + size - 1>."""
+    worker_process: bool = False
+    """Run the model in a worker process of its own even with tensor_parallel_size=1 (as tensor
+    parallelism does): the model's launches then never share a Python interpreter lock with the
+    scheduler and a server's streams; each step crosses a pipe."""
 
     def __post_init__(self) -> None:
         self._validate()

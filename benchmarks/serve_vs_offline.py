@@ -101,10 +101,18 @@ def main() -> int:
     parser.add_argument("--concurrency", default="32,128")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--async-scheduling", action="store_true", help="both sides with the asynchronous loop")
+    parser.add_argument(
+        "--served-worker-process",
+        action="store_true",
+        help="the server runs its model in a worker process of its own (--worker-process true); the offline "
+        "run keeps it in-process",
+    )
     args = parser.parse_args()
     asyncspec = gss._import_asyncspec()
     extra = {"async_scheduling": True} if args.async_scheduling else {}
     flags = ["--async-scheduling", "true"] if args.async_scheduling else []
+    if args.served_worker_process:
+        flags += ["--worker-process", "true"]
     results = {
         "card": gss.detect_card("cuda"),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -53,9 +53,10 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
 def _make_runner(
     config: EngineConfig, model_config: ModelConfig, max_model_len: int
 ) -> ModelRunner | TensorParallelExecutor:
-    """The model runner in this process, or worker processes for tensor_parallel_size > 1."""
+    """The model runner in this process, or worker processes for tensor_parallel_size > 1 (or
+    worker_process)."""
     size = config.tensor_parallel_size
-    if size == 1:
+    if size == 1 and not config.worker_process:
         return ModelRunner(config, model_config, max_model_len)
     mc = model_config
     check_divisible(TensorParallel(0, size), mc.num_attention_heads, mc.num_key_value_heads, mc.intermediate_size)

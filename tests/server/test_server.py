@@ -606,3 +606,27 @@ def pb_grpc_stub(channel):
     from asyncspec.v1 import asyncspec_pb2_grpc
 
     return asyncspec_pb2_grpc.GenerationStub(channel)
+
+
+def test_a_server_with_its_model_in_a_worker_process_streams_the_engine_output(prompts):
+    """--worker-process true: the model runs in a process of its own (the server's streams then never
+    share an interpreter lock with it); 16 concurrent streams get the engine's tokens, the pool is freed."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    reference = bundled_llm(**ENGINE).generate(prompts, params)
+    server = ServerThread(engine_overrides=dict(worker_process=True, async_scheduling=True))
+    try:
+        results: dict[int, list[int]] = {}
+
+        def client(i: int) -> None:
+            stub = server.stub()
+            results[i] = [t for r in stub.Generate(_request(prompts[i % len(prompts)])) for t in r.token_ids]
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert {i: results.get(i) for i in range(16)} == {i: reference[i % len(prompts)].token_ids for i in range(16)}
+        _wait_kv_free(server)
+    finally:
+        server.stop()

@@ -283,3 +283,51 @@ def test_every_rank_writes_its_own_profile(tmp_path) -> None:
         assert (
             llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=4))[0].token_ids == out[0].token_ids
         )
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_worker_process_of_one_equals_the_in_process_runner(async_scheduling) -> None:
+    """worker_process=True with tensor_parallel_size=1: the model runs in one worker process (the
+    server's streams then never share an interpreter lock with it); greedy output is unchanged, with
+    the draft model, and the process goes away with the engine."""
+    prompts = [p[:60] for p in load_prompts(4)]
+    kwargs = dict(async_scheduling=async_scheduling, speculative_method="draft_model", num_speculative_tokens=4)
+    with LLM(str(TARGET_MODEL), **kwargs, **BUNDLED) as single:
+        assert not isinstance(single.engine.engine_core.runner, TensorParallelExecutor)
+        reference = _greedy(single, prompts, 24)
+    with LLM(str(TARGET_MODEL), worker_process=True, **kwargs, **BUNDLED) as llm:
+        pids = _pids(_executor(llm))
+        assert len(pids) == 1 and pids[0] != os.getpid()
+        assert _greedy(llm, prompts, 24) == reference
+        stats = llm.stats()
+        assert_kv_free(stats)
+        assert stats["spec_num_accepted_tokens"] > 0
+    _assert_gone(pids)
+
+
+def test_killed_worker_process_of_one_ends_every_stream() -> None:
+    async def main() -> None:
+        engine = AsyncEngine(_config(worker_process=True, async_scheduling=True))
+        pids = _pids(engine.engine.engine_core.runner)  # type: ignore[arg-type]
+        params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        first_tokens = asyncio.Event()
+
+        async def consume(i: int) -> BaseException | None:
+            try:
+                async for _ in engine.generate(load_prompts(2)[i][:40], params, request_id=f"r{i}"):
+                    first_tokens.set()
+            except BaseException as e:
+                return e
+            return None
+
+        tasks = [asyncio.create_task(consume(i)) for i in range(2)]
+        await asyncio.wait_for(first_tokens.wait(), 60)
+        os.kill(pids[0], signal.SIGKILL)
+        errors = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        for error in errors:
+            assert isinstance(error, EngineDeadError) and "rank 0" in str(error), error
+        assert_kv_free(engine.engine.stats())
+        await engine.shutdown()
+        _assert_gone(pids)
+
+    asyncio.run(main())
