@@ -67,11 +67,14 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: Sequence[int]) -> str | None:
         """Appends the tokens' text; returns the stop string if one now matches, else None.
 
-        Tokens are taken one at a time, so the result does not depend on how they were grouped
-        into steps (speculative decoding delivers several per step). After a match the rest of
-        the tokens are ignored and `num_output_tokens` counts only those up to the match.
+        With stop strings, tokens are taken one at a time, so the result does not depend on how they
+        were grouped into steps (speculative decoding delivers several per step); without, one window
+        decode takes them all unless it ends inside a character. After a match the rest of the
+        tokens are ignored and `num_output_tokens` counts only those up to the match.
         """
         if self.stop_reason is not None:
+            return None
+        if not self.stop and len(new_token_ids) > 1 and self._update_all(new_token_ids):
             return None
         for token_id in new_token_ids:
             self._token_ids.append(token_id)
@@ -84,6 +87,23 @@ class IncrementalDetokenizer:
             if self.stop and self.num_output_tokens > self.min_tokens and self._check_stop(len(delta)):
                 return self.stop_reason
         return None
+
+    def _update_all(self, new_token_ids: Sequence[int]) -> bool:
+        """Without stop strings: the text of all the new tokens from one window (two decodes per step
+        instead of two per token; speculative steps bring several tokens). Declines, changing nothing,
+        when the window ends inside a character or adds no text: token by token then emits the text
+        before that character now, as it would have one token per step."""
+        start = len(self._token_ids)
+        self._token_ids.extend(new_token_ids)
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        new_text = self._decode(self._prefix_offset)
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+            del self._token_ids[start:]
+            return False
+        self.num_output_tokens += len(new_token_ids)
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._token_ids)
+        self.output_text += new_text[len(prefix_text) :]
+        return True
 
     def _check_stop(self, new_char_count: int) -> bool:
         """Looks for stop strings completed by the newest token's text and truncates at the

@@ -208,3 +208,17 @@ def test_get_text_delta_withholds_possible_stop_prefix(tok: Tokenizer) -> None:
     no_stop = IncrementalDetokenizer(tok, [], SamplingParams())
     no_stop.update(tok.encode("abc").ids)
     assert no_stop.get_text_delta(False) == "abc"
+
+
+def test_a_chunk_ending_inside_a_character_emits_the_text_before_it(tok: Tokenizer) -> None:
+    """Several tokens at once (a speculative step) whose last one leaves a character incomplete: the
+    text before that character is emitted now, as one token at a time would, and the character
+    arrives whole with the token that completes it."""
+    ids = tok.encode("ab cd 🎉").ids
+    assert len(ids) >= 4 and detokenize(tok, ids[:-1]).endswith("\ufffd")
+    detok = IncrementalDetokenizer(tok, tok.encode(PROMPT).ids, SamplingParams())
+    assert detok.update(ids[:-1]) is None
+    early = detok.get_text_delta(finished=False)
+    assert early == detokenize(tok, ids[:-1]).rstrip("\ufffd") and "\ufffd" not in early
+    detok.update(ids[-1:])
+    assert early + detok.get_text_delta(finished=True) == "ab cd 🎉"
