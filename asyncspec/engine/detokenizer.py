@@ -67,14 +67,14 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: Sequence[int]) -> str | None:
         """Appends the tokens' text; returns the stop string if one now matches, else None.
 
-        With stop strings, tokens are taken one at a time, so the result does not depend on how they
-        were grouped into steps (speculative decoding delivers several per step); without, one window
-        decode takes them all unless it ends inside a character. After a match the rest of the
-        tokens are ignored and `num_output_tokens` counts only those up to the match.
+        The result does not depend on how the tokens were grouped into steps (speculative decoding
+        delivers several per step): one window decode takes them all where that gives what one at a
+        time would, else they are taken one at a time. After a match the rest of the tokens are
+        ignored and `num_output_tokens` counts only those up to the match.
         """
         if self.stop_reason is not None:
             return None
-        if not self.stop and len(new_token_ids) > 1 and self._update_all(new_token_ids):
+        if len(new_token_ids) > 1 and self._update_all(new_token_ids):
             return None
         for token_id in new_token_ids:
             self._token_ids.append(token_id)
@@ -89,21 +89,32 @@ class IncrementalDetokenizer:
         return None
 
     def _update_all(self, new_token_ids: Sequence[int]) -> bool:
-        """Without stop strings: the text of all the new tokens from one window (two decodes per step
-        instead of two per token; speculative steps bring several tokens). Declines, changing nothing,
-        when the window ends inside a character or adds no text: token by token then emits the text
-        before that character now, as it would have one token per step."""
+        """The text of all the new tokens from one window: two decodes per step instead of two per
+        token (speculative steps bring several tokens). Declines, changing nothing, when token by
+        token could differ: the window ends inside a character (the text before it is emitted now,
+        as one token per step would), adds no text, starts below min_tokens while stop strings are
+        set, or completes a stop string (which token completed it decides where the output ends)."""
+        if self.stop and self.num_output_tokens < self.min_tokens:
+            return False
         start = len(self._token_ids)
         self._token_ids.extend(new_token_ids)
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         new_text = self._decode(self._prefix_offset)
-        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+        delta = new_text[len(prefix_text) :]
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR) or self._would_stop(delta):
             del self._token_ids[start:]
             return False
         self.num_output_tokens += len(new_token_ids)
         self._prefix_offset, self._read_offset = self._read_offset, len(self._token_ids)
-        self.output_text += new_text[len(prefix_text) :]
+        self.output_text += delta
         return True
+
+    def _would_stop(self, delta: str) -> bool:
+        """Whether appending `delta` would complete one of the stop strings."""
+        if not self.stop:
+            return False
+        text = self.output_text + delta
+        return any(text.find(stop, max(len(text) - len(delta) - len(stop) + 1, 0)) != -1 for stop in self.stop)
 
     def _check_stop(self, new_char_count: int) -> bool:
         """Looks for stop strings completed by the newest token's text and truncates at the
