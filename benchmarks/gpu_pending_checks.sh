@@ -6,7 +6,9 @@
 #
 # Writes its JSON under $OUT (or /tmp/pending). Parts: tests, step (gpu_step_speed with the
 # switches off and on), serve (serve_vs_offline with the model in the server process and in a
-# worker process); PARTS="tests step" runs a subset.
+# worker process); PARTS="tests step" runs a subset. Each part takes minutes: one device call
+# (at most 10) holds one or two of them. `serve` needs grpcio-health-checking and grpcio-reflection
+# on the device (carry their wheels; the device README says how).
 set -uo pipefail
 out=${OUT:-/tmp/pending}
 mkdir -p "$out"
