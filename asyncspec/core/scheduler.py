@@ -174,6 +174,8 @@ class Scheduler:
                 continue
             num_new = num_tokens - computed
             num_drafts = 0
+            if num_new > 1 and placeholders == 0 and self._resumes_seeded_stream(request):
+                num_new -= 1
             # Chunk any multi-token catch-up: a prompt, or a preempted request's recompute.
             if threshold > 0 and num_new > 1:
                 num_new = min(num_new, threshold)
@@ -238,6 +240,8 @@ class Scheduler:
                 else:
                     computed_blocks, num_hit = [], 0
                 num_new = request.num_tokens - request.num_computed_tokens - num_hit
+                if num_new > 1 and self._resumes_seeded_stream(request):
+                    num_new -= 1
                 if cfg.long_prefill_token_threshold > 0:
                     num_new = min(num_new, cfg.long_prefill_token_threshold)
                 if num_new > token_budget:
@@ -297,6 +301,19 @@ class Scheduler:
             counts[spec_k] = counts.get(spec_k, 0) + 1
         self._finished_since_last_step = set()
         return output
+
+    def _resumes_seeded_stream(self, request: Request) -> bool:
+        """A seeded sampling request recomputing its tokens under speculation (it was preempted): its
+        recompute stops one token short, so that the decode of its last token verifies the drafts
+        the interrupted step would have verified (the worker proposes them at the recompute's end).
+        Its draws then go to the same positions as in an uninterrupted run."""
+        params = request.sampling_params
+        return bool(
+            self.config.num_speculative_tokens
+            and request.output_token_ids
+            and params.seed is not None
+            and not params.is_greedy
+        )
 
     def _plan_next_k(self) -> int:
         """Commits to the k of the next step, once this step's admissions are known: the worker

@@ -771,6 +771,8 @@ class ModelRunner:
         step = self._prepare_inputs(states, num_scheduled, sampling_rows, num_draft_positions, admitted)
         attn_metadata = step.metadata
         hidden_states = self._forward(step)
+        if self.spec is not None and not self.spec.uses_draft_model:
+            self._propose_after_recompute(states, num_scheduled, so.num_proposals)
         # The draft model's catch-up starts from the device's computed counts before this step.
         computed_before = self._meta_dev[1, : len(states)]
         for state, n in zip(states, num_scheduled, strict=True):
@@ -847,6 +849,24 @@ class ModelRunner:
             )
 
         return StepHandle(finish=finish, host=host, ready=ready)
+
+    def _propose_after_recompute(self, states: list[RowState], num_scheduled: list[int], num_proposals: int) -> None:
+        """A recompute chunk that ends one token short of a request's known tokens (the scheduler
+        stops a resumed seeded stream there) is followed by the decode of that token with drafts:
+        the n-gram proposer drafts them now from the known tokens, as it did after the step that
+        the preemption interrupted. Before the step's counts advance."""
+        assert self.spec is not None
+        resumed = [
+            (s.row, s.num_tokens)
+            for s, n in zip(states, num_scheduled, strict=True)
+            if s.output_token_ids and s.num_computed_tokens + n == s.num_tokens - 1
+        ]
+        if not resumed:
+            return
+        rows = host_list_to_device([row for row, _ in resumed], self.device)
+        num_tokens = host_list_to_device([n for _, n in resumed], self.device)
+        bound = min(max(n for _, n in resumed), self.input_batch.token_ids.shape[1])
+        self.spec.propose(self.input_batch.token_ids, rows, num_tokens, bound, None, num_proposals)
 
     def _samples_plainly(self, so: SchedulerOutput, num_draft_positions: list[int]) -> bool:
         """With speculation on, a step that verifies nothing (the policy chose k = 0) samples with
