@@ -17,7 +17,8 @@ parts=${PARTS:-tests step serve}
 
 if [[ " $parts " == *" tests "* ]]; then
     timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu \
-        tests/worker/test_cuda_graphs.py tests/layers/test_linear.py tests/kernels/test_skinny_linear.py 2>&1 | tail -15
+        tests/worker/test_cuda_graphs.py tests/layers/test_linear.py tests/kernels/test_skinny_linear.py \
+        tests/worker/test_worker_process_gpu.py 2>&1 | tail -15
 fi
 
 if [[ " $parts " == *" step "* ]]; then
