@@ -771,7 +771,8 @@ class ModelRunner:
         step = self._prepare_inputs(states, num_scheduled, sampling_rows, num_draft_positions, admitted)
         attn_metadata = step.metadata
         hidden_states = self._forward(step)
-        if self.spec is not None and not self.spec.uses_draft_model:
+        # Only a chunk that does not sample can stop short of its request's tokens.
+        if self.spec is not None and not self.spec.uses_draft_model and len(sampling_rows) < len(states):
             self._propose_after_recompute(states, num_scheduled, so.num_proposals)
         # The draft model's catch-up starts from the device's computed counts before this step.
         computed_before = self._meta_dev[1, : len(states)]
@@ -966,7 +967,8 @@ class ModelRunner:
         num_positions = max(num_draft_positions) + 1
         sampling_states = [states[i] for i in sampling_rows]
         rows = self._meta_dev[0].index_select(0, self._meta_dev[3, :num_sampling])
-        metadata = self._sampling_metadata(sampling_states, rows)
+        # The greedy path reads no sampling metadata; the draft's eager step still does.
+        metadata: SamplingMetadata | None = None
         logits: torch.Tensor | None = None
         draft_done = False
         if self._only_greedy(len(states), num_sampling):
@@ -978,12 +980,15 @@ class ModelRunner:
             if self.input_batch.output_token_counts is not None:
                 self.input_batch.record_sampled(rows.unsqueeze(1).expand_as(out).reshape(-1), out.reshape(-1))
         else:
+            metadata = self._sampling_metadata(sampling_states, rows)
             out, num_accepted, num_valid, new_num_tokens, logits = self._verify(
                 states, num_scheduled, sampling_rows, num_draft_positions, hidden_states, rows, metadata
             )
         if not draft_done:
             draft_step = None
             if self.spec.uses_draft_model:
+                if metadata is None:
+                    metadata = self._sampling_metadata(sampling_states, rows)
                 draft_step = self._draft_step(
                     states,
                     num_scheduled,
@@ -996,7 +1001,7 @@ class ModelRunner:
                 )
             bound = self._token_bound(states, sampling_rows)
             self.spec.propose(self.input_batch.token_ids, rows, new_num_tokens, bound, draft_step, num_proposals)
-        num_logprobs = metadata.max_num_logprobs
+        num_logprobs = metadata.max_num_logprobs if metadata is not None else None
         tensors = [out, num_accepted, num_valid]
         if num_logprobs is not None:
             assert logits is not None  # the greedy path serves no batch that asks for logprobs

@@ -108,19 +108,25 @@ def test_streamed_output_equals_the_engine_and_usage_is_exact(server, prompts):
     _wait_kv_free(server)
 
 
-def test_many_concurrent_streams_complete(server, prompts):
-    reference = bundled_llm(**ENGINE).generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+def _concurrent_streams(server: ServerThread, prompts, n: int) -> dict[int, list[int]]:
+    """n client threads, stream i on prompt i mod len(prompts): the token ids each received."""
     results: dict[int, list[int]] = {}
 
     def client(i: int) -> None:
         stub = server.stub()
         results[i] = [t for r in stub.Generate(_request(prompts[i % len(prompts)])) for t in r.token_ids]
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(64)]
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
+    return results
+
+
+def test_many_concurrent_streams_complete(server, prompts):
+    reference = bundled_llm(**ENGINE).generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    results = _concurrent_streams(server, prompts, 64)
     assert len(results) == 64
     for i, tokens in results.items():
         assert tokens == reference[i % len(prompts)].token_ids
@@ -615,17 +621,7 @@ def test_a_server_with_its_model_in_a_worker_process_streams_the_engine_output(p
     reference = bundled_llm(**ENGINE).generate(prompts, params)
     server = ServerThread(engine_overrides=dict(worker_process=True, async_scheduling=True))
     try:
-        results: dict[int, list[int]] = {}
-
-        def client(i: int) -> None:
-            stub = server.stub()
-            results[i] = [t for r in stub.Generate(_request(prompts[i % len(prompts)])) for t in r.token_ids]
-
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        results = _concurrent_streams(server, prompts, 16)
         assert {i: results.get(i) for i in range(16)} == {i: reference[i % len(prompts)].token_ids for i in range(16)}
         _wait_kv_free(server)
     finally:

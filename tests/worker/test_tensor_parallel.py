@@ -107,9 +107,14 @@ def test_tiny_family_tp2_equals_tp1(family, tmp_path) -> None:
         assert_kv_free(llm.stats())
 
 
-def test_killed_worker_ends_every_stream_and_frees_everything() -> None:
+@pytest.mark.parametrize(
+    ("processes", "killed"),
+    [(dict(tensor_parallel_size=2), 1), (dict(worker_process=True), 0)],
+    ids=["tp2-rank1", "worker-process"],
+)
+def test_killed_worker_ends_every_stream_and_frees_everything(processes, killed) -> None:
     async def main() -> None:
-        engine = AsyncEngine(_config(tensor_parallel_size=2, async_scheduling=True))
+        engine = AsyncEngine(_config(async_scheduling=True, **processes))
         executor = engine.engine.engine_core.runner
         assert isinstance(executor, TensorParallelExecutor)
         pids = _pids(executor)
@@ -126,11 +131,11 @@ def test_killed_worker_ends_every_stream_and_frees_everything() -> None:
 
         tasks = [asyncio.create_task(consume(i)) for i in range(3)]
         await asyncio.wait_for(first_tokens.wait(), 60)
-        os.kill(pids[1], signal.SIGKILL)
+        os.kill(pids[killed], signal.SIGKILL)
         errors = await asyncio.wait_for(asyncio.gather(*tasks), 60)
         for error in errors:
             assert isinstance(error, EngineDeadError), error
-            assert "rank 1" in str(error) and "signal 9" in str(error), error
+            assert f"rank {killed}" in str(error) and "signal 9" in str(error), error
         assert_kv_free(engine.engine.stats())
         with pytest.raises(EngineDeadError):
             async for _ in engine.generate([1, 2, 3], params):
@@ -303,31 +308,3 @@ def test_worker_process_of_one_equals_the_in_process_runner(async_scheduling) ->
         assert_kv_free(stats)
         assert stats["spec_num_accepted_tokens"] > 0
     _assert_gone(pids)
-
-
-def test_killed_worker_process_of_one_ends_every_stream() -> None:
-    async def main() -> None:
-        engine = AsyncEngine(_config(worker_process=True, async_scheduling=True))
-        pids = _pids(engine.engine.engine_core.runner)  # type: ignore[arg-type]
-        params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-        first_tokens = asyncio.Event()
-
-        async def consume(i: int) -> BaseException | None:
-            try:
-                async for _ in engine.generate(load_prompts(2)[i][:40], params, request_id=f"r{i}"):
-                    first_tokens.set()
-            except BaseException as e:
-                return e
-            return None
-
-        tasks = [asyncio.create_task(consume(i)) for i in range(2)]
-        await asyncio.wait_for(first_tokens.wait(), 60)
-        os.kill(pids[0], signal.SIGKILL)
-        errors = await asyncio.wait_for(asyncio.gather(*tasks), 60)
-        for error in errors:
-            assert isinstance(error, EngineDeadError) and "rank 0" in str(error), error
-        assert_kv_free(engine.engine.stats())
-        await engine.shutdown()
-        _assert_gone(pids)
-
-    asyncio.run(main())
