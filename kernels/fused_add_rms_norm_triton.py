@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncspec.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
 from asyncspec.kernels.triton_rounding import round_to_dtype
 
 _MAX_BLOCK_H = 65536  # rows are held whole in registers
@@ -36,7 +37,9 @@ def _fused_add_rms_norm_kernel(
     STORE_RESIDUAL: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_start(USE_PDL)
     rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = (rows[:, None] < num_rows) & (cols[None, :] < H)
@@ -101,6 +104,7 @@ def fused_add_rms_norm(
     grid = (triton.cdiv(num_rows, block_t),)
     res_arg = residual if residual is not None else x
     res_out_arg = residual_out if residual_out is not None else out
+    pdl = pdl_enabled(x.device)
     _fused_add_rms_norm_kernel[grid](
         x,
         x.stride(0),
@@ -118,6 +122,8 @@ def fused_add_rms_norm(
         STORE_RESIDUAL=store_residual,
         BLOCK_T=block_t,
         BLOCK_H=block_h,
+        USE_PDL=pdl,
         num_warps=num_warps,
+        **pdl_launch_options(pdl),
     )
     return out, summed

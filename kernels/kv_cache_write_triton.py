@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncspec.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
+
 
 @triton.jit
 def _kv_cache_write_kernel(
@@ -29,7 +31,9 @@ def _kv_cache_write_kernel(
     head_dim,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_start(USE_PDL)
     # One program per token: all its KV heads at once, so the slot is read once.
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + t)
@@ -66,6 +70,7 @@ def write_kv_cache(
     for t in (key, value, k_cache, v_cache):
         assert t.stride(-1) == 1, "the head dim must be contiguous"
     assert slot_mapping.shape[0] >= num_tokens and slot_mapping.is_contiguous()
+    pdl = pdl_enabled(key.device)
     _kv_cache_write_kernel[(num_tokens,)](
         key,
         value,
@@ -87,4 +92,6 @@ def write_kv_cache(
         head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        USE_PDL=pdl,
+        **pdl_launch_options(pdl),
     )

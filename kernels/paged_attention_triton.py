@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncspec.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
+
 
 def _patch_interpreter() -> None:
     """Work around two TRITON_INTERPRET=1 bugs (triton 3.6); compiled kernels are unaffected. Idempotent.
@@ -217,8 +219,10 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs: TF32 would cost ~1e-3 relative error
+    USE_PDL: tl.constexpr = False,
 ):
     """Single pass: each program walks all visible keys of its (query tile, KV head) and writes `out`."""
+    pdl_start(USE_PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q)
@@ -320,10 +324,12 @@ def _paged_attention_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Split pass: program (query tile, KV head, split) attends to the split-th share of the tile's visible
     keys and writes its partial (m, l, acc) for every real row, even when its share is empty, so the
     combine kernel can read all num_splits partials of every real token without knowing which are empty."""
+    pdl_start(USE_PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -406,9 +412,11 @@ def _combine_splits_kernel(
     num_splits,
     BLOCK_S: tl.constexpr,  # next power of two >= num_splits
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Program (token, query head): log-sum-exp merge of the token's num_splits partials into `out`.
     Tokens of the padding tail (t >= query_start_loc[-1]) are written as zeros."""
+    pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -518,6 +526,7 @@ def paged_attention(
     qk_scale = scale * math.log2(math.e)
     window = sliding_window if sliding_window is not None else 0
 
+    pdl = pdl_enabled(query.device)
     if num_splits == 1:
         _paged_attention_kernel[(num_tiles, num_kv_heads)](
             query,
@@ -550,8 +559,10 @@ def paged_attention(
             BLOCK_N=block_n,
             BLOCK_D=block_d,
             DOT_PRECISION=dot_precision,
+            USE_PDL=pdl,
             num_warps=num_warps,
             num_stages=2,
+            **pdl_launch_options(pdl),
         )
         return out
 
@@ -593,8 +604,10 @@ def paged_attention(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         DOT_PRECISION=dot_precision,
+        USE_PDL=pdl,
         num_warps=num_warps,
         num_stages=2,
+        **pdl_launch_options(pdl),
     )
     _combine_splits_kernel[(num_tokens, num_heads)](
         out,
@@ -610,6 +623,8 @@ def paged_attention(
         num_splits,
         BLOCK_S=triton.next_power_of_2(num_splits),
         BLOCK_D=block_d,
+        USE_PDL=pdl,
         num_warps=4,
+        **pdl_launch_options(pdl),
     )
     return out

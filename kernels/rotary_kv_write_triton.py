@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncspec.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
 from asyncspec.kernels.triton_rounding import round_to_dtype
 
 
@@ -72,7 +73,9 @@ def _rotary_kv_write_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_KVH: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_start(USE_PDL)
     DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
     # A position past the cache can only be a padding row's garbage: clamped, so that no load strays.
@@ -157,6 +160,7 @@ def rotary_kv_write(
     block_half = triton.next_power_of_2(head_dim // 2)
     # The q part holds 2 x [BLOCK_H, BLOCK_HALF] values: about 16 per thread.
     num_warps = min(max(2 * block_h * block_half // (16 * 32), 1), 8)
+    pdl = pdl_enabled(q.device)
     _rotary_kv_write_kernel[(num_tokens, 2)](
         q,
         k,
@@ -192,7 +196,9 @@ def rotary_kv_write(
         BLOCK_H=block_h,
         BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=block_half,
+        USE_PDL=pdl,
         num_warps=num_warps,
         enable_fp_fusion=False,
+        **pdl_launch_options(pdl),
     )
     return q_out

@@ -12,13 +12,17 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncspec.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
 from asyncspec.kernels.triton_rounding import round_to_dtype
 
 _MAX_BLOCK_I = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, x_stride, out_ptr, out_stride, inter, BLOCK_I: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, x_stride, out_ptr, out_stride, inter, BLOCK_I: tl.constexpr, USE_PDL: tl.constexpr = False
+):
+    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = cols < inter
@@ -46,5 +50,16 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
     block_i = min(triton.next_power_of_2(inter), _MAX_BLOCK_I)
     num_warps = 4 if block_i >= 512 else 1
     grid = (num_rows, triton.cdiv(inter, block_i))
-    _silu_and_mul_kernel[grid](x, x.stride(0), out, out.stride(0), inter, BLOCK_I=block_i, num_warps=num_warps)
+    pdl = pdl_enabled(x.device)
+    _silu_and_mul_kernel[grid](
+        x,
+        x.stride(0),
+        out,
+        out.stride(0),
+        inter,
+        BLOCK_I=block_i,
+        USE_PDL=pdl,
+        num_warps=num_warps,
+        **pdl_launch_options(pdl),
+    )
     return out

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from asyncspec.kernels.paged_attention_triton import _patch_interpreter
+from asyncspec.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
 from asyncspec.kernels.silu_and_mul_triton import silu_and_mul
 from asyncspec.kernels.triton_rounding import round_to_dtype
 
@@ -142,7 +143,9 @@ def _skinny_linear_kernel(
     EVEN_K: tl.constexpr,
     SILU: tl.constexpr,
     UNROLL: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_start(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     row0 = tl.program_id(2) * BLOCK_M  # row blocks: only the FMA kernel with M > BLOCK_M has several
@@ -237,9 +240,19 @@ def _skinny_linear_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def _split_reduce_kernel(
-    ws_ptr, bias_ptr, out_ptr, M, N, stride_om, split_k, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+    ws_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_om,
+    split_k,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """out[m, n] = round(sum over s in order of ws[s, m, n] (+ bias[n])): a fixed order, so deterministic."""
+    pdl_start(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -377,6 +390,7 @@ def _launch(
     mode = 0 if split == 1 else 2 if counters is not None else 1
     ws = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     bias_arg = bias if bias is not None else x  # never read without HAS_BIAS
+    pdl = pdl_enabled(x.device)
     _skinny_linear_kernel[grid](
         x,
         weight,
@@ -400,8 +414,10 @@ def _launch(
         EVEN_K=k % cfg.block_k == 0,
         SILU=silu,
         UNROLL=cfg.unroll,
+        USE_PDL=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl_launch_options(pdl),
     )
     if mode == 1:
         _split_reduce_kernel[(triton.cdiv(m * n, _REDUCE_BLOCK),)](
@@ -414,7 +430,9 @@ def _launch(
             split,
             HAS_BIAS=bias is not None,
             BLOCK=_REDUCE_BLOCK,
+            USE_PDL=pdl,
             num_warps=4,
+            **pdl_launch_options(pdl),
         )
     return out
 

@@ -50,12 +50,14 @@ def model_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Ten
 
 
 def model_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """LlamaMLP.forward with identity projections: exactly its activation."""
-    config = SimpleNamespace(hidden_size=4, intermediate_size=x.shape[1] // 2, mlp_bias=False)
-    mlp = LlamaMLP(config)  # type: ignore[arg-type]
+    """LlamaMLP.forward with identity projections (the down projection an identity matrix, exact in any
+    dtype): exactly its activation."""
+    inter = x.shape[1] // 2
+    config = SimpleNamespace(hidden_size=inter, intermediate_size=inter, mlp_bias=False)
+    mlp = LlamaMLP(config).to(x.dtype)  # type: ignore[arg-type]
     mlp.gate_up_proj = nn.Identity()  # type: ignore[assignment]
-    mlp.down_proj = nn.Identity()  # type: ignore[assignment]
     with torch.no_grad():
+        mlp.down_proj.weight.copy_(torch.eye(inter, dtype=x.dtype))
         return mlp(x)
 
 
