@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 from gpu_step_speed import LLAMA_1B, LLAMA_8B  # noqa: E402
 
 SHAPES = {"llama-1b": LLAMA_1B, "llama-8b": LLAMA_8B}
