@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from asyncspec.kernels.greedy_argmax import greedy_argmax_ref
+from asyncspec.layers.attention import select_backend
 from asyncspec.sampling_params import SAMPLING_EPS, SamplingParams
 
 INVALID_TOKEN_ID = -1
@@ -342,10 +344,20 @@ def random_sample(
 
 
 def greedy_sample(logits: Tensor) -> Tensor:
-    """[N, V] -> [N] argmax, INVALID_TOKEN_ID for a row with a NaN or no finite score: one max
-    reduction gives both (max propagates NaN, and NaN > -inf is false), three launches in all."""
-    values, ids = logits.max(dim=-1)
-    return torch.where(values > float("-inf"), ids, INVALID_TOKEN_ID)
+    """[N, V] -> [N] int64 argmax (the first index among equal maxima), INVALID_TOKEN_ID for a row
+    with a NaN or no score above -inf.
+
+    Where the attention backend is Triton (CUDA, unless $ASYNCSPEC_ATTENTION_BACKEND says otherwise)
+    and the kernel takes the logits (2-D float32 / bfloat16 / float16), `greedy_argmax` spreads each
+    row over many programs (two launches, or one for V <= 8192); elsewhere `greedy_argmax_ref`, one
+    torch max reduction (max propagates NaN, and NaN > -inf is false). Both give the same ids and
+    read nothing back to the host, so either can be captured in a CUDA graph."""
+    if select_backend(logits.device).name == "triton":
+        from asyncspec.kernels import greedy_argmax_triton  # imported late, as the attention kernels
+
+        if greedy_argmax_triton.greedy_argmax_supported(logits):
+            return greedy_argmax_triton.greedy_argmax(logits, INVALID_TOKEN_ID)
+    return greedy_argmax_ref(logits, INVALID_TOKEN_ID)
 
 
 def invalid_rows(scores: Tensor) -> Tensor:
