@@ -29,10 +29,54 @@ SHAPES = {"llama-1b": LLAMA_1B, "llama-8b": LLAMA_8B}
 BATCHES = (1, 2, 4, 8, 32)
 
 
-def _one(model: str, repeats: int) -> dict:
-    """In a child process: capture the model's graphs, time each (batch, 1) replay `repeats` times."""
+PATCH_ENV = "GRAPH_REPLAY_PATCH"
+"""Comma-separated benchmark-only patches applied in the child before the engine starts (what a switch
+cannot reach): `m1_as_m2` gives the skinny kernel's one-row calls its two-row launch config;
+`no_fused_silu` runs the activation kernel before a one-row down projection instead of fusing it."""
+
+
+def _apply_patches(patches: set[str]) -> None:
+    import dataclasses
+
+    from asyncspec.kernels import skinny_linear_triton
+    from asyncspec.worker import model_runner
+
+    if "m1_as_m2" in patches:
+        choose = skinny_linear_triton.choose_config
+        skinny_linear_triton.choose_config = lambda m, n, k, sms=132: choose(max(m, 2), n, k, sms)  # type: ignore[assignment]
+    if "no_fused_silu" in patches:
+        make = model_runner.make_skinny_linear
+        model_runner.make_skinny_linear = lambda device, max_rows=2: dataclasses.replace(  # type: ignore[assignment]
+            make(device, max_rows), max_gated_rows=0
+        )
+
+
+def _time(fns: list, repeats: int) -> float:
+    """Median ms of one call of each of `fns` in turn, over `repeats` batches of 10, with CUDA events."""
     import torch
 
+    for _ in range(5):
+        for fn in fns:
+            fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            for fn in fns:
+                fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 10)
+    return statistics.median(times)
+
+
+def _one(model: str, repeats: int) -> dict:
+    """In a child process: capture the model's graphs, time each (batch, 1) replay `repeats` times, alone
+    and followed by its greedy tail (the logits and the argmax: a whole greedy decode step's GPU work)."""
+    import torch
+
+    _apply_patches({p for p in os.environ.get(PATCH_ENV, "").split(",") if p})
     from asyncspec import LLM
 
     tmp = tempfile.mkdtemp()
@@ -50,21 +94,13 @@ def _one(model: str, repeats: int) -> dict:
     runner = llm.engine.engine_core.runner
     graphs = runner.cuda_graphs
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    out: dict = {"weight_bytes": weight_bytes, "ms": {}}
+    out: dict = {"weight_bytes": weight_bytes, "ms": {}, "step_ms": {}}
     for batch in BATCHES:
         graph, _ = graphs._graphs[(batch, 1)]
-        for _ in range(5):
-            graph.replay()
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(10):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 10)
-        out["ms"][batch] = statistics.median(times)
+        out["ms"][batch] = _time([graph.replay], repeats)
+        if (batch, 1) in graphs._tails:
+            tail, _ = graphs._tails[(batch, 1)]
+            out["step_ms"][batch] = _time([graph.replay, tail.replay], repeats)
     x = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
     bw = []
     for _ in range(8):
@@ -108,15 +144,23 @@ def main() -> int:
                     print(proc.stderr[-3000:], file=sys.stderr)
                     return 1
                 row = json.loads(proc.stdout.strip().splitlines()[-1])
+                for key in ("ms", "step_ms"):
+                    row[key] = {int(b): ms for b, ms in row[key].items()}
                 results.append({"model": model, "switch": switch, "round": round_, **row})
-    print(f"{'model':9} {'switch':40} " + " ".join(f"{'b' + str(b) + ' ms':>8}" for b in BATCHES) + "  b1/RL  b1 ratio")
+    # Forward-pass graph alone per batch, then the whole greedy step (forward + tail) at batch 1, its ratio to
+    # the first switch, and over the roofline: every weight byte (lm_head included) over the bandwidth here.
+    head = " ".join(f"{'b' + str(b) + ' fwd':>8}" for b in BATCHES)
+    print(f"{'model':9} {'switch':52} {head}  step b1  ratio  b1/RL")
     base: dict[str, float] = {}
     for r in results:
-        b1 = r["ms"]["1"] if "1" in r["ms"] else r["ms"][1]
-        base.setdefault(r["model"], b1)
+        step = r["step_ms"].get(1, float("nan"))
+        base.setdefault(r["model"], step)
         roofline_ms = r["weight_bytes"] / r["read_bytes_per_s"] * 1e3
-        cells = " ".join(f"{r['ms'][b if b in r['ms'] else str(b)]:8.3f}" for b in BATCHES)
-        print(f"{r['model']:9} {r['switch']:40} {cells}  {b1 / roofline_ms:5.2f}  {b1 / base[r['model']]:6.3f}")
+        cells = " ".join(f"{r['ms'][b]:8.3f}" for b in BATCHES)
+        print(
+            f"{r['model']:9} {r['switch']:52} {cells}  {step:7.3f}  {step / base[r['model']]:5.3f}  "
+            f"{step / roofline_ms:5.2f}"
+        )
     if args.output:
         Path(args.output).write_text(json.dumps({"benchmark": "graph_replay", "rows": results}, indent=1))
     return 0
