@@ -30,12 +30,6 @@ class SkinnyLinear:
     """skinny_linear(x, weight, bias, counters=...)."""
     supported: Callable[[torch.Tensor, torch.Tensor], bool]
     """Whether the kernel takes these operands (else F.linear)."""
-    gated_kernel: Callable[..., torch.Tensor] | None = None
-    """skinny_linear_silu(x2, weight, bias, counters=...): the MLP's down projection of its gate|up
-    tensor, the activation applied while loading it (None: the activation runs first, then `kernel`)."""
-    max_gated_rows: int = 1
-    """Calls of the down projection with at most this many rows take `gated_kernel` (where the fused
-    activation measured faster than its own kernel)."""
 
 
 def linear(
@@ -45,27 +39,6 @@ def linear(
     if skinny is not None and x.dim() == 2 and x.shape[0] <= skinny.max_rows and skinny.supported(x, weight):
         return skinny.kernel(x, weight, bias, counters=skinny.counters)
     return F.linear(x, weight, bias)
-
-
-def gated_linear(
-    x2: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    skinny: SkinnyLinear | None,
-    silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
-    """silu_and_mul(x2) @ weight^T (+ bias) for the MLP's gate|up x2: one fused kernel for a decode-sized
-    x2 that `skinny.gated_kernel` takes, else the activation then `linear` (the same two roundings of the
-    activation either way)."""
-    if (
-        skinny is not None
-        and skinny.gated_kernel is not None
-        and x2.dim() == 2
-        and x2.shape[0] <= skinny.max_gated_rows
-        and skinny.supported(x2[:, : x2.shape[1] // 2], weight)
-    ):
-        return skinny.gated_kernel(x2, weight, bias, counters=skinny.counters)
-    return linear(silu_and_mul(x2), weight, bias, skinny)
 
 
 class DecodeLinear(nn.Linear):
@@ -81,16 +54,9 @@ class DecodeLinear(nn.Linear):
 
 def make_skinny_linear(device: torch.device, max_rows: int = 2) -> SkinnyLinear:
     """The Triton kernel on `device` (CUDA) for calls of at most `max_rows` rows."""
-    from asyncspec.kernels.skinny_linear_triton import (
-        make_split_counters,
-        skinny_linear,
-        skinny_linear_silu,
-        skinny_linear_supported,
-    )
+    from asyncspec.kernels.skinny_linear_triton import make_split_counters, skinny_linear, skinny_linear_supported
 
-    return SkinnyLinear(
-        max_rows, make_split_counters(device), skinny_linear, skinny_linear_supported, skinny_linear_silu
-    )
+    return SkinnyLinear(max_rows, make_split_counters(device), skinny_linear, skinny_linear_supported)
 
 
 def use_skinny_linear(model: nn.Module, skinny: SkinnyLinear | None) -> int:

@@ -12,7 +12,7 @@ from torch import nn
 from asyncspec.layers.activation import select_silu_and_mul
 from asyncspec.layers.attention import Attention
 from asyncspec.layers.attention_metadata import AttentionMetadata
-from asyncspec.layers.linear import DecodeLinear, SkinnyLinear, gated_linear, linear
+from asyncspec.layers.linear import DecodeLinear, SkinnyLinear, linear
 from asyncspec.layers.norm import RMSNorm
 from asyncspec.layers.rotary import RotaryEmbedding, RotaryInputs, apply_rotary, select_fused_rotary
 from asyncspec.layers.tensor_parallel import TensorParallel
@@ -90,10 +90,7 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._silu_and_mul is None:
             self._silu_and_mul = select_silu_and_mul(x.device)
-        down = self.down_proj
-        return self.tp.all_reduce(
-            gated_linear(self.gate_up_proj(x), down.weight, down.bias, down.skinny_linear, self._silu_and_mul)
-        )
+        return self.tp.all_reduce(self.down_proj(self._silu_and_mul(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):

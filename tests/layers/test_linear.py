@@ -9,9 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from asyncspec import LLM, SamplingParams
-from asyncspec.kernels.silu_and_mul import silu_and_mul_ref
-from asyncspec.kernels.skinny_linear import skinny_linear_ref, skinny_linear_silu_ref
-from asyncspec.layers.linear import DecodeLinear, SkinnyLinear, gated_linear, linear, use_skinny_linear
+from asyncspec.kernels.skinny_linear import skinny_linear_ref
+from asyncspec.layers.linear import DecodeLinear, SkinnyLinear, linear, use_skinny_linear
 from asyncspec.worker.model_runner import SKINNY_LINEAR_ENV
 from tests.conftest import DRAFT_MODEL, TARGET_MODEL, load_prompts
 from tests.spec.spec_helpers import assert_same_outputs
@@ -20,21 +19,18 @@ from tests.spec.spec_helpers import assert_same_outputs
 class _Recording:
     """The kernel's reference, counting the rows of every call it serves."""
 
-    def __init__(self, reference=skinny_linear_ref) -> None:
+    def __init__(self) -> None:
         self.rows: list[int] = []
-        self.reference = reference
 
     def __call__(self, x, weight, bias, *, counters):
         assert counters is not None
         self.rows.append(x.shape[0])
-        return self.reference(x, weight, bias)
+        return skinny_linear_ref(x, weight, bias)
 
 
 def _stand_in(max_rows: int = 2, supported=lambda x, w: True) -> tuple[SkinnyLinear, _Recording]:
-    """A SkinnyLinear of recording references; its gated kernel records into `.gated` of the result."""
-    kernel, gated = _Recording(), _Recording(skinny_linear_silu_ref)
-    kernel.gated = gated  # type: ignore[attr-defined]
-    return SkinnyLinear(max_rows, torch.zeros(8, dtype=torch.int32), kernel, supported, gated), kernel
+    kernel = _Recording()
+    return SkinnyLinear(max_rows, torch.zeros(8, dtype=torch.int32), kernel, supported), kernel
 
 
 def test_linear_sends_only_decode_sized_calls_the_kernel_takes() -> None:
@@ -54,26 +50,6 @@ def test_linear_sends_only_decode_sized_calls_the_kernel_takes() -> None:
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
-def test_gated_linear_fuses_the_activation_only_for_the_rows_it_was_measured_at() -> None:
-    gen = torch.Generator().manual_seed(1)
-    weight, bias = torch.randn(12, 16, generator=gen), torch.randn(12, generator=gen)
-    skinny, kernel = _stand_in(max_rows=2)
-    for rows in (1, 2, 5):
-        x2 = torch.randn(rows, 32, generator=gen)
-        got = gated_linear(x2, weight, bias, skinny, silu_and_mul_ref)
-        torch.testing.assert_close(got, F.linear(silu_and_mul_ref(x2), weight, bias))
-    assert kernel.gated.rows == [1] and kernel.rows == [2]  # one row fused; two: activation, then the kernel
-    refusing, kernel = _stand_in(supported=lambda x, w: False)
-    x2 = torch.randn(1, 32, generator=gen)
-    torch.testing.assert_close(
-        gated_linear(x2, weight, None, refusing, silu_and_mul_ref), F.linear(silu_and_mul_ref(x2), weight)
-    )
-    assert kernel.gated.rows == [] and kernel.rows == []
-    torch.testing.assert_close(
-        gated_linear(x2, weight, None, None, silu_and_mul_ref), F.linear(silu_and_mul_ref(x2), weight)
-    )
-
-
 @pytest.mark.parametrize("spec", [False, True], ids=["plain", "draft"])
 def test_switched_model_generates_the_same_tokens(spec: bool) -> None:
     """Every projection and the logits of the target (and the draft) take the kernel for their decode
@@ -81,9 +57,8 @@ def test_switched_model_generates_the_same_tokens(spec: bool) -> None:
     kwargs = dict(device="cpu", dtype="float32", max_model_len=256, max_num_seqs=2, num_kv_blocks=64)
     if spec:
         kwargs.update(speculative_method="draft_model", draft_model=str(DRAFT_MODEL), num_speculative_tokens=3)
-    # Different lengths: the longer request decodes alone at the end (one row: the fused activation).
     prompts = [p[:40] for p in load_prompts(2)]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 20)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     ref = LLM(str(TARGET_MODEL), **kwargs).generate(prompts, params)
     llm = LLM(str(TARGET_MODEL), **kwargs)
     runner = llm.engine.engine_core.runner
@@ -96,10 +71,6 @@ def test_switched_model_generates_the_same_tokens(spec: bool) -> None:
     assert kernel.rows and max(kernel.rows) <= 2
     # Two requests decoding one token each: every projection of every layer, then the logits.
     assert kernel.rows.count(2) >= 4 * num_layers
-    # One row at a time (a request decoding alone; with speculation, the draft's proposal passes, as
-    # the target verifies several rows per request): every layer's down projection fuses the activation.
-    one_row_model = runner.spec.proposer.model if spec else runner.model
-    assert len(kernel.gated.rows) >= one_row_model.config.num_hidden_layers and set(kernel.gated.rows) == {1}
     assert use_skinny_linear(runner.model, None) == 4 * num_layers + 1
 
 
