@@ -112,14 +112,14 @@ class StepHandle:
 
 
 SKINNY_LINEAR_ENV = "ASYNCSPEC_SKINNY_LINEAR"
-"""Set to 1 to send the linear layers' calls of one or two rows (decode) to the skinny Triton kernel
-(layers/linear.py). Opt-in until measured inside the engine on a GPU: alone it beat cuBLAS on every
-Llama shape at those sizes (docs/benchmarks.md)."""
+"""Set to 0 to keep the linear layers' calls of one or two rows (decode) on cuBLAS instead of the
+skinny Triton kernel (layers/linear.py), which measured faster inside the engine on an H100: the
+batch-1 decode graph of the Llama-1B / 8B shapes 4-8 % faster (docs/benchmarks.md)."""
 
 GREEDY_DRAFT_STEP_GRAPH_ENV = "ASYNCSPEC_GREEDY_DRAFT_STEP_GRAPH"
-"""Set to 1 to capture the draft's whole step after a greedy verification as one graph. Opt-in
-until it has run on a GPU: CI's CPU stand-ins check its results token for token, but no device
-has captured it yet."""
+"""Set to 0 to launch the draft's step after a greedy verification as its catch-up graph and its
+proposal-loop graph with host work between them, instead of one graph (docs/benchmarks.md: the
+bundled pair's synchronous step 1.64 -> 1.24 ms of wall time with the one graph)."""
 
 GRAPH_STATS = (
     "cuda_graph_replays",
@@ -187,7 +187,7 @@ class ModelRunner:
         self.spec: SpeculativeDecoder | None = make_speculative_decoder(
             config, model_config, max_model_len, self.dtype, self.device
         )
-        if self.device.type == "cuda" and os.environ.get(SKINNY_LINEAR_ENV, "0") == "1":
+        if self.device.type == "cuda" and os.environ.get(SKINNY_LINEAR_ENV, "1") != "0":
             skinny = make_skinny_linear(self.device)
             use_skinny_linear(self.model, skinny)
             if self.spec is not None and isinstance(self.spec.proposer, DraftModelProposer):
@@ -532,7 +532,7 @@ class ModelRunner:
                     [c for c in choices if c > 1],
                     time.perf_counter() - start,
                 )
-                if os.environ.get(GREEDY_DRAFT_STEP_GRAPH_ENV, "0") == "1":
+                if os.environ.get(GREEDY_DRAFT_STEP_GRAPH_ENV, "1") != "0":
                     self._capture_greedy_draft_steps(graphs)
 
     def _capture_greedy_draft_steps(self, draft_graphs: CudaGraphForward) -> None:

@@ -77,14 +77,18 @@ def test_switched_model_generates_the_same_tokens(spec: bool) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("spec", [False, True], ids=["plain", "draft"])
 def test_skinny_linear_in_the_engine_on_gpu(spec: bool, monkeypatch) -> None:
-    """The Triton kernel inside the engine (CUDA graphs on): fp32 greedy tokens equal the cuBLAS run's."""
+    """The Triton kernel inside the engine (its default on CUDA, graphs on): fp32 greedy tokens equal the
+    run with it switched off (cuBLAS)."""
     kwargs = dict(device="cuda", dtype="float32", max_model_len=512, max_num_seqs=8, gpu_memory_utilization=0.3)
     if spec:
         kwargs.update(speculative_method="draft_model", draft_model=str(DRAFT_MODEL), num_speculative_tokens=4)
     prompts = load_prompts(6)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    ref = LLM(str(TARGET_MODEL), **kwargs).generate(prompts, params)
-    monkeypatch.setenv(SKINNY_LINEAR_ENV, "1")
+    monkeypatch.setenv(SKINNY_LINEAR_ENV, "0")
+    ref_llm = LLM(str(TARGET_MODEL), **kwargs)
+    assert ref_llm.engine.engine_core.runner.model.skinny_linear is None
+    ref = ref_llm.generate(prompts, params)
+    monkeypatch.delenv(SKINNY_LINEAR_ENV)  # the default: the kernel
     llm = LLM(str(TARGET_MODEL), **kwargs)
     assert llm.engine.engine_core.runner.model.skinny_linear is not None
     assert_same_outputs(ref, llm.generate(prompts, params), "the decode-shaped kernel on the GPU")

@@ -298,10 +298,15 @@ def _gpu_llm(method: str | None, dtype: str, enforce_eager: bool, **overrides) -
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", [None, "ngram", "draft_model"])
-def test_graphs_equal_eager_on_gpu_fp32(method, monkeypatch):
-    """Real CUDA graphs against enforce_eager, fp32 greedy, with joins, finishes and preemption."""
-    monkeypatch.setenv(GREEDY_DRAFT_STEP_GRAPH_ENV, "1")
+@pytest.mark.parametrize(
+    ("method", "draft_step_graph"),
+    [(None, True), ("ngram", True), ("draft_model", True), ("draft_model", False)],
+    ids=["plain", "ngram", "draft_model", "draft_model-two-graphs"],
+)
+def test_graphs_equal_eager_on_gpu_fp32(method, draft_step_graph, monkeypatch):
+    """Real CUDA graphs against enforce_eager, fp32 greedy, with joins, finishes and preemption; the
+    draft's step after a greedy verification as one graph (the default) or as its two graphs."""
+    monkeypatch.setenv(GREEDY_DRAFT_STEP_GRAPH_ENV, "1" if draft_step_graph else "0")
     ref = _gpu_llm(method, "float32", True).generate(_prompts(), _params())
     llm = _gpu_llm(method, "float32", False)
     runner = llm.engine.engine_core.runner
@@ -316,7 +321,9 @@ def test_graphs_equal_eager_on_gpu_fp32(method, monkeypatch):
     # tail with it; the draft's catch-up and proposals after it replay one graph.
     assert (stats["cuda_graph_decode_tail_replays"] > 10) == (method is None), stats
     assert (stats["cuda_graph_verify_tail_replays"] > 10) == (method is not None), stats
-    assert (stats["cuda_graph_draft_step_replays"] > 10) == (method == "draft_model"), stats
+    assert (stats["cuda_graph_draft_step_replays"] > 10) == (method == "draft_model" and draft_step_graph), stats
+    if method == "draft_model" and not draft_step_graph:
+        assert stats["cuda_graph_draft_loop_replays"] > 10, stats
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
 
 
@@ -349,7 +356,6 @@ def test_graphed_steps_make_no_host_sync(method, async_scheduling, monkeypatch):
     """Many steps, prefill and decode, under set_sync_debug_mode("error"): the step's one copy
     of the sampled tokens goes through pinned memory and an event, nothing else syncs."""
     monkeypatch.setenv("ASYNCSPEC_DEBUG_INVARIANTS", "0")  # the debug checks read the device
-    monkeypatch.setenv(GREEDY_DRAFT_STEP_GRAPH_ENV, "1")
     llm = _gpu_llm(method, "bfloat16", False, async_scheduling=async_scheduling)
     engine = llm.engine
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, top_k=40, seed=i, max_tokens=48) for i in range(6)]
