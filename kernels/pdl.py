@@ -47,7 +47,7 @@ def pdl_launch_options(enabled: bool) -> dict[str, bool]:
 @triton.jit
 def pdl_start(USE_PDL: tl.constexpr):
     """Waits for the predecessor grid to complete (its writes visible), then lets the successor launch:
-    its programs may then be scheduled as this grid's finish, and wait in turn."""
+    its programs may then be scheduled as this grid's programs finish, and wait in turn."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
