@@ -1,6 +1,7 @@
 #!/bin/bash
-# What the 2026-11-27 session built but could not run on a GPU (its device time ran out), in one
-# device call: the GPU tests of the opt-in paths, then each path's A/B (off, on) in the same call.
+# The GPU tests of the paths that were opt-in until 2026-11-27 (now defaults: the graphed draft step,
+# the skinny linear kernel, PDL) and the model worker process, then each path's A/B (switched off, the
+# defaults) in the same call.
 #
 #   bash benchmarks/gpu_pending_checks.sh            # on the device, from the repository root
 #
@@ -25,9 +26,10 @@ if [[ " $parts " == *" step "* ]]; then
     args=(--models bundled,llama-1b --parts graphed,async,graphed-draft,async-draft --concurrency 1,32,128
         --window-batches 1 --sweep-batches 1 --trials 3)
     for round in 1 2; do
-        timeout 300 python3 benchmarks/gpu_step_speed.py "${args[@]}" --output "$out/step_off_$round.json" \
+        ASYNCSPEC_GREEDY_DRAFT_STEP_GRAPH=0 ASYNCSPEC_SKINNY_LINEAR=0 ASYNCSPEC_PDL=0 timeout 300 \
+            python3 benchmarks/gpu_step_speed.py "${args[@]}" --output "$out/step_off_$round.json" \
             | grep -E "^(config|graphed|async|==)"
-        ASYNCSPEC_GREEDY_DRAFT_STEP_GRAPH=1 ASYNCSPEC_SKINNY_LINEAR=1 timeout 300 python3 benchmarks/gpu_step_speed.py \
+        timeout 300 python3 benchmarks/gpu_step_speed.py \
             "${args[@]}" --output "$out/step_on_$round.json" | grep -E "^(config|graphed|async|==)"
     done
 fi
