@@ -336,7 +336,7 @@ def _dtype_name(device: str, smoke: bool) -> str:
     return "float32" if smoke or not device.startswith("cuda") else "bfloat16"
 
 
-def _model_dir(model: str) -> str:
+def model_dir(model: str) -> str:
     """A directory the engine can load: the bundled target, or a temporary one holding only config.json."""
     if not MODELS[model]["dummy"]:
         return str(TARGET)
@@ -371,9 +371,9 @@ def engine_kwargs(model: str, part: str, s: dict[str, Any], utilization: float) 
 
 def construct(asyncspec: Any, model: str, kwargs: dict[str, Any], clock: Clock) -> tuple[Any, float, float]:
     """The engine, its construction seconds and the seconds since the process started."""
-    model_dir = _model_dir(model)
+    path = model_dir(model)
     t0 = time.perf_counter()  # no device sync first: CUDA's initialisation is part of a cold start
-    llm = asyncspec.LLM(model_dir, **kwargs)
+    llm = asyncspec.LLM(path, **kwargs)
     return llm, clock() - t0, clock() - PROCESS_START
 
 

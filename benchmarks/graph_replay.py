@@ -18,14 +18,12 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
-from gpu_step_speed import LLAMA_1B, LLAMA_8B  # noqa: E402
+from gpu_step_speed import model_dir  # noqa: E402
 
-SHAPES = {"llama-1b": LLAMA_1B, "llama-8b": LLAMA_8B}
 BATCHES = (1, 2, 4, 8, 32)
 
 
@@ -70,10 +68,8 @@ def _one(model: str, repeats: int) -> dict:
     _apply_patches({p for p in os.environ.get(PATCH_ENV, "").split(",") if p})
     from asyncspec import LLM
 
-    tmp = tempfile.mkdtemp()
-    (Path(tmp) / "config.json").write_text(json.dumps(SHAPES[model]))
     llm = LLM(
-        tmp,
+        model_dir(model),
         device="cuda",
         load_format="dummy",
         skip_tokenizer_init=True,

@@ -7,9 +7,7 @@ python benchmarks/profile_step.py [--model llama-1b|llama-8b] [--streams N] [--s
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from gpu_engine_vs_hf import load_prompts  # noqa: E402
-from gpu_step_speed import LLAMA_1B, LLAMA_8B  # noqa: E402
+from gpu_step_speed import model_dir  # noqa: E402
 
 from asyncspec import LLM, SamplingParams  # noqa: E402
 
@@ -31,11 +29,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=32, help="decode steps profiled")
     parser.add_argument("--top", type=int, default=25, help="kernels listed")
     args = parser.parse_args()
-    tmp = tempfile.mkdtemp()
-    with open(Path(tmp) / "config.json", "w") as f:
-        json.dump({"llama-1b": LLAMA_1B, "llama-8b": LLAMA_8B}[args.model], f)
     llm = LLM(
-        tmp,
+        model_dir(args.model),
         device="cuda",
         load_format="dummy",
         skip_tokenizer_init=True,

@@ -90,3 +90,18 @@ def test_norm_and_attention_compile_once_across_batch_sizes(compiled):
         step(num_reqs, 3 + num_reqs % 2)  # split counts 3 and 4: one BLOCK_S class
     torch.cuda.synchronize()
     assert compiled[warm:] == [], compiled[warm:]
+
+
+@pytest.mark.gpu
+def test_greedy_argmax_compiles_once_across_batch_sizes(compiled):
+    """Only shapes that do not change with the batch (V, the row stride) reach its kernels as arguments."""
+    from asyncspec.kernels.greedy_argmax_triton import greedy_argmax
+
+    for v in (128256, 8192):
+        logits = torch.randn(64, v, device="cuda")
+        greedy_argmax(logits[:1], -1)
+        warm = len(compiled)
+        for n in (2, 3, 5, 8, 13, 17, 32, 33, 64):
+            greedy_argmax(logits[:n], -1)
+        torch.cuda.synchronize()
+        assert compiled[warm:] == [], (v, compiled[warm:])
