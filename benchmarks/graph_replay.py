@@ -29,15 +29,24 @@ BATCHES = (1, 2, 4, 8, 32)
 
 PATCH_ENV = "GRAPH_REPLAY_PATCH"
 """Comma-separated benchmark-only patches applied in the child before the engine starts (what a switch
-cannot reach): `m1_as_m2` gives the skinny kernel's one-row calls its two-row launch config."""
+cannot reach): `m1_as_m2` gives the skinny kernel's one-row calls its two-row launch config; `no_gated` runs the MLP's
+activation as its own kernel after the gate|up projection instead of in the projection's epilogue."""
 
 
 def _apply_patches(patches: set[str]) -> None:
+    import dataclasses
+
     from asyncspec.kernels import skinny_linear_triton
+    from asyncspec.worker import model_runner
 
     if "m1_as_m2" in patches:
         choose = skinny_linear_triton.choose_config
         skinny_linear_triton.choose_config = lambda m, n, k, sms=132: choose(max(m, 2), n, k, sms)  # type: ignore[assignment]
+    if "no_gated" in patches:
+        make = model_runner.make_skinny_linear
+        model_runner.make_skinny_linear = lambda device, max_rows=2: dataclasses.replace(  # type: ignore[assignment]
+            make(device, max_rows), gated_kernel=None
+        )
 
 
 def _time(fns: list, repeats: int) -> float:

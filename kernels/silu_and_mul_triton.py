@@ -19,6 +19,14 @@ _MAX_BLOCK_I = 1024
 
 
 @triton.jit
+def silu_mul(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up from fp32 values of `dtype` numbers: silu rounded to `dtype`, the product rounded again
+    (the two roundings of `F.silu(gate) * up`); the one formula of every kernel that applies the activation."""
+    act = round_to_dtype(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)
+    return round_to_dtype(act * up, dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr, x_stride, out_ptr, out_stride, inter, BLOCK_I: tl.constexpr, USE_PDL: tl.constexpr = False
 ):
@@ -29,8 +37,7 @@ def _silu_and_mul_kernel(
     x_row = x_ptr + row * x_stride
     gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    act = round_to_dtype(gate / (1.0 + tl.exp(-gate)), x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * out_stride + cols, round_to_dtype(act * up, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * out_stride + cols, silu_mul(gate, up, out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -48,3 +48,14 @@ def skinny_linear_error_bound(x: torch.Tensor, weight: torch.Tensor, bias: torch
     sum_error = 2 * (x.shape[1] + 1) * 2.0**-24 * terms
     tiny = torch.finfo(x.dtype).tiny
     return torch.finfo(x.dtype).eps * (exact.abs() + sum_error) + sum_error + tiny
+
+
+def skinny_linear_gated_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The MLP's gate|up projection and its activation: silu_and_mul_ref(skinny_linear_ref(x, weight, bias)).
+
+    weight is [2 * I, K] (gate rows then up rows); the projection is rounded to x.dtype once, as the unfused
+    layer writes it, before the activation's two roundings. Returns [M, I].
+    """
+    return silu_and_mul_ref(skinny_linear_ref(x, weight, bias), out=out)

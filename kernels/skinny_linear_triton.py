@@ -40,7 +40,7 @@ import triton.language as tl
 
 from asyncspec.kernels.paged_attention_triton import _patch_interpreter
 from asyncspec.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
-from asyncspec.kernels.silu_and_mul_triton import silu_and_mul
+from asyncspec.kernels.silu_and_mul_triton import silu_and_mul, silu_mul
 from asyncspec.kernels.triton_rounding import round_to_dtype
 
 if triton.knobs.runtime.interpret:
@@ -89,9 +89,7 @@ def _x_tile(x_ptr, x_rows, offs_k, K, EVEN_K: tl.constexpr, SILU: tl.constexpr):
         if SILU:
             up = tl.load(ptrs + K, mask=mask, other=0.0)
     if SILU:
-        gate = x.to(tl.float32)
-        act = round_to_dtype(gate / (1.0 + tl.exp(-gate)), x_ptr.dtype.element_ty).to(tl.float32)
-        x = round_to_dtype(act * up.to(tl.float32), x_ptr.dtype.element_ty)
+        x = silu_mul(x.to(tl.float32), up.to(tl.float32), x_ptr.dtype.element_ty)
     return x
 
 
@@ -120,6 +118,59 @@ def _store_rows(acc, bias_ptr, out_ptr, rows_n, offs_m, offs_n, stride_om, mask,
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], result, mask=mask)
 
 
+@triton.jit
+def _store_gated(
+    acc,
+    bias_ptr,
+    out_ptr,
+    rows_n,
+    offs_m,
+    pid_n,
+    N,
+    M,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The gated epilogue: acc's lanes hold (gate, up) pairs of columns p = pid_n * BLOCK_N / 2 + i; each is
+    rounded to out's dtype as the gate|up output would be, then out[offs_m, p] = silu(gate) * up with the two
+    roundings of `silu_and_mul`."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows_n).to(tl.float32)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    gate, up = tl.split(tl.reshape(round_to_dtype(acc, dtype).to(tl.float32), [BLOCK_M, BLOCK_N // 2, 2]))
+    result = silu_mul(gate, up, dtype)
+    cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    mask = (offs_m[:, None] < M) & (cols[None, :] < N // 2)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + cols[None, :], result, mask=mask)
+
+
+@triton.jit
+def _store(
+    acc,
+    bias_ptr,
+    out_ptr,
+    rows_n,
+    offs_m,
+    offs_n,
+    pid_n,
+    N,
+    M,
+    stride_om,
+    mask,
+    HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The kernel's output: the rows as they are, or (GATED) their activation."""
+    if GATED:
+        _store_gated(acc, bias_ptr, out_ptr, rows_n, offs_m, pid_n, N, M, stride_om, HAS_BIAS, BLOCK_M, BLOCK_N)
+    else:
+        _store_rows(acc, bias_ptr, out_ptr, rows_n, offs_m, offs_n, stride_om, mask, HAS_BIAS)
+
+
 @triton.jit(do_not_specialize=["M"])  # one compile serves every M of a BLOCK_M (M = 1 would get its own)
 def _skinny_linear_kernel(
     x_ptr,
@@ -145,6 +196,7 @@ def _skinny_linear_kernel(
     SILU: tl.constexpr,
     UNROLL: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    GATED: tl.constexpr = False,
 ):
     pdl_start(USE_PDL)
     pid_n = tl.program_id(0)
@@ -154,7 +206,13 @@ def _skinny_linear_kernel(
     offs_m = row0 + tl.arange(0, BLOCK_M)
     # Clamped rows keep every load in bounds without a mask (masks would cost the 16-byte vector loads on the
     # row tail); the duplicates are computed and dropped by the masked store.
-    rows_n = tl.minimum(offs_n, N - 1)
+    if GATED:
+        # Lanes 2i and 2i + 1 compute the gate row p and the up row N / 2 + p of one activation column p, so
+        # the epilogue holds both; offs_n stays the lane's index (workspace, masks) over N = 2 * intermediate.
+        pair = tl.minimum(offs_n // 2, N // 2 - 1)
+        rows_n = pair + (offs_n % 2) * (N // 2)
+    else:
+        rows_n = tl.minimum(offs_n, N - 1)
     w_rows = w_ptr + rows_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     arange_k = tl.arange(0, BLOCK_K)
     k_begin = pid_k * k_per_split  # k_per_split is a multiple of BLOCK_K: only the last chunk can be partial
@@ -217,7 +275,23 @@ def _skinny_linear_kernel(
             acc = _row_sum(acc7, acc, 7, BLOCK_M)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if SPLIT == 0:
-        _store_rows(acc, bias_ptr, out_ptr, rows_n, offs_m, offs_n, stride_om, mask, HAS_BIAS)
+        _store(
+            acc,
+            bias_ptr,
+            out_ptr,
+            rows_n,
+            offs_m,
+            offs_n,
+            pid_n,
+            N,
+            M,
+            stride_om,
+            mask,
+            HAS_BIAS,
+            GATED,
+            BLOCK_M,
+            BLOCK_N,
+        )
     else:
         # fp32 partial into the workspace [SPLIT_K, M, N], summed in split order (deterministic) either by
         # _split_reduce_kernel (SPLIT == 1) or here by the last of the column block's programs to arrive
@@ -235,7 +309,23 @@ def _skinny_linear_kernel(
                 total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 for s in range(0, splits):
                     total += tl.load(ws_tile + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-                _store_rows(total, bias_ptr, out_ptr, rows_n, offs_m, offs_n, stride_om, mask, HAS_BIAS)
+                _store(
+                    total,
+                    bias_ptr,
+                    out_ptr,
+                    rows_n,
+                    offs_m,
+                    offs_n,
+                    pid_n,
+                    N,
+                    M,
+                    stride_om,
+                    mask,
+                    HAS_BIAS,
+                    GATED,
+                    BLOCK_M,
+                    BLOCK_N,
+                )
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
 
 
@@ -364,6 +454,7 @@ def _launch(
     config: SkinnyConfig | None,
     silu: bool,
     counters: torch.Tensor | None,
+    gated: bool = False,
 ) -> torch.Tensor:
     if not skinny_linear_supported(x, weight, gated=silu):
         raise ValueError(
@@ -373,10 +464,13 @@ def _launch(
     m, (n, k) = x.shape[0], weight.shape
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or bias.stride(0) != 1):
         raise ValueError(f"bias must be a dense [{n}] {x.dtype} tensor, got {tuple(bias.shape)} {bias.dtype}")
+    if gated and n % 2:
+        raise ValueError(f"a gate|up weight has an even number of rows, got {n}")
+    out_n = n // 2 if gated else n
     if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be [{m}, {n}] {x.dtype} with a dense last dim, got {tuple(out.shape)}")
+        out = torch.empty((m, out_n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, out_n) or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{m}, {out_n}] {x.dtype} with a dense last dim, got {tuple(out.shape)}")
     cfg = config or choose_config(m, n, k, num_sms(x.device))
     block_m = max(16, triton.next_power_of_2(m)) if cfg.use_dot else min(triton.next_power_of_2(m), _MAX_FMA_M)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -389,6 +483,9 @@ def _launch(
     if not (split > 1 and cfg.serial_split and grid[0] * grid[2] <= _COUNTER_SLOTS):
         counters = None
     mode = 0 if split == 1 else 2 if counters is not None else 1
+    if gated and (cfg.use_dot or cfg.block_n % 2 or mode == 1):
+        # The epilogue needs (gate, up) lane pairs of the FMA kernel and the partials summed in-kernel.
+        return silu_and_mul(_launch(x, weight, bias, None, cfg, False, counters), out=out)
     ws = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     bias_arg = bias if bias is not None else x  # never read without HAS_BIAS
     pdl = pdl_enabled(x.device)
@@ -416,6 +513,7 @@ def _launch(
         SILU=silu,
         UNROLL=cfg.unroll,
         USE_PDL=pdl,
+        GATED=gated,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_launch_options(pdl),
@@ -454,6 +552,22 @@ def skinny_linear(
     (`make_split_counters`) lets a split-K launch sum its partials without a second kernel.
     """
     return _launch(x, weight, bias, out, config, silu=False, counters=counters)
+
+
+def skinny_linear_gated(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+    counters: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """silu_and_mul(x @ weight^T (+ bias)) -> [M, N / 2] for the MLP's fused gate|up weight [N, K] (gate rows,
+    then up rows); see `skinny_linear_gated_ref`. One kernel: the FMA kernel's lanes pair each gate row with its
+    up row and the epilogue applies the activation, so gate|up never reaches memory (a tensor-core config, or a
+    K split without `counters`, runs the plain kernel and then `silu_and_mul`: the same numbers)."""
+    return _launch(x, weight, bias, out, config, silu=False, counters=counters, gated=True)
 
 
 def skinny_linear_silu(

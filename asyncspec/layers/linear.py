@@ -30,6 +30,9 @@ class SkinnyLinear:
     """skinny_linear(x, weight, bias, counters=...)."""
     supported: Callable[[torch.Tensor, torch.Tensor], bool]
     """Whether the kernel takes these operands (else F.linear)."""
+    gated_kernel: Callable[..., torch.Tensor] | None = None
+    """skinny_linear_gated(x, weight, bias, counters=...): the MLP's gate|up projection with the activation
+    in its epilogue, [M, I] out (None: the projection, then the activation kernel)."""
 
 
 def linear(
@@ -39,6 +42,27 @@ def linear(
     if skinny is not None and x.dim() == 2 and x.shape[0] <= skinny.max_rows and skinny.supported(x, weight):
         return skinny.kernel(x, weight, bias, counters=skinny.counters)
     return F.linear(x, weight, bias)
+
+
+def linear_silu_and_mul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    skinny: SkinnyLinear | None,
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """silu_and_mul(x @ weight^T (+ bias)) for the MLP's fused gate|up weight: one kernel for a decode-sized x
+    the gated kernel takes (gate|up never written), else `linear` then the activation. The same numbers either
+    way where the kernel serves both (the epilogue rounds the projection as the kernel's output would be)."""
+    if (
+        skinny is not None
+        and skinny.gated_kernel is not None
+        and x.dim() == 2
+        and x.shape[0] <= skinny.max_rows
+        and skinny.supported(x, weight)
+    ):
+        return skinny.gated_kernel(x, weight, bias, counters=skinny.counters)
+    return silu_and_mul(linear(x, weight, bias, skinny))
 
 
 class DecodeLinear(nn.Linear):
@@ -54,9 +78,16 @@ class DecodeLinear(nn.Linear):
 
 def make_skinny_linear(device: torch.device, max_rows: int = 2) -> SkinnyLinear:
     """The Triton kernel on `device` (CUDA) for calls of at most `max_rows` rows."""
-    from asyncspec.kernels.skinny_linear_triton import make_split_counters, skinny_linear, skinny_linear_supported
+    from asyncspec.kernels.skinny_linear_triton import (
+        make_split_counters,
+        skinny_linear,
+        skinny_linear_gated,
+        skinny_linear_supported,
+    )
 
-    return SkinnyLinear(max_rows, make_split_counters(device), skinny_linear, skinny_linear_supported)
+    return SkinnyLinear(
+        max_rows, make_split_counters(device), skinny_linear, skinny_linear_supported, skinny_linear_gated
+    )
 
 
 def use_skinny_linear(model: nn.Module, skinny: SkinnyLinear | None) -> int:

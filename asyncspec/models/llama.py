@@ -12,7 +12,7 @@ from torch import nn
 from asyncspec.layers.activation import select_silu_and_mul
 from asyncspec.layers.attention import Attention
 from asyncspec.layers.attention_metadata import AttentionMetadata
-from asyncspec.layers.linear import DecodeLinear, SkinnyLinear, linear
+from asyncspec.layers.linear import DecodeLinear, SkinnyLinear, linear, linear_silu_and_mul
 from asyncspec.layers.norm import RMSNorm
 from asyncspec.layers.rotary import RotaryEmbedding, RotaryInputs, apply_rotary, select_fused_rotary
 from asyncspec.layers.tensor_parallel import TensorParallel
@@ -90,7 +90,9 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._silu_and_mul is None:
             self._silu_and_mul = select_silu_and_mul(x.device)
-        return self.tp.all_reduce(self.down_proj(self._silu_and_mul(self.gate_up_proj(x))))
+        gate_up = self.gate_up_proj
+        act = linear_silu_and_mul(x, gate_up.weight, gate_up.bias, gate_up.skinny_linear, self._silu_and_mul)
+        return self.tp.all_reduce(self.down_proj(act))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -15,7 +15,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from asyncspec.kernels.fused_add_rms_norm import fused_add_rms_norm_ref
 from asyncspec.kernels.silu_and_mul import silu_and_mul_ref
@@ -50,15 +49,15 @@ def model_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Ten
 
 
 def model_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """LlamaMLP.forward with identity projections (the down projection an identity matrix, exact in any
-    dtype): exactly its activation."""
+    """LlamaMLP.forward with identity projections (gate|up an identity matrix, the down projection one that
+    copies the activation into the first half of its output: exact in any dtype): exactly its activation."""
     inter = x.shape[1] // 2
-    config = SimpleNamespace(hidden_size=inter, intermediate_size=inter, mlp_bias=False)
+    config = SimpleNamespace(hidden_size=2 * inter, intermediate_size=inter, mlp_bias=False)
     mlp = LlamaMLP(config).to(x.dtype)  # type: ignore[arg-type]
-    mlp.gate_up_proj = nn.Identity()  # type: ignore[assignment]
     with torch.no_grad():
-        mlp.down_proj.weight.copy_(torch.eye(inter, dtype=x.dtype))
-        return mlp(x)
+        mlp.gate_up_proj.weight.copy_(torch.eye(2 * inter, dtype=x.dtype))
+        mlp.down_proj.weight.copy_(torch.eye(2 * inter, inter, dtype=x.dtype))
+        return mlp(x)[:, :inter]
 
 
 # ------------------------------------------------------------------------------------------- references

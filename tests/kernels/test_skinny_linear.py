@@ -17,7 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from asyncspec.kernels.silu_and_mul import silu_and_mul_ref
-from asyncspec.kernels.skinny_linear import skinny_linear_error_bound, skinny_linear_ref, skinny_linear_silu_ref
+from asyncspec.kernels.skinny_linear import (
+    skinny_linear_error_bound,
+    skinny_linear_gated_ref,
+    skinny_linear_ref,
+    skinny_linear_silu_ref,
+)
 
 MAX_MISMATCH = 0.02  # fraction of half-precision outputs that may differ from the reference by a rounding flip
 
@@ -114,7 +119,12 @@ def kernels() -> SimpleNamespace:
 
     assert isinstance(skinny_linear_triton._skinny_linear_kernel, InterpretedFunction)
     assert isinstance(skinny_linear_triton._split_reduce_kernel, InterpretedFunction)
-    return SimpleNamespace(linear=skinny_linear_triton.skinny_linear, silu=skinny_linear_triton.skinny_linear_silu)
+    return SimpleNamespace(
+        linear=skinny_linear_triton.skinny_linear,
+        silu=skinny_linear_triton.skinny_linear_silu,
+        gated=skinny_linear_triton.skinny_linear_gated,
+        counters=skinny_linear_triton.make_split_counters,
+    )
 
 
 @pytest.mark.skipif(INTERPRETING, reason="TestInterpreted runs in this process")
@@ -192,6 +202,42 @@ class TestInterpreted:
         x, weight, _ = operands(torch.Generator().manual_seed(5), 2, 3, 1000, torch.float32)
         for config in (SkinnyConfig(64, 256), SkinnyConfig(64, 256, split_k=3), SkinnyConfig(64, 128, 2, use_dot=True)):
             check_result(kernels.linear(x, weight, config=config), x, weight, None)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize(
+        "config",
+        # The FMA kernel whole and split (serial: the epilogue in the last program); a split summed by the
+        # second kernel and a tensor-core config take the plain kernel then the activation kernel.
+        [None, FORCED[0], FORCED[1], SkinnyConfig(block_n=4, block_k=32, split_k=2), FORCED[2], FORCED[3]],
+        ids=str,
+    )
+    @pytest.mark.parametrize("m", [1, 2, 5])
+    @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # exp(100) -> inf: fine
+    def test_gated_matches_reference(self, kernels, dtype: torch.dtype, config: SkinnyConfig | None, m: int) -> None:
+        from asyncspec.kernels import silu_and_mul_triton
+
+        """silu_and_mul of the gate|up projection, bit for bit the reference's roundings: the projection
+        rounded once, then the activation's two roundings (intermediate 37: the last column block is ragged)."""
+        gen = torch.Generator().manual_seed(10 + m)
+        x, weight, bias = operands(gen, m, 2 * 37, 96, dtype, bias=True)
+        x[0, :4] = torch.tensor([30.0, -30.0, 0.0, 1e-3], dtype=dtype)  # large gates: silu saturates both ways
+        counters = kernels.counters(x.device)
+        out = poisoned(m, 37, dtype)
+        assert kernels.gated(x, weight, bias, out=out, config=config, counters=counters) is out
+        expected = skinny_linear_gated_ref(x, weight, bias)
+        # The projection's sum order may differ from the reference's by a rounding: bit for bit, the fused
+        # epilogue equals the plain kernel's projection through the activation kernel (the engine's unfused path).
+        projection = kernels.linear(x, weight, bias, config=config, counters=counters)
+        assert torch.equal(out, silu_and_mul_triton.silu_and_mul(projection))
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+        assert torch.equal(out, kernels.gated(x, weight, bias, config=config, counters=counters))  # deterministic
+
+    def test_gated_refuses_an_odd_weight(self, kernels) -> None:
+        x, weight, _ = operands(torch.Generator().manual_seed(11), 1, 7, 32, torch.float32)
+        with pytest.raises(ValueError, match="even number of rows"):
+            kernels.gated(x, weight)
+        with pytest.raises(ValueError, match="out must be"):
+            kernels.gated(x, weight[:6], out=torch.empty(1, 6))
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("config", [None, FORCED[1], FORCED[3], FORCED[4]], ids=str)
@@ -315,6 +361,33 @@ def test_gpu_silu_matches_reference(m: int) -> None:
     skinny_linear_silu(x2, weight, out=out, fused=True)
     check_result(out, silu_and_mul_ref(x2), weight, None)
     assert torch.equal(out, skinny_linear_silu(x2, weight, fused=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("inter", "hidden"), [(8192, 2048), (14336, 4096), (7168, 4096)], ids=["1b", "8b", "8b-tp2"])
+@pytest.mark.parametrize("m", [1, 2])
+def test_gpu_gated_equals_the_unfused_path(inter: int, hidden: int, m: int) -> None:
+    """The gate|up projection with the activation in its epilogue: bit for bit the plain kernel then the
+    activation kernel (the engine's unfused path), in eager mode and replayed from a graph."""
+    from asyncspec.kernels import skinny_linear_triton
+    from asyncspec.kernels.silu_and_mul_triton import silu_and_mul
+
+    x, weight, _ = operands(torch.Generator().manual_seed(inter + m), m, 2 * inter, hidden, torch.bfloat16, "cuda")
+    counters = skinny_linear_triton.make_split_counters(x.device)
+    unfused = silu_and_mul(skinny_linear(x, weight, counters=counters))
+    out = poisoned(m, inter, torch.bfloat16, device="cuda")
+    skinny_linear_triton.skinny_linear_gated(x, weight, out=out, counters=counters)
+    assert torch.equal(out, unfused)
+    torch.testing.assert_close(
+        out.float(), silu_and_mul_ref(skinny_linear_ref(x, weight)).float(), rtol=2e-2, atol=2e-2
+    )
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        skinny_linear_triton.skinny_linear_gated(x, weight, out=out, counters=counters)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, unfused) and counters.count_nonzero() == 0
 
 
 @pytest.mark.gpu

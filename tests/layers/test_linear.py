@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from asyncspec import LLM, SamplingParams
-from asyncspec.kernels.skinny_linear import skinny_linear_ref
-from asyncspec.layers.linear import DecodeLinear, SkinnyLinear, linear, use_skinny_linear
+from asyncspec.kernels.silu_and_mul import silu_and_mul_ref
+from asyncspec.kernels.skinny_linear import skinny_linear_gated_ref, skinny_linear_ref
+from asyncspec.layers.linear import DecodeLinear, SkinnyLinear, linear, linear_silu_and_mul, use_skinny_linear
 from asyncspec.worker.model_runner import SKINNY_LINEAR_ENV
 from tests.conftest import DRAFT_MODEL, TARGET_MODEL, load_prompts
 from tests.spec.spec_helpers import assert_same_outputs
@@ -21,35 +22,55 @@ from tests.spec.spec_helpers import assert_same_outputs
 class _Recording:
     """The kernel's reference, counting the rows of every call it serves."""
 
-    def __init__(self) -> None:
+    def __init__(self, reference=skinny_linear_ref) -> None:
         self.rows: list[int] = []
+        self.reference = reference
 
     def __call__(self, x, weight, bias, *, counters):
         assert counters is not None
         self.rows.append(x.shape[0])
-        return skinny_linear_ref(x, weight, bias)
+        return self.reference(x, weight, bias)
 
 
-def _stand_in(max_rows: int = 2, supported=lambda x, w: True) -> tuple[SkinnyLinear, _Recording]:
-    kernel = _Recording()
-    return SkinnyLinear(max_rows, torch.zeros(8, dtype=torch.int32), kernel, supported), kernel
+def _stand_in(max_rows: int = 2, supported=lambda x, w: True) -> tuple[SkinnyLinear, _Recording, _Recording]:
+    """A SkinnyLinear of recording references: (it, its plain kernel, its gated kernel)."""
+    kernel, gated = _Recording(), _Recording(skinny_linear_gated_ref)
+    counters = torch.zeros(8, dtype=torch.int32)
+    return SkinnyLinear(max_rows, counters, kernel, supported, gated), kernel, gated
 
 
 def test_linear_sends_only_decode_sized_calls_the_kernel_takes() -> None:
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(24, 16, generator=gen), torch.randn(24, generator=gen)
-    skinny, kernel = _stand_in()
+    skinny, kernel, _ = _stand_in()
     for rows in (1, 2, 3, 9):
         x = torch.randn(rows, 16, generator=gen)
         torch.testing.assert_close(linear(x, weight, bias, skinny), F.linear(x, weight, bias))
     assert kernel.rows == [1, 2]
-    refusing, kernel = _stand_in(supported=lambda x, w: False)
+    refusing, kernel, _ = _stand_in(supported=lambda x, w: False)
     x = torch.randn(1, 16, generator=gen)
     torch.testing.assert_close(linear(x, weight, None, refusing), F.linear(x, weight))
     assert kernel.rows == []
     layer = DecodeLinear(16, 24)
     assert layer.skinny_linear is None  # F.linear until a model is switched over
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_gated_projection_takes_the_activation_only_where_the_kernel_serves() -> None:
+    gen = torch.Generator().manual_seed(1)
+    weight, bias = torch.randn(24, 16, generator=gen), torch.randn(24, generator=gen)
+    skinny, kernel, gated = _stand_in()
+    for rows in (1, 2, 3):
+        x = torch.randn(rows, 16, generator=gen)
+        got = linear_silu_and_mul(x, weight, bias, skinny, silu_and_mul_ref)
+        torch.testing.assert_close(got, silu_and_mul_ref(F.linear(x, weight, bias)))
+    assert gated.rows == [1, 2] and kernel.rows == []  # three rows: F.linear, then the activation
+    refusing, kernel, gated = _stand_in(supported=lambda x, w: False)
+    x = torch.randn(1, 16, generator=gen)
+    expected = silu_and_mul_ref(F.linear(x, weight))
+    torch.testing.assert_close(linear_silu_and_mul(x, weight, None, refusing, silu_and_mul_ref), expected)
+    assert gated.rows == [] and kernel.rows == []
+    torch.testing.assert_close(linear_silu_and_mul(x, weight, None, None, silu_and_mul_ref), expected)
 
 
 @pytest.mark.parametrize("spec", [False, True], ids=["plain", "draft"])
@@ -64,15 +85,17 @@ def test_switched_model_generates_the_same_tokens(spec: bool) -> None:
     ref = LLM(str(TARGET_MODEL), **kwargs).generate(prompts, params)
     llm = LLM(str(TARGET_MODEL), **kwargs)
     runner = llm.engine.engine_core.runner
-    skinny, kernel = _stand_in()
+    skinny, kernel, gated = _stand_in()
     num_layers = runner.model_config.num_hidden_layers
     assert use_skinny_linear(runner.model, skinny) == 4 * num_layers + 1  # projections, and the logits
     if spec:
         use_skinny_linear(runner.spec.proposer.model, skinny)
     assert_same_outputs(ref, llm.generate(prompts, params), "the decode-shaped kernel")
     assert kernel.rows and max(kernel.rows) <= 2
-    # Two requests decoding one token each: every projection of every layer, then the logits.
-    assert kernel.rows.count(2) >= 4 * num_layers
+    # Two requests decoding one token each: every projection of every layer, then the logits; gate|up with
+    # its activation through the gated kernel.
+    assert kernel.rows.count(2) >= 3 * num_layers and gated.rows.count(2) >= num_layers
+    assert gated.rows and max(gated.rows) <= 2
     assert use_skinny_linear(runner.model, None) == 4 * num_layers + 1
 
 
