@@ -22,6 +22,12 @@ The block shapes come from `choose_config`, a fixed table over (M, N, K) read of
 benchmarks/skinny_linear.py on an H100: nothing is benchmarked or synchronised at call time, so calls can be
 captured in CUDA graphs. Only shapes are read on the host.
 
+`skinny_linear_gated` is the MLP's gate|up projection with the activation in its epilogue: the FMA kernel's
+lanes pair each gate row with its up row (lane 2i the gate row p, lane 2i + 1 the up row I + p), so the program
+that stores a column pair holds both sums, rounds each to the dtype as the plain output would be, and writes
+silu(gate) * up; gate|up never reaches memory. The tensor-core configs, and a split summed by the second kernel,
+run the plain kernel and then `silu_and_mul` instead: the same numbers either way.
+
 `skinny_linear_silu` is the down projection of the MLP's gate|up tensor. At M = 1 it is this kernel applying
 silu(gate) * up while loading x; above, the activation kernel runs first (measured faster). Either way the
 activation has exactly the two roundings of `silu_and_mul` (silu in fp32 rounded to the dtype, the product
