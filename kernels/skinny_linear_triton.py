@@ -38,7 +38,6 @@ PDL) the activation kernel then `skinny_linear` made the Llama-1B / 8B step 7 % 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -63,9 +62,6 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _DEFAULT_SMS = 132  # an H100 SXM; used where no CUDA device is asked (the interpreter on CPU)
 _REDUCE_BLOCK = 1024
 _COUNTER_SLOTS = 1 << 16  # serial split-K arrival counters per device (one per column block of a launch)
-PREFETCH_ENV = "ASYNCSPEC_WEIGHT_PREFETCH_MB"
-_DEFAULT_PREFETCH_MB = 16
-_RESIDENT_PER_SM = 4  # FMA programs of 4 warps an SM holds at once (registers); the tensor-core tiles hold 1-3
 
 
 @dataclass(frozen=True)
@@ -101,23 +97,6 @@ def _x_tile(x_ptr, x_rows, offs_k, K, EVEN_K: tl.constexpr, SILU: tl.constexpr):
     if SILU:
         x = silu_mul(x.to(tl.float32), up.to(tl.float32), x_ptr.dtype.element_ty)
     return x
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Asks L2 for the 128-byte lines at `ptrs` (PTX prefetch: a hint, no registers written, no wait)."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
-def _prefetch_w(w_rows, k_begin, prefetch_end, K, BLOCK_K: tl.constexpr, LINE: tl.constexpr):
-    """Prefetches into L2 one line per LINE elements of the program's W rows, over columns [k_begin,
-    prefetch_end) (clamped to the row, so every address is inside W)."""
-    lines = tl.arange(0, BLOCK_K // LINE) * LINE
-    for k0 in range(k_begin, prefetch_end, BLOCK_K):
-        _prefetch_l2(w_rows + tl.minimum(k0 + lines, K - 1)[None, :])
 
 
 @triton.jit
@@ -198,8 +177,7 @@ def _store(
         _store_rows(acc, bias_ptr, out_ptr, rows_n, offs_m, offs_n, stride_om, mask, HAS_BIAS)
 
 
-# One compile serves every M of a BLOCK_M (M = 1 would get its own) and every prefetch depth.
-@triton.jit(do_not_specialize=["M", "prefetch_k", "prefetch_programs"])
+@triton.jit(do_not_specialize=["M"])  # one compile serves every M of a BLOCK_M (M = 1 would get its own)
 def _skinny_linear_kernel(
     x_ptr,
     w_ptr,
@@ -214,8 +192,6 @@ def _skinny_linear_kernel(
     stride_wn,
     stride_om,
     k_per_split,
-    prefetch_k,
-    prefetch_programs,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -227,9 +203,8 @@ def _skinny_linear_kernel(
     UNROLL: tl.constexpr,
     USE_PDL: tl.constexpr = False,
     GATED: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
-    W_LINE: tl.constexpr = 64,
 ):
+    pdl_start(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     row0 = tl.program_id(2) * BLOCK_M  # row blocks: only the FMA kernel with M > BLOCK_M has several
@@ -248,14 +223,6 @@ def _skinny_linear_kernel(
     arange_k = tl.arange(0, BLOCK_K)
     k_begin = pid_k * k_per_split  # k_per_split is a multiple of BLOCK_K: only the last chunk can be partial
     k_end = tl.minimum(k_begin + k_per_split, K)
-    if PREFETCH:
-        # W is constant for the whole step, so its first lines may be fetched before the predecessor completes:
-        # under PDL the first wave's programs can be resident while the previous kernel (a norm, attention, the
-        # previous projection's tail) still runs, and the weight stream then starts inside that kernel's time.
-        linear_pid = (tl.program_id(2) * tl.num_programs(1) + pid_k) * tl.num_programs(0) + pid_n
-        prefetch_end = tl.where(linear_pid < prefetch_programs, tl.minimum(k_begin + prefetch_k, k_end), k_begin)
-        _prefetch_w(w_rows, k_begin, prefetch_end, K, BLOCK_K, W_LINE)
-    pdl_start(USE_PDL)  # x, out, the workspace and the counters are only touched after the predecessor is done
     if USE_DOT:
         x_rows = tl.minimum(offs_m, M - 1).to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -463,31 +430,6 @@ def choose_config(m: int, n: int, k: int, sms: int = _DEFAULT_SMS) -> SkinnyConf
 # -------------------------------------------------------------------------------------------------- launch
 
 
-def prefetch_budget_bytes() -> int:
-    """Bytes of W the programs of one launch prefetch into L2 before waiting for their predecessor under PDL:
-    ASYNCSPEC_WEIGHT_PREFETCH_MB (MiB, read at each launch; 0 turns the prefetch off), by default 16 MiB, about
-    what the GPU reads in the few microseconds of a norm or an attention kernel and a third of an H100's L2."""
-    raw = os.environ.get(PREFETCH_ENV, str(_DEFAULT_PREFETCH_MB))
-    try:
-        megabytes = float(raw)
-    except ValueError:
-        raise ValueError(f"{PREFETCH_ENV} must be a number of MiB (0 turns the prefetch off), got {raw!r}") from None
-    if megabytes < 0:
-        raise ValueError(f"{PREFETCH_ENV} must be >= 0, got {raw!r}")
-    return int(megabytes * (1 << 20))
-
-
-def prefetch_plan(
-    cfg: SkinnyConfig, programs: int, k_per_split: int, elem_bytes: int, sms: int, budget: int
-) -> tuple[int, int]:
-    """(columns of W each prefetching program fetches, how many programs prefetch): the first wave only, the
-    programs resident at once (the ones that can start inside the predecessor's time; blocks are scheduled in
-    launch order), sharing the budget in whole BLOCK_K chunks, at most a program's own share of K."""
-    resident = min(programs, sms * (2 if cfg.use_dot else _RESIDENT_PER_SM))
-    chunks = budget // (resident * cfg.block_n * cfg.block_k * elem_bytes)
-    return min(int(chunks) * cfg.block_k, k_per_split), resident
-
-
 def make_split_counters(device: torch.device | str) -> torch.Tensor:
     """Arrival counters for the serial split-K (the last program of a column block sums the partials): zero
     between launches, since that program resets its own. The caller owns them (one set per stream: launches
@@ -553,16 +495,6 @@ def _launch(
     ws = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     bias_arg = bias if bias is not None else x  # never read without HAS_BIAS
     pdl = pdl_enabled(x.device)
-    prefetch_k, prefetch_programs = 0, 0
-    if pdl:
-        prefetch_k, prefetch_programs = prefetch_plan(
-            cfg,
-            grid[0] * grid[1] * grid[2],
-            k_per_split,
-            weight.element_size(),
-            num_sms(x.device),
-            prefetch_budget_bytes(),
-        )
     _skinny_linear_kernel[grid](
         x,
         weight,
@@ -577,8 +509,6 @@ def _launch(
         weight.stride(0),
         out.stride(0),
         k_per_split,
-        prefetch_k,
-        prefetch_programs,
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -590,8 +520,6 @@ def _launch(
         UNROLL=cfg.unroll,
         USE_PDL=pdl,
         GATED=gated,
-        PREFETCH=prefetch_k > 0,
-        W_LINE=128 // weight.element_size(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_launch_options(pdl),
