@@ -38,6 +38,7 @@ PDL) the activation kernel then `skinny_linear` made the Llama-1B / 8B step 7 % 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _DEFAULT_SMS = 132  # an H100 SXM; used where no CUDA device is asked (the interpreter on CPU)
 _REDUCE_BLOCK = 1024
 _COUNTER_SLOTS = 1 << 16  # serial split-K arrival counters per device (one per column block of a launch)
+PRELOAD_ENV = "ASYNCSPEC_SKINNY_PRELOAD"
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,54 @@ def _fma_row(acc, w, x_ptr, row, M, stride_xm, offs_k, K, EVEN_K: tl.constexpr, 
     # memory behind a barrier in every iteration.
     x_row = tl.minimum(row, M - 1).to(tl.int64) * stride_xm + tl.zeros_like(acc).to(tl.int64)
     return acc + w * _x_tile(x_ptr, x_row, offs_k, K, EVEN_K, SILU).to(tl.float32)
+
+
+@triton.jit
+def _w_chunk(w_rows, k0, arange_k, K, EVEN_K: tl.constexpr):
+    """The W tile of columns k0 + arange_k ([BLOCK_N, BLOCK_K], W's dtype; masked past K unless EVEN_K)."""
+    offs_k = (k0 + arange_k)[None, :]
+    if EVEN_K:
+        return tl.load(w_rows + offs_k)
+    return tl.load(w_rows + offs_k, mask=offs_k < K, other=0.0)
+
+
+@triton.jit
+def _fma_chunk(
+    acc0,
+    acc1,
+    acc2,
+    acc3,
+    acc4,
+    acc5,
+    acc6,
+    acc7,
+    w_tile,
+    x_ptr,
+    row0,
+    M,
+    stride_xm,
+    k0,
+    arange_k,
+    K,
+    EVEN_K: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """The FMA kernel's step over one chunk of K: every row's accumulator += the W tile * that row of x."""
+    offs_k = (k0 + arange_k)[None, :]
+    w = w_tile.to(tl.float32)
+    acc0 = _fma_row(acc0, w, x_ptr, row0 + 0, M, stride_xm, offs_k, K, EVEN_K, SILU)
+    if BLOCK_M > 1:
+        acc1 = _fma_row(acc1, w, x_ptr, row0 + 1, M, stride_xm, offs_k, K, EVEN_K, SILU)
+    if BLOCK_M > 2:
+        acc2 = _fma_row(acc2, w, x_ptr, row0 + 2, M, stride_xm, offs_k, K, EVEN_K, SILU)
+        acc3 = _fma_row(acc3, w, x_ptr, row0 + 3, M, stride_xm, offs_k, K, EVEN_K, SILU)
+    if BLOCK_M > 4:
+        acc4 = _fma_row(acc4, w, x_ptr, row0 + 4, M, stride_xm, offs_k, K, EVEN_K, SILU)
+        acc5 = _fma_row(acc5, w, x_ptr, row0 + 5, M, stride_xm, offs_k, K, EVEN_K, SILU)
+        acc6 = _fma_row(acc6, w, x_ptr, row0 + 6, M, stride_xm, offs_k, K, EVEN_K, SILU)
+        acc7 = _fma_row(acc7, w, x_ptr, row0 + 7, M, stride_xm, offs_k, K, EVEN_K, SILU)
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
 
 @triton.jit
@@ -203,8 +253,8 @@ def _skinny_linear_kernel(
     UNROLL: tl.constexpr,
     USE_PDL: tl.constexpr = False,
     GATED: tl.constexpr = False,
+    PRELOAD: tl.constexpr = 0,
 ):
-    pdl_start(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     row0 = tl.program_id(2) * BLOCK_M  # row blocks: only the FMA kernel with M > BLOCK_M has several
@@ -223,6 +273,15 @@ def _skinny_linear_kernel(
     arange_k = tl.arange(0, BLOCK_K)
     k_begin = pid_k * k_per_split  # k_per_split is a multiple of BLOCK_K: only the last chunk can be partial
     k_end = tl.minimum(k_begin + k_per_split, K)
+    # W is constant through a step, so the FMA kernel may load its first PRELOAD chunks before the predecessor
+    # completes: under PDL the programs that are resident early start the weight stream inside the previous
+    # kernel's time. Nothing a predecessor writes (x, out, the workspace, the counters) is touched before the
+    # wait in pdl_start.
+    if PRELOAD > 0:
+        w_first = _w_chunk(w_rows, k_begin, arange_k, K, EVEN_K)
+    if PRELOAD > 1:
+        w_second = _w_chunk(w_rows, tl.maximum(tl.minimum(k_begin + BLOCK_K, k_end - BLOCK_K), 0), arange_k, K, EVEN_K)
+    pdl_start(USE_PDL)
     if USE_DOT:
         x_rows = tl.minimum(offs_m, M - 1).to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -250,24 +309,77 @@ def _skinny_linear_kernel(
         acc5 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc6 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc7 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        loop_begin = k_begin
+        if PRELOAD > 0:
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _fma_chunk(
+                acc0,
+                acc1,
+                acc2,
+                acc3,
+                acc4,
+                acc5,
+                acc6,
+                acc7,
+                w_first,
+                x_ptr,
+                row0,
+                M,
+                stride_xm,
+                k_begin,
+                arange_k,
+                K,
+                EVEN_K,
+                SILU,
+                BLOCK_M,
+            )
+            loop_begin += BLOCK_K
+        if PRELOAD > 1:
+            if loop_begin < k_end:
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _fma_chunk(
+                    acc0,
+                    acc1,
+                    acc2,
+                    acc3,
+                    acc4,
+                    acc5,
+                    acc6,
+                    acc7,
+                    w_second,
+                    x_ptr,
+                    row0,
+                    M,
+                    stride_xm,
+                    loop_begin,
+                    arange_k,
+                    K,
+                    EVEN_K,
+                    SILU,
+                    BLOCK_M,
+                )
+            loop_begin += BLOCK_K
         # Unrolling lets the next chunk's loads issue before this chunk's FMAs (no shared-memory pipeline here).
-        for k0 in tl.range(k_begin, k_end, BLOCK_K, loop_unroll_factor=UNROLL):
-            offs_k = (k0 + arange_k)[None, :]
-            if EVEN_K:
-                w = tl.load(w_rows + offs_k).to(tl.float32)
-            else:
-                w = tl.load(w_rows + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            acc0 = _fma_row(acc0, w, x_ptr, row0 + 0, M, stride_xm, offs_k, K, EVEN_K, SILU)
-            if BLOCK_M > 1:
-                acc1 = _fma_row(acc1, w, x_ptr, row0 + 1, M, stride_xm, offs_k, K, EVEN_K, SILU)
-            if BLOCK_M > 2:
-                acc2 = _fma_row(acc2, w, x_ptr, row0 + 2, M, stride_xm, offs_k, K, EVEN_K, SILU)
-                acc3 = _fma_row(acc3, w, x_ptr, row0 + 3, M, stride_xm, offs_k, K, EVEN_K, SILU)
-            if BLOCK_M > 4:
-                acc4 = _fma_row(acc4, w, x_ptr, row0 + 4, M, stride_xm, offs_k, K, EVEN_K, SILU)
-                acc5 = _fma_row(acc5, w, x_ptr, row0 + 5, M, stride_xm, offs_k, K, EVEN_K, SILU)
-                acc6 = _fma_row(acc6, w, x_ptr, row0 + 6, M, stride_xm, offs_k, K, EVEN_K, SILU)
-                acc7 = _fma_row(acc7, w, x_ptr, row0 + 7, M, stride_xm, offs_k, K, EVEN_K, SILU)
+        for k0 in tl.range(loop_begin, k_end, BLOCK_K, loop_unroll_factor=UNROLL):
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _fma_chunk(
+                acc0,
+                acc1,
+                acc2,
+                acc3,
+                acc4,
+                acc5,
+                acc6,
+                acc7,
+                _w_chunk(w_rows, k0, arange_k, K, EVEN_K),
+                x_ptr,
+                row0,
+                M,
+                stride_xm,
+                k0,
+                arange_k,
+                K,
+                EVEN_K,
+                SILU,
+                BLOCK_M,
+            )
         acc = _row_sum(acc0, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), 0, BLOCK_M)
         if BLOCK_M > 1:
             acc = _row_sum(acc1, acc, 1, BLOCK_M)
@@ -430,6 +542,15 @@ def choose_config(m: int, n: int, k: int, sms: int = _DEFAULT_SMS) -> SkinnyConf
 # -------------------------------------------------------------------------------------------------- launch
 
 
+def preload_chunks() -> int:
+    """Chunks of W the FMA kernel loads before its PDL wait: ASYNCSPEC_SKINNY_PRELOAD (0, 1 or 2; read at each
+    launch), by default 0."""
+    raw = os.environ.get(PRELOAD_ENV, "0")
+    if raw not in ("0", "1", "2"):
+        raise ValueError(f"{PRELOAD_ENV} must be 0, 1 or 2 (chunks of W loaded before the PDL wait), got {raw!r}")
+    return int(raw)
+
+
 def make_split_counters(device: torch.device | str) -> torch.Tensor:
     """Arrival counters for the serial split-K (the last program of a column block sums the partials): zero
     between launches, since that program resets its own. The caller owns them (one set per stream: launches
@@ -495,6 +616,7 @@ def _launch(
     ws = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     bias_arg = bias if bias is not None else x  # never read without HAS_BIAS
     pdl = pdl_enabled(x.device)
+    preload = 0 if cfg.use_dot else preload_chunks()
     _skinny_linear_kernel[grid](
         x,
         weight,
@@ -520,6 +642,7 @@ def _launch(
         UNROLL=cfg.unroll,
         USE_PDL=pdl,
         GATED=gated,
+        PRELOAD=preload,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_launch_options(pdl),

@@ -178,6 +178,26 @@ class TestInterpreted:
         check_result(out, x, weight, bias)
         check_result(kernels.linear(x, weight, config=config), x, weight, None)
 
+    @pytest.mark.parametrize("preload", ["1", "2"])
+    @pytest.mark.parametrize("config", [*FORCED[:3], SkinnyConfig(block_n=8, block_k=32, split_k=2)], ids=str)
+    @pytest.mark.parametrize("gated", [False, True])
+    def test_preloaded_chunks_change_nothing(self, kernels, monkeypatch, preload, config, gated: bool) -> None:
+        # Splits of one chunk and of several, ragged last splits and K tails: the chunks loaded before the PDL
+        # wait are each counted once, bit for bit as without them.
+        fn = kernels.gated if gated else kernels.linear
+        x, weight, bias = operands(torch.Generator().manual_seed(11), 2, 38, 200, torch.bfloat16, bias=True)
+        monkeypatch.setenv("ASYNCSPEC_SKINNY_PRELOAD", "0")
+        expected = fn(x, weight, bias, config=config, counters=kernels.counters("cpu"))
+        monkeypatch.setenv("ASYNCSPEC_SKINNY_PRELOAD", preload)
+        got = fn(x, weight, bias, config=config, counters=kernels.counters("cpu"))
+        assert torch.equal(got, expected)
+
+    def test_preload_switch_is_validated(self, kernels, monkeypatch) -> None:
+        x, weight, _ = operands(torch.Generator().manual_seed(1), 1, 8, 64, torch.bfloat16)
+        monkeypatch.setenv("ASYNCSPEC_SKINNY_PRELOAD", "3")
+        with pytest.raises(ValueError, match="ASYNCSPEC_SKINNY_PRELOAD must be 0, 1 or 2"):
+            kernels.linear(x, weight)
+
     @pytest.mark.parametrize("config", [None, FORCED[1], FORCED[4]], ids=str)
     def test_fp16_and_fp32_with_bias(self, kernels, config: SkinnyConfig | None) -> None:
         for dtype in (torch.float16, torch.float32):
