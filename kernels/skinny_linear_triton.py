@@ -358,6 +358,8 @@ def _skinny_linear_kernel(
                 )
             loop_begin += BLOCK_K
         # Unrolling lets the next chunk's loads issue before this chunk's FMAs (no shared-memory pipeline here).
+        # The unrolled loop's trip count goes wrong for a start past its end, which the preloaded chunks can give.
+        loop_begin = tl.minimum(loop_begin, k_end)
         for k0 in tl.range(loop_begin, k_end, BLOCK_K, loop_unroll_factor=UNROLL):
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _fma_chunk(
                 acc0,
@@ -544,8 +546,8 @@ def choose_config(m: int, n: int, k: int, sms: int = _DEFAULT_SMS) -> SkinnyConf
 
 def preload_chunks() -> int:
     """Chunks of W the FMA kernel loads before its PDL wait: ASYNCSPEC_SKINNY_PRELOAD (0, 1 or 2; read at each
-    launch), by default 0."""
-    raw = os.environ.get(PRELOAD_ENV, "0")
+    launch), by default 2."""
+    raw = os.environ.get(PRELOAD_ENV, "2")
     if raw not in ("0", "1", "2"):
         raise ValueError(f"{PRELOAD_ENV} must be 0, 1 or 2 (chunks of W loaded before the PDL wait), got {raw!r}")
     return int(raw)
