@@ -22,6 +22,11 @@ The block shapes come from `choose_config`, a fixed table over (M, N, K) read of
 benchmarks/skinny_linear.py on an H100: nothing is benchmarked or synchronised at call time, so calls can be
 captured in CUDA graphs. Only shapes are read on the host.
 
+Under PDL a program loads its first chunks of W (`preload_chunks`) before it waits for its predecessor: W is
+constant through a step, so the programs resident early start the weight stream inside the previous kernel's
+time (a norm, attention, the previous projection's tail). Everything a predecessor writes is touched after the
+wait. An L2 prefetch of more of W before the wait (up to 32 MiB per launch) was measured slower instead.
+
 `skinny_linear_gated` is the MLP's gate|up projection with the activation in its epilogue: the FMA kernel's
 lanes pair each gate row with its up row (lane 2i the gate row p, lane 2i + 1 the up row I + p), so the program
 that stores a column pair holds both sums, rounds each to the dtype as the plain output would be, and writes
@@ -118,6 +123,15 @@ def _w_chunk(w_rows, k0, arange_k, K, EVEN_K: tl.constexpr):
     if EVEN_K:
         return tl.load(w_rows + offs_k)
     return tl.load(w_rows + offs_k, mask=offs_k < K, other=0.0)
+
+
+@triton.jit
+def _dot_chunk(acc, w, x_ptr, x_rows, k0, arange_k, K, EVEN_K: tl.constexpr, SILU: tl.constexpr):
+    """The tensor-core kernel's step over one chunk of K: acc [BLOCK_N, BLOCK_M] += the W tile @ x's chunk^T."""
+    xt = tl.trans(_x_tile(x_ptr, x_rows, (k0 + arange_k)[None, :], K, EVEN_K, SILU))
+    if x_ptr.dtype.element_ty == tl.float32:
+        return tl.dot(w, xt, acc, input_precision="ieee")
+    return tl.dot(w, xt, acc)
 
 
 @triton.jit
@@ -285,17 +299,14 @@ def _skinny_linear_kernel(
     if USE_DOT:
         x_rows = tl.minimum(offs_m, M - 1).to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            offs_k = (k0 + arange_k)[None, :]
-            if EVEN_K:
-                w = tl.load(w_rows + offs_k)
-            else:
-                w = tl.load(w_rows + offs_k, mask=offs_k < K, other=0.0)
-            xt = tl.trans(_x_tile(x_ptr, x_rows, offs_k, K, EVEN_K, SILU))
-            if x_ptr.dtype.element_ty == tl.float32:
-                acc = tl.dot(w, xt, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w, xt, acc)
+        loop_begin = k_begin
+        if PRELOAD > 0:
+            acc = _dot_chunk(acc, w_first, x_ptr, x_rows, k_begin, arange_k, K, EVEN_K, SILU)
+            loop_begin = tl.minimum(k_begin + BLOCK_K, k_end)
+        for k0 in range(loop_begin, k_end, BLOCK_K):
+            acc = _dot_chunk(
+                acc, _w_chunk(w_rows, k0, arange_k, K, EVEN_K), x_ptr, x_rows, k0, arange_k, K, EVEN_K, SILU
+            )
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     else:
         # One [BLOCK_N, BLOCK_K] fp32 accumulator per row of x (BLOCK_M <= 8), all in the W tile's register
@@ -545,8 +556,8 @@ def choose_config(m: int, n: int, k: int, sms: int = _DEFAULT_SMS) -> SkinnyConf
 
 
 def preload_chunks() -> int:
-    """Chunks of W the FMA kernel loads before its PDL wait: ASYNCSPEC_SKINNY_PRELOAD (0, 1 or 2; read at each
-    launch), by default 2."""
+    """Chunks of W a program loads before its PDL wait: ASYNCSPEC_SKINNY_PRELOAD (0, 1 or 2; read at each launch),
+    by default 2; the tensor-core kernel takes at most 1."""
     raw = os.environ.get(PRELOAD_ENV, "2")
     if raw not in ("0", "1", "2"):
         raise ValueError(f"{PRELOAD_ENV} must be 0, 1 or 2 (chunks of W loaded before the PDL wait), got {raw!r}")
@@ -618,7 +629,7 @@ def _launch(
     ws = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     bias_arg = bias if bias is not None else x  # never read without HAS_BIAS
     pdl = pdl_enabled(x.device)
-    preload = 0 if cfg.use_dot else preload_chunks()
+    preload = min(preload_chunks(), 1) if cfg.use_dot else preload_chunks()
     _skinny_linear_kernel[grid](
         x,
         weight,

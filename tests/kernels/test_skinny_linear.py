@@ -179,7 +179,7 @@ class TestInterpreted:
         check_result(kernels.linear(x, weight, config=config), x, weight, None)
 
     @pytest.mark.parametrize("preload", ["1", "2"])
-    @pytest.mark.parametrize("config", [*FORCED[:3], SkinnyConfig(block_n=8, block_k=32, split_k=2)], ids=str)
+    @pytest.mark.parametrize("config", [*FORCED, SkinnyConfig(block_n=8, block_k=32, split_k=2)], ids=str)
     @pytest.mark.parametrize("gated", [False, True])
     def test_preloaded_chunks_change_nothing(self, kernels, monkeypatch, preload, config, gated: bool) -> None:
         # Splits of one chunk and of several, ragged last splits and K tails: the chunks loaded before the PDL
