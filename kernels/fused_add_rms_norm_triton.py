@@ -39,9 +39,12 @@ def _fused_add_rms_norm_kernel(
     BLOCK_H: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
+    cols = tl.arange(0, BLOCK_H)
+    # The weight is constant through a step: under PDL its (usually cold) load overlaps the predecessor's tail
+    # instead of following the reduction. x and the residual are read after the wait.
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
     pdl_start(USE_PDL)
     rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    cols = tl.arange(0, BLOCK_H)
     mask = (rows[:, None] < num_rows) & (cols[None, :] < H)
     x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
@@ -52,7 +55,6 @@ def _fused_add_rms_norm_kernel(
     h = x.to(tl.float32)
     mean_sq = tl.sum(h * h, axis=1) / H
     h = h * tl.math.rsqrt(mean_sq + eps)[:, None]
-    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
     y = round_to_dtype(h, x_ptr.dtype.element_ty).to(tl.float32) * w[None, :]
     tl.store(
         out_ptr + rows[:, None] * out_stride + cols[None, :], round_to_dtype(y, out_ptr.dtype.element_ty), mask=mask

@@ -8,9 +8,10 @@ so the launch and ramp-up overlap the predecessor's tail. CUDA-graph capture kee
 programmatic edges.
 
 The contract that keeps it correct: every kernel launched with PDL calls `pdl_start(USE_PDL)` before it
-reads or writes anything a predecessor may touch (first thing, here), so nothing it does overlaps
-another kernel's memory traffic; the wait is transitive, since a predecessor only completes after its own
-wait. Kernels without PDL (torch's, cuBLAS's) keep ordinary stream order on both sides.
+reads or writes anything a predecessor may touch, so nothing it does overlaps another kernel's writes; the
+wait is transitive, since a predecessor only completes after its own wait. Only what no kernel of a step
+writes, the weights, is read before the wait (the skinny linear kernel's first chunks of W, the norm's
+weight): those loads then overlap the predecessor's tail. Kernels without PDL (torch's, cuBLAS's) keep ordinary stream order on both sides.
 `ASYNCSPEC_PDL=0` turns it off (an A/B, or a driver that mishandles it); the interpreter never uses it.
 """
 
