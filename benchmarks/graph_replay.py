@@ -30,7 +30,9 @@ BATCHES = (1, 2, 4, 8, 32)
 PATCH_ENV = "GRAPH_REPLAY_PATCH"
 """Comma-separated benchmark-only patches applied in the child before the engine starts (what a switch
 cannot reach): `m1_as_m2` gives the skinny kernel's one-row calls its two-row launch config; `no_gated` runs the MLP's
-activation as its own kernel after the gate|up projection instead of in the projection's epilogue."""
+activation as its own kernel after the gate|up projection instead of in the projection's epilogue. Timing only
+(the outputs are wrong; they bound what fusing a kernel away could give): `no_combine` launches no split-KV combine
+kernel, `no_norm` no residual-add + RMSNorm kernel (each returns its input)."""
 
 
 def _apply_patches(patches: set[str]) -> None:
@@ -42,6 +44,21 @@ def _apply_patches(patches: set[str]) -> None:
     if "m1_as_m2" in patches:
         choose = skinny_linear_triton.choose_config
         skinny_linear_triton.choose_config = lambda m, n, k, sms=132: choose(max(m, 2), n, k, sms)  # type: ignore[assignment]
+    if "no_combine" in patches:
+        from asyncspec.kernels import paged_attention_triton
+
+        class _NoLaunch:
+            def __getitem__(self, grid):
+                return lambda *args, **kwargs: None
+
+        paged_attention_triton._combine_splits_kernel = _NoLaunch()  # type: ignore[assignment]
+    if "no_norm" in patches:
+        from asyncspec.kernels import fused_add_rms_norm_triton
+
+        def _no_norm(x, residual, weight, eps, **kwargs):
+            return x, (x if residual is None else residual)
+
+        fused_add_rms_norm_triton.fused_add_rms_norm = _no_norm  # type: ignore[assignment]
     if "no_gated" in patches:
         make = model_runner.make_skinny_linear
         model_runner.make_skinny_linear = lambda device, max_rows=2: dataclasses.replace(  # type: ignore[assignment]
