@@ -11,7 +11,8 @@ The contract that keeps it correct: every kernel launched with PDL calls `pdl_st
 reads or writes anything a predecessor may touch, so nothing it does overlaps another kernel's writes; the
 wait is transitive, since a predecessor only completes after its own wait. Only what no kernel of a step
 writes, the weights, is read before the wait (the skinny linear kernel's first chunks of W, the norm's
-weight): those loads then overlap the predecessor's tail. Kernels without PDL (torch's, cuBLAS's) keep ordinary stream order on both sides.
+weight): those loads then overlap the predecessor's tail. Kernels without PDL (torch's, cuBLAS's) keep
+ordinary stream order on both sides.
 `ASYNCSPEC_PDL=0` turns it off (an A/B, or a driver that mishandles it); the interpreter never uses it.
 """
 

@@ -25,11 +25,16 @@ logger = logging.getLogger(__name__)
 _SHUT_DOWN = "the engine was shut down"
 
 
+OutputSink = Callable[[RequestOutput | BaseException], None]
+"""Receives one request's outputs in order, on the engine's event loop: RequestOutput deltas (the last one
+finished) or the exception that ended the request."""
+
+
 @dataclass(eq=False)
 class _Stream:
     """One client's stream: where its outputs go, and the event loop its consumer runs on."""
 
-    queue: asyncio.Queue[RequestOutput | BaseException]
+    put: OutputSink
     loop: asyncio.AbstractEventLoop
 
 
@@ -94,6 +99,58 @@ class AsyncEngine:
         engine stopped. An id whose previous client just left is free once that request's abort is
         applied, which this call waits for. With `coalesce`, deltas that piled up while the consumer
         was busy arrive merged into one (a server then sends one message instead of several)."""
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        request_id, stream = await self._admit(prompt, sampling_params, request_id, priority, queue.put_nowait)
+        try:
+            held: RequestOutput | BaseException | None = None
+            while True:
+                item = held if held is not None else await queue.get()
+                held = None
+                if isinstance(item, BaseException):
+                    raise item
+                while coalesce and not item.finished and not queue.empty():
+                    following = queue.get_nowait()
+                    if isinstance(following, BaseException):
+                        held = following
+                        break
+                    item = merge_deltas(item, following)
+                yield item
+                if item.finished:
+                    return
+        finally:
+            # Still registered (and so possibly live in the engine) only if the client went away
+            # early (cancelled, broke out, closed the iterator): free its KV at once. The identity
+            # check leaves alone a newer stream that reuses the id after this one ended.
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+                self._pending_aborts.append(request_id)
+                if self._wakeup is not None:
+                    self._wakeup.set()
+
+    async def submit(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None,
+        request_id: str | None,
+        priority: int,
+        sink: OutputSink,
+    ) -> str:
+        """Admits a request whose outputs go to `sink` (called on this event loop) instead of a generator:
+        a host that forwards them elsewhere (the engine process) spends no coroutine per stream. Raises
+        the same typed errors as `generate` for a bad request; returns the request id. `abort` ends it
+        early (the sink then receives the final "abort" output)."""
+        request_id, _ = await self._admit(prompt, sampling_params, request_id, priority, sink)
+        return request_id
+
+    async def _admit(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None,
+        request_id: str | None,
+        priority: int,
+        put: OutputSink,
+    ) -> tuple[str, _Stream]:
+        """Validates the request and registers its stream; the loop adds it to the engine before its next step."""
         self._raise_if_dead()
         self._ensure_loop()
         if isinstance(request_id, str) and request_id in self._pending_aborts:
@@ -107,35 +164,11 @@ class AsyncEngine:
             request = self.engine.make_request(prompt, sampling_params, request_id, priority)
         if request.request_id in self._streams or request.request_id in self._pending_aborts:
             raise InvalidRequestError(f"request_id {request.request_id!r} is already in use")
-        stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
+        stream = _Stream(put, asyncio.get_running_loop())
         self._streams[request.request_id] = stream
         self._pending_adds.append(request)
         self._ensure_loop()
-        try:
-            held: RequestOutput | BaseException | None = None
-            while True:
-                item = held if held is not None else await stream.queue.get()
-                held = None
-                if isinstance(item, BaseException):
-                    raise item
-                while coalesce and not item.finished and not stream.queue.empty():
-                    following = stream.queue.get_nowait()
-                    if isinstance(following, BaseException):
-                        held = following
-                        break
-                    item = merge_deltas(item, following)
-                yield item
-                if item.finished:
-                    return
-        finally:
-            # Still registered (and so possibly live in the engine) only if the client went away
-            # early (cancelled, broke out, closed the iterator): free its KV at once. The identity
-            # check leaves alone a newer stream that reuses the id after this one ended.
-            if self._streams.get(request.request_id) is stream:
-                del self._streams[request.request_id]
-                self._pending_aborts.append(request.request_id)
-                if self._wakeup is not None:
-                    self._wakeup.set()
+        return request.request_id, stream
 
     def add_death_listener(self, listener: Callable[[EngineDeadError], None]) -> None:
         """Calls `listener(error)` on the event loop once the engine has failed (every stream has
@@ -216,7 +249,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(request)
             except Exception as e:  # queue full, duplicate id: the stream ends with the error
-                self._streams.pop(request.request_id).queue.put_nowait(e)
+                self._streams.pop(request.request_id).put(e)
         aborts = list(self._pending_aborts)
         if not aborts:
             return [], []
@@ -249,9 +282,9 @@ class AsyncEngine:
         if stream is None:
             return
         if output.finish_reason == "error":
-            stream.queue.put_nowait(RequestFailedError(f"request {output.request_id!r} failed: {output.error}"))
+            stream.put(RequestFailedError(f"request {output.request_id!r} failed: {output.error}"))
         else:
-            stream.queue.put_nowait(output)
+            stream.put(output)
         if output.finished:
             del self._streams[output.request_id]
 
@@ -321,7 +354,7 @@ class AsyncEngine:
         self._stats_snapshot = None  # the engine is stopped: the current counters are final
         streams, self._streams = self._streams, {}
         for stream in streams.values():
-            stream.queue.put_nowait(EngineDeadError(*error.args))
+            stream.put(EngineDeadError(*error.args))
         if self._aborts_applied is not None:
             self._aborts_applied.set()  # callers waiting for an id see the engine is gone
 

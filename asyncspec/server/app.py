@@ -21,9 +21,10 @@ from prometheus_client import start_http_server
 
 from asyncspec.config import EngineConfig
 from asyncspec.engine.async_engine import AsyncEngine
+from asyncspec.engine.engine_process import EngineProcessClient
 from asyncspec.errors import AsyncSpecError
 from asyncspec.server.metrics import ServerMetrics
-from asyncspec.server.service import SERVICE_NAME, GenerationService
+from asyncspec.server.service import SERVICE_NAME, GenerationService, ServingEngine
 from asyncspec.v1 import asyncspec_pb2 as pb
 from asyncspec.v1 import asyncspec_pb2_grpc as pb_grpc
 
@@ -61,6 +62,9 @@ class ServerConfig:
     """PEM private key of tls_cert_file."""
     auth_token_file: str | None = None
     """File holding the bearer token; else $ASYNCSPEC_AUTH_TOKEN; neither: no auth."""
+    engine_process: bool = False
+    """Run the engine (scheduling, output processing, the model) in a process of its own, so that the
+    server's per-stream gRPC work never shares an interpreter lock with it; each step's outputs cross one pipe."""
 
     def auth_token(self) -> str | None:
         if self.auth_token_file:
@@ -116,7 +120,7 @@ class GenerationServer:
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig | None = None) -> None:
         self.engine_config = engine_config
         self.config = server_config or ServerConfig()
-        self.engine: AsyncEngine | None = None
+        self.engine: ServingEngine | None = None
         self.port = 0
         self.metrics_port: int | None = None
         self.metrics = ServerMetrics(self._stats)
@@ -182,7 +186,10 @@ class GenerationServer:
         )
         start = time.perf_counter()
         try:
-            self.engine = await asyncio.get_running_loop().run_in_executor(None, AsyncEngine, self.engine_config)
+            if cfg.engine_process:
+                self.engine = await EngineProcessClient.launch(self.engine_config)
+            else:
+                self.engine = await asyncio.get_running_loop().run_in_executor(None, AsyncEngine, self.engine_config)
         except Exception as e:
             await self.stop()
             raise ServerStartError(f"the engine failed to start: {e}") from e

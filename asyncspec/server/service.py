@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from asyncspec.engine.async_engine import AsyncEngine
+from asyncspec.engine.engine_process import EngineProcessClient
 from asyncspec.errors import (
     EngineDeadError,
     InvalidRequestError,
@@ -25,6 +26,9 @@ from asyncspec.v1 import asyncspec_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
+ServingEngine = AsyncEngine | EngineProcessClient
+"""The engine behind the RPCs: in the server's process, or in one of its own (ServerConfig.engine_process)."""
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 """asyncspec.v1.Generation: the readiness service name of the health checks."""
 
@@ -34,7 +38,7 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     def __init__(
         self,
-        get_engine: Callable[[], AsyncEngine | None],
+        get_engine: Callable[[], ServingEngine | None],
         metrics: ServerMetrics,
         is_draining: Callable[[], bool],
         on_engine_dead: Callable[[], None],
@@ -45,7 +49,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         self._on_engine_dead = on_engine_dead
         self.num_active_streams = 0
 
-    async def _engine(self, context: grpc.aio.ServicerContext) -> AsyncEngine:
+    async def _engine(self, context: grpc.aio.ServicerContext) -> ServingEngine:
         engine = self._get_engine()
         if engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")

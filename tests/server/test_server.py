@@ -626,3 +626,68 @@ def test_a_server_with_its_model_in_a_worker_process_streams_the_engine_output(p
         _wait_kv_free(server)
     finally:
         server.stop()
+
+
+def test_a_server_with_its_engine_in_a_process_of_its_own(prompts):
+    """engine_process: scheduling, output processing and the model run in another process, the server keeps
+    only the gRPC work. 16 concurrent streams get the engine's tokens and text, the other RPCs read the
+    engine's facts, a cancelled stream frees its KV, metrics follow the steps, and a drain stops the engine
+    process."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    reference = bundled_llm(**ENGINE).generate(prompts, params)
+    server = ServerThread(engine_overrides=dict(async_scheduling=True), engine_process=True)
+    engine_pid = server.server.engine.pid
+    try:
+        assert engine_pid is not None and engine_pid != os.getpid()
+        results = _concurrent_streams(server, prompts, 16)
+        assert {i: results.get(i) for i in range(16)} == {i: reference[i % len(prompts)].token_ids for i in range(16)}
+        stub = server.stub()
+        responses = list(stub.Generate(_request(prompts[0])))
+        assert "".join(r.text for r in responses) == reference[0].text
+        assert responses[-1].usage.completion_tokens == 12
+        ids = list(stub.Tokenize(pb.TokenizeRequest(text="def main():\n")).token_ids)
+        assert stub.Detokenize(pb.DetokenizeRequest(token_ids=ids)).text == "def main():\n"
+        assert stub.GetModelInfo(pb.GetModelInfoRequest()).vocab_size == 8192
+        call = stub.Generate(_request(prompts[1], 200))
+        next(call)
+        call.cancel()
+        stats = _wait_kv_free(server)
+        assert stats["num_generation_tokens"] >= 17 * 12
+        metrics = _metrics(server)
+        steps = metrics["asyncspec:num_steps_total"]
+        assert steps >= 12 and metrics["asyncspec:iteration_tokens_total_count"] == steps
+    finally:
+        server.stop()
+    deadline = time.monotonic() + 30
+    while _pid_alive(engine_pid):
+        assert time.monotonic() < deadline, "the engine process outlived the drained server"
+        time.sleep(0.05)
+
+
+def test_a_killed_engine_process_ends_streams_with_internal_and_health_not_serving(prompts):
+    server = ServerThread(engine_process=True)
+    try:
+        stub = server.stub()
+        call = stub.Generate(_request(prompts[0], 200), timeout=30)
+        next(call)
+        os.kill(server.server.engine.pid, signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as e:
+            list(call)
+        assert e.value.code() == grpc.StatusCode.INTERNAL and "engine process exited" in e.value.details()
+        _wait_not_ready(server, 5.0)
+        assert server.server.engine_failed.is_set()
+    finally:
+        server.stop()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie child still answers kill(0); it is gone once reaped or when its state is Z.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False

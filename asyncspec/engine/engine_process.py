@@ -1,0 +1,440 @@
+"""The engine in a process of its own, for a server whose per-stream gRPC work must not share an interpreter
+lock with the engine's scheduling and output processing.
+
+`EngineProcessClient` has the part of AsyncEngine's interface that a server uses (`generate`, `abort`,
+`has_request`, the step and death listeners, `stats`, `stats_snapshot`, `shutdown`, and `engine` for the
+tokenizer and the model's facts). The process it starts runs an AsyncEngine on its own event loop; one
+duplex pipe joins the two:
+
+- to the engine: ("add", request_id, prompt, params, priority), ("abort", request_id), ("stats", token),
+  ("shutdown",). They are applied in arrival order, so an abort never overtakes its request's add.
+- to the client: ("outputs", [(request_id, RequestOutput | exception), ...], step token counts, stats
+  snapshot): everything one engine step delivered, as one message (AsyncEngine.submit hands the outputs to
+  a sink, so the engine process runs no coroutine per stream); ("stats", token, stats); ("dead", message).
+
+The engine process ignores SIGINT and SIGTERM: the server drains and then sends "shutdown". If the server
+goes away the pipe closes and the engine shuts down; if the engine process dies the client ends every stream
+with EngineDeadError and calls its death listeners, as an AsyncEngine whose loop failed does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import multiprocessing
+import pickle
+import signal
+import threading
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from asyncspec.config import EngineConfig
+from asyncspec.engine.async_engine import AsyncEngine, merge_deltas
+from asyncspec.engine.llm_engine import PromptType
+from asyncspec.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from asyncspec.models.model_config import ModelConfig
+from asyncspec.outputs import RequestOutput
+from asyncspec.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_SHUT_DOWN = "the engine was shut down"
+_STATS_TIMEOUT_S = 30.0
+
+
+class EngineProcessStartError(RuntimeError):
+    """The engine process failed before it was ready (the message is the engine's error)."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a server's non-streaming RPCs read of the engine, sent once by the engine process when it is
+    ready (the names of LLMEngine's attributes, so the server reads either alike)."""
+
+    config: EngineConfig
+    """The engine's configuration."""
+    tokenizer: Any
+    """The engine's tokenizer (a `tokenizers.Tokenizer`), or None with skip_tokenizer_init."""
+    model_config: ModelConfig
+    """The model's facts (vocabulary, special ids)."""
+    vocab_size: int
+    """Token ids are in [0, vocab_size)."""
+    max_model_len: int
+    """Longest prompt plus output, in tokens."""
+    eos_token_ids: frozenset[int]
+    """Ids that end a generation unless ignore_eos."""
+
+
+# --------------------------------------------------------------------------------------------- the engine side
+
+
+def engine_process_main(config: EngineConfig, conn: Connection) -> None:
+    """The engine process's entry point (spawned): serves `conn` until "shutdown" or the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server drains, then says "shutdown"
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(_serve(config, conn))
+    else:
+        uvloop.run(_serve(config, conn))
+
+
+async def _serve(config: EngineConfig, conn: Connection) -> None:
+    try:
+        engine = AsyncEngine(config)
+    except BaseException as e:  # noqa: BLE001 - reported to the client, which raises it
+        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    llm = engine.engine
+    info = EngineInfo(
+        config=config,
+        tokenizer=llm.tokenizer,
+        model_config=llm.model_config,
+        vocab_size=llm.vocab_size,
+        max_model_len=llm.max_model_len,
+        eos_token_ids=llm.eos_token_ids,
+    )
+    conn.send(("ready", info))
+    await _EngineHost(engine, conn).run()
+
+
+def _picklable(error: Exception) -> Exception:
+    """`error` if it crosses the pipe, else a RequestFailedError with its text (the client must never fail to
+    read a message)."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:  # noqa: BLE001 - any failure to round-trip
+        return RequestFailedError(f"{type(error).__name__}: {error}")
+    return error
+
+
+class _EngineHost:
+    """Applies the client's messages to the AsyncEngine in order and sends each step's outputs as one message."""
+
+    def __init__(self, engine: AsyncEngine, conn: Connection) -> None:
+        self.engine = engine
+        self.conn = conn
+        self.loop = asyncio.get_running_loop()
+        self.inbox: asyncio.Queue[tuple | None] = asyncio.Queue()
+        self.outbox: list[tuple[str, RequestOutput | BaseException]] = []
+        self.step_tokens: list[int] = []
+        self.flush_scheduled = False
+        engine.add_step_listener(self._on_step)
+        engine.add_death_listener(self._on_death)
+        engine.start()
+
+    async def run(self) -> None:
+        threading.Thread(target=self._read, name="asyncspec-engine-pipe", daemon=True).start()
+        while True:
+            message = await self.inbox.get()
+            if message is None or message[0] == "shutdown":
+                break
+            kind = message[0]
+            if kind == "add":
+                _, request_id, prompt, params, priority = message
+                try:
+                    await self.engine.submit(prompt, params, request_id, priority, self._sink(request_id))
+                except Exception as e:  # a bad request: its stream ends with the typed error
+                    self._emit(request_id, _picklable(e))
+            elif kind == "abort":
+                await self.engine.abort(message[1])
+            elif kind == "stats":
+                self.conn.send(("stats", message[1], self.engine.stats()))
+        await self.engine.shutdown()
+        self._flush()
+
+    def _read(self) -> None:
+        """The pipe's reader thread: messages into the event loop's inbox, None when the client is gone."""
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                message = None
+            self.loop.call_soon_threadsafe(self.inbox.put_nowait, message)
+            if message is None or message[0] == "shutdown":
+                return
+
+    def _sink(self, request_id: str) -> Callable[[RequestOutput | BaseException], None]:
+        return lambda item: self._emit(request_id, item)
+
+    def _emit(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        self.outbox.append((request_id, item))
+        self._schedule_flush()
+
+    def _on_step(self, num_tokens: int) -> None:
+        self.step_tokens.append(num_tokens)
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        # Everything delivered before the engine loop next awaits (one step's outputs) goes in one message.
+        if not self.flush_scheduled:
+            self.flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self.flush_scheduled = False
+        if not self.outbox and not self.step_tokens:
+            return
+        outbox, self.outbox = self.outbox, []
+        step_tokens, self.step_tokens = self.step_tokens, []
+        try:
+            self.conn.send(("outputs", outbox, step_tokens, self.engine.stats_snapshot()))
+        except (OSError, ValueError):  # the client is gone; the reader thread ends the host
+            pass
+
+    def _on_death(self, error: EngineDeadError) -> None:
+        self._flush()  # the streams' final EngineDeadErrors
+        try:
+            self.conn.send(("dead", str(error)))
+        except (OSError, ValueError):
+            pass
+        self.inbox.put_nowait(None)
+
+
+# --------------------------------------------------------------------------------------------- the client side
+
+
+class EngineProcessClient:
+    """An AsyncEngine in a process of its own, behind AsyncEngine's serving interface. `await launch(config)`
+    starts it and returns once the model is loaded; all methods are called on one event loop."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess, conn: Connection, info: EngineInfo) -> None:
+        self.engine = info
+        self.config = info.config
+        self._process = process
+        self._conn = conn
+        self._loop = asyncio.get_running_loop()
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._departed: dict[str, asyncio.Event] = {}
+        self._step_listeners: list[Callable[[int], None]] = []
+        self._death_listeners: list[Callable[[EngineDeadError], None]] = []
+        self._snapshot: dict[str, float] = {}
+        self._stats_replies: dict[int, concurrent.futures.Future[dict[str, float]]] = {}
+        self._stats_tokens = itertools.count()
+        self._send_lock = threading.Lock()
+        self._dead: EngineDeadError | None = None
+        self._closing = False
+        self._reader = threading.Thread(target=self._read, name="asyncspec-engine-client", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    async def launch(cls, config: EngineConfig) -> EngineProcessClient:
+        """Spawns the engine process and waits (off the event loop) until its model is loaded. Raises
+        EngineProcessStartError with the engine's own message if it fails first."""
+        context = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA state
+        parent, child = context.Pipe(duplex=True)
+        process = context.Process(target=engine_process_main, args=(config, child), name="asyncspec-engine")
+        process.start()
+        child.close()
+        try:
+            message = await asyncio.get_running_loop().run_in_executor(None, parent.recv)
+        except (EOFError, OSError):
+            process.join(5)
+            raise EngineProcessStartError(
+                f"the engine process exited before it was ready (exit code {process.exitcode})"
+            ) from None
+        if message[0] != "ready":
+            process.join(5)
+            raise EngineProcessStartError(message[1])
+        return cls(process, parent, message[1])
+
+    # -- AsyncEngine's serving interface ----------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id."""
+        return self._process.pid
+
+    def start(self) -> None:
+        """The engine runs from launch on; raises EngineDeadError if it has stopped."""
+        self._raise_if_dead()
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        coalesce: bool = False,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """As AsyncEngine.generate: RequestOutput deltas, the last one finished; typed errors for a bad
+        request; EngineDeadError if the engine stopped."""
+        self._raise_if_dead()
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+        elif not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
+        while request_id in self._departed:  # its previous client just left: free once its abort is applied
+            await self._departed[request_id].wait()
+            self._raise_if_dead()
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use")
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._send(("add", request_id, prompt, sampling_params, priority))
+        try:
+            held: RequestOutput | BaseException | None = None
+            while True:
+                item = held if held is not None else await queue.get()
+                held = None
+                if isinstance(item, BaseException):
+                    raise item
+                while coalesce and not item.finished and not queue.empty():
+                    following = queue.get_nowait()
+                    if isinstance(following, BaseException):
+                        held = following
+                        break
+                    item = merge_deltas(item, following)
+                yield item
+                if item.finished:
+                    return
+        finally:
+            # Still registered only if the client left early: abort it in the engine, and keep the id
+            # until the engine's final output for it arrives.
+            if self._streams.get(request_id) is queue:
+                del self._streams[request_id]
+                if self._dead is None:
+                    self._departed[request_id] = asyncio.Event()
+                    self._send(("abort", request_id))
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether a live stream has this id."""
+        return request_id in self._streams
+
+    async def abort(self, request_id: str) -> None:
+        """Ends the request; its stream receives a final output with finish_reason "abort". Unknown or
+        finished ids are ignored."""
+        if request_id in self._streams and self._dead is None:
+            self._send(("abort", request_id))
+
+    def add_step_listener(self, listener: Callable[[int], None]) -> None:
+        """Calls `listener(num_tokens)` on the event loop for every step the engine retires."""
+        self._step_listeners.append(listener)
+
+    def add_death_listener(self, listener: Callable[[EngineDeadError], None]) -> None:
+        """Calls `listener(error)` on the event loop once the engine has failed (every stream has ended)."""
+        self._death_listeners.append(listener)
+
+    def stats(self) -> dict[str, float]:
+        """The engine's counters now (a round trip to the engine process; blocks until it answers)."""
+        if self._dead is not None:
+            return dict(self._snapshot)
+        token = next(self._stats_tokens)
+        reply: concurrent.futures.Future[dict[str, float]] = concurrent.futures.Future()
+        self._stats_replies[token] = reply
+        self._send(("stats", token))
+        try:
+            return reply.result(_STATS_TIMEOUT_S)
+        except concurrent.futures.CancelledError:  # the engine died meanwhile
+            return dict(self._snapshot)
+        finally:
+            self._stats_replies.pop(token, None)
+
+    def stats_snapshot(self) -> dict[str, float]:
+        """The counters as of the engine's last delivered step (safe from any thread)."""
+        return dict(self._snapshot)
+
+    async def shutdown(self) -> None:
+        """Stops the engine process; in-flight streams end with EngineDeadError("the engine was shut down")."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._dead is None:
+            self._send(("shutdown",))
+        await self._loop.run_in_executor(None, self._process.join, 60)
+        if self._process.is_alive():
+            logger.error("the engine process did not stop in 60 s; killing it")
+            self._process.kill()
+            await self._loop.run_in_executor(None, self._process.join, 10)
+        self._end(EngineDeadError(_SHUT_DOWN), notify=False)
+        self._conn.close()
+
+    # -- the pipe ----------------------------------------------------------------------------------
+
+    def _send(self, message: tuple) -> None:
+        try:
+            with self._send_lock:  # stats() may be called from another thread (a metrics scrape)
+                self._conn.send(message)
+        except (OSError, ValueError) as e:  # the engine process is gone; the reader reports it
+            logger.debug("could not send %s to the engine process: %s", message[0], e)
+
+    def _read(self) -> None:
+        """The reader thread: outputs into the event loop; stats replies answered here (stats() may be
+        waiting on the event loop's own thread)."""
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            if message[0] == "stats":
+                reply = self._stats_replies.get(message[1])
+                if reply is not None and not reply.done():
+                    reply.set_result(message[2])
+                continue
+            self._loop.call_soon_threadsafe(self._dispatch, message)
+            if message[0] == "dead":
+                return
+        for reply in list(self._stats_replies.values()):
+            reply.cancel()
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._on_exit)
+
+    def _dispatch(self, message: tuple) -> None:
+        if message[0] == "dead":
+            self._end(EngineDeadError(message[1]), notify=True)
+            return
+        _, outputs, step_tokens, snapshot = message
+        self._snapshot = snapshot
+        for request_id, item in outputs:
+            done = isinstance(item, BaseException) or item.finished
+            queue = self._streams.get(request_id)
+            if queue is not None:
+                queue.put_nowait(item)
+                if done:
+                    del self._streams[request_id]
+            elif done and request_id in self._departed:
+                self._departed.pop(request_id).set()
+        for num_tokens in step_tokens:
+            for listener in self._step_listeners:
+                listener(num_tokens)
+
+    def _on_exit(self) -> None:
+        """The pipe closed: expected after a shutdown, a failure otherwise."""
+        if self._closing or self._dead is not None:
+            return
+        self._process.join(1)
+        self._end(
+            EngineDeadError(f"the engine process exited unexpectedly (exit code {self._process.exitcode})"),
+            notify=True,
+        )
+
+    def _end(self, error: EngineDeadError, notify: bool) -> None:
+        """Ends every stream with `error`; with `notify`, the engine failed: the death listeners hear of it."""
+        first = self._dead is None
+        if first:
+            self._dead = error
+        streams, self._streams = self._streams, {}
+        for queue in streams.values():
+            queue.put_nowait(EngineDeadError(*error.args))
+        for event in self._departed.values():
+            event.set()
+        self._departed.clear()
+        if first and notify:
+            logger.error("the engine process failed: %s", error)
+            for listener in self._death_listeners:
+                listener(error)
+
+    def _raise_if_dead(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(*self._dead.args)

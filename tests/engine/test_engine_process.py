@@ -1,0 +1,179 @@
+"""EngineProcessClient: the engine in a process of its own behind AsyncEngine's serving interface (CPU, the
+bundled model). One client serves the module on one event loop; each test leaves its KV pool free."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import time
+
+import pytest
+
+from asyncspec import SamplingParams
+from asyncspec.config import make_config
+from asyncspec.engine.engine_process import EngineProcessClient, EngineProcessStartError
+from asyncspec.errors import EngineDeadError, InvalidRequestError, InvalidSamplingParamsError
+from tests.conftest import TARGET_MODEL, load_prompts
+from tests.engine.engine_helpers import assert_ids_in_vocab, assert_kv_free, bundled_llm, wait_kv_free
+
+CONFIG = dict(device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=64)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def client(loop):
+    config = make_config(str(TARGET_MODEL), **CONFIG, async_scheduling=True)
+    client = loop.run_until_complete(EngineProcessClient.launch(config))
+    yield client
+    loop.run_until_complete(client.shutdown())
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [p[:48] for p in load_prompts(6)]
+
+
+async def _collect(client, prompt, params, **kwargs):
+    return [delta async for delta in client.generate(prompt, params, **kwargs)]
+
+
+def test_concurrent_streams_equal_the_in_process_engine(loop, client, prompts):
+    reference = bundled_llm(**CONFIG).generate(prompts, GREEDY)
+
+    async def run():
+        return await asyncio.gather(*(_collect(client, p, GREEDY, coalesce=True) for p in prompts))
+
+    streams = loop.run_until_complete(run())
+    for deltas, ref in zip(streams, reference, strict=True):
+        tokens = [t for d in deltas for t in d.token_ids]
+        assert tokens == ref.token_ids
+        assert "".join(d.text for d in deltas) == ref.text
+        assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+        assert all(not d.finished for d in deltas[:-1])
+        assert_ids_in_vocab(tokens)
+    assert_kv_free(loop.run_until_complete(wait_kv_free(client)))
+
+
+def test_text_prompt_and_engine_facts(loop, client):
+    reference = bundled_llm(**CONFIG).generate(["def add(a, b):"], GREEDY)[0]
+    deltas = loop.run_until_complete(_collect(client, "def add(a, b):", GREEDY))
+    assert [t for d in deltas for t in d.token_ids] == reference.token_ids
+    info = client.engine
+    assert info.vocab_size == 8192 and info.max_model_len == 256 and info.config.model == str(TARGET_MODEL)
+    assert info.tokenizer.encode("def", add_special_tokens=False).ids  # the tokenizer crossed the pipe
+
+
+def test_client_leaving_early_aborts_frees_kv_and_the_id_is_reusable(loop, client, prompts):
+    async def run():
+        stream = client.generate(prompts[0], LONG, request_id="leaver")
+        first = await stream.__anext__()
+        assert not first.finished
+        await stream.aclose()  # the client goes away mid-stream
+        assert not client.has_request("leaver")
+        # The id is free once the engine has applied the abort; generate() waits for that.
+        again = await _collect(client, prompts[1], GREEDY, request_id="leaver")
+        assert again[-1].finish_reason == "length"
+        return await wait_kv_free(client)
+
+    stats = loop.run_until_complete(run())
+    assert_kv_free(stats)
+    assert stats["num_running_requests"] == 0
+
+
+def test_abort_by_id_ends_the_stream_with_abort(loop, client, prompts):
+    async def run():
+        deltas = []
+        async for delta in client.generate(prompts[2], LONG, request_id="to-abort"):
+            deltas.append(delta)
+            if len(deltas) == 1:
+                await client.abort("to-abort")
+        await client.abort("never-seen")  # ignored
+        return deltas
+
+    deltas = loop.run_until_complete(run())
+    assert deltas[-1].finished and deltas[-1].finish_reason == "abort"
+    assert len([t for d in deltas for t in d.token_ids]) < LONG.max_tokens
+    assert_kv_free(loop.run_until_complete(wait_kv_free(client)))
+
+
+def test_bad_requests_get_typed_errors_and_lose_nothing(loop, client, prompts):
+    async def run():
+        with pytest.raises(InvalidSamplingParamsError, match="max_tokens"):
+            await _collect(client, prompts[0], SamplingParams(max_tokens=-1))
+        with pytest.raises(InvalidRequestError, match="max_model_len"):
+            await _collect(client, list(range(300)), GREEDY)
+        with pytest.raises(InvalidRequestError, match="request_id"):
+            await _collect(client, prompts[0], GREEDY, request_id=7)
+        long_stream = client.generate(prompts[0], LONG, request_id="busy")
+        await long_stream.__anext__()
+        with pytest.raises(InvalidRequestError, match="already in use"):
+            await _collect(client, prompts[1], GREEDY, request_id="busy")
+        await long_stream.aclose()
+        return await _collect(client, prompts[3], GREEDY)
+
+    deltas = loop.run_until_complete(run())
+    reference = bundled_llm(**CONFIG).generate([prompts[3]], GREEDY)[0]
+    assert [t for d in deltas for t in d.token_ids] == reference.token_ids
+    assert_kv_free(loop.run_until_complete(wait_kv_free(client)))
+
+
+def test_step_listeners_and_the_stats_snapshot_follow_the_steps(loop, client, prompts):
+    counted: list[int] = []
+    client.add_step_listener(counted.append)
+    fresh = prompts[4][::-1]  # a prompt no earlier test cached: every token is prefilled
+    before = client.stats()
+    loop.run_until_complete(_collect(client, fresh, GREEDY))
+    after = client.stats()
+    generated = after["num_generation_tokens"] - before["num_generation_tokens"]
+    prefilled = after["num_prompt_tokens_computed"] - before["num_prompt_tokens_computed"]
+    assert generated == GREEDY.max_tokens and prefilled == len(fresh)
+    # Every step's token count reaches the listeners: the prompt's, then one per decode step.
+    assert sum(counted) == prefilled + generated - 1
+    assert client.stats_snapshot()["num_generation_tokens"] == after["num_generation_tokens"]
+
+
+def test_a_killed_engine_process_ends_every_stream_and_tells_the_listeners(prompts):
+    loop = asyncio.new_event_loop()
+    try:
+        config = make_config(str(TARGET_MODEL), **CONFIG)
+        client = loop.run_until_complete(EngineProcessClient.launch(config))
+        deaths: list[EngineDeadError] = []
+        client.add_death_listener(deaths.append)
+
+        async def run():
+            stream = client.generate(prompts[0], LONG)
+            await stream.__anext__()
+            os.kill(client.pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError, match="exited unexpectedly"):
+                async for _ in stream:
+                    pass
+            with pytest.raises(EngineDeadError):
+                await _collect(client, prompts[1], GREEDY)
+
+        loop.run_until_complete(asyncio.wait_for(run(), 60))
+        assert len(deaths) == 1 and not client.is_running
+        loop.run_until_complete(client.shutdown())
+    finally:
+        loop.close()
+
+
+def test_an_engine_that_fails_to_load_is_a_start_error_with_its_message(tmp_path):
+    broken = tmp_path / "broken-model"
+    shutil.copytree(TARGET_MODEL, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")
+    config = make_config(str(broken), **CONFIG)
+    start = time.monotonic()
+    with pytest.raises(EngineProcessStartError) as caught:
+        asyncio.run(EngineProcessClient.launch(config))
+    assert str(caught.value) and time.monotonic() - start < 60
