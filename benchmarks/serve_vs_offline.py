@@ -107,12 +107,20 @@ def main() -> int:
         help="the server runs its model in a worker process of its own (--worker-process true); the offline "
         "run keeps it in-process",
     )
+    parser.add_argument(
+        "--served-engine-process",
+        action="store_true",
+        help="the server runs its engine (scheduling, output processing, model) in a process of its own "
+        "(--engine-process true) and keeps only the gRPC work",
+    )
     args = parser.parse_args()
     asyncspec = gss._import_asyncspec()
     extra = {"async_scheduling": True} if args.async_scheduling else {}
     flags = ["--async-scheduling", "true"] if args.async_scheduling else []
     if args.served_worker_process:
         flags += ["--worker-process", "true"]
+    if args.served_engine_process:
+        flags += ["--engine-process", "true"]
     results = {
         "card": gss.detect_card("cuda"),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

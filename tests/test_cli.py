@@ -125,9 +125,11 @@ def test_serve_errors_are_one_line_and_non_zero(capsys, tmp_path):
     assert err.startswith("asyncspec serve: error:") and str(port) in err
 
 
-def test_serve_process_streams_then_drains_on_sigterm(tmp_path):
+@pytest.mark.parametrize("engine_process", [False, True], ids=["in-process", "engine-process"])
+def test_serve_process_streams_then_drains_on_sigterm(tmp_path, engine_process: bool):
     """The console script as an operator runs it: from another directory, on an ephemeral port; a
-    client streams a completion; SIGTERM drains and the process exits 0."""
+    client streams a completion; SIGTERM drains and the process exits 0 (with --engine-process, the
+    engine's process is gone too)."""
     import os
     import re
     import signal
@@ -156,6 +158,7 @@ def test_serve_process_streams_then_drains_on_sigterm(tmp_path):
             "32",
             "--drain-grace-s",
             "5",
+            *(["--engine-process", "true"] if engine_process else []),
         ],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
@@ -174,8 +177,36 @@ def test_serve_process_streams_then_drains_on_sigterm(tmp_path):
             timeout=120,
         )
         assert gen.returncode == 0 and "FINISH_REASON_LENGTH, 8 tokens" in gen.stderr, gen.stderr
+        children = _children(proc.pid)
+        assert bool(children) == engine_process, children
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
+        for child in children:
+            assert not Path(f"/proc/{child}").exists() or _zombie(child), f"engine process {child} outlived serve"
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _children(pid: int) -> list[int]:
+    """Live processes whose parent is `pid` (from /proc)."""
+    from pathlib import Path
+
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(") ", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _zombie(pid: int) -> bool:
+    from pathlib import Path
+
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] == "Z"
+    except OSError:
+        return True
