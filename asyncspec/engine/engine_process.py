@@ -377,6 +377,10 @@ class EngineProcessClient:
                 message = self._conn.recv()
             except (EOFError, OSError):
                 break
+            except Exception:  # closed under the reader (shutdown), or a message that cannot be read
+                if not self._closing:
+                    logger.exception("cannot read from the engine process; treating it as gone")
+                break
             if message[0] == "stats":
                 reply = self._stats_replies.get(message[1])
                 if reply is not None and not reply.done():

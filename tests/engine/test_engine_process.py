@@ -177,3 +177,17 @@ def test_an_engine_that_fails_to_load_is_a_start_error_with_its_message(tmp_path
     with pytest.raises(EngineProcessStartError) as caught:
         asyncio.run(EngineProcessClient.launch(config))
     assert str(caught.value) and time.monotonic() - start < 60
+
+
+def test_the_engine_process_exits_when_its_client_goes_away(prompts):
+    loop = asyncio.new_event_loop()
+    try:
+        client = loop.run_until_complete(EngineProcessClient.launch(make_config(str(TARGET_MODEL), **CONFIG)))
+        stream = client.generate(prompts[0], LONG)
+        loop.run_until_complete(stream.__anext__())
+        client._conn.close()  # the server process died: its end of the pipe closes
+        client._process.join(30)
+        assert client._process.exitcode == 0, "the engine process should shut down cleanly on its own"
+        loop.run_until_complete(stream.aclose())
+    finally:
+        loop.close()
