@@ -287,14 +287,17 @@ def _skinny_linear_kernel(
     arange_k = tl.arange(0, BLOCK_K)
     k_begin = pid_k * k_per_split  # k_per_split is a multiple of BLOCK_K: only the last chunk can be partial
     k_end = tl.minimum(k_begin + k_per_split, K)
-    # W is constant through a step, so the FMA kernel may load its first PRELOAD chunks before the predecessor
+    # W is constant through a step, so a program may load its first PRELOAD chunks before the predecessor
     # completes: under PDL the programs that are resident early start the weight stream inside the previous
     # kernel's time. Nothing a predecessor writes (x, out, the workspace, the counters) is touched before the
     # wait in pdl_start.
     if PRELOAD > 0:
         w_first = _w_chunk(w_rows, k_begin, arange_k, K, EVEN_K)
     if PRELOAD > 1:
-        w_second = _w_chunk(w_rows, tl.maximum(tl.minimum(k_begin + BLOCK_K, k_end - BLOCK_K), 0), arange_k, K, EVEN_K)
+        # Where the program has no second chunk its tile is loaded from the first one's columns (always in
+        # bounds) and never used.
+        second = k_begin + BLOCK_K
+        w_second = _w_chunk(w_rows, tl.where(second < k_end, second, k_begin), arange_k, K, EVEN_K)
     pdl_start(USE_PDL)
     if USE_DOT:
         x_rows = tl.minimum(offs_m, M - 1).to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]

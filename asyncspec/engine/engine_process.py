@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -75,8 +77,10 @@ class EngineInfo:
 
 def engine_process_main(config: EngineConfig, conn: Connection) -> None:
     """The engine process's entry point (spawned): serves `conn` until "shutdown" or the pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server drains, then says "shutdown"
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Handlers, not SIG_IGN: an ignored signal stays ignored across exec, so the engine's own worker processes
+    # (worker_process, tensor parallelism) would inherit it; a handler is reset to the default there.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _ignore_signal)  # the server drains, then says "shutdown"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
     try:
         import uvloop
@@ -86,26 +90,41 @@ def engine_process_main(config: EngineConfig, conn: Connection) -> None:
         uvloop.run(_serve(config, conn))
 
 
+def _ignore_signal(signum: int, frame: object) -> None:
+    logger.info("engine process: signal %d ignored (the server stops the engine)", signum)
+
+
 async def _serve(config: EngineConfig, conn: Connection) -> None:
     try:
         engine = AsyncEngine(config)
     except BaseException as e:  # noqa: BLE001 - reported to the client, which raises it
-        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        with contextlib.suppress(OSError, ValueError):
+            conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
-    llm = engine.engine
-    info = EngineInfo(
-        config=config,
-        tokenizer=llm.tokenizer,
-        model_config=llm.model_config,
-        vocab_size=llm.vocab_size,
-        max_model_len=llm.max_model_len,
-        eos_token_ids=llm.eos_token_ids,
-    )
-    conn.send(("ready", info))
-    await _EngineHost(engine, conn).run()
+    host: _EngineHost | None = None
+    try:
+        llm = engine.engine
+        info = EngineInfo(
+            config=config,
+            tokenizer=llm.tokenizer,
+            model_config=llm.model_config,
+            vocab_size=llm.vocab_size,
+            max_model_len=llm.max_model_len,
+            eos_token_ids=llm.eos_token_ids,
+        )
+        try:
+            conn.send(("ready", info, engine.stats()))
+        except (OSError, ValueError):
+            return  # the server went away while the model loaded
+        host = _EngineHost(engine, conn)
+        await host.run()
+    finally:
+        # Always, so that the engine's own worker processes are told to stop before this process exits.
+        if host is None or not host.shut_down:
+            await engine.shutdown()
 
 
-def _picklable(error: Exception) -> Exception:
+def _picklable(error: BaseException) -> BaseException:
     """`error` if it crosses the pipe, else a RequestFailedError with its text (the client must never fail to
     read a message)."""
     try:
@@ -116,7 +135,11 @@ def _picklable(error: Exception) -> Exception:
 
 
 class _EngineHost:
-    """Applies the client's messages to the AsyncEngine in order and sends each step's outputs as one message."""
+    """Applies the client's messages to the AsyncEngine and sends each step's outputs as one message.
+
+    Adds run as tasks of their own (a text prompt is tokenized off the event loop, and must not hold up the
+    messages behind it); an abort of an id whose add is still running waits for that add, so it never
+    overtakes it."""
 
     def __init__(self, engine: AsyncEngine, conn: Connection) -> None:
         self.engine = engine
@@ -126,6 +149,8 @@ class _EngineHost:
         self.outbox: list[tuple[str, RequestOutput | BaseException]] = []
         self.step_tokens: list[int] = []
         self.flush_scheduled = False
+        self.adding: dict[str, asyncio.Task[None]] = {}
+        self.shut_down = False
         engine.add_step_listener(self._on_step)
         engine.add_death_listener(self._on_death)
         engine.start()
@@ -139,25 +164,52 @@ class _EngineHost:
             kind = message[0]
             if kind == "add":
                 _, request_id, prompt, params, priority = message
-                try:
-                    await self.engine.submit(prompt, params, request_id, priority, self._sink(request_id))
-                except Exception as e:  # a bad request: its stream ends with the typed error
-                    self._emit(request_id, _picklable(e))
+                task = self.loop.create_task(self._add(request_id, prompt, params, priority))
+                self.adding[request_id] = task
+                task.add_done_callback(functools.partial(self._added, request_id))
             elif kind == "abort":
-                await self.engine.abort(message[1])
+                adding = self.adding.get(message[1])
+                if adding is None:
+                    await self.engine.abort(message[1])
+                else:
+                    self.loop.create_task(self._abort_after(message[1], adding))
             elif kind == "stats":
-                self.conn.send(("stats", message[1], self.engine.stats()))
+                try:
+                    self.conn.send(("stats", message[1], self.engine.stats()))
+                except (OSError, ValueError):
+                    break  # the client is gone
+        for task in list(self.adding.values()):
+            task.cancel()
+        self.shut_down = True
         await self.engine.shutdown()
         self._flush()
+
+    async def _add(self, request_id: str, prompt: PromptType, params: SamplingParams | None, priority: int) -> None:
+        try:
+            await self.engine.submit(prompt, params, request_id, priority, self._sink(request_id))
+        except Exception as e:  # a bad request: its stream ends with the typed error
+            self._emit(request_id, e)
+
+    def _added(self, request_id: str, task: asyncio.Future[None]) -> None:
+        if self.adding.get(request_id) is task:
+            del self.adding[request_id]
+
+    async def _abort_after(self, request_id: str, adding: asyncio.Task[None]) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(adding)
+        await self.engine.abort(request_id)
 
     def _read(self) -> None:
         """The pipe's reader thread: messages into the event loop's inbox, None when the client is gone."""
         while True:
             try:
                 message = self.conn.recv()
-            except (EOFError, OSError):
+            except Exception:  # noqa: BLE001 - EOF, a closed pipe or an unreadable message: the client is gone
                 message = None
-            self.loop.call_soon_threadsafe(self.inbox.put_nowait, message)
+            try:
+                self.loop.call_soon_threadsafe(self.inbox.put_nowait, message)
+            except RuntimeError:  # the event loop has closed (the engine died meanwhile)
+                return
             if message is None or message[0] == "shutdown":
                 return
 
@@ -165,7 +217,7 @@ class _EngineHost:
         return lambda item: self._emit(request_id, item)
 
     def _emit(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        self.outbox.append((request_id, item))
+        self.outbox.append((request_id, _picklable(item) if isinstance(item, BaseException) else item))
         self._schedule_flush()
 
     def _on_step(self, num_tokens: int) -> None:
@@ -191,10 +243,8 @@ class _EngineHost:
 
     def _on_death(self, error: EngineDeadError) -> None:
         self._flush()  # the streams' final EngineDeadErrors
-        try:
+        with contextlib.suppress(OSError, ValueError):
             self.conn.send(("dead", str(error)))
-        except (OSError, ValueError):
-            pass
         self.inbox.put_nowait(None)
 
 
@@ -205,7 +255,13 @@ class EngineProcessClient:
     """An AsyncEngine in a process of its own, behind AsyncEngine's serving interface. `await launch(config)`
     starts it and returns once the model is loaded; all methods are called on one event loop."""
 
-    def __init__(self, process: multiprocessing.process.BaseProcess, conn: Connection, info: EngineInfo) -> None:
+    def __init__(
+        self,
+        process: multiprocessing.process.BaseProcess,
+        conn: Connection,
+        info: EngineInfo,
+        stats: dict[str, float],
+    ) -> None:
         self.engine = info
         self.config = info.config
         self._process = process
@@ -215,12 +271,14 @@ class EngineProcessClient:
         self._departed: dict[str, asyncio.Event] = {}
         self._step_listeners: list[Callable[[int], None]] = []
         self._death_listeners: list[Callable[[EngineDeadError], None]] = []
-        self._snapshot: dict[str, float] = {}
+        self._snapshot: dict[str, float] = stats
         self._stats_replies: dict[int, concurrent.futures.Future[dict[str, float]]] = {}
         self._stats_tokens = itertools.count()
         self._send_lock = threading.Lock()
         self._dead: EngineDeadError | None = None
+        self._gone = False  # the reader has stopped: no reply will come
         self._closing = False
+        self._shutdown: asyncio.Future[None] | None = None
         self._reader = threading.Thread(target=self._read, name="asyncspec-engine-client", daemon=True)
         self._reader.start()
 
@@ -243,7 +301,7 @@ class EngineProcessClient:
         if message[0] != "ready":
             process.join(5)
             raise EngineProcessStartError(message[1])
-        return cls(process, parent, message[1])
+        return cls(process, parent, message[1], message[2])
 
     # -- AsyncEngine's serving interface ----------------------------------------------------------
 
@@ -280,9 +338,13 @@ class EngineProcessClient:
             self._raise_if_dead()
         if request_id in self._streams:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
+        try:
+            add = pickle.dumps(("add", request_id, prompt, sampling_params, priority))
+        except Exception as e:  # noqa: BLE001 - whatever cannot be pickled cannot reach the engine
+            raise InvalidRequestError(f"the request cannot be sent to the engine process: {e}") from None
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = queue
-        self._send(("add", request_id, prompt, sampling_params, priority))
+        self._send_bytes(add)
         try:
             held: RequestOutput | BaseException | None = None
             while True:
@@ -333,10 +395,12 @@ class EngineProcessClient:
         token = next(self._stats_tokens)
         reply: concurrent.futures.Future[dict[str, float]] = concurrent.futures.Future()
         self._stats_replies[token] = reply
+        if self._gone:  # the reader stopped before this reply was registered: none will come
+            reply.cancel()
         self._send(("stats", token))
         try:
             return reply.result(_STATS_TIMEOUT_S)
-        except concurrent.futures.CancelledError:  # the engine died meanwhile
+        except (concurrent.futures.CancelledError, concurrent.futures.TimeoutError):  # the engine died or hung
             return dict(self._snapshot)
         finally:
             self._stats_replies.pop(token, None)
@@ -347,27 +411,35 @@ class EngineProcessClient:
 
     async def shutdown(self) -> None:
         """Stops the engine process; in-flight streams end with EngineDeadError("the engine was shut down")."""
-        if self._closing:
+        if self._shutdown is not None:
+            await asyncio.shield(self._shutdown)  # a second caller waits for the first
             return
+        self._shutdown = self._loop.create_future()
         self._closing = True
-        if self._dead is None:
-            self._send(("shutdown",))
-        await self._loop.run_in_executor(None, self._process.join, 60)
-        if self._process.is_alive():
-            logger.error("the engine process did not stop in 60 s; killing it")
-            self._process.kill()
-            await self._loop.run_in_executor(None, self._process.join, 10)
-        self._end(EngineDeadError(_SHUT_DOWN), notify=False)
-        self._conn.close()
+        try:
+            if self._process.is_alive():  # even if the client has given up on it: let it stop its own workers
+                self._send(("shutdown",))
+            await self._loop.run_in_executor(None, self._process.join, 60)
+            if self._process.is_alive():
+                logger.error("the engine process did not stop in 60 s; killing it")
+                self._process.kill()
+                await self._loop.run_in_executor(None, self._process.join, 10)
+            self._end(EngineDeadError(_SHUT_DOWN), notify=False)
+            self._conn.close()
+        finally:
+            self._shutdown.set_result(None)
 
     # -- the pipe ----------------------------------------------------------------------------------
 
     def _send(self, message: tuple) -> None:
+        self._send_bytes(pickle.dumps(message))
+
+    def _send_bytes(self, data: bytes) -> None:
         try:
             with self._send_lock:  # stats() may be called from another thread (a metrics scrape)
-                self._conn.send(message)
+                self._conn.send_bytes(data)
         except (OSError, ValueError) as e:  # the engine process is gone; the reader reports it
-            logger.debug("could not send %s to the engine process: %s", message[0], e)
+            logger.debug("could not send to the engine process: %s", e)
 
     def _read(self) -> None:
         """The reader thread: outputs into the event loop; stats replies answered here (stats() may be
@@ -388,10 +460,11 @@ class EngineProcessClient:
                 continue
             self._loop.call_soon_threadsafe(self._dispatch, message)
             if message[0] == "dead":
-                return
+                break
+        self._gone = True
         for reply in list(self._stats_replies.values()):
             reply.cancel()
-        if not self._loop.is_closed():
+        with contextlib.suppress(RuntimeError):  # the event loop has closed
             self._loop.call_soon_threadsafe(self._on_exit)
 
     def _dispatch(self, message: tuple) -> None:
@@ -417,7 +490,7 @@ class EngineProcessClient:
         """The pipe closed: expected after a shutdown, a failure otherwise."""
         if self._closing or self._dead is not None:
             return
-        self._process.join(1)
+        self._process.join(0.2)  # its exit code, if it is already gone (the event loop must not wait long)
         self._end(
             EngineDeadError(f"the engine process exited unexpectedly (exit code {self._process.exitcode})"),
             notify=True,

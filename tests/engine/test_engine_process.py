@@ -74,6 +74,8 @@ def test_text_prompt_and_engine_facts(loop, client):
 
 
 def test_client_leaving_early_aborts_frees_kv_and_the_id_is_reusable(loop, client, prompts):
+    before = client.stats()["num_generation_tokens"]
+
     async def run():
         stream = client.generate(prompts[0], LONG, request_id="leaver")
         first = await stream.__anext__()
@@ -87,7 +89,8 @@ def test_client_leaving_early_aborts_frees_kv_and_the_id_is_reusable(loop, clien
 
     stats = loop.run_until_complete(run())
     assert_kv_free(stats)
-    assert stats["num_running_requests"] == 0
+    # The leaver was aborted, not run to its 200 tokens (which would also free its KV and its id).
+    assert stats["num_generation_tokens"] - before < LONG.max_tokens + GREEDY.max_tokens
 
 
 def test_abort_by_id_ends_the_stream_with_abort(loop, client, prompts):
@@ -114,6 +117,9 @@ def test_bad_requests_get_typed_errors_and_lose_nothing(loop, client, prompts):
             await _collect(client, list(range(300)), GREEDY)
         with pytest.raises(InvalidRequestError, match="request_id"):
             await _collect(client, prompts[0], GREEDY, request_id=7)
+        with pytest.raises(InvalidRequestError, match="cannot be sent to the engine process"):
+            await _collect(client, [1, 2, lambda: 3], GREEDY, request_id="unpicklable")
+        assert not client.has_request("unpicklable")  # nothing registered: the id stays free
         long_stream = client.generate(prompts[0], LONG, request_id="busy")
         await long_stream.__anext__()
         with pytest.raises(InvalidRequestError, match="already in use"):
@@ -147,6 +153,7 @@ def test_a_killed_engine_process_ends_every_stream_and_tells_the_listeners(promp
     try:
         config = make_config(str(TARGET_MODEL), **CONFIG)
         client = loop.run_until_complete(EngineProcessClient.launch(config))
+        assert client.stats_snapshot()["num_kv_blocks"] == CONFIG["num_kv_blocks"]  # known before any step
         deaths: list[EngineDeadError] = []
         client.add_death_listener(deaths.append)
 
@@ -162,7 +169,15 @@ def test_a_killed_engine_process_ends_every_stream_and_tells_the_listeners(promp
 
         loop.run_until_complete(asyncio.wait_for(run(), 60))
         assert len(deaths) == 1 and not client.is_running
-        loop.run_until_complete(client.shutdown())
+        start = time.monotonic()
+        assert client.stats()["num_kv_blocks"] == CONFIG["num_kv_blocks"]  # the last snapshot, at once
+        assert time.monotonic() - start < 1.0
+
+        async def shut_down_twice():
+            await asyncio.gather(client.shutdown(), client.shutdown())  # the second waits for the first
+
+        loop.run_until_complete(shut_down_twice())
+        assert client._process.exitcode is not None
     finally:
         loop.close()
 
@@ -191,3 +206,25 @@ def test_the_engine_process_exits_when_its_client_goes_away(prompts):
         loop.run_until_complete(stream.aclose())
     finally:
         loop.close()
+
+
+def test_an_abort_right_behind_its_add_is_applied_after_it(loop, client):
+    """A text prompt is tokenized off the engine's event loop, so its add takes a while; a client that leaves
+    at once sends the abort right behind it. The abort waits for the add, so the request never runs on."""
+    text = "def parse(line):\n    " * 20
+
+    async def run():
+        before = client.stats()["num_generation_tokens"]
+        first = asyncio.ensure_future(client.generate(text, LONG, request_id="hasty").__anext__())
+        await asyncio.sleep(0)  # the add is sent
+        first.cancel()  # the client leaves before any output: the generator's cleanup sends the abort
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        again = await _collect(client, text, GREEDY, request_id="hasty")  # free once the abort is applied
+        stats = await wait_kv_free(client)
+        return before, again, stats
+
+    before, again, stats = loop.run_until_complete(run())
+    assert again[-1].finish_reason == "length"
+    assert_kv_free(stats)
+    assert stats["num_generation_tokens"] - before < LONG.max_tokens + GREEDY.max_tokens

@@ -179,7 +179,12 @@ class TestInterpreted:
         check_result(kernels.linear(x, weight, config=config), x, weight, None)
 
     @pytest.mark.parametrize("preload", ["1", "2"])
-    @pytest.mark.parametrize("config", [*FORCED, SkinnyConfig(block_n=8, block_k=32, split_k=2)], ids=str)
+    @pytest.mark.parametrize(
+        "config",
+        # K = 200: among them a split of exactly two chunks whose second is partial (block_k 128).
+        [*FORCED, SkinnyConfig(block_n=8, block_k=32, split_k=2), SkinnyConfig(block_n=8, block_k=128)],
+        ids=str,
+    )
     @pytest.mark.parametrize("gated", [False, True])
     def test_preloaded_chunks_change_nothing(self, kernels, monkeypatch, preload, config, gated: bool) -> None:
         # Splits of one chunk and of several, ragged last splits and K tails: the chunks loaded before the PDL

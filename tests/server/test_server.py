@@ -648,11 +648,12 @@ def test_a_server_with_its_engine_in_a_process_of_its_own(prompts):
         ids = list(stub.Tokenize(pb.TokenizeRequest(text="def main():\n")).token_ids)
         assert stub.Detokenize(pb.DetokenizeRequest(token_ids=ids)).text == "def main():\n"
         assert stub.GetModelInfo(pb.GetModelInfoRequest()).vocab_size == 8192
+        before = server.stats()["num_generation_tokens"]
         call = stub.Generate(_request(prompts[1], 200))
         next(call)
         call.cancel()
         stats = _wait_kv_free(server)
-        assert stats["num_generation_tokens"] >= 17 * 12
+        assert stats["num_generation_tokens"] - before < 200  # aborted, not run to its end
         metrics = _metrics(server)
         steps = metrics["asyncspec:num_steps_total"]
         assert steps >= 12 and metrics["asyncspec:iteration_tokens_total_count"] == steps
