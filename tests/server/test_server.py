@@ -665,6 +665,40 @@ def test_a_server_with_its_engine_in_a_process_of_its_own(prompts):
         time.sleep(0.05)
 
 
+def test_engine_process_with_its_model_in_a_worker_process(prompts):
+    """Three processes (server, engine, model): the engine's own worker starts under the engine process's
+    signal handlers, serves, and is gone with the engine once the server drains."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    reference = bundled_llm(**ENGINE).generate(prompts[:4], params)
+    server = ServerThread(engine_overrides=dict(worker_process=True), engine_process=True)
+    engine_pid = server.server.engine.pid
+    try:
+        results = _concurrent_streams(server, prompts[:4], 4)
+        assert {i: results.get(i) for i in range(4)} == {i: reference[i].token_ids for i in range(4)}
+        workers = [pid for pid in _child_pids(engine_pid) if _pid_alive(pid)]
+        assert workers, "the model's worker process should be a child of the engine process"
+    finally:
+        server.stop()
+    deadline = time.monotonic() + 30
+    while any(_pid_alive(pid) for pid in [engine_pid, *workers]):
+        assert time.monotonic() < deadline, "the engine or its worker outlived the drained server"
+        time.sleep(0.05)
+
+
+def _child_pids(pid: int) -> list[int]:
+    """Processes that multiprocessing spawned from `pid` (not its resource tracker)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(") ", 1)[1].split()[1]) != pid:
+                continue
+            if b"spawn_main" in (stat.parent / "cmdline").read_bytes():
+                children.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return children
+
+
 def test_a_killed_engine_process_ends_streams_with_internal_and_health_not_serving(prompts):
     server = ServerThread(engine_process=True)
     try:
