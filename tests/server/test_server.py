@@ -371,8 +371,9 @@ def test_bearer_token(monkeypatch, prompts):
         server.stop()
 
 
-def test_full_queue_is_resource_exhausted_and_nothing_lost(prompts):
-    server = ServerThread({"max_num_seqs": 1, "max_num_waiting": 1})
+@pytest.mark.parametrize("engine_process", [False, True], ids=["in-process", "engine-process"])
+def test_full_queue_is_resource_exhausted_and_nothing_lost(prompts, engine_process: bool):
+    server = ServerThread({"max_num_seqs": 1, "max_num_waiting": 1}, engine_process=engine_process)
     try:
         stub = server.stub()
         running = stub.Generate(_request(prompts[0], 60))
@@ -480,16 +481,18 @@ def test_bench_against_the_test_server_fills_every_field(server, tmp_path):
     _wait_kv_free(server)
 
 
-def test_speculative_usage_metrics_and_bench_acceptance_length(prompts, tmp_path):
+@pytest.mark.parametrize("engine_process", [False, True], ids=["in-process", "engine-process"])
+def test_speculative_usage_metrics_and_bench_acceptance_length(prompts, tmp_path, engine_process: bool):
     """With the draft model on: a stream's usage carries its drafts, draft tokens and accepted tokens,
-    exactly what the engine and the Prometheus counters count for it; the bench reports the mean
-    acceptance length 1 + accepted / drafts."""
+    exactly what the engine and the Prometheus counters count for it (the engine in the server's process
+    or in its own); the bench reports the mean acceptance length 1 + accepted / drafts."""
     import json
 
     from asyncspec.cli import main
 
     server = ServerThread(
-        {"speculative_method": "draft_model", "num_speculative_tokens": 4, "max_num_batched_tokens": 320}
+        {"speculative_method": "draft_model", "num_speculative_tokens": 4, "max_num_batched_tokens": 320},
+        engine_process=engine_process,
     )
     try:
         before, metrics_before = server.stats(), _metrics(server)
