@@ -233,3 +233,20 @@ def test_tensor_parallel_smoke(tmp_path: Path) -> None:
         assert _positive(row["throughput"]["4"]["e2e_tok_s"]) and _positive(row["tpot_vs_tp1"])
         ranks = row["profile"]["ranks"]
         assert len(ranks) == row["size"] and all(rank["steps"] >= 3 for rank in ranks)
+
+
+def test_serve_cpu_cost_smoke(tmp_path: Path) -> None:
+    """benchmarks/serve_cpu_cost.py on the CPU, tiny: both modes serve every token, and the engine's own process
+    is found and spends CPU (its model runs there)."""
+    if not (Path(sys.executable).parent / "asyncspec").exists():
+        pytest.skip("the asyncspec console script is not installed in this environment")
+    out = tmp_path / "cost.json"
+    _run(
+        str(REPO / "benchmarks" / "serve_cpu_cost.py"),
+        *("--device", "cpu", "--concurrency", "2", "--num-prompts", "4", "--max-tokens", "4"),
+        *("--output", str(out)),
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["engine_process"] for row in rows] == [False, True]
+    assert all(row["output_tokens"] == 16 for row in rows)
+    assert rows[0]["engine_cpu_s"] is None and rows[1]["engine_cpu_s"] > 0
