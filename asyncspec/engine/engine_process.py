@@ -7,12 +7,14 @@ tokenizer and the model's facts). The process it starts runs an AsyncEngine on i
 duplex pipe joins the two:
 
 - to the engine: ("add", request_id, prompt, params, priority), ("abort", request_id), ("stats", token),
-  ("shutdown",). They are applied in arrival order, so an abort never overtakes its request's add.
+  ("shutdown",). Each add runs as a task of its own; an abort whose add is still running waits for it, so an
+  abort never overtakes its request's add.
 - to the client: ("outputs", [(request_id, RequestOutput | exception), ...], step token counts, stats
   snapshot): everything one engine step delivered, as one message (AsyncEngine.submit hands the outputs to
   a sink, so the engine process runs no coroutine per stream); ("stats", token, stats); ("dead", message).
 
-The engine process ignores SIGINT and SIGTERM: the server drains and then sends "shutdown". If the server
+The engine process ignores SIGINT and SIGTERM (through handlers, which its own workers do not inherit): the
+server drains and then sends "shutdown". If the server
 goes away the pipe closes and the engine shuts down; if the engine process dies the client ends every stream
 with EngineDeadError and calls its death listeners, as an AsyncEngine whose loop failed does.
 """
