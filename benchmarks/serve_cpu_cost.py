@@ -1,27 +1,29 @@
 """Host CPU time per generated token of the server's process and of the engine's, with the engine in the server's
-process or in its own (`serve --engine-process true`), under `asyncspec bench` at a fixed concurrency.
+process or in its own (`serve --engine-process true`), under a bench load at a fixed concurrency.
 
 python3 benchmarks/serve_cpu_cost.py --output $OUT/serve_cpu_cost.json [--device cpu] [--concurrency 128]
 
-Each mode starts `asyncspec serve` (the bundled pair with its draft, the serve defaults), runs one warm-up and one
-timed `asyncspec bench`, and reads the processes' user + system CPU time from /proc around the timed run. The
-served rate is capped by the slower process once the engine has its own: the server process's CPU per token
-says how many tokens per second one gRPC process can carry. Linux only (reads /proc).
+Each mode starts `asyncspec serve` (the bundled pair with its draft, the serve defaults), runs one warm-up and
+one timed bench (asyncspec's load generator, in this process), and reads the server's and the engine's user +
+system CPU time from /proc around the timed run. The served rate is capped by the slower process once the
+engine has its own: the server process's CPU per token says how many tokens per second one gRPC process can
+carry. Linux only (reads /proc).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
-import re
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
+from serve_helpers import running_server  # noqa: E402
+
 DATASET = REPO / "benchmarks" / "data" / "prompts-code.jsonl"
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -45,66 +47,30 @@ def spawned_children(pid: int) -> list[int]:
     return found
 
 
-def bench(exe: Path, address: str, args: argparse.Namespace, output: Path) -> dict:
-    command = [
-        str(exe),
-        "bench",
-        "--address",
-        address,
-        "--dataset",
-        str(DATASET),
-        "--num-prompts",
-        str(args.num_prompts),
-        "--concurrency",
-        str(args.concurrency),
-        "--max-tokens",
-        str(args.max_tokens),
-        "--output",
-        str(output),
-    ]
-    subprocess.run(command, check=True, capture_output=True, timeout=1800)
-    return json.loads(output.read_text())
+def timed_bench(address: str, prompts: list[list[int]], args: argparse.Namespace, pids: list[int]) -> tuple:
+    """One warm-up and one timed bench (in this process, so its CPU is neither process's); the timed run's
+    report, wall seconds and the CPU seconds each of `pids` spent in it."""
+    from asyncspec.server import bench
+
+    cfg = bench.BenchConfig(address=address, max_tokens=args.max_tokens, concurrency=args.concurrency)
+    asyncio.run(bench.run_bench(cfg, prompts, progress=False))
+    before = [cpu_seconds(pid) for pid in pids]
+    start = time.monotonic()
+    report = asyncio.run(bench.run_bench(cfg, prompts, progress=False))
+    wall = time.monotonic() - start
+    return report, wall, [cpu_seconds(pid) - b for pid, b in zip(pids, before, strict=True)]
 
 
-def run_mode(exe: Path, engine_process: bool, args: argparse.Namespace, scratch: Path) -> dict:
-    serve = [
-        str(exe),
-        "serve",
-        "--device",
-        args.device,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--metrics-port",
-        "-1",
-        "--max-model-len",
-        "1024",
-        "--engine-process",
-        "true" if engine_process else "false",
-    ]
+def run_mode(engine_process: bool, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+    flags = ["--device", args.device, "--max-model-len", "1024"]
+    flags += ["--engine-process", "true" if engine_process else "false"]
     if args.device == "cpu":
-        serve += ["--dtype", "float32"]
-    proc = subprocess.Popen(serve, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        assert proc.stdout is not None
-        match = re.search(r"on 127\.0\.0\.1:(\d+)", proc.stdout.readline())
-        if not match:
-            raise RuntimeError("serve did not report its port")
-        address = f"127.0.0.1:{match.group(1)}"
-        engine_pids = spawned_children(proc.pid)
-        bench(exe, address, args, scratch / "warmup.json")
-        pids = [proc.pid, *engine_pids]
-        before = [cpu_seconds(pid) for pid in pids]
-        start = time.monotonic()
-        report = bench(exe, address, args, scratch / "timed.json")
-        wall = time.monotonic() - start
-        spent = [cpu_seconds(pid) - b for pid, b in zip(pids, before, strict=True)]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(120)
+        flags += ["--dtype", "float32"]
+    with running_server(flags) as server:
+        pids = [server.proc.pid, *spawned_children(server.proc.pid)]
+        report, wall, spent = timed_bench(server.address, prompts, args, pids)
     tokens = report["total_output_tokens"]
-    row = {
+    return {
         "engine_process": engine_process,
         "wall_s": wall,
         "output_tokens": tokens,
@@ -115,7 +81,6 @@ def run_mode(exe: Path, engine_process: bool, args: argparse.Namespace, scratch:
         "engine_cpu_us_per_token": 1e6 * spent[1] / tokens if engine_process else None,
         "spec_decode_acceptance_length": report.get("spec_decode_acceptance_length"),
     }
-    return row
 
 
 def main() -> int:
@@ -126,13 +91,11 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
-    exe = Path(sys.executable).parent / "asyncspec"
-    if not exe.exists():
-        print("the asyncspec console script is not installed beside this Python", file=sys.stderr)
-        return 1
-    scratch = args.output.parent
-    scratch.mkdir(parents=True, exist_ok=True)
-    rows = [run_mode(exe, engine_process, args, scratch) for engine_process in (False, True)]
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    from asyncspec.server import bench
+
+    prompts = bench.load_dataset(str(DATASET), args.num_prompts, seed=0)
+    rows = [run_mode(engine_process, args, prompts) for engine_process in (False, True)]
     result = {
         "command": " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

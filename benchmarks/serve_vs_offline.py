@@ -16,9 +16,6 @@ import asyncio
 import gc
 import json
 import os
-import re
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import gpu_step_speed as gss  # noqa: E402
+from serve_helpers import running_server  # noqa: E402
 
 
 def offline(asyncspec, prompts, concurrency: int, max_tokens: int, extra: dict) -> dict:
@@ -56,42 +54,11 @@ def offline(asyncspec, prompts, concurrency: int, max_tokens: int, extra: dict) 
 def served(prompts, concurrency: int, max_tokens: int, extra_flags: list[str]) -> dict:
     from asyncspec.server import bench
 
-    exe = [sys.executable, "-m", "asyncspec.cli"]
-    proc = subprocess.Popen(
-        [
-            *exe,
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--metrics-port",
-            "-1",
-            "--max-num-seqs",
-            str(concurrency),
-            *extra_flags,
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
-        line = proc.stdout.readline()
-        match = re.search(r"on 127\.0\.0\.1:(\d+)", line)
-        if not match:
-            raise RuntimeError(f"the server did not start: {line!r}")
-        cfg = bench.BenchConfig(address=f"127.0.0.1:{match.group(1)}", max_tokens=max_tokens, concurrency=concurrency)
+    with running_server(["--max-num-seqs", str(concurrency), *extra_flags]) as server:
+        cfg = bench.BenchConfig(address=server.address, max_tokens=max_tokens, concurrency=concurrency)
         asyncio.run(bench.run_bench(cfg, prompts[:concurrency], progress=False))  # warm-up
         report = asyncio.run(bench.run_bench(cfg, prompts, progress=False))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            report_exit = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            report_exit = None
-    report["server_exit_code"] = report_exit
+    report["server_exit_code"] = server.exit_code
     return report
 
 

@@ -53,6 +53,19 @@ def merge_deltas(first: RequestOutput, second: RequestOutput) -> RequestOutput:
     )
 
 
+def coalesce_waiting(
+    item: RequestOutput, queue: asyncio.Queue[RequestOutput | BaseException]
+) -> tuple[RequestOutput, BaseException | None]:
+    """`item` merged with the deltas already waiting behind it in `queue` (a consumer that fell behind then sends
+    one message); stops at a finished delta, or at an exception, which is returned to be raised next."""
+    while not item.finished and not queue.empty():
+        following = queue.get_nowait()
+        if isinstance(following, BaseException):
+            return item, following
+        item = merge_deltas(item, following)
+    return item, None
+
+
 _IDLE_HEALTH_CHECK_S = 1.0
 """How often an idle loop checks that the engine's worker processes are alive."""
 
@@ -108,12 +121,8 @@ class AsyncEngine:
                 held = None
                 if isinstance(item, BaseException):
                     raise item
-                while coalesce and not item.finished and not queue.empty():
-                    following = queue.get_nowait()
-                    if isinstance(following, BaseException):
-                        held = following
-                        break
-                    item = merge_deltas(item, following)
+                if coalesce:
+                    item, held = coalesce_waiting(item, queue)
                 yield item
                 if item.finished:
                     return

@@ -38,7 +38,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from asyncspec.config import EngineConfig
-from asyncspec.engine.async_engine import AsyncEngine, merge_deltas
+from asyncspec.engine.async_engine import AsyncEngine, coalesce_waiting
 from asyncspec.engine.llm_engine import PromptType
 from asyncspec.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from asyncspec.models.model_config import ModelConfig
@@ -354,12 +354,8 @@ class EngineProcessClient:
                 held = None
                 if isinstance(item, BaseException):
                     raise item
-                while coalesce and not item.finished and not queue.empty():
-                    following = queue.get_nowait()
-                    if isinstance(following, BaseException):
-                        held = following
-                        break
-                    item = merge_deltas(item, following)
+                if coalesce:
+                    item, held = coalesce_waiting(item, queue)
                 yield item
                 if item.finished:
                     return
