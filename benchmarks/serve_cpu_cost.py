@@ -22,29 +22,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
-from serve_helpers import running_server  # noqa: E402
+from serve_helpers import cpu_seconds, running_server, spawned_children  # noqa: E402
 
 DATASET = REPO / "benchmarks" / "data" / "prompts-code.jsonl"
-_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of one process (its threads included), from /proc/<pid>/stat."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS
-
-
-def spawned_children(pid: int) -> list[int]:
-    """Processes that multiprocessing spawned from `pid` (the engine process; not the resource tracker)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(") ", 1)[1].split()[1]) == pid:
-                if b"spawn_main" in (stat.parent / "cmdline").read_bytes():
-                    found.append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return found
 
 
 def timed_bench(address: str, prompts: list[list[int]], args: argparse.Namespace, pids: list[int]) -> tuple:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -12,6 +13,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process (its threads included), from /proc/<pid>/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def spawned_children(pid: int) -> list[int]:
+    """Processes that multiprocessing spawned from `pid` (the engine process; not the resource tracker)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(") ", 1)[1].split()[1]) == pid:
+                if b"spawn_main" in (stat.parent / "cmdline").read_bytes():
+                    found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
 
 
 @dataclass

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import gpu_step_speed as gss  # noqa: E402
-from serve_helpers import running_server  # noqa: E402
+from serve_helpers import cpu_seconds, running_server, spawned_children  # noqa: E402
 
 
 def offline(asyncspec, prompts, concurrency: int, max_tokens: int, extra: dict) -> dict:
@@ -57,7 +57,14 @@ def served(prompts, concurrency: int, max_tokens: int, extra_flags: list[str]) -
     with running_server(["--max-num-seqs", str(concurrency), *extra_flags]) as server:
         cfg = bench.BenchConfig(address=server.address, max_tokens=max_tokens, concurrency=concurrency)
         asyncio.run(bench.run_bench(cfg, prompts[:concurrency], progress=False))  # warm-up
+        # Which process saturates: the bench client (this one), the server's, or the engine's own.
+        pids = {"client": os.getpid(), "server": server.proc.pid}
+        pids |= {f"engine{i}": pid for i, pid in enumerate(spawned_children(server.proc.pid))}
+        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        start = time.monotonic()
         report = asyncio.run(bench.run_bench(cfg, prompts, progress=False))
+        wall = time.monotonic() - start
+        report["cpu_busy_fraction"] = {name: (cpu_seconds(pid) - before[name]) / wall for name, pid in pids.items()}
     report["server_exit_code"] = server.exit_code
     return report
 
@@ -110,7 +117,8 @@ def main() -> int:
             f"C={c}: offline {off['output_throughput']:.0f} tok/s, served {srv['output_throughput']:.0f} tok/s "
             f"({row['served_over_offline']:.2f}x); "
             f"TTFT p50/p99 {srv['median_ttft_ms']:.1f}/{srv['p99_ttft_ms']:.1f} ms, "
-            f"ITL p50/p99 {srv['median_itl_ms']:.2f}/{srv['p99_itl_ms']:.2f} ms, failed {srv['failed']}",
+            f"ITL p50/p99 {srv['median_itl_ms']:.2f}/{srv['p99_itl_ms']:.2f} ms, failed {srv['failed']}; "
+            "CPU busy " + ", ".join(f"{k} {v:.2f}" for k, v in srv["cpu_busy_fraction"].items()),
             flush=True,
         )
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
