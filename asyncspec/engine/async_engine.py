@@ -78,8 +78,12 @@ class AsyncEngine:
     are aborted and their ids freed.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, step_in_loop_thread: bool = False) -> None:
         self.config = config
+        self._step_in_loop_thread = step_in_loop_thread
+        """Run each step on the event loop's own thread instead of a worker thread: for a host whose event
+        loop serves no latency-sensitive streams (the engine process), which then spends no interpreter-lock
+        handoffs between the two threads on every step."""
         self.engine = LLMEngine(config)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncspec-worker")
         self._streams: dict[str, _Stream] = {}
@@ -151,6 +155,22 @@ class AsyncEngine:
         request_id, _ = await self._admit(prompt, sampling_params, request_id, priority, sink)
         return request_id
 
+    def submit_nowait(
+        self,
+        prompt: list[int],
+        sampling_params: SamplingParams | None,
+        request_id: str | None,
+        priority: int,
+        sink: OutputSink,
+    ) -> str | None:
+        """`submit` without awaiting, for a prompt of token ids: None (nothing done) when the request must go
+        through `submit` instead, because its id waits for an abort to be applied. Raises the same errors."""
+        self._raise_if_dead()
+        if isinstance(request_id, str) and request_id in self._pending_aborts:
+            return None
+        request = self.engine.make_request(prompt, sampling_params, request_id, priority)
+        return self._register(request, sink)[0]
+
     async def _admit(
         self,
         prompt: PromptType,
@@ -171,6 +191,9 @@ class AsyncEngine:
             )
         else:
             request = self.engine.make_request(prompt, sampling_params, request_id, priority)
+        return self._register(request, put)
+
+    def _register(self, request: Request, put: OutputSink) -> tuple[str, _Stream]:
         if request.request_id in self._streams or request.request_id in self._pending_aborts:
             raise InvalidRequestError(f"request_id {request.request_id!r} is already in use")
         stream = _Stream(put, asyncio.get_running_loop())
@@ -203,6 +226,10 @@ class AsyncEngine:
         """Ends the request; its stream receives a final output with finish_reason "abort".
         Unknown or already finished ids are ignored (an abort must never hit a later request
         that reuses the id)."""
+        self.abort_nowait(request_id)
+
+    def abort_nowait(self, request_id: str) -> None:
+        """`abort`, callable from a plain callback on the event loop."""
         if request_id not in self._streams or self._dead is not None:
             return
         self._pending_aborts.append(request_id)
@@ -326,6 +353,15 @@ class AsyncEngine:
                     except asyncio.TimeoutError:  # noqa: UP041 - not the builtin before Python 3.11
                         # Idle: a worker process that died now is found before the next request.
                         self.engine.check_health()
+                    continue
+                if self._step_in_loop_thread:
+                    self._deliver_in_order([], aborted_ids, aborted)
+                    outputs = self.engine.step()
+                    self._stats_snapshot = self.engine.stats()  # what goes out with this step's outputs
+                    self._deliver_in_order(outputs, [], [])
+                    outputs = []
+                    self._notify_step_listeners()
+                    await asyncio.sleep(0)  # the step's outputs go out; arrivals and aborts come in
                     continue
                 # With async_scheduling the step is the pipelined one (EngineCore.advance: step N+1 is
                 # launched before step N's results are awaited); either way it runs in the worker thread,

@@ -3,12 +3,13 @@ lock with the engine's scheduling and output processing.
 
 `EngineProcessClient` has the part of AsyncEngine's interface that a server uses (`generate`, `abort`,
 `has_request`, the step and death listeners, `stats`, `stats_snapshot`, `shutdown`, and `engine` for the
-tokenizer and the model's facts). The process it starts runs an AsyncEngine on its own event loop; one
-duplex pipe joins the two:
+tokenizer and the model's facts). The process it starts runs an AsyncEngine on its own event loop, stepping on
+that loop's thread; one duplex pipe joins the two:
 
 - to the engine: ("add", request_id, prompt, params, priority), ("abort", request_id), ("stats", token),
-  ("shutdown",). Each add runs as a task of its own; an abort whose add is still running waits for it, so an
-  abort never overtakes its request's add.
+  ("shutdown",). They are applied between steps, in order: an add of token ids at once, an add of text in a
+  task of its own (tokenizing); an abort whose add is still running waits for it, so an abort never overtakes
+  its request's add.
 - to the client: ("outputs", [(request_id, RequestOutput | exception), ...], step token counts, stats
   snapshot): everything one engine step delivered, as one message (AsyncEngine.submit hands the outputs to
   a sink, so the engine process runs no coroutine per stream); ("stats", token, stats); ("dead", message).
@@ -98,7 +99,7 @@ def _ignore_signal(signum: int, frame: object) -> None:
 
 async def _serve(config: EngineConfig, conn: Connection) -> None:
     try:
-        engine = AsyncEngine(config)
+        engine = AsyncEngine(config, step_in_loop_thread=True)
     except BaseException as e:  # noqa: BLE001 - reported to the client, which raises it
         with contextlib.suppress(OSError, ValueError):
             conn.send(("failed", f"{type(e).__name__}: {e}"))
@@ -136,22 +137,62 @@ def _picklable(error: BaseException) -> BaseException:
     return error
 
 
+# A RequestOutput crosses the pipe as a tuple of its fields (pickling a dataclass costs some 20 times more), and
+# its prompt's ids only with the request's first output: the client keeps them for the later ones.
+_WIRE_FIELDS = (
+    "token_ids",
+    "text",
+    "finish_reason",
+    "stop_reason",
+    "logprobs",
+    "num_cached_tokens",
+    "queued_seconds",
+    "num_draft_tokens",
+    "num_accepted_tokens",
+    "num_drafts",
+    "error",
+)
+
+
+def _to_wire(output: RequestOutput, with_prompt: bool) -> tuple:
+    return (
+        output.prompt_token_ids if with_prompt else None,
+        output.token_ids,
+        output.text,
+        output.finish_reason,
+        output.stop_reason,
+        output.logprobs,
+        output.num_cached_tokens,
+        output.queued_seconds,
+        output.num_draft_tokens,
+        output.num_accepted_tokens,
+        output.num_drafts,
+        output.error,
+    )
+
+
+def _from_wire(request_id: str, prompt_token_ids: list[int], wire: tuple) -> RequestOutput:
+    return RequestOutput(request_id, prompt_token_ids, *wire[1:])
+
+
 class _EngineHost:
     """Applies the client's messages to the AsyncEngine and sends each step's outputs as one message.
 
-    Adds run as tasks of their own (a text prompt is tokenized off the event loop, and must not hold up the
-    messages behind it); an abort of an id whose add is still running waits for that add, so it never
-    overtakes it."""
+    The engine steps on the event loop's own thread (no handoff of the interpreter lock per step), and the
+    pipe's reader thread hands each message to the loop as a callback, applied before the next step. An add
+    of token ids is admitted right there; a text prompt is tokenized off the loop in a task of its own, and an
+    abort of an id whose add is still running waits for that add, so it never overtakes it."""
 
     def __init__(self, engine: AsyncEngine, conn: Connection) -> None:
         self.engine = engine
         self.conn = conn
         self.loop = asyncio.get_running_loop()
-        self.inbox: asyncio.Queue[tuple | None] = asyncio.Queue()
-        self.outbox: list[tuple[str, RequestOutput | BaseException]] = []
+        self.outbox: list[tuple[str, tuple | BaseException]] = []
+        self.prompt_sent: set[str] = set()
         self.step_tokens: list[int] = []
         self.flush_scheduled = False
         self.adding: dict[str, asyncio.Task[None]] = {}
+        self.done = asyncio.Event()
         self.shut_down = False
         engine.add_step_listener(self._on_step)
         engine.add_death_listener(self._on_death)
@@ -159,32 +200,43 @@ class _EngineHost:
 
     async def run(self) -> None:
         threading.Thread(target=self._read, name="asyncspec-engine-pipe", daemon=True).start()
-        while True:
-            message = await self.inbox.get()
-            if message is None or message[0] == "shutdown":
-                break
-            kind = message[0]
-            if kind == "add":
-                _, request_id, prompt, params, priority = message
-                task = self.loop.create_task(self._add(request_id, prompt, params, priority))
-                self.adding[request_id] = task
-                task.add_done_callback(functools.partial(self._added, request_id))
-            elif kind == "abort":
-                adding = self.adding.get(message[1])
-                if adding is None:
-                    await self.engine.abort(message[1])
-                else:
-                    self.loop.create_task(self._abort_after(message[1], adding))
-            elif kind == "stats":
-                try:
-                    self.conn.send(("stats", message[1], self.engine.stats()))
-                except (OSError, ValueError):
-                    break  # the client is gone
+        await self.done.wait()
         for task in list(self.adding.values()):
             task.cancel()
         self.shut_down = True
         await self.engine.shutdown()
         self._flush()
+
+    def _on_message(self, message: tuple | None) -> None:
+        if self.done.is_set():
+            return
+        if message is None or message[0] == "shutdown":
+            self.done.set()
+            return
+        kind = message[0]
+        if kind == "add":
+            _, request_id, prompt, params, priority = message
+            if not isinstance(prompt, str):
+                try:
+                    if self.engine.submit_nowait(prompt, params, request_id, priority, self._sink(request_id)):
+                        return
+                except Exception as e:  # a bad request: its stream ends with the typed error
+                    self._emit(request_id, e)
+                    return
+            task = self.loop.create_task(self._add(request_id, prompt, params, priority))
+            self.adding[request_id] = task
+            task.add_done_callback(functools.partial(self._added, request_id))
+        elif kind == "abort":
+            adding = self.adding.get(message[1])
+            if adding is None:
+                self.engine.abort_nowait(message[1])
+            else:
+                self.loop.create_task(self._abort_after(message[1], adding))
+        elif kind == "stats":
+            try:
+                self.conn.send(("stats", message[1], self.engine.stats()))
+            except (OSError, ValueError):
+                self.done.set()  # the client is gone
 
     async def _add(self, request_id: str, prompt: PromptType, params: SamplingParams | None, priority: int) -> None:
         try:
@@ -202,14 +254,14 @@ class _EngineHost:
         await self.engine.abort(request_id)
 
     def _read(self) -> None:
-        """The pipe's reader thread: messages into the event loop's inbox, None when the client is gone."""
+        """The pipe's reader thread: each message to the event loop, None when the client is gone."""
         while True:
             try:
                 message = self.conn.recv()
             except Exception:  # noqa: BLE001 - EOF, a closed pipe or an unreadable message: the client is gone
                 message = None
             try:
-                self.loop.call_soon_threadsafe(self.inbox.put_nowait, message)
+                self.loop.call_soon_threadsafe(self._on_message, message)
             except RuntimeError:  # the event loop has closed (the engine died meanwhile)
                 return
             if message is None or message[0] == "shutdown":
@@ -219,7 +271,16 @@ class _EngineHost:
         return lambda item: self._emit(request_id, item)
 
     def _emit(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        self.outbox.append((request_id, _picklable(item) if isinstance(item, BaseException) else item))
+        if isinstance(item, BaseException):
+            self.prompt_sent.discard(request_id)
+            self.outbox.append((request_id, _picklable(item)))
+        else:
+            with_prompt = request_id not in self.prompt_sent
+            if item.finished:
+                self.prompt_sent.discard(request_id)
+            elif with_prompt:
+                self.prompt_sent.add(request_id)
+            self.outbox.append((request_id, _to_wire(item, with_prompt)))
         self._schedule_flush()
 
     def _on_step(self, num_tokens: int) -> None:
@@ -247,7 +308,7 @@ class _EngineHost:
         self._flush()  # the streams' final EngineDeadErrors
         with contextlib.suppress(OSError, ValueError):
             self.conn.send(("dead", str(error)))
-        self.inbox.put_nowait(None)
+        self.done.set()
 
 
 # --------------------------------------------------------------------------------------------- the client side
@@ -270,6 +331,8 @@ class EngineProcessClient:
         self._conn = conn
         self._loop = asyncio.get_running_loop()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._prompts: dict[str, list[int]] = {}
+        """Each live stream's prompt ids, sent with its first output only."""
         self._departed: dict[str, asyncio.Event] = {}
         self._step_listeners: list[Callable[[int], None]] = []
         self._death_listeners: list[Callable[[EngineDeadError], None]] = []
@@ -471,8 +534,21 @@ class EngineProcessClient:
             return
         _, outputs, step_tokens, snapshot = message
         self._snapshot = snapshot
-        for request_id, item in outputs:
-            done = isinstance(item, BaseException) or item.finished
+        for request_id, wire in outputs:
+            item: RequestOutput | BaseException
+            if isinstance(wire, BaseException):
+                item, done = wire, True
+                self._prompts.pop(request_id, None)
+            else:
+                prompt = wire[0]
+                done = wire[3] is not None  # its finish_reason
+                if done:
+                    prompt = self._prompts.pop(request_id, None) if prompt is None else prompt
+                elif prompt is None:
+                    prompt = self._prompts.get(request_id)
+                else:
+                    self._prompts[request_id] = prompt
+                item = _from_wire(request_id, prompt if prompt is not None else [], wire)
             queue = self._streams.get(request_id)
             if queue is not None:
                 queue.put_nowait(item)
@@ -500,6 +576,7 @@ class EngineProcessClient:
         if first:
             self._dead = error
         streams, self._streams = self._streams, {}
+        self._prompts.clear()
         for queue in streams.values():
             queue.put_nowait(EngineDeadError(*error.args))
         for event in self._departed.values():

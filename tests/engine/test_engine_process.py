@@ -57,6 +57,10 @@ def test_concurrent_streams_equal_the_in_process_engine(loop, client, prompts):
     for deltas, ref in zip(streams, reference, strict=True):
         tokens = [t for d in deltas for t in d.token_ids]
         assert tokens == ref.token_ids
+        # The prompt's ids cross the pipe once; every delta still carries them.
+        assert len(deltas) > 1 and all(d.prompt_token_ids == ref.prompt_token_ids for d in deltas)
+        assert deltas[-1].num_cached_tokens == ref.num_cached_tokens
+        assert deltas[-1].queued_seconds is not None
         assert "".join(d.text for d in deltas) == ref.text
         assert deltas[-1].finished and deltas[-1].finish_reason == "length"
         assert all(not d.finished for d in deltas[:-1])
@@ -68,6 +72,11 @@ def test_text_prompt_and_engine_facts(loop, client):
     reference = bundled_llm(**CONFIG).generate(["def add(a, b):"], GREEDY)[0]
     deltas = loop.run_until_complete(_collect(client, "def add(a, b):", GREEDY))
     assert [t for d in deltas for t in d.token_ids] == reference.token_ids
+    assert all(d.prompt_token_ids == reference.prompt_token_ids for d in deltas)
+    # The same id again: its prompt is sent anew, not taken from the finished request.
+    again = loop.run_until_complete(_collect(client, [5, 6, 7], GREEDY, request_id="same"))
+    again += loop.run_until_complete(_collect(client, [8, 9], GREEDY, request_id="same"))
+    assert [d.prompt_token_ids for d in again if d.finished] == [[5, 6, 7], [8, 9]]
     info = client.engine
     assert info.vocab_size == 8192 and info.max_model_len == 256 and info.config.model == str(TARGET_MODEL)
     assert info.tokenizer.encode("def", add_special_tokens=False).ids  # the tokenizer crossed the pipe
