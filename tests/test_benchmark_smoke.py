@@ -248,3 +248,19 @@ def test_serve_cpu_cost_smoke(tmp_path: Path) -> None:
     assert [row["engine_process"] for row in rows] == [False, True]
     assert all(row["output_tokens"] == 16 for row in rows)
     assert rows[0]["engine_cpu_s"] is None and rows[1]["engine_cpu_s"] > 0
+
+
+def test_engine_process_overhead_smoke(tmp_path: Path) -> None:
+    """benchmarks/engine_process_overhead.py on the CPU, tiny: every mode generates every token, counts its engine's
+    steps and finds the CPU its engine spent (the engine process's, in the two process modes)."""
+    out = tmp_path / "epo.json"
+    _run(
+        str(REPO / "benchmarks" / "engine_process_overhead.py"),
+        *("--device", "cpu", "--concurrency", "2", "--num-prompts", "4", "--max-tokens", "4"),
+        *("--output", str(out)),
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["mode"] for row in rows] == ["offline", "engine_process", "served"]
+    for row in rows:
+        assert row["output_tokens"] == 16 and row["num_steps"] >= 2 and row["engine_cpu_us_per_token"] > 0
+    assert rows[2]["failed"] == 0
