@@ -159,7 +159,7 @@ def test_serve_process_streams_then_drains_on_sigterm(tmp_path, engine_process: 
             "32",
             "--drain-grace-s",
             "5",
-            *(["--engine-process", "true"] if engine_process else []),
+            *([] if engine_process else ["--engine-process", "false"]),  # the default runs the engine apart
         ],
         cwd=tmp_path,
         stdout=subprocess.PIPE,

@@ -62,9 +62,10 @@ class ServerConfig:
     """PEM private key of tls_cert_file."""
     auth_token_file: str | None = None
     """File holding the bearer token; else $ASYNCSPEC_AUTH_TOKEN; neither: no auth."""
-    engine_process: bool = False
+    engine_process: bool = True
     """Run the engine (scheduling, output processing, the model) in a process of its own, so that the
-    server's per-stream gRPC work never shares an interpreter lock with it; each step's outputs cross one pipe."""
+    server's per-stream gRPC work never shares an interpreter lock with it; each step's outputs cross one pipe.
+    False keeps it in the server's process (one process less, for debugging)."""
 
     def auth_token(self) -> str | None:
         if self.auth_token_file:

@@ -542,6 +542,13 @@ def _spawned_children(pid: int) -> list[int]:
     return found
 
 
+def _tensor_parallel_ranks(serve_pid: int) -> list[int]:
+    """The ranks of a `serve` with its defaults: children of its engine process, its one spawned child."""
+    engine = _spawned_children(serve_pid)
+    assert len(engine) <= 1, engine
+    return [rank for pid in engine for rank in _spawned_children(pid)]
+
+
 def _serve_tensor_parallel_process() -> tuple[subprocess.Popen, int]:
     """`asyncspec serve --tensor-parallel-size 2` on the CPU as a process, on a free port."""
     exe = Path(sys.executable).parent / "asyncspec"
@@ -557,9 +564,9 @@ def _serve_tensor_parallel_process() -> tuple[subprocess.Popen, int]:
 
 
 def test_dead_tensor_parallel_worker_fails_the_stream_and_serve_exits_non_zero(prompts):
-    """`asyncspec serve --tensor-parallel-size 2` as a process: a rank killed mid-stream ends the
-    stream with INTERNAL naming the rank, and the server exits with status 1 (an orchestrator
-    restarts it) instead of serving a broken engine."""
+    """`asyncspec serve --tensor-parallel-size 2` as a process (the engine in its own, the ranks below it): a
+    rank killed mid-stream ends the stream with INTERNAL naming the rank, and the server exits with status 1 (an
+    orchestrator restarts it) instead of serving a broken engine."""
     proc, port = _serve_tensor_parallel_process()
     try:
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -574,7 +581,7 @@ def test_dead_tensor_parallel_worker_fails_the_stream_and_serve_exits_non_zero(p
             except grpc.RpcError:
                 pass
             time.sleep(0.2)
-        ranks = _spawned_children(proc.pid)
+        ranks = _tensor_parallel_ranks(proc.pid)
         assert len(ranks) == 2, ranks
         assert pb_grpc_stub(channel).GetModelInfo(pb.GetModelInfoRequest()).tensor_parallel_size == 2
         stream = pb_grpc_stub(channel).Generate(_request(prompts[0], 400), timeout=60)
@@ -599,11 +606,11 @@ def test_rank_dying_before_any_request_makes_serve_exit_non_zero():
     try:
         assert "serving" in proc.stdout.readline()
         deadline = time.monotonic() + 60
-        while len(_spawned_children(proc.pid)) < 2:
+        while len(_tensor_parallel_ranks(proc.pid)) < 2:
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
         time.sleep(0.5)
-        os.kill(_spawned_children(proc.pid)[0], signal.SIGKILL)
+        os.kill(_tensor_parallel_ranks(proc.pid)[0], signal.SIGKILL)
         assert proc.wait(20) == 1
     finally:
         if proc.poll() is None:
