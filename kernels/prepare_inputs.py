@@ -18,8 +18,10 @@ def prepare_inputs_ref(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     capacity: torch.Tensor | None = None,
+    resolve: tuple[int, torch.Tensor] | None = None,
 ) -> None:
-    """Writes the first `num_tokens` inputs and the first `num_reqs` request entries.
+    """Writes the first `num_tokens` inputs and the first `num_reqs` request entries; with `resolve` =
+    (n, device_counts), `resolve_computed_ref(meta, n, device_counts)` first.
 
     meta [>=3, >=num_reqs] int64: row 0 the request's row in `token_ids`, row 1 its computed tokens,
     row 2 its scheduled tokens (0 for a padding request). token_ids [R, L] int64; block_tables
@@ -34,6 +36,8 @@ def prepare_inputs_ref(
     a token at a position >= its request's capacity writes nothing either (slot -1): a block-table
     column past a request's own blocks may name another request's block.
     """
+    if resolve is not None:
+        resolve_computed_ref(meta, *resolve)
     dev = token_ids.device
     num_sched = meta[2, :num_reqs]
     ends = torch.cumsum(num_sched, 0)

@@ -17,8 +17,17 @@ import triton.language as tl
 # Per-step sizes, and the meta / capacity views (slices of one packed host copy, at any offset and
 # row stride) would otherwise compile a kernel variant per batch shape mid-run.
 @triton.jit(
-    do_not_specialize=["meta_stride", "token_stride", "token_cols", "bt_stride", "bt_cols", "num_reqs", "num_tokens"],
-    do_not_specialize_on_alignment=["meta_ptr", "capacity_ptr"],
+    do_not_specialize=[
+        "meta_stride",
+        "token_stride",
+        "token_cols",
+        "bt_stride",
+        "bt_cols",
+        "num_reqs",
+        "num_tokens",
+        "num_resolve",
+    ],
+    do_not_specialize_on_alignment=["meta_ptr", "capacity_ptr", "counts_ptr"],
 )
 def _prepare_inputs_kernel(
     meta_ptr,
@@ -35,10 +44,13 @@ def _prepare_inputs_kernel(
     qsl_ptr,
     seq_lens_ptr,
     capacity_ptr,
+    counts_ptr,
     num_reqs,
     num_tokens,
+    num_resolve,
     block_size,
     HAS_CAPACITY: tl.constexpr,
+    RESOLVE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
@@ -46,6 +58,17 @@ def _prepare_inputs_kernel(
     r = tl.arange(0, BLOCK_R)
     r_ok = r < num_reqs
     num_sched = tl.load(meta_ptr + 2 * meta_stride + r, mask=r_ok, other=0)
+    if RESOLVE:
+        # resolve_computed first (launched with a single program, so no other program reads row 1 early).
+        resolving = r < num_resolve
+        row_r = tl.load(meta_ptr + r, mask=resolving, other=0)
+        host = tl.load(meta_ptr + meta_stride + r, mask=resolving, other=0)
+        from_host = tl.load(meta_ptr + 4 * meta_stride + r, mask=resolving, other=0)
+        device = tl.load(counts_ptr + row_r, mask=resolving & (from_host == 0), other=0)
+        computed = tl.where(from_host != 0, host, device)
+        tl.store(meta_ptr + meta_stride + r, computed, mask=resolving)
+        tl.store(counts_ptr + row_r, computed + num_sched, mask=resolving)
+        tl.debug_barrier()  # the gathers below read row 1 from other threads' stores
     ends = tl.cumsum(num_sched, axis=0)
     if pid == 0:
         num_computed = tl.load(meta_ptr + meta_stride + r, mask=r_ok, other=0)
@@ -91,8 +114,10 @@ def prepare_inputs(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     capacity: torch.Tensor | None = None,
+    resolve: tuple[int, torch.Tensor] | None = None,
 ) -> None:
-    """See `prepare_inputs_ref`: same arguments, same writes."""
+    """See `prepare_inputs_ref`: same arguments, same writes. With `resolve`, one launch where one program
+    holds every token (a decode batch), two otherwise."""
     if num_reqs == 0:
         return
     assert meta.stride(1) == 1 and token_ids.stride(1) == 1 and block_tables.stride(1) == 1
@@ -101,6 +126,13 @@ def prepare_inputs(
     # The [BLOCK_T, BLOCK_R] comparison lives in registers: fewer tokens per program for big batches.
     block_t = min(128, max(16, 8192 // block_r))
     grid = (max(1, triton.cdiv(num_tokens, block_t)),)
+    if resolve is not None and (resolve[0] == 0 or grid[0] > 1):
+        # Several programs would read row 1 before program 0 resolved it: a launch of its own first.
+        resolve_computed(meta, resolve[0], resolve[1])
+        resolve = None
+    counts = resolve[1] if resolve is not None else meta  # never read without RESOLVE
+    if resolve is not None:
+        assert resolve[0] <= num_reqs and counts.dtype == torch.int64
     _prepare_inputs_kernel[grid](
         meta,
         meta.stride(0),
@@ -116,10 +148,13 @@ def prepare_inputs(
         query_start_loc,
         seq_lens,
         capacity if capacity is not None else seq_lens,  # never read without HAS_CAPACITY
+        counts,
         num_reqs,
         num_tokens,
+        resolve[0] if resolve is not None else 0,
         block_size,
         HAS_CAPACITY=capacity is not None,
+        RESOLVE=resolve is not None,
         BLOCK_R=block_r,
         BLOCK_T=block_t,
     )

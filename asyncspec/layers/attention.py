@@ -11,7 +11,7 @@ from torch import nn
 
 from asyncspec.kernels.kv_cache_write import write_kv_cache_ref
 from asyncspec.kernels.paged_attention import paged_attention_ref
-from asyncspec.kernels.prepare_inputs import prepare_inputs_ref, resolve_computed_ref
+from asyncspec.kernels.prepare_inputs import prepare_inputs_ref
 from asyncspec.kernels.rotary_kv_write import rotary_kv_write_ref
 from asyncspec.kernels.slot_mapping import compute_slot_mapping_ref
 from asyncspec.layers.attention_metadata import AttentionMetadata
@@ -34,9 +34,9 @@ class AttentionBackend:
     RoPE on q and k fused with write_kv."""
     prepare_inputs: Callable[..., None]
     """prepare_inputs(meta, num_reqs, num_tokens, token_ids, block_tables, block_size, input_ids, positions,
-    slot_mapping, query_start_loc, seq_lens, capacity=None): a step's model inputs from per-request counts."""
-    resolve_computed: Callable[..., None]
-    """resolve_computed(meta, num_reqs, device_counts): the step's computed counts from the device's own."""
+    slot_mapping, query_start_loc, seq_lens, capacity=None, resolve=None): a step's model inputs from
+    per-request counts; resolve=(n, device_counts) first takes the first n requests' computed counts from the
+    device's own (resolve_computed_ref), in the same launch where it can."""
 
 
 TORCH_REFERENCE = AttentionBackend(
@@ -46,7 +46,6 @@ TORCH_REFERENCE = AttentionBackend(
     compute_slot_mapping_ref,
     rotary_kv_write_ref,
     prepare_inputs_ref,
-    resolve_computed_ref,
 )
 
 
@@ -76,12 +75,6 @@ def _triton_prepare_inputs(*args, **kwargs) -> None:
     prepare_inputs_triton.prepare_inputs(*args, **kwargs)
 
 
-def _triton_resolve_computed(*args, **kwargs) -> None:
-    from asyncspec.kernels import prepare_inputs_triton
-
-    prepare_inputs_triton.resolve_computed(*args, **kwargs)
-
-
 def _triton_rotary_kv_write(*args, **kwargs) -> torch.Tensor:
     from asyncspec.kernels import rotary_kv_write_triton
 
@@ -95,7 +88,6 @@ TRITON = AttentionBackend(
     _triton_slot_mapping,
     _triton_rotary_kv_write,
     _triton_prepare_inputs,
-    _triton_resolve_computed,
 )
 
 BACKEND_ENV = "ASYNCSPEC_ATTENTION_BACKEND"

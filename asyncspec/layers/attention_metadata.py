@@ -75,10 +75,12 @@ class StaticInputs:
         token_ids: torch.Tensor,
         block_size: int,
         capacity: torch.Tensor | None = None,
+        resolve: tuple[int, torch.Tensor] | None = None,
     ) -> None:
         """Builds a step's inputs into these buffers with the backend's `prepare_inputs` (one kernel on
         a GPU): `meta` [row, computed, scheduled] per request (padding included), tokens from
-        `token_ids`, slots from this object's block tables, `capacity` the optional writable-slot guard."""
+        `token_ids`, slots from this object's block tables, `capacity` the optional writable-slot guard,
+        `resolve` the optional (requests, device counts) whose computed counts the device's replace first."""
         prepare(
             meta,
             num_reqs,
@@ -92,6 +94,7 @@ class StaticInputs:
             self.query_start_loc,
             self.seq_lens,
             capacity,
+            **({"resolve": resolve} if resolve is not None else {}),
         )
 
     def metadata(self, num_reqs: int, num_tokens: int, max_query_len: int, block_size: int) -> AttentionMetadata:

@@ -238,7 +238,6 @@ class ModelRunner:
         self._inputs = StaticInputs.allocate(n, self.config.max_num_batched_tokens, cols, self.device)
         self._block_table_dev = self._inputs.block_tables
         self._prepare_kernel = select_backend(self.device).prepare_inputs
-        self._resolve_kernel = select_backend(self.device).resolve_computed
         k = self.spec.k if self.spec is not None else 0
         self._draft_slots = torch.arange(max(k, 1), dtype=torch.int64, device=self.device)
         # The step's one device-to-host copy lands here (sampled tokens, accepted and draft counts,
@@ -1222,9 +1221,11 @@ class ModelRunner:
             event = self._copy_done[i] or torch.cuda.Event()
             event.record(self._stream)
             self._copy_done[i] = event
-        self._resolve_computed(num_reqs)
         inputs = self._inputs
-        # The block tables were copied into inputs.block_tables (= self._block_table_dev) above.
+        # The block tables were copied into inputs.block_tables (= self._block_table_dev) above. The plan's
+        # computed counts in the device meta are replaced by the device's own (the truth), except for rows
+        # admitted this step (the host's count is theirs), and the device's counts advance by the scheduled
+        # tokens (verification takes back the rejected ones): one launch with the inputs where it can.
         inputs.fill(
             self._prepare_kernel,
             self._meta_dev,
@@ -1232,6 +1233,7 @@ class ModelRunner:
             padded_tokens,
             self.input_batch.token_ids,
             self.block_size,
+            resolve=(num_reqs, self.input_batch.num_computed_dev),
         )
         metadata = inputs.metadata(num_reqs, total_tokens, max(num_scheduled), self.block_size)
         # An upper bound (the plan's computed counts are never below the device's).
@@ -1243,12 +1245,6 @@ class ModelRunner:
             graph_bucket=bucket,
             query_len=query_len,
         )
-
-    def _resolve_computed(self, num_reqs: int) -> None:
-        """Replaces the plan's computed counts in the device meta by the device's own (the truth),
-        except for rows admitted this step (the host's count is theirs), and advances the device's
-        counts by the scheduled tokens (verification takes back the rejected ones)."""
-        self._resolve_kernel(self._meta_dev, num_reqs, self.input_batch.num_computed_dev)
 
     def _sampling_metadata(self, states: list[RowState], batch_rows: torch.Tensor) -> SamplingMetadata:
         """Gathers the rows' device-resident parameters. When the rows are the whole batch (every

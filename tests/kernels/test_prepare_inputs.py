@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from asyncspec.kernels.prepare_inputs import prepare_inputs_ref
+from asyncspec.kernels.prepare_inputs import prepare_inputs_ref, resolve_computed_ref
 
 triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
@@ -127,9 +127,53 @@ def test_reference_matches_the_loop(name, capacity):
     assert run(prepare_inputs_ref, case) == loop_reference(case)
 
 
+def with_resolve(case: Case, seed: int) -> tuple[Case, torch.Tensor, int]:
+    """Adds row 4 (host count authoritative, for about a third of the requests) and the device's counts per
+    buffer row, at most 2 behind the plan's (rejected drafts): the runner's call, which resolves the requests
+    before the padding ones."""
+    gen = torch.Generator().manual_seed(seed)
+    n = max((i + 1 for i, q in enumerate(case.meta[2, : case.num_reqs].tolist()) if q), default=0)
+    meta = torch.cat([case.meta, torch.zeros((2, case.meta.shape[1]), dtype=torch.int64)])
+    meta[4, :n] = (torch.rand(n, generator=gen) < 0.33).long()
+    counts = torch.randint(0, 50, (case.token_ids.shape[0],), generator=gen)
+    behind = torch.randint(0, 3, (n,), generator=gen)
+    counts[meta[0, :n]] = (meta[1, :n] - behind).clamp_min(0)
+    case.meta = meta
+    return case, counts, n
+
+
+def run_resolved(fn, case: Case, counts: torch.Tensor, n: int, device: str = "cpu") -> dict[str, list[int]]:
+    """`fn` with resolve=(n, counts): its inputs, then the resolved counts in meta and on the device."""
+    counts = counts.clone().to(device)
+    meta = case.meta.clone().to(device)
+    resolved = Case(meta, case.num_reqs, case.num_tokens, case.token_ids, case.block_tables, case.capacity)
+    out = run(lambda *args: fn(*args, resolve=(n, counts)), resolved, device)
+    return out | {"meta_computed": meta[1].tolist(), "counts": counts.tolist()}
+
+
+def run_in_two(case: Case, counts: torch.Tensor, n: int) -> dict[str, list[int]]:
+    """The references one after the other, as the runner launched them before they were fused."""
+    counts, meta = counts.clone(), case.meta.clone()
+    resolve_computed_ref(meta, n, counts)
+    resolved = Case(meta, case.num_reqs, case.num_tokens, case.token_ids, case.block_tables, case.capacity)
+    return run(prepare_inputs_ref, resolved) | {"meta_computed": meta[1].tolist(), "counts": counts.tolist()}
+
+
+# "one_long_prefill" has 160 tokens: two programs, so the Triton wrapper resolves in a launch of its own.
+RESOLVE_CASES = ("decode", "verify_padded_bucket", "mixed_prefill", "many_requests", "one_long_prefill")
+
+
+@pytest.mark.parametrize("name", RESOLVE_CASES)
+def test_reference_resolve_is_resolve_computed_first(name):
+    case, counts, n = with_resolve(make_case(*CASES[name]), 0)
+    got = run_resolved(prepare_inputs_ref, case, counts, n)
+    assert got == run_in_two(case, counts, n)
+    assert got["counts"] != counts.tolist()  # it did resolve: the device's counts advanced
+
+
 @pytest.mark.skipif(INTERPRETING, reason="TestInterpreted runs in this process")
 def test_interpreter_suite() -> None:
-    run_interpreted_suite(__file__, 2 * len(CASES))
+    run_interpreted_suite(__file__, 2 * len(CASES) + len(RESOLVE_CASES))
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="needs TRITON_INTERPRET=1 before triton is imported")
@@ -144,6 +188,22 @@ class TestInterpreted:
         if capacity:
             case = with_capacity(case)
         assert run(prepare_inputs_triton.prepare_inputs, case) == run(prepare_inputs_ref, case)
+
+    @pytest.mark.parametrize("name", RESOLVE_CASES)
+    def test_triton_resolving_matches_the_references_in_two(self, name):
+        from asyncspec.kernels import prepare_inputs_triton
+
+        case, counts, n = with_resolve(make_case(*CASES[name], seed=3), 3)
+        assert run_resolved(prepare_inputs_triton.prepare_inputs, case, counts, n) == run_in_two(case, counts, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", RESOLVE_CASES)
+def test_compiled_triton_resolving_matches_the_references_in_two(name):
+    from asyncspec.kernels import prepare_inputs_triton
+
+    case, counts, n = with_resolve(make_case(*CASES[name], seed=4), 4)
+    assert run_resolved(prepare_inputs_triton.prepare_inputs, case, counts, n, "cuda") == run_in_two(case, counts, n)
 
 
 @pytest.mark.gpu
