@@ -227,12 +227,13 @@ class ModelRunner:
         # buffer is refilled only after the event of its previous copy (two steps back) has fired.
         # Rows of meta: batch row, num_computed_tokens, num_scheduled_tokens, sampling indices, whether
         # the row's computed count comes from the host (admitted this step) rather than the device,
-        # per sampling request its draft positions, and per request its writable KV slots.
-        self._meta_host = [torch.zeros((7, n), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        # per sampling request its draft positions, per request its writable KV slots, and per sampling request
+        # its batch row (row 0 gathered by row 3, here so that no step launches that gather).
+        self._meta_host = [torch.zeros((8, n), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._block_table_host = [torch.zeros((n, cols), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._copy_done: list[torch.cuda.Event | None] = [None, None]
         self._buffer_index = 0
-        self._meta_dev = torch.zeros((7, n), dtype=torch.int64, device=self.device)
+        self._meta_dev = torch.zeros((8, n), dtype=torch.int64, device=self.device)
         # The step's model inputs (and the target's CUDA graphs) live at these fixed addresses; the
         # block tables are both the copy target of the host table and the graphs' input.
         self._inputs = StaticInputs.allocate(n, self.config.max_num_batched_tokens, cols, self.device)
@@ -810,7 +811,7 @@ class ModelRunner:
             sample_index = self._meta_dev[3, :num_sampling]
             last_token_index = attn_metadata.query_start_loc[1:].to(torch.int64) - 1
             logits = self.model.compute_logits(hidden_states[last_token_index[sample_index]])
-            batch_rows = self._meta_dev[0].index_select(0, sample_index)
+            batch_rows = self._meta_dev[7, :num_sampling]
             metadata = self._sampling_metadata(sampling_states, batch_rows)
             out = self.sampler(logits, metadata, self.default_generator)
             # The device token buffer is the source of truth for the next step's input ids; a
@@ -966,7 +967,7 @@ class ModelRunner:
         num_sampling = len(sampling_rows)
         num_positions = max(num_draft_positions) + 1
         sampling_states = [states[i] for i in sampling_rows]
-        rows = self._meta_dev[0].index_select(0, self._meta_dev[3, :num_sampling])
+        rows = self._meta_dev[7, :num_sampling]  # the sampling requests' batch rows
         # The greedy path reads no sampling metadata; the draft's eager step still does.
         metadata: SamplingMetadata | None = None
         logits: torch.Tensor | None = None
@@ -1207,6 +1208,7 @@ class ModelRunner:
         meta[2, :num_reqs] = num_scheduled
         meta[:3, num_reqs:padded_reqs] = 0  # padding requests: no tokens
         meta[3, :num_sampling] = sampling_rows
+        meta[7, :num_sampling] = rows if num_sampling == num_reqs else [rows[i] for i in sampling_rows]
         meta[4, :num_reqs] = [s.request_id in admitted for s in states] if admitted else 0
         meta[5, :num_sampling] = num_draft_positions
         if self._greedy_draft_steps:
