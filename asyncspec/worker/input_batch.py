@@ -107,6 +107,8 @@ class InputBatch:
             (max_num_reqs, max_model_len + num_spare_token_slots), dtype=torch.int64, device=device
         )
         self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
+        self.block_table_version = 0
+        """Bumped by every write to block_table: a step whose rows and version match the last copy's skips it."""
         self.num_computed_dev = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
         """Per row, tokens whose KV is computed: the truth, advanced by each step and corrected by its
         accepted counts on the device (the host's plan may be ahead of it while steps are in flight)."""
@@ -212,6 +214,7 @@ class InputBatch:
         if block_ids:
             start = len(state.block_ids)
             self.block_table[state.row, start : start + len(block_ids)] = block_ids
+            self.block_table_version += 1
             state.block_ids.extend(block_ids)
 
     def remove_request(self, request_id: str, preempted: bool = False) -> None:

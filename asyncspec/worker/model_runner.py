@@ -7,6 +7,7 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
+import operator
 import os
 import time
 from collections.abc import Callable
@@ -129,8 +130,12 @@ GRAPH_STATS = (
     "cuda_graph_draft_loop_replays",
     "cuda_graph_draft_step_replays",
     "cuda_graph_eager_forwards",
+    "step_meta_copies",
+    "step_block_table_copies",
 )
-"""The counters of `ModelRunner.graph_stats` (a tensor-parallel executor starts from them at 0)."""
+"""The counters of `ModelRunner.graph_stats` (a tensor-parallel executor starts from them at 0); the last two
+count the steps that copied their per-request meta and their block tables to the device (a steady decode
+batch copies neither)."""
 
 
 class GreedyDecodeTail:
@@ -233,6 +238,12 @@ class ModelRunner:
         self._block_table_host = [torch.zeros((n, cols), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._copy_done: list[torch.cuda.Event | None] = [None, None]
         self._buffer_index = 0
+        # What the device's meta and block tables hold since the last copy: a steady decode batch (the same
+        # requests, counts and drafts; nothing admitted) copies neither, the device's counts being the truth.
+        self._meta_on_device: tuple | None = None
+        self._block_tables_on_device: tuple | None = None
+        self.num_meta_copies = 0
+        self.num_block_table_copies = 0
         self._meta_dev = torch.zeros((8, n), dtype=torch.int64, device=self.device)
         # The step's model inputs (and the target's CUDA graphs) live at these fixed addresses; the
         # block tables are both the copy target of the host table and the graphs' input.
@@ -491,8 +502,14 @@ class ModelRunner:
             del caches
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
+        self._forget_device_inputs()
         # Each smaller graph adds a little (kernel parameters, allocator rounding).
         return int(total * 1.1)
+
+    def _forget_device_inputs(self) -> None:
+        """Capture overwrote the device's step buffers: the next step copies its meta and block tables."""
+        self._meta_on_device = None
+        self._block_tables_on_device = None
 
     def _capture_cuda_graphs(self) -> None:
         batch_sizes = self._graph_batch_sizes()
@@ -535,6 +552,7 @@ class ModelRunner:
                 )
                 if os.environ.get(GREEDY_DRAFT_STEP_GRAPH_ENV, "1") != "0":
                     self._capture_greedy_draft_steps(graphs)
+        self._forget_device_inputs()
 
     def _capture_greedy_draft_steps(self, draft_graphs: CudaGraphForward) -> None:
         """For each verification graph with a greedy tail: the draft's whole step after it (catch-up,
@@ -544,6 +562,7 @@ class ModelRunner:
         assert isinstance(proposer, DraftModelProposer)
         start = time.perf_counter()
         self._meta_dev.zero_()  # warm-up runs for real: every request of it is padding
+        self._forget_device_inputs()
         for (bucket, query_len), result in self.cuda_graphs.tail_outputs().items():
             step = functools.partial(self._greedy_draft_step, proposer, bucket, query_len, result)
             self._greedy_draft_steps[(bucket, query_len)] = draft_graphs.capture_function(step)
@@ -574,6 +593,8 @@ class ModelRunner:
             self.spec.proposer.num_loop_replays if self.spec is not None and self.spec.uses_draft_model else 0,  # type: ignore[union-attr]
             self.num_greedy_draft_steps,
             sum(g.num_eager for g in graphs),
+            self.num_meta_copies,
+            self.num_block_table_copies,
         )
         return dict(zip(GRAPH_STATS, counts, strict=True))
 
@@ -1195,34 +1216,59 @@ class ModelRunner:
         bucket, query_len = graph if graph is not None else (None, max(num_scheduled))
         padded_reqs = bucket if bucket is not None else num_reqs
         padded_tokens = bucket * query_len if bucket is not None else total_tokens
-        i = self._buffer_index
-        self._buffer_index ^= 1
-        copy_done = self._copy_done[i]
-        if copy_done is not None:
-            copy_done.synchronize()
-        meta_host, block_table_host = self._meta_host[i], self._block_table_host[i]
-        meta = meta_host.numpy()
         rows = [s.row for s in states]
-        meta[0, :num_reqs] = rows
-        meta[1, :num_reqs] = [s.num_computed_tokens for s in states]
-        meta[2, :num_reqs] = num_scheduled
-        meta[:3, num_reqs:padded_reqs] = 0  # padding requests: no tokens
-        meta[3, :num_sampling] = sampling_rows
-        meta[7, :num_sampling] = rows if num_sampling == num_reqs else [rows[i] for i in sampling_rows]
-        meta[4, :num_reqs] = [s.request_id in admitted for s in states] if admitted else 0
-        meta[5, :num_sampling] = num_draft_positions
-        if self._greedy_draft_steps:
-            meta[6, :num_reqs] = [min(len(s.block_ids) * self.block_size, self.max_model_len) for s in states]
+        computed = [s.num_computed_tokens for s in states]
+        writable = (
+            [min(len(s.block_ids) * self.block_size, self.max_model_len) for s in states]
+            if self._greedy_draft_steps
+            else None
+        )
         if self._pending_start is not None:
             self._pending_start.record(self._stream)
             self._pending_start = None
-        self._meta_dev.copy_(meta_host, non_blocking=True)
-        np.take(self.input_batch.block_table, rows, axis=0, out=block_table_host.numpy()[:num_reqs])
-        self._block_table_dev[:num_reqs].copy_(block_table_host[:num_reqs], non_blocking=True)
-        if self.device.type == "cuda":
-            event = self._copy_done[i] or torch.cuda.Event()
-            event.record(self._stream)
-            self._copy_done[i] = event
+        # Without admissions the device ignores the host's computed counts (row 1): the rest decides.
+        meta_key = (
+            tuple(rows),
+            tuple(num_scheduled),
+            tuple(sampling_rows),
+            tuple(num_draft_positions),
+            tuple(writable) if writable is not None else None,
+            padded_reqs,
+        )
+        table_key = (meta_key[0], self.input_batch.block_table_version)
+        copy_meta = bool(admitted) or meta_key != self._meta_on_device
+        copy_table = table_key != self._block_tables_on_device
+        if copy_meta or copy_table:
+            i = self._buffer_index
+            self._buffer_index ^= 1
+            copy_done = self._copy_done[i]
+            if copy_done is not None:
+                copy_done.synchronize()
+            meta_host, block_table_host = self._meta_host[i], self._block_table_host[i]
+            if copy_meta:
+                meta = meta_host.numpy()
+                meta[0, :num_reqs] = rows
+                meta[1, :num_reqs] = computed
+                meta[2, :num_reqs] = num_scheduled
+                meta[:3, num_reqs:padded_reqs] = 0  # padding requests: no tokens
+                meta[3, :num_sampling] = sampling_rows
+                meta[7, :num_sampling] = rows if num_sampling == num_reqs else [rows[i] for i in sampling_rows]
+                meta[4, :num_reqs] = [s.request_id in admitted for s in states] if admitted else 0
+                meta[5, :num_sampling] = num_draft_positions
+                if writable is not None:
+                    meta[6, :num_reqs] = writable
+                self._meta_dev.copy_(meta_host, non_blocking=True)
+                self._meta_on_device = None if admitted else meta_key
+                self.num_meta_copies += 1
+            if copy_table:
+                np.take(self.input_batch.block_table, rows, axis=0, out=block_table_host.numpy()[:num_reqs])
+                self._block_table_dev[:num_reqs].copy_(block_table_host[:num_reqs], non_blocking=True)
+                self._block_tables_on_device = table_key
+                self.num_block_table_copies += 1
+            if self.device.type == "cuda":
+                event = self._copy_done[i] or torch.cuda.Event()
+                event.record(self._stream)
+                self._copy_done[i] = event
         inputs = self._inputs
         # The block tables were copied into inputs.block_tables (= self._block_table_dev) above. The plan's
         # computed counts in the device meta are replaced by the device's own (the truth), except for rows
@@ -1239,7 +1285,7 @@ class ModelRunner:
         )
         metadata = inputs.metadata(num_reqs, total_tokens, max(num_scheduled), self.block_size)
         # An upper bound (the plan's computed counts are never below the device's).
-        metadata.max_seq_len = int((meta[1, :num_reqs] + meta[2, :num_reqs]).max())
+        metadata.max_seq_len = max(map(operator.add, computed, num_scheduled))
         return StepInputs(
             metadata=metadata,
             positions=inputs.positions[:total_tokens],

@@ -69,3 +69,49 @@ def test_prefix_cache_queries_count_each_admission_once():
     assert stats["num_steps"] > 10
     assert stats["prefix_cache_queries"] == 100 + 102 + 100
     assert stats["prefix_cache_hits"] == 96  # six full blocks of the shared 100-token prefix
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_steady_decode_batch_copies_its_inputs_only_when_they_change(async_scheduling: bool):
+    """Host work proportional to what changed: a step whose requests, counts and drafts match the last copy's
+    (nothing admitted) copies no meta, and its block tables only when a request got a new block. The tokens
+    are those of a request run alone, and of a batch that changes under it (a second request joins and ends)."""
+    from tests.conftest import load_prompts
+
+    prompt = load_prompts(1)[0][:20]
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+
+    def make() -> LLM:
+        return LLM(
+            str(TARGET_MODEL),
+            device="cpu",
+            dtype="float32",
+            block_size=16,
+            max_model_len=256,
+            num_kv_blocks=64,
+            async_scheduling=async_scheduling,
+        )
+
+    llm = make()
+    alone = llm.generate([prompt], params)[0].token_ids
+    stats = llm.stats()
+    # 60 steps (a prefill that samples the first token, 59 decodes; asynchronously one more, planned past the
+    # end): the prefill's meta (admitted) and the first decode's, then none; the table at the prefill and at each
+    # of the 3 blocks that 20 + 60 tokens add past the first 2.
+    assert stats["num_steps"] == (61 if async_scheduling else 60)
+    assert stats["step_meta_copies"] <= 3, stats["step_meta_copies"]
+    assert stats["step_block_table_copies"] <= 5, stats["step_block_table_copies"]
+    short = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
+    llm = make()
+    engine = llm.engine
+    engine.add_request(engine.make_request(prompt, params, "long"), stream_deltas=False)
+    tokens: list[int] = []
+    step = 0
+    while engine.has_unfinished_requests():
+        if step == 10:  # joins mid-decode, ends 7 tokens later
+            engine.add_request(engine.make_request(prompt[:9], short, "short"), stream_deltas=False)
+        for output in engine.step():
+            if output.request_id == "long" and output.finished:
+                tokens = output.token_ids
+        step += 1
+    assert tokens == alone
