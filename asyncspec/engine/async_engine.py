@@ -340,9 +340,11 @@ class AsyncEngine:
                 aborted_ids, aborted = self._apply_pending()
                 # Between steps, with no step running: the counters as a whole, for scrapes that come
                 # from other threads (mid-step, a stop string's correction could show a counter going
-                # down).
-                self._stats_snapshot = self.engine.stats()
-                if not self.engine.has_unfinished_requests():
+                # down). Stepping on this thread, the snapshot after each step serves while busy.
+                busy = self.engine.has_unfinished_requests()
+                if not (busy and self._step_in_loop_thread):
+                    self._stats_snapshot = self.engine.stats()
+                if not busy:
                     self._deliver_in_order(outputs, aborted_ids, aborted)
                     outputs = []
                     self._wakeup.clear()

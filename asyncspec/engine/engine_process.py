@@ -25,10 +25,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
 import multiprocessing
+import operator
 import pickle
 import signal
 import threading
@@ -139,36 +141,17 @@ def _picklable(error: BaseException) -> BaseException:
 
 # A RequestOutput crosses the pipe as a tuple of its fields (pickling a dataclass costs some 20 times more), and
 # its prompt's ids only with the request's first output: the client keeps them for the later ones.
-_WIRE_FIELDS = (
-    "token_ids",
-    "text",
-    "finish_reason",
-    "stop_reason",
-    "logprobs",
-    "num_cached_tokens",
-    "queued_seconds",
-    "num_draft_tokens",
-    "num_accepted_tokens",
-    "num_drafts",
-    "error",
-)
+_WIRE_FIELDS = tuple(f.name for f in dataclasses.fields(RequestOutput) if f.init)[2:]
+"""Every field but request_id and prompt_token_ids (the first two), in RequestOutput's own order."""
+
+
+_wire_fields = operator.attrgetter(*_WIRE_FIELDS)
+_FINISH_REASON = 1 + _WIRE_FIELDS.index("finish_reason")
+"""Where a wire tuple holds the finish reason (its first item is the prompt or None)."""
 
 
 def _to_wire(output: RequestOutput, with_prompt: bool) -> tuple:
-    return (
-        output.prompt_token_ids if with_prompt else None,
-        output.token_ids,
-        output.text,
-        output.finish_reason,
-        output.stop_reason,
-        output.logprobs,
-        output.num_cached_tokens,
-        output.queued_seconds,
-        output.num_draft_tokens,
-        output.num_accepted_tokens,
-        output.num_drafts,
-        output.error,
-    )
+    return (output.prompt_token_ids if with_prompt else None, *_wire_fields(output))
 
 
 def _from_wire(request_id: str, prompt_token_ids: list[int], wire: tuple) -> RequestOutput:
@@ -210,6 +193,13 @@ class _EngineHost:
     def _on_message(self, message: tuple | None) -> None:
         if self.done.is_set():
             return
+        try:
+            self._apply(message)
+        except Exception:  # noqa: BLE001 - a callback's error would only be logged: no client may wait on it
+            logger.exception("the engine process could not apply %r; stopping", message[0] if message else None)
+            self.done.set()
+
+    def _apply(self, message: tuple | None) -> None:
         if message is None or message[0] == "shutdown":
             self.done.set()
             return
@@ -541,7 +531,7 @@ class EngineProcessClient:
                 self._prompts.pop(request_id, None)
             else:
                 prompt = wire[0]
-                done = wire[3] is not None  # its finish_reason
+                done = wire[_FINISH_REASON] is not None
                 if done:
                     prompt = self._prompts.pop(request_id, None) if prompt is None else prompt
                 elif prompt is None:

@@ -107,8 +107,10 @@ class InputBatch:
             (max_num_reqs, max_model_len + num_spare_token_slots), dtype=torch.int64, device=device
         )
         self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
+        # Written only by append_blocks, which bumps block_table_version: the runner skips the copy of a step
+        # whose rows and version match its last copy's, so a write that does not bump it would go unseen.
         self.block_table_version = 0
-        """Bumped by every write to block_table: a step whose rows and version match the last copy's skips it."""
+        """Bumped by every write to block_table."""
         self.num_computed_dev = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
         """Per row, tokens whose KV is computed: the truth, advanced by each step and corrected by its
         accepted counts on the device (the host's plan may be ahead of it while steps are in flight)."""

@@ -1226,7 +1226,8 @@ class ModelRunner:
         if self._pending_start is not None:
             self._pending_start.record(self._stream)
             self._pending_start = None
-        # Without admissions the device ignores the host's computed counts (row 1): the rest decides.
+        # Without admissions (row 4 all 0) the device takes every computed count from its own and rewrites row 1
+        # before anything reads it, so the host's counts are not in the key; any other row the device reads is.
         meta_key = (
             tuple(rows),
             tuple(num_scheduled),

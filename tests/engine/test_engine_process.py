@@ -237,3 +237,55 @@ def test_an_abort_right_behind_its_add_is_applied_after_it(loop, client):
     assert again[-1].finish_reason == "length"
     assert_kv_free(stats)
     assert stats["num_generation_tokens"] - before < LONG.max_tokens + GREEDY.max_tokens
+
+
+def test_the_wire_format_carries_every_field_of_a_request_output():
+    """A delta crosses the pipe as a tuple: every field round-trips, whatever RequestOutput holds."""
+    import dataclasses
+
+    from asyncspec.engine.engine_process import _from_wire, _to_wire
+    from asyncspec.outputs import RequestOutput, TokenLogprobs
+
+    values = dict(
+        request_id="r",
+        prompt_token_ids=[1, 2, 3],
+        token_ids=[4, 5],
+        text="ab",
+        finish_reason="stop",
+        stop_reason="\n\n",
+        logprobs=[TokenLogprobs(token_ids=[4], logprobs=[-0.5], sampled_token_rank=1)],
+        num_cached_tokens=16,
+        queued_seconds=0.25,
+        num_draft_tokens=8,
+        num_accepted_tokens=6,
+        num_drafts=2,
+        error="e",
+    )
+    assert set(values) == {f.name for f in dataclasses.fields(RequestOutput)}  # a new field must be added here
+    output = RequestOutput(**values)
+    assert _from_wire("r", [1, 2, 3], _to_wire(output, with_prompt=True)) == output
+    assert _to_wire(output, with_prompt=False)[0] is None
+
+
+def test_a_message_the_engine_process_cannot_apply_stops_it_instead_of_leaving_a_client_waiting():
+    """The pipe's messages are applied as plain event-loop callbacks, whose errors asyncio would only log: a
+    stats request that fails ends the host (the client then sees the process exit) rather than never answering."""
+    from asyncspec.engine.engine_process import _EngineHost
+
+    class BrokenStatsEngine:
+        def add_step_listener(self, listener) -> None: ...
+        def add_death_listener(self, listener) -> None: ...
+        def start(self) -> None: ...
+        def stats(self) -> dict:
+            raise RuntimeError("broken counters")
+
+    class Pipe:
+        def send(self, message) -> None:
+            raise AssertionError("nothing is sent for a failed stats request")
+
+    async def run() -> bool:
+        host = _EngineHost(BrokenStatsEngine(), Pipe())  # type: ignore[arg-type]
+        host._on_message(("stats", 7))
+        return host.done.is_set()
+
+    assert asyncio.run(run())
