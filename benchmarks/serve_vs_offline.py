@@ -124,10 +124,10 @@ def main() -> int:
         "run keeps it in-process",
     )
     parser.add_argument(
-        "--served-engine-process",
+        "--served-in-process",
         action="store_true",
-        help="the server runs its engine (scheduling, output processing, model) in a process of its own "
-        "(--engine-process true) and keeps only the gRPC work",
+        help="the server runs its engine in its own process (--engine-process false) instead of the default, an "
+        "engine process of its own",
     )
     args = parser.parse_args()
     asyncspec = gss._import_asyncspec()
@@ -135,8 +135,8 @@ def main() -> int:
     flags = ["--async-scheduling", "true"] if args.async_scheduling else []
     if args.served_worker_process:
         flags += ["--worker-process", "true"]
-    if args.served_engine_process:
-        flags += ["--engine-process", "true"]
+    if args.served_in_process:
+        flags += ["--engine-process", "false"]
     results = {
         "card": gss.detect_card("cuda"),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
