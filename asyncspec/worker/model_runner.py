@@ -1253,7 +1253,7 @@ class ModelRunner:
                 meta[2, :num_reqs] = num_scheduled
                 meta[:3, num_reqs:padded_reqs] = 0  # padding requests: no tokens
                 meta[3, :num_sampling] = sampling_rows
-                meta[7, :num_sampling] = rows if num_sampling == num_reqs else [rows[i] for i in sampling_rows]
+                meta[7, :num_sampling] = rows if num_sampling == num_reqs else [rows[j] for j in sampling_rows]
                 meta[4, :num_reqs] = [s.request_id in admitted for s in states] if admitted else 0
                 meta[5, :num_sampling] = num_draft_positions
                 if writable is not None:
