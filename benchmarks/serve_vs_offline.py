@@ -11,6 +11,8 @@ timed runs alternate, offline then served, `--rounds` times: the host's speed dr
 measured only first or only last would carry that drift. The ratio is that of the medians.
 
     python3 benchmarks/serve_vs_offline.py --output $OUT/serve_vs_offline.json     # ~5 min on an H100
+    python3 benchmarks/serve_vs_offline.py --device cpu --concurrency 2 --prompts-per-stream 1 --max-tokens 4 \
+        --rounds 1 --output /tmp/svo.json                                          # the script only
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ from serve_helpers import cpu_seconds, running_server, spawned_children  # noqa:
 def offline_run(llm, prompts, params) -> dict:
     import torch
 
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    sync()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
-    torch.cuda.synchronize()
+    sync()
     duration = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outputs)
     return {"duration": duration, "total_output_tokens": tokens, "output_throughput": tokens / duration}
@@ -64,7 +67,7 @@ def compare(asyncspec, args: argparse.Namespace, concurrency: int, flags: list[s
 
     prompts = gss.load_prompts(args.prompts_per_stream * concurrency)
     params = asyncspec.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    memory = ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    memory = ["--gpu-memory-utilization", str(args.gpu_memory_utilization), "--device", args.device]
     with running_server(["--max-num-seqs", str(concurrency), *memory, *flags]) as server:
         llm = asyncspec.LLM(
             str(REPO / "models" / "stdlib-coder-target"),
@@ -72,6 +75,7 @@ def compare(asyncspec, args: argparse.Namespace, concurrency: int, flags: list[s
             speculative_method="draft_model",
             num_speculative_tokens=4,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            device=args.device,
             **extra,
         )
         cfg = bench.BenchConfig(address=server.address, max_tokens=args.max_tokens, concurrency=concurrency)
@@ -86,7 +90,8 @@ def compare(asyncspec, args: argparse.Namespace, concurrency: int, flags: list[s
         llm.shutdown()
         del llm
         gc.collect()
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     median_offline = statistics.median(r["output_throughput"] for r in offline)
     median_served = statistics.median(r["output_throughput"] for r in served)
     last = served[-1]
@@ -116,6 +121,7 @@ def main() -> int:
     parser.add_argument(
         "--gpu-memory-utilization", type=float, default=0.4, help="each side's share of the card (both are loaded)"
     )
+    parser.add_argument("--device", default="cuda", help="cpu: checks the script only")
     parser.add_argument("--async-scheduling", action="store_true", help="both sides with the asynchronous loop")
     parser.add_argument(
         "--served-worker-process",
@@ -138,7 +144,7 @@ def main() -> int:
     if args.served_in_process:
         flags += ["--engine-process", "false"]
     results = {
-        "card": gss.detect_card("cuda"),
+        "card": gss.detect_card(args.device),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": " ".join(sys.argv),
         "rows": [],

@@ -264,3 +264,21 @@ def test_engine_process_overhead_smoke(tmp_path: Path) -> None:
     for row in rows:
         assert row["output_tokens"] == 16 and row["num_steps"] >= 2 and row["engine_cpu_us_per_token"] > 0
     assert rows[2]["failed"] == 0
+
+
+def test_serve_vs_offline_smoke(tmp_path: Path) -> None:
+    """benchmarks/serve_vs_offline.py on the CPU, tiny: both sides loaded at once, two alternated rounds, every
+    token served, the engine found in its own process (serve's default) and the ratio that of the medians."""
+    out = tmp_path / "svo.json"
+    _run(
+        str(REPO / "benchmarks" / "serve_vs_offline.py"),
+        *("--device", "cpu", "--concurrency", "2", "--prompts-per-stream", "1", "--max-tokens", "4"),
+        *("--rounds", "2", "--output", str(out)),
+    )
+    (row,) = json.loads(out.read_text())["rows"]
+    assert len(row["offline_rounds"]) == len(row["served_rounds"]) == 2
+    assert all(r["total_output_tokens"] == 8 for r in row["offline_rounds"] + row["served_rounds"])
+    assert row["served"]["failed"] == 0 and row["server_exit_code"] == 0
+    assert "engine0" in row["served"]["cpu_busy_fraction"]
+    medians = row["served_output_throughput"] / row["offline_output_throughput"]
+    assert row["served_over_offline"] == pytest.approx(medians)
