@@ -208,7 +208,10 @@ class _EngineHost:
             _, request_id, prompt, params, priority = message
             if not isinstance(prompt, str):
                 try:
-                    if self.engine.submit_nowait(prompt, params, request_id, priority, self._sink(request_id)):
+                    if (
+                        self.engine.submit_nowait(prompt, params, request_id, priority, self._sink(request_id))
+                        is not None
+                    ):
                         return
                 except Exception as e:  # a bad request: its stream ends with the typed error
                     self._emit(request_id, e)
