@@ -66,6 +66,18 @@ def coalesce_waiting(
     return item, None
 
 
+async def next_output(
+    queue: asyncio.Queue[RequestOutput | BaseException], held: BaseException | None, coalesce: bool
+) -> tuple[RequestOutput, BaseException | None]:
+    """A stream's next output from its queue (`held`, an error that a coalesced delta came before, first): raises
+    the exception that ended the request; with `coalesce`, the deltas waiting behind it merged in. Returns the
+    output and an error to hold for the next call."""
+    item = held if held is not None else await queue.get()
+    if isinstance(item, BaseException):
+        raise item
+    return coalesce_waiting(item, queue) if coalesce else (item, None)
+
+
 _IDLE_HEALTH_CHECK_S = 1.0
 """How often an idle loop checks that the engine's worker processes are alive."""
 
@@ -119,14 +131,9 @@ class AsyncEngine:
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         request_id, stream = await self._admit(prompt, sampling_params, request_id, priority, queue.put_nowait)
         try:
-            held: RequestOutput | BaseException | None = None
+            held: BaseException | None = None
             while True:
-                item = held if held is not None else await queue.get()
-                held = None
-                if isinstance(item, BaseException):
-                    raise item
-                if coalesce:
-                    item, held = coalesce_waiting(item, queue)
+                item, held = await next_output(queue, held, coalesce)
                 yield item
                 if item.finished:
                     return

@@ -41,7 +41,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from asyncspec.config import EngineConfig
-from asyncspec.engine.async_engine import AsyncEngine, coalesce_waiting
+from asyncspec.engine.async_engine import AsyncEngine, next_output
 from asyncspec.engine.llm_engine import PromptType
 from asyncspec.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from asyncspec.models.model_config import ModelConfig
@@ -404,14 +404,9 @@ class EngineProcessClient:
         self._streams[request_id] = queue
         self._send_bytes(add)
         try:
-            held: RequestOutput | BaseException | None = None
+            held: BaseException | None = None
             while True:
-                item = held if held is not None else await queue.get()
-                held = None
-                if isinstance(item, BaseException):
-                    raise item
-                if coalesce:
-                    item, held = coalesce_waiting(item, queue)
+                item, held = await next_output(queue, held, coalesce)
                 yield item
                 if item.finished:
                     return

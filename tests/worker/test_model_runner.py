@@ -77,20 +77,13 @@ def test_a_steady_decode_batch_copies_its_inputs_only_when_they_change(async_sch
     (nothing admitted) copies no meta, and its block tables only when a request got a new block. The tokens
     are those of a request run alone, and of a batch that changes under it (a second request joins and ends)."""
     from tests.conftest import load_prompts
+    from tests.engine.engine_helpers import bundled_llm
 
     prompt = load_prompts(1)[0][:20]
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
 
     def make() -> LLM:
-        return LLM(
-            str(TARGET_MODEL),
-            device="cpu",
-            dtype="float32",
-            block_size=16,
-            max_model_len=256,
-            num_kv_blocks=64,
-            async_scheduling=async_scheduling,
-        )
+        return bundled_llm(async_scheduling=async_scheduling)  # 16-token blocks
 
     llm = make()
     alone = llm.generate([prompt], params)[0].token_ids
