@@ -59,7 +59,8 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     """Size of the KV pool in bytes (used when `num_kv_blocks` is None)."""
     gpu_memory_utilization: float = 0.9
-    """Fraction of GPU memory the engine may use in total (weights, activations, KV pool)."""
+    """Fraction of the GPU's total memory this engine may use (weights, activations, graphs, KV pool). Memory
+    that other processes hold is not counted against it, but the share must be free at start-up."""
     max_num_seqs: int = 64
     """Most requests in one step."""
     max_num_batched_tokens: int = 2048

@@ -45,6 +45,7 @@ from asyncspec.spec.factory import make_speculative_decoder
 from asyncspec.spec.greedy_verify import GreedyVerification, GreedyVerifyResult
 from asyncspec.spec.spec_decoder import SpeculativeDecoder, VerifyInputs
 from asyncspec.worker.cuda_graphs import CapturedGraph, CudaGraphForward, batch_size_buckets
+from asyncspec.worker.gpu_memory import MemorySnapshot, check_free_at_start, kv_cache_budget
 from asyncspec.worker.input_batch import SAMPLING_FEATURES, InputBatch, RowState
 
 logger = logging.getLogger(__name__)
@@ -175,6 +176,11 @@ class ModelRunner:
             )
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
+        self.memory_at_start: MemorySnapshot | None = None
+        if self.device.type == "cuda":
+            # Before the weights: what the card holds already is not this engine's (gpu_memory.py).
+            self.memory_at_start = MemorySnapshot.take(self.device)
+            check_free_at_start(self.memory_at_start, config.gpu_memory_utilization)
         self.model = load_model(
             config.model, model_config, self.dtype, self.device, config.load_format, config.seed, self.tp
         )
@@ -327,9 +333,6 @@ class ModelRunner:
             self.dummy_run(self.config.max_num_batched_tokens)
         torch.cuda.synchronize(self.device)
         peak_torch = torch.cuda.max_memory_allocated(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        # Memory held outside torch's allocator (CUDA context, NCCL, ...).
-        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
         # Penalty statistics are allocated on the first penalised request, after the pool exists:
         # keep room for them (float32 counts + bool mask per row and vocab entry).
         penalty_tables = self.config.max_num_seqs * self.model_config.vocab_size * 5
@@ -337,19 +340,22 @@ class ModelRunner:
         if self.spec is not None and self.spec.uses_draft_model:
             penalty_tables += self.config.max_num_seqs * self.spec.k * self.model_config.vocab_size * 4
         graph_memory = self._estimate_cuda_graph_memory() if self.uses_cuda_graphs else 0
-        budget = (
-            int(total * self.config.gpu_memory_utilization)
-            - peak_torch
-            - max(non_torch, 0)
-            - penalty_tables
-            - graph_memory
+        start = self.memory_at_start
+        assert start is not None  # taken in __init__ on CUDA
+        budget = kv_cache_budget(
+            start,
+            MemorySnapshot.take(self.device),
+            self.config.gpu_memory_utilization,
+            peak_torch,
+            penalty_tables + graph_memory,
         )
         torch.cuda.empty_cache()
         if budget < self.bytes_per_block:
             raise ConfigError(
                 f"no GPU memory is left for the KV cache: the model and activations take "
-                f"{peak_torch / 2**30:.2f} GiB of {total / 2**30:.2f} GiB at gpu_memory_utilization="
-                f"{self.config.gpu_memory_utilization}; raise it or lower max_num_batched_tokens"
+                f"{(peak_torch - start.torch_allocated) / 2**30:.2f} GiB of this engine's "
+                f"{start.total * self.config.gpu_memory_utilization / 2**30:.2f} GiB (gpu_memory_utilization="
+                f"{self.config.gpu_memory_utilization}); raise it or lower max_num_batched_tokens"
             )
         return budget // self.bytes_per_block
 
