@@ -12,9 +12,12 @@ rate observed so far. Without cost measurements (the CPU, enforce_eager) it alwa
 A step's host time depends on the k it verifies and on the drafts it proposes for the next step (the
 draft model's passes; none at all when the next k is 0 too), so it is kept per (verified, proposed)
 pair and a k is charged what a steady run at k costs: (k, k). Estimates only change for the k that
-runs, so a k left alone for `probe_interval` steps is chosen twice in a row (one steady (k, k) step)
-to refresh them: a slow outlier (a kernel compiled mid-run, a hiccup) or a stale acceptance rate can
-never lock speculation off, or on, for good. Host time is a low quantile of recent steps (hiccups
+runs, so a k left alone for `probe_interval` steps is chosen `probe_length` times in a row to refresh
+them: twice gives one steady (k, k) step in the synchronous loop; the asynchronous loop's period also
+holds the retirement of the step before and the launch of the step after, so there a steady sample
+needs three (k, k) steps in a row, four choices, and the engine keeps only such samples. So a slow
+outlier (a kernel compiled mid-run, a hiccup, a transition between two k) or a stale acceptance rate
+can never lock speculation off, or on, for good. Host time is a low quantile of recent steps (hiccups
 only ever add time), so outliers do not move it, and samples from before a gap are dropped when a
 probe brings a fresh one.
 
@@ -55,6 +58,8 @@ class SpeculationPolicy:
     Each probe that does not make its k the best doubles that k's interval, up to 16 times this."""
     host_window: int = 16
     """Recent steps per (verified, proposed) pair whose host times the low quantile is taken over."""
+    probe_length: int = 2
+    """Consecutive choices of a probed k: 2 for the synchronous loop, 4 for the asynchronous one."""
     emitted_decay: float = 0.995
     """Weight of the past in the tokens-per-run means (per verified run)."""
     choices: list[int] = field(default_factory=list)
@@ -65,7 +70,8 @@ class SpeculationPolicy:
     _rejected: float = 2.0
     # Host seconds of recent steps by (k verified, drafts proposed): proposal passes cost host time.
     _host_samples: dict[tuple[int, int], deque[float]] = field(default_factory=dict)
-    _probe: int | None = None  # a probed k, chosen once more at the next step
+    _probe: int | None = None  # a probed k, chosen again at the next step
+    _probe_left: int = 0  # how many more times
     _probed: int | None = None  # the k whose probe just ended: is it the best now?
     _intervals: dict[int, int] = field(default_factory=dict)  # per k, the current probe interval
     _num_observed: int = 0
@@ -97,11 +103,15 @@ class SpeculationPolicy:
             self._intervals[self._probed] = self.probe_interval if k == self._probed else grown
             self._probed = None
         if self._probe is not None:
-            k, self._probed, self._probe = self._probe, self._probe, None
+            k = self._probe
+            self._probe_left -= 1
+            if self._probe_left <= 0:
+                self._probed, self._probe = k, None
         elif self.probe_interval > 0:
             stale = [j for j in self.choices if self._num_choices - self._last_chosen.get(j, 0) > self._interval(j)]
             if stale:
                 k = self._probe = min(stale, key=lambda j: self._last_chosen.get(j, 0))
+                self._probe_left = self.probe_length - 1
         self._last_chosen[k] = self._num_choices
         return k
 

@@ -122,10 +122,14 @@ class EngineCore:
             self.kv_cache_manager,
         )
         self.scheduler.spec_policy.step_cost = self.runner.speculation_step_cost()
+        if config.async_scheduling:
+            self.scheduler.spec_policy.probe_length = 4  # see spec_policy.py: one steady period per probe
         self.step_timings = StepTimings()
         """CPU planning, launch gaps and device idle between steps (read by stats and metrics)."""
         self.async_scheduling = config.async_scheduling
         self._inflight: deque[InflightStep] = deque()
+        self._last_retired_key: tuple[int, int, int] | None = None
+        """The last retired step's `_decode_key`."""
         self._last_collected: float | None = None
         self.retired_step_tokens: deque[int] = deque(maxlen=4096)
         """Tokens scheduled in each retired step, until a listener drains them (metrics)."""
@@ -242,8 +246,10 @@ class EngineCore:
         self.step_trace.append(("collect", step.scheduler_output.step_id, collected))
         so = step.scheduler_output
         self.retired_step_tokens.append(so.total_num_scheduled_tokens)
-        if so.num_speculative_tokens or self.config.num_speculative_tokens:
+        decode_key = _decode_key(so) if so.num_speculative_tokens or self.config.num_speculative_tokens else None
+        if decode_key is not None and self._steady_period(decode_key):
             self._observe_decode_step(so, self._step_seconds(step, collected))
+        self._last_retired_key = decode_key
         plan = self.scheduler.planned_requests(so.step_id) if self.debug_invariants else {}
         outputs = self.scheduler.update_from_output(so, runner_output)
         self.step_timings.record(
@@ -297,9 +303,36 @@ class EngineCore:
             if any(not 0 <= t < vocab for t in request.all_token_ids):
                 raise AssertionError(f"{request_id}: token ids outside [0, {vocab}) in the request")
 
+    def _steady_period(self, key: tuple[int, int, int]) -> bool:
+        next_key = _decode_key(self._inflight[0].scheduler_output) if self._inflight else None
+        return steady_period(self.async_scheduling, key, self._last_retired_key, next_key)
+
     def _observe_decode_step(self, so: SchedulerOutput, seconds: float) -> None:
         """Feeds a pure decode step's time to the speculation policy (its host-time estimate)."""
         k = so.num_speculative_tokens
-        if so.scheduled_new_reqs or any(n != k + 1 for n in so.num_scheduled_tokens.values()):
-            return
         self.scheduler.spec_policy.observe_step(len(so.num_scheduled_tokens), k, seconds, so.num_proposals)
+
+
+def steady_period(
+    async_scheduling: bool,
+    key: tuple[int, int, int],
+    previous_key: tuple[int, int, int] | None,
+    next_key: tuple[int, int, int] | None,
+) -> bool:
+    """Whether a retired decode step's time shows a steady run of its kind (`_decode_key`), given the kinds of
+    the step retired before it and of the step in flight after it. Synchronous: the time is the step's own.
+    Asynchronous: the period between two results also holds the previous step's retirement and the next
+    step's launch, so both must be of the same kind (a probe's transitions would otherwise charge one k for
+    another's draft passes)."""
+    return not async_scheduling or key == previous_key == next_key
+
+
+def _decode_key(so: SchedulerOutput) -> tuple[int, int, int] | None:
+    """(requests, drafts verified, drafts proposed) of a step that only decodes (every request verifies
+    exactly its k drafts, none admitted); None for any other step."""
+    k = so.num_speculative_tokens
+    if so.scheduled_new_reqs:
+        return None
+    if any(n != k + 1 for n in so.num_scheduled_tokens.values()):
+        return None
+    return (len(so.num_scheduled_tokens), k, so.num_proposals)

@@ -351,3 +351,13 @@ def test_draft_skipped_at_k0_catches_up_to_the_same_drafts():
     for key in ("num_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens", "num_generation_tokens"):
         assert lazy_stats[key] == eager_stats[key], key
     assert lazy_stats["num_free_kv_blocks"] == lazy_stats["num_kv_blocks"]
+
+
+def test_a_probe_is_probe_length_choices_in_a_row():
+    """The asynchronous loop's probes are four choices long (one steady period in the middle)."""
+    policy = SpeculationPolicy(4, step_cost=compute_bound, probe_interval=10, probe_length=4)
+    for _ in range(300):
+        policy.observe_run(4, 0)  # nothing accepted: k = 0 is best, the others are only probed
+    chosen = [policy.choose(32) for _ in range(400)]
+    runs = [len(list(group)) for k, group in itertools.groupby(chosen) if k != 0]
+    assert runs and all(length == 4 for length in runs)

@@ -3,6 +3,7 @@ started beside another process that holds part of the card."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 
@@ -67,11 +68,13 @@ def other_process_holding():
     procs = []
 
     def hold(fraction: float) -> None:
+        gc.collect()  # an engine of an earlier test may still be cached by this process's allocator
+        torch.cuda.empty_cache()
         proc = subprocess.Popen(
             [sys.executable, "-c", _HOLDER, str(fraction)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
         procs.append(proc)
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready", "the holder could not allocate"
 
     yield hold
     for proc in procs:
