@@ -282,3 +282,19 @@ def test_serve_vs_offline_smoke(tmp_path: Path) -> None:
     assert "engine0" in row["served"]["cpu_busy_fraction"]
     medians = row["served_output_throughput"] / row["offline_output_throughput"]
     assert row["served_over_offline"] == pytest.approx(medians)
+
+
+def test_spec_policy_trace_smoke(tmp_path: Path) -> None:
+    """benchmarks/spec_policy_trace.py on the CPU: every generation's steps are counted by the k they verified
+    (all at k = 4 there: no device costs, no adaptation)."""
+    out = tmp_path / "trace.json"
+    _run(
+        str(REPO / "benchmarks" / "spec_policy_trace.py"),
+        *("--device", "cpu", "--generations", "2", "--max-tokens", "8", "--output", str(out)),
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["steps"] >= 2 and sum(row["steps_by_k"].values()) == row["steps"]
+        assert set(row["steps_by_k"]) <= {"0", "1", "2", "4"} and row["steps_by_k"].get("4", 0) >= 1
+        assert row["estimates"] == {}
