@@ -1,0 +1,120 @@
+"""Decode attention time against the number of KV splits: the Triton paged attention (`paged_attention`) at
+decode shapes of the Llama-1B and 8B layers, timed inside a CUDA graph as the engine runs it (PDL on where the
+engine uses it), for each forced `num_splits` and for the one `choose_num_splits` picks.
+
+    python3 benchmarks/attention_splits.py --output $OUT/attention_splits.json     # GPU, ~1 min
+
+Each case is (model shape, batch of decodes, context per request); a row's time is the median over 10 replays of
+a graph of 20 calls, per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from asyncspec.kernels.paged_attention_triton import _num_sms, _tile_sizes, choose_num_splits, paged_attention  # noqa: E402
+
+SHAPES = {"llama-1b": (32, 8, 64), "llama-8b": (32, 8, 128)}  # query heads, KV heads, head dim
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 2048
+
+
+def make_inputs(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, gen: torch.Generator) -> dict:
+    dev, dt = "cuda", torch.bfloat16
+    blocks = -(-context // BLOCK_SIZE)
+    num_blocks = batch * blocks
+    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    table = torch.zeros(batch, MAX_MODEL_LEN // BLOCK_SIZE, dtype=torch.int32)
+    table[:, :blocks] = perm.view(batch, blocks)
+    return dict(
+        query=torch.randn(batch, heads, head_dim, device=dev, dtype=dt),
+        k_cache=torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim, device=dev, dtype=dt),
+        v_cache=torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim, device=dev, dtype=dt),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev),
+        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=dev),
+        block_tables=table.to(dev),
+        scale=1 / math.sqrt(head_dim),
+    )
+
+
+def graph_time_us(fn, calls: int = 20, replays: int = 10) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,8,32,64,128")
+    ap.add_argument("--contexts", default="315,1000")
+    ap.add_argument("--splits", default="1,2,4,8,16")
+    ap.add_argument("--output", type=Path)
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    sms = _num_sms(torch.device("cuda"))
+    rows = []
+    print(f"{torch.cuda.get_device_name()}, {sms} SMs; us per call (auto = choose_num_splits)")
+    split_list = [int(x) for x in args.splits.split(",")]
+    print(f"{'shape':9} {'batch':>5} {'ctx':>5} {'auto':>4} " + " ".join(f"{'s=' + str(s):>7}" for s in split_list))
+    for shape, (heads, kv_heads, head_dim) in SHAPES.items():
+        for batch in [int(x) for x in args.batches.split(",")]:
+            for context in [int(x) for x in args.contexts.split(",")]:
+                inputs = make_inputs(batch, context, heads, kv_heads, head_dim, gen)
+                out = torch.empty_like(inputs["query"])
+                block_m, _, _ = _tile_sizes(batch, batch, heads // kv_heads, head_dim, 2)
+                auto = choose_num_splits(batch, batch, kv_heads, block_m // (heads // kv_heads), MAX_MODEL_LEN, sms)
+                times = {}
+                for s in split_list:
+                    times[s] = graph_time_us(
+                        lambda s=s, inputs=inputs, out=out: paged_attention(**inputs, out=out, num_splits=s)
+                    )
+                kv_bytes = 2 * batch * context * kv_heads * head_dim * 2
+                best = min(times, key=times.get)
+                rows.append(
+                    {
+                        "shape": shape,
+                        "batch": batch,
+                        "context": context,
+                        "auto_splits": auto,
+                        "us_by_splits": times,
+                        "best_splits": best,
+                        "kv_bytes": kv_bytes,
+                    }
+                )
+                print(
+                    f"{shape:9} {batch:5d} {context:5d} {auto:4d} "
+                    + " ".join(f"{times[s]:7.2f}" for s in split_list)
+                    + f"   best {best}, KV {kv_bytes / 1e6:.1f} MB",
+                    flush=True,
+                )
+    if args.output:
+        args.output.write_text(json.dumps({"card": torch.cuda.get_device_name(), "sms": sms, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
