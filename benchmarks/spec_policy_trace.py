@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: asyncspec without an install
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_step_speed import DRAFT, TARGET, load_prompts  # noqa: E402
 
