@@ -1,5 +1,5 @@
 """What the adaptive speculation policy chose, and why: the bundled pair at batch 1, several generations in one
-process, and after each one the k each step verified and the policy's estimates per k at batch 1 (device time from the
+process, and after each one the k each step verified and the policy's estimates per k (device time from the
 graphs, host time from the steady steps it observed, tokens a run emitted).
 
     python3 benchmarks/spec_policy_trace.py --output $OUT/spec_policy_trace.json          # GPU, ~1 min
@@ -28,7 +28,7 @@ def estimates(policy: Any) -> dict[str, Any]:
     return {
         str(k): {
             "device_ms": policy.step_cost(1, k) * 1e3,
-            "host_ms": policy.host_seconds(k, 1) * 1e3,
+            "host_ms": policy.host_seconds(k) * 1e3,
             "tokens_per_run": policy.tokens_per_run(k),
         }
         for k in policy.choices

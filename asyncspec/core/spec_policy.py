@@ -11,11 +11,7 @@ rate observed so far. Without cost measurements (the CPU, enforce_eager) it alwa
 
 A step's host time depends on the k it verifies and on the drafts it proposes for the next step (the
 draft model's passes; none at all when the next k is 0 too), so it is kept per (verified, proposed)
-pair and a k is charged what a steady run at k costs: (k, k). Host time grows with the batch (planning and
-reconciling 128 requests is not planning one), so samples are kept per batch-size bucket (powers of two),
-and so is the probing: a load that moves from 128 streams to one does not carry the big batches' host
-time into the small ones' choice. A bucket without samples of a k borrows the nearest bucket's until its
-own probes bring some. Estimates only change for the k that
+pair and a k is charged what a steady run at k costs: (k, k). Estimates only change for the k that
 runs, so a k left alone for `probe_interval` steps is chosen `probe_length` times in a row to refresh
 them: twice gives one steady (k, k) step in the synchronous loop; the asynchronous loop's period also
 holds the retirement of the step before and the launch of the step after, so there a steady sample
@@ -72,19 +68,19 @@ class SpeculationPolicy:
     """Device seconds per step, from the worker's start-up measurements; None: always max_k."""
     _accepted: float = 3.0  # a prior of 0.6 acceptance, worth five rejections
     _rejected: float = 2.0
-    # Host seconds of recent steps by (batch bucket, k verified, drafts proposed): proposal passes cost host time.
-    _host_samples: dict[tuple[int, int, int], deque[float]] = field(default_factory=dict)
+    # Host seconds of recent steps by (k verified, drafts proposed): proposal passes cost host time.
+    _host_samples: dict[tuple[int, int], deque[float]] = field(default_factory=dict)
     _probe: int | None = None  # a probed k, chosen again at the next step
     _probe_left: int = 0  # how many more times
-    _probed: tuple[int, int] | None = None  # the (bucket, k) whose probe just ended: is it the best now?
-    _intervals: dict[tuple[int, int], int] = field(default_factory=dict)  # per (bucket, k), the probe interval
+    _probed: int | None = None  # the k whose probe just ended: is it the best now?
+    _intervals: dict[int, int] = field(default_factory=dict)  # per k, the current probe interval
     _num_observed: int = 0
-    _last_observed: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    _last_observed: dict[tuple[int, int], int] = field(default_factory=dict)
     # Decayed sums of tokens emitted by, and number of, runs that verified exactly k drafts.
     _emitted: dict[int, float] = field(default_factory=dict)
     _runs: dict[int, float] = field(default_factory=dict)
     _num_choices: int = 0
-    _last_chosen: dict[tuple[int, int], int] = field(default_factory=dict)
+    _last_chosen: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.choices:
@@ -99,36 +95,28 @@ class SpeculationPolicy:
         if not self.adaptive or self.step_cost is None or self.max_k == 0 or num_decodes == 0:
             return self.max_k
         self._num_choices += 1
-        bucket = batch_bucket(num_decodes)
-        if (bucket, self.max_k) not in self._last_chosen:
-            # A batch size first seen: its probes start one interval from now (meanwhile it borrows estimates).
-            for j in self.choices:
-                self._last_chosen[bucket, j] = self._num_choices
         k = self._best(num_decodes, self.step_cost)
         if self._probed is not None:
             # A probe that changed nothing makes the next one of that k rarer; one that did, sooner.
             interval = self._intervals.get(self._probed, self.probe_interval)
             grown = min(2 * interval, 16 * self.probe_interval)
-            probed_bucket, probed_k = self._probed
-            best_there = k if probed_bucket == bucket else probed_k
-            self._intervals[self._probed] = self.probe_interval if best_there == probed_k else grown
+            self._intervals[self._probed] = self.probe_interval if k == self._probed else grown
             self._probed = None
         if self._probe is not None:
             k = self._probe
             self._probe_left -= 1
             if self._probe_left <= 0:
-                self._probed, self._probe = (bucket, k), None
+                self._probed, self._probe = k, None
         elif self.probe_interval > 0:
-            last = {j: self._last_chosen.get((bucket, j), 0) for j in self.choices}
-            stale = [j for j in self.choices if self._num_choices - last[j] > self._interval(bucket, j)]
+            stale = [j for j in self.choices if self._num_choices - self._last_chosen.get(j, 0) > self._interval(j)]
             if stale:
-                k = self._probe = min(stale, key=last.__getitem__)
+                k = self._probe = min(stale, key=lambda j: self._last_chosen.get(j, 0))
                 self._probe_left = self.probe_length - 1
-        self._last_chosen[bucket, k] = self._num_choices
+        self._last_chosen[k] = self._num_choices
         return k
 
-    def _interval(self, bucket: int, k: int) -> int:
-        return self._intervals.get((bucket, k), self.probe_interval)
+    def _interval(self, k: int) -> int:
+        return self._intervals.get(k, self.probe_interval)
 
     def _best(self, num_decodes: int, step_cost: StepCost) -> int:
         """The k of the highest expected tokens per second under the current estimates."""
@@ -136,7 +124,7 @@ class SpeculationPolicy:
         rates = {}
         for k in self.choices:
             expected_tokens = num_decodes * self.tokens_per_run(k, alpha)
-            seconds = step_cost(num_decodes, k) + self.host_seconds(k, num_decodes)
+            seconds = step_cost(num_decodes, k) + self.host_seconds(k)
             rates[k] = expected_tokens / max(seconds, 1e-9)
         best = max(rates.values())
         # Near-ties go to the smaller k: the same rate for less work (and less over-allocation).
@@ -171,19 +159,14 @@ class SpeculationPolicy:
         seen_above = [self._emitted[j] / self._runs[j] for j in self._runs if j > k and self._runs[j] >= 8.0]
         return min([(1 - a ** (k + 1)) / (1 - a), *seen_above])
 
-    def host_seconds(self, k: int, num_decodes: int) -> float:
-        """Host time of a steady step at k (verifying k drafts, proposing k) of num_decodes requests: the low
-        quartile of its bucket's recent steps at k once observed. Before that, the larger of two lower
-        bounds: the largest observed in the bucket at a smaller steady k (host work grows with k), and k's
-        own in the nearest bucket that has it (the larger of two equally near); else 0."""
-        bucket = batch_bucket(num_decodes)
-        if (bucket, k, k) in self._host_samples:
-            return _low_quantile(self._host_samples[bucket, k, k])
-        steady = [(b, j, v) for (b, j, n), v in self._host_samples.items() if j == n]
-        smaller = [_low_quantile(v) for b, j, v in steady if b == bucket and j < k]
-        other = [(abs(b.bit_length() - bucket.bit_length()), -b, v) for b, j, v in steady if j == k]
-        borrowed = [_low_quantile(min(other, key=lambda item: item[:2])[2])] if other else []
-        return max(smaller + borrowed, default=0.0)
+    def host_seconds(self, k: int) -> float:
+        """Host time of a steady step at k (verifying k drafts, proposing k): the low quartile of its
+        recent steps once observed; before that the largest observed at a smaller steady k (host
+        work grows with k), else 0."""
+        if (k, k) in self._host_samples:
+            return _low_quantile(self._host_samples[k, k])
+        smaller = [_low_quantile(v) for (j, n), v in self._host_samples.items() if j == n and j < k]
+        return max(smaller, default=0.0)
 
     def observe_step(self, num_decodes: int, k: int, seconds: float, num_proposals: int | None = None) -> None:
         """A decode step's wall time, verifying k drafts and proposing `num_proposals` (default k):
@@ -191,7 +174,7 @@ class SpeculationPolicy:
         if self.step_cost is None or num_decodes == 0:
             return
         host = max(seconds - self.step_cost(num_decodes, k), 0.0)
-        key = (batch_bucket(num_decodes), k, k if num_proposals is None else num_proposals)
+        key = (k, k if num_proposals is None else num_proposals)
         self._num_observed += 1
         samples = self._host_samples.setdefault(key, deque(maxlen=self.host_window))
         # A probe after a long gap: what the old samples said (perhaps while kernels compiled) is stale.
@@ -199,11 +182,6 @@ class SpeculationPolicy:
             samples.clear()
         self._last_observed[key] = self._num_observed
         samples.append(host)
-
-
-def batch_bucket(num_decodes: int) -> int:
-    """The power of two at or above num_decodes: the batch sizes whose host time is kept together."""
-    return 1 << max(num_decodes - 1, 0).bit_length()
 
 
 def _low_quantile(samples: deque[float]) -> float:

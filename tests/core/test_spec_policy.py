@@ -117,12 +117,12 @@ def test_host_time_is_learned_per_k():
     policy = SpeculationPolicy(4, step_cost=memory_bound)
     _feed(policy, 0.5, 300)
     assert policy.choose(8) == 4  # same device time: the most tokens per step wins
-    assert policy.host_seconds(2, 8) == 0.0
+    assert policy.host_seconds(2) == 0.0
     for _ in range(20):
         policy.observe_step(8, 0, 1e-3 + 2e-4)
         policy.observe_step(8, 4, 1e-3 + 4e-3)  # four proposal passes: 4 ms more on the host
-    assert policy.host_seconds(4, 8) == pytest.approx(4e-3)
-    assert policy.host_seconds(2, 8) == pytest.approx(2e-4)  # unseen: the largest seen below it
+    assert policy.host_seconds(4) == pytest.approx(4e-3)
+    assert policy.host_seconds(2) == pytest.approx(2e-4)  # unseen: the largest seen below it
     # k=4: 1.94 tokens / 5 ms; k=0: 1 token / 1.2 ms; k=2 (assumed 0.2 ms host): 1.75 / 1.2 ms.
     assert policy.choose(8) == 2
 
@@ -140,7 +140,7 @@ def test_one_slow_step_does_not_move_the_host_estimate():
     policy = SpeculationPolicy(4, step_cost=memory_bound)
     for seconds in (0.5, 1.2e-3, 1.3e-3):  # a step that compiled a kernel, then two ordinary ones
         policy.observe_step(8, 4, seconds)
-    assert policy.host_seconds(4, 8) == pytest.approx(2e-4)  # a typical step, not the slow one
+    assert policy.host_seconds(4) == pytest.approx(2e-4)  # a typical step, not the slow one
 
 
 def test_a_stale_estimate_is_probed_and_speculation_comes_back():
@@ -175,10 +175,10 @@ def test_host_time_is_charged_to_the_steady_pair():
     for _ in range(5):
         policy.observe_step(8, 0, 1e-3 + 4e-3, num_proposals=4)  # a transition step: four draft passes
         policy.observe_step(8, 4, 1e-3 + 4e-3)
-    assert policy.host_seconds(0, 8) == 0.0  # no steady k = 0 step seen yet
+    assert policy.host_seconds(0) == 0.0  # no steady k = 0 step seen yet
     policy.observe_step(8, 0, 1e-3 + 1e-4, num_proposals=0)
-    assert policy.host_seconds(0, 8) == pytest.approx(1e-4)
-    assert policy.host_seconds(4, 8) == pytest.approx(4e-3)
+    assert policy.host_seconds(0) == pytest.approx(1e-4)
+    assert policy.host_seconds(4) == pytest.approx(4e-3)
     assert policy._best(8, memory_bound) == 0  # 1 token / 1.1 ms beats 1.94 / 5 ms
 
 
@@ -361,31 +361,3 @@ def test_a_probe_is_probe_length_choices_in_a_row():
     chosen = [policy.choose(32) for _ in range(400)]
     runs = [len(list(group)) for k, group in itertools.groupby(chosen) if k != 0]
     assert runs and all(length == 4 for length in runs)
-
-
-def test_host_time_is_kept_per_batch_size():
-    """128 requests cost the host far more per step than one: coming back to batch 1 after a busy spell, the
-    choice rests on batch 1's own host times, not on those of the big batches."""
-    policy = SpeculationPolicy(4, step_cost=compute_bound, probe_interval=0)
-    _feed(policy, 0.95, 300)
-    for _ in range(16):
-        policy.observe_step(1, 4, compute_bound(1, 4) + 0.3e-3)
-        policy.observe_step(1, 0, compute_bound(1, 0) + 0.2e-3)
-        policy.observe_step(128, 4, compute_bound(128, 4) + 20e-3)  # eager draft passes for 128 requests
-        policy.observe_step(128, 0, compute_bound(128, 0) + 2e-3)
-    assert policy.host_seconds(4, 1) == pytest.approx(0.3e-3)
-    assert policy.host_seconds(4, 100) == pytest.approx(20e-3)  # 100 is in 128's bucket
-    assert policy.choose(128) < 4  # k = 4 is dear at 128
-    assert policy.choose(1) == 4  # with 128's host times k = 0 would win: 4.6 tokens / 21 ms against 1 / 3 ms
-    # A batch size not seen yet borrows the nearest bucket's times: 2 is next to 1, far from 128.
-    assert policy.host_seconds(4, 2) == pytest.approx(0.3e-3)
-    assert policy.host_seconds(4, 64) == pytest.approx(20e-3)
-
-
-def test_a_new_batch_size_is_probed_after_one_interval():
-    policy = SpeculationPolicy(4, step_cost=compute_bound, probe_interval=20, probe_length=2)
-    _feed(policy, 0.95, 300)
-    at_one = [policy.choose(1) for _ in range(100)]
-    at_sixteen = [policy.choose(16) for _ in range(30)]
-    assert set(at_one) == {0, 1, 2, 4} and at_sixteen[:20] == [4] * 20  # probes come after the interval
-    assert set(at_sixteen[20:]) - {4}  # then the new bucket's other k are probed too
