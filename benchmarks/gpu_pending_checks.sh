@@ -1,18 +1,17 @@
 #!/bin/bash
-# What the 2026-11-27 sessions left for a GPU: the GPU tests of the changed paths, the batch-1 A/B of the host
-# work changes, and the served-vs-offline comparison with the engine in its own process (serve's default).
+# A device session's usual checks, one call per part: the GPU tests of the changed paths, a batch-1 A/B of two
+# commits, and the served-vs-offline comparison (the engine in its own process, serve's default).
 #
 #   bash benchmarks/gpu_pending_checks.sh            # on the device, from the repository root
 #
 # Writes its JSON under $OUT (or /tmp/pending). Parts, each about one device call (at most 10 minutes):
-#   tests  the whole gpu-marked suite but tensor parallelism (the compiled prepare_inputs with resolve, the
-#          copy skip under graphs and speculation, the engine process): ~8 min on an H100
-#   step   batch-1 TPOT and 32/128-stream throughput of the bundled pair, before the host work changes (BASE,
-#          packed with benchmarks/ab_commits.sh into .devdata/) and after (NEW), alternated twice
-#   serve  serve_vs_offline.py at 32 and 128 streams, both sides loaded, alternated rounds
+#   tests  the whole gpu-marked suite but tensor parallelism: ~7 min on an H100
+#   step   batch-1 TPOT and 32/128-stream throughput of the bundled pair at BASE and NEW, alternated twice (pack
+#          them here first: `benchmarks/ab_commits.sh pack BASE NEW`, and carry .devdata). One process per run;
+#          the host's speed moves by up to 2x between processes on these machines, so read medians of rounds.
+#   serve  serve_vs_offline.py at 32 and 128 streams, both sides loaded, alternated rounds: ~4 min
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
-# their wheels; the device README says how). `step` needs `benchmarks/ab_commits.sh pack fc68389 HEAD` here
-# first (fc68389: the last commit before the host work changes) and .devdata carried.
+# their wheels; the device README says how).
 set -uo pipefail
 out=${OUT:-/tmp/pending}
 mkdir -p "$out"
