@@ -48,7 +48,7 @@ per model, each in a fresh process, a failure recorded as {"error": ...} while t
   async_scheduling=True (the asynchronous loop).
   Each measures, at gpu_memory_utilization 0.5:
   - `tpot`: batch-1 wall TPOT = (time of a 128-token generation - time of a 1-token one) / 127, medians of 3
-    after one untimed call of each (as in gpu_engine_vs_hf.py);
+    after one untimed 1-token call and `--warmup-runs` (3) untimed 128-token ones;
   - `windows`: steady-decode windows at batch B (1 and 64; for `graphed` the sweep 1, 2, 4, 8, 16, 32, 64):
     B requests are submitted and stepped until every one has its first token, 3 more steps, then 32 steps are
     timed (wall, no profiler) and 32 more are profiled (torch.profiler, CUDA activity): GPU ms per step = sum
@@ -559,9 +559,11 @@ def bench_asyncspec(model: str, part: str, s: dict[str, Any]) -> dict:
     warm = asyncspec.SamplingParams(temperature=0.0, max_tokens=min(n, 16), ignore_eos=True)
     prompts = load_prompts(max(s["concurrency"] + s["window_batches"] + [1]))
 
-    # Batch-1 TPOT by subtraction.
+    # Batch-1 TPOT by subtraction. The first timed runs of a process measured slower than the later ones (up to
+    # 1.6x on an H100 host), so several untimed full runs come first.
     llm.generate([prompts[0]], one)
-    llm.generate([prompts[0]], full)
+    for _ in range(s.get("warmup_runs", 1)):
+        llm.generate([prompts[0]], full)
     st0 = llm.stats()
     t_full, full_runs = clock.median(lambda: llm.generate([prompts[0]], full), s["trials"])
     st1 = llm.stats()
@@ -1138,6 +1140,7 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "new_tokens": args.new_tokens,
         "trials": args.trials,
+        "warmup_runs": args.warmup_runs,
         "throughput_trials": args.throughput_trials,
         "concurrency": [int(x) for x in args.concurrency.split(",")],
         "window_batches": [int(x) for x in args.window_batches.split(",")],
@@ -1159,6 +1162,7 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
             device="cpu",
             new_tokens=4,
             trials=1,
+            warmup_runs=1,
             throughput_trials=1,
             concurrency=[1, 2],
             window_batches=[1, 2],
@@ -1195,6 +1199,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--trials", type=int, default=3, help="timed runs of each batch-1 TPOT measurement")
+    parser.add_argument("--warmup-runs", type=int, default=3, help="untimed batch-1 generations before them")
     parser.add_argument("--throughput-trials", type=int, default=1, help="timed runs per concurrency (after one)")
     parser.add_argument("--concurrency", default="1,8,32,64,128")
     parser.add_argument("--window-batches", default="1,64", help="decode windows of every asyncspec config")
