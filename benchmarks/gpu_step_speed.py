@@ -48,7 +48,7 @@ per model, each in a fresh process, a failure recorded as {"error": ...} while t
   async_scheduling=True (the asynchronous loop).
   Each measures, at gpu_memory_utilization 0.5:
   - `tpot`: batch-1 wall TPOT = (time of a 128-token generation - time of a 1-token one) / 127, medians of 3
-    after one untimed 1-token call and `--warmup-runs` (3) untimed 128-token ones;
+    alternated runs of each, after one untimed 1-token call and `--warmup-runs` (3) untimed 128-token ones;
   - `windows`: steady-decode windows at batch B (1 and 64; for `graphed` the sweep 1, 2, 4, 8, 16, 32, 64):
     B requests are submitted and stepped until every one has its first token, 3 more steps, then 32 steps are
     timed (wall, no profiler) and 32 more are profiled (torch.profiler, CUDA activity): GPU ms per step = sum
@@ -308,6 +308,12 @@ class Clock:
             self._torch.cuda.synchronize()
         return time.perf_counter()
 
+    def timed(self, fn: Callable[[], object]) -> float:
+        """Seconds of one call, the device drained before and after."""
+        t0 = self()
+        fn()
+        return self() - t0
+
     def median(self, fn: Callable[[], object], trials: int) -> tuple[float, list[float]]:
         times = []
         for _ in range(trials):
@@ -564,11 +570,20 @@ def bench_asyncspec(model: str, part: str, s: dict[str, Any]) -> dict:
     llm.generate([prompts[0]], one)
     for _ in range(s.get("warmup_runs", 1)):
         llm.generate([prompts[0]], full)
-    st0 = llm.stats()
-    t_full, full_runs = clock.median(lambda: llm.generate([prompts[0]], full), s["trials"])
-    st1 = llm.stats()
-    t_one, one_runs = clock.median(lambda: llm.generate([prompts[0]], one), s["trials"])
-    b1 = _spec_delta(st0, st1)
+    # Alternated (full, one, full, one, ...), so that a drift of the host's speed moves both alike; the counters
+    # are read around each full run, outside its timing.
+    full_runs, one_runs, deltas = [], [], []
+    for _ in range(s["trials"]):
+        st0 = llm.stats()
+        full_runs.append(clock.timed(lambda: llm.generate([prompts[0]], full)))
+        deltas.append(_spec_delta(st0, llm.stats()))
+        one_runs.append(clock.timed(lambda: llm.generate([prompts[0]], one)))
+    t_full, t_one = statistics.median(full_runs), statistics.median(one_runs)
+    drafts = sum(d["spec_num_drafts"] for d in deltas)
+    b1 = {
+        "num_steps": sum(d["num_steps"] for d in deltas),
+        "acceptance_length": 1.0 + sum(d["spec_num_accepted_tokens"] for d in deltas) / drafts if drafts else None,
+    }
     row["tpot"] = {
         "tpot_ms": (t_full - t_one) / (n - 1) * 1e3,
         "full_s": full_runs,
