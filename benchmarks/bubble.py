@@ -226,6 +226,7 @@ def gss_args(args: argparse.Namespace) -> argparse.Namespace:
         device=args.device,
         new_tokens=16,
         trials=1,
+        warmup_runs=1,
         throughput_trials=1,
         concurrency="1",
         window_batches=",".join(map(str, args.batches)),
