@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
+from asyncspec.engine import detokenizer as detokenizer_module
 from asyncspec.engine.detokenizer import IncrementalDetokenizer, detokenize
 from asyncspec.sampling_params import SamplingParams
 
@@ -27,6 +28,24 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
     return Tokenizer.from_file(str(TOKENIZER_PATH))
+
+
+class _RefusingStream:
+    """A DecodeStream that refuses every token: the detokenizer goes on in Python from the first one."""
+
+    def __init__(self, skip_special_tokens: bool) -> None:
+        pass
+
+    def step(self, tokenizer: Tokenizer, token_id: int) -> str | None:
+        raise ValueError("refused")
+
+
+@pytest.fixture(autouse=True, params=["rust", "python"])
+def decode_path(request, monkeypatch):
+    """Every test runs on the library's DecodeStream and on the Python window method it falls back to."""
+    if request.param == "python":
+        monkeypatch.setattr(detokenizer_module, "DecodeStream", _RefusingStream)
+    return request.param
 
 
 def stream(tok: Tokenizer, ids: list[int], params: SamplingParams, chunks: list[int] | None = None):
@@ -222,3 +241,41 @@ def test_a_chunk_ending_inside_a_character_emits_the_text_before_it(tok: Tokeniz
     assert early == detokenize(tok, ids[:-1]).rstrip("\ufffd") and "\ufffd" not in early
     detok.update(ids[-1:])
     assert early + detok.get_text_delta(finished=True) == "ab cd 🎉"
+
+
+def test_a_stream_refused_mid_way_goes_on_in_python(tok: Tokenizer, decode_path: str, monkeypatch) -> None:
+    """The library's stream failing after some tokens (a prefix that decodes differently, say): the rest is
+    decoded in Python from the same offsets, and the text equals a full decode."""
+    if decode_path == "python":
+        pytest.skip("the library's stream is refused from the start here")
+    text = TEXTS[2]
+    ids = tok.encode(text).ids
+    detok = IncrementalDetokenizer(tok, [], SamplingParams())
+    half = len(ids) // 2
+    for token_id in ids[:half]:
+        detok.update([token_id])
+    assert detok._stream is not None  # one token a step: the library's stream
+
+    class Failing:
+        def step(self, tokenizer: Tokenizer, token_id: int) -> str | None:
+            raise ValueError("refused")
+
+    detok._stream = Failing()  # type: ignore[assignment]
+    for token_id in ids[half:]:
+        detok.update([token_id])
+    assert detok._stream is None
+    detok.finish()
+    assert detok.output_text == detokenize(tok, ids)
+
+
+def test_a_step_of_several_tokens_goes_on_in_python(tok: Tokenizer, decode_path: str) -> None:
+    ids = tok.encode(TEXTS[1]).ids
+    detok = IncrementalDetokenizer(tok, tok.encode(PROMPT).ids, SamplingParams())
+    detok.update(ids[:1])
+    assert (detok._stream is not None) == (decode_path == "rust")
+    detok.update(ids[1:4])  # a speculative step
+    assert detok._stream is None
+    for token_id in ids[4:]:
+        detok.update([token_id])
+    detok.finish()
+    assert detok.output_text == detokenize(tok, ids)
