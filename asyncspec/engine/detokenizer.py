@@ -19,7 +19,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # a tokenizers without it: the Python window method alone
+    DecodeStream = None  # type: ignore[assignment,misc]
 
 from asyncspec.sampling_params import SamplingParams
 
@@ -59,12 +63,14 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)  # tokens before this have had their text emitted
         self._sent_offset = 0  # characters of output_text already returned by get_text_delta
         self._flushed = False
-        self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=self.skip_special_tokens)
-        try:
-            for token_id in context:  # the window before the first output token
-                self._stream.step(tokenizer, token_id)
-        except Exception:  # noqa: BLE001 - the library's stream is an optimisation: Python takes over
-            self._stream = None
+        self._stream: DecodeStream | None = None
+        if DecodeStream is not None:
+            self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+            try:
+                for token_id in context:  # the window before the first output token
+                    self._stream.step(tokenizer, token_id)
+            except Exception:  # noqa: BLE001 - the library's stream is an optimisation: Python takes over
+                self._stream = None
 
     # -- decoding ------------------------------------------------------------------------
     def _decode(self, start: int, end: int | None = None) -> str:
