@@ -5,12 +5,13 @@ engine uses it), for each forced `num_splits` and for the one `choose_num_splits
     python3 benchmarks/attention_splits.py --output $OUT/attention_splits.json     # GPU, ~1 min
 
 Each case is (model shape, batch of decodes, context per request); a row's time is the median over 10 replays of
-a graph of 20 calls, per call.
+a graph of 20 calls, per call (skinny_linear.py's `graph_us`).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -20,6 +21,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from skinny_linear import graph_us  # noqa: E402
 
 from asyncspec.kernels.paged_attention_triton import _num_sms, _tile_sizes, choose_num_splits, paged_attention  # noqa: E402
 
@@ -46,27 +50,6 @@ def make_inputs(batch: int, context: int, heads: int, kv_heads: int, head_dim: i
     )
 
 
-def graph_time_us(fn, calls: int = 20, replays: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,8,32,64,128")
@@ -89,9 +72,8 @@ def main() -> int:
                 auto = choose_num_splits(batch, batch, kv_heads, block_m // (heads // kv_heads), MAX_MODEL_LEN, sms)
                 times = {}
                 for s in split_list:
-                    times[s] = graph_time_us(
-                        lambda s=s, inputs=inputs, out=out: paged_attention(**inputs, out=out, num_splits=s)
-                    )
+                    call = functools.partial(paged_attention, **inputs, out=out, num_splits=s)
+                    times[s] = graph_us([call] * 20)
                 kv_bytes = 2 * batch * context * kv_heads * head_dim * 2
                 best = min(times, key=times.get)
                 rows.append(

@@ -38,6 +38,8 @@ class InflightStep:
     handle: StepHandle
     schedule_start: float
     launch_start: float
+    decode_key: tuple[int, int, int] | None = None
+    """`_decode_key` of its plan when speculation is configured (the policy's steady-period check reads it)."""
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -232,7 +234,8 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         launch_start = time.perf_counter()
         handle = self.runner.launch(scheduler_output)
-        step = InflightStep(scheduler_output, handle, schedule_start, launch_start)
+        key = _decode_key(scheduler_output) if self.config.num_speculative_tokens else None
+        step = InflightStep(scheduler_output, handle, schedule_start, launch_start, key)
         self._inflight.append(step)
         self.step_trace.append(("launch", scheduler_output.step_id, launch_start))
         return step
@@ -246,7 +249,7 @@ class EngineCore:
         self.step_trace.append(("collect", step.scheduler_output.step_id, collected))
         so = step.scheduler_output
         self.retired_step_tokens.append(so.total_num_scheduled_tokens)
-        decode_key = _decode_key(so) if so.num_speculative_tokens or self.config.num_speculative_tokens else None
+        decode_key = step.decode_key
         if decode_key is not None and self._steady_period(decode_key):
             self._observe_decode_step(so, self._step_seconds(step, collected))
         self._last_retired_key = decode_key
@@ -304,7 +307,7 @@ class EngineCore:
                 raise AssertionError(f"{request_id}: token ids outside [0, {vocab}) in the request")
 
     def _steady_period(self, key: tuple[int, int, int]) -> bool:
-        next_key = _decode_key(self._inflight[0].scheduler_output) if self._inflight else None
+        next_key = self._inflight[0].decode_key if self._inflight else None
         return steady_period(self.async_scheduling, key, self._last_retired_key, next_key)
 
     def _observe_decode_step(self, so: SchedulerOutput, seconds: float) -> None:
