@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -443,8 +444,21 @@ def _combine_splits_kernel(
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def _tile_sizes(num_tokens: int, num_reqs: int, group: int, head_dim: int, elem_size: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) from shapes only: tall tiles for prefill-heavy batches, short for decodes."""
+class TileConfig(NamedTuple):
+    """A launch's tile shape and schedule."""
+
+    block_m: int
+    """Rows of a program's tile: (query token, query head of the GQA group) pairs."""
+    block_n: int
+    """Keys per step of the KV walk."""
+    num_warps: int
+    """Warps per program."""
+    num_stages: int
+    """Software-pipelining depth of the KV walk's loads."""
+
+
+def _tile_sizes(num_tokens: int, num_reqs: int, group: int, head_dim: int, elem_size: int) -> TileConfig:
+    """The tile from shapes only: tall tiles for prefill-heavy batches, short for decodes."""
     avg_q = num_tokens / max(num_reqs, 1)
     rows = 128 if avg_q >= 64 else 64 if avg_q >= 16 else 16
     if elem_size * head_dim >= 512:
@@ -452,7 +466,7 @@ def _tile_sizes(num_tokens: int, num_reqs: int, group: int, head_dim: int, elem_
     rows = max(rows, triton.next_power_of_2(group))
     block_n = 64 if head_dim <= 128 else 32
     num_warps = 8 if rows >= 128 else 4
-    return rows, block_n, num_warps
+    return TileConfig(rows, block_n, num_warps, 2)
 
 
 def choose_num_splits(
@@ -517,7 +531,7 @@ def paged_attention(
         assert t.stride(-1) == 1, "the head dim must be contiguous"
     assert query_start_loc.is_contiguous() and seq_lens.is_contiguous() and block_tables.stride(-1) == 1
 
-    block_m, block_n, num_warps = _tile_sizes(num_tokens, num_reqs, group, head_dim, query.element_size())
+    block_m, block_n, num_warps, num_stages = _tile_sizes(num_tokens, num_reqs, group, head_dim, query.element_size())
     block_q = block_m // group
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
@@ -565,7 +579,7 @@ def paged_attention(
             DOT_PRECISION=dot_precision,
             USE_PDL=pdl,
             num_warps=num_warps,
-            num_stages=2,
+            num_stages=num_stages,
             **pdl_launch_options(pdl),
         )
         return out
@@ -610,7 +624,7 @@ def paged_attention(
         DOT_PRECISION=dot_precision,
         USE_PDL=pdl,
         num_warps=num_warps,
-        num_stages=2,
+        num_stages=num_stages,
         **pdl_launch_options(pdl),
     )
     _combine_splits_kernel[(num_tokens, num_heads)](
