@@ -68,12 +68,17 @@ def resolve_computed_ref(meta: torch.Tensor, num_reqs: int, device_counts: torch
 
     meta [>=5, >=num_reqs] int64 (rows as in `prepare_inputs_ref`, plus row 4: 1 where the host's count
     in row 1 is authoritative, for a request admitted this step); device_counts [R] int64 per buffer row,
-    rows distinct. Writes meta[1, i] = the request's computed count (host's if flagged, else the
-    device's) and device_counts[row] = that count + its scheduled tokens.
+    the rows of requests with tokens distinct. Writes meta[1, i] = the request's computed count (host's if
+    flagged, else the device's) and device_counts[row] = that count + its scheduled tokens. A request with
+    no scheduled tokens is padding (a graph bucket's tail, whose row may repeat a real one): it is left
+    alone, so a graph can resolve its whole bucket.
     """
     if num_reqs == 0:
         return
-    rows = meta[0, :num_reqs]
-    computed = torch.where(meta[4, :num_reqs] != 0, meta[1, :num_reqs], device_counts.index_select(0, rows))
-    meta[1, :num_reqs] = computed
-    device_counts.index_copy_(0, rows, computed + meta[2, :num_reqs])
+    scheduled = meta[2, :num_reqs]
+    real = (scheduled > 0).nonzero().squeeze(1)
+    rows = meta[0, :num_reqs].index_select(0, real)
+    host = meta[1, :num_reqs].index_select(0, real)
+    computed = torch.where(meta[4, :num_reqs].index_select(0, real) != 0, host, device_counts.index_select(0, rows))
+    meta[1, :num_reqs].index_copy_(0, real, computed)
+    device_counts.index_copy_(0, rows, computed + scheduled.index_select(0, real))

@@ -60,7 +60,7 @@ def _prepare_inputs_kernel(
     num_sched = tl.load(meta_ptr + 2 * meta_stride + r, mask=r_ok, other=0)
     if RESOLVE:
         # resolve_computed first (launched with a single program, so no other program reads row 1 early).
-        resolving = r < num_resolve
+        resolving = (r < num_resolve) & (num_sched > 0)  # padding requests are left alone
         row_r = tl.load(meta_ptr + r, mask=resolving, other=0)
         host = tl.load(meta_ptr + meta_stride + r, mask=resolving, other=0)
         from_host = tl.load(meta_ptr + 4 * meta_stride + r, mask=resolving, other=0)
@@ -163,10 +163,10 @@ def prepare_inputs(
 @triton.jit(do_not_specialize=["meta_stride", "num_reqs"], do_not_specialize_on_alignment=["meta_ptr"])
 def _resolve_computed_kernel(meta_ptr, meta_stride, counts_ptr, num_reqs, BLOCK_R: tl.constexpr):
     r = tl.arange(0, BLOCK_R)
-    ok = r < num_reqs
+    scheduled = tl.load(meta_ptr + 2 * meta_stride + r, mask=r < num_reqs, other=0)
+    ok = (r < num_reqs) & (scheduled > 0)  # padding requests are left alone
     row = tl.load(meta_ptr + r, mask=ok, other=0)
     host = tl.load(meta_ptr + meta_stride + r, mask=ok, other=0)
-    scheduled = tl.load(meta_ptr + 2 * meta_stride + r, mask=ok, other=0)
     from_host = tl.load(meta_ptr + 4 * meta_stride + r, mask=ok, other=0)
     device = tl.load(counts_ptr + row, mask=ok & (from_host == 0), other=0)
     computed = tl.where(from_host != 0, host, device)

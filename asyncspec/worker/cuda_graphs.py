@@ -34,6 +34,12 @@ the forward pass of a greedy step (the plain decode's sampling, or a speculative
 verification), captured as a graph of its own so that a step that needs the eager sampler still
 replays the forward alone."""
 
+StepHead = Callable[[int, int], None]
+"""head(B, q): builds a step's inputs into the graphs' static buffers, for a batch padded to B requests of at
+most q tokens, from device-resident counts alone (a kernel whose launch depends on (B, q) only), captured as
+a graph of its own per (B, q). The caller replays it instead of launching the kernel; it stays a graph of its
+own so that the inputs can be checked (debug mode) before the forward pass reads them."""
+
 
 def batch_size_buckets(max_num_reqs: int) -> list[int]:
     """1, 2, 4, 8, then multiples of 8 up to max_num_reqs (which is always a bucket)."""
@@ -81,6 +87,7 @@ class CudaGraphForward:
         device: torch.device,
         tail: StepTail | None = None,
         tail_query_lens: Iterable[int] = (),
+        head: StepHead | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -98,11 +105,16 @@ class CudaGraphForward:
         """The query lengths whose graphs get the tail (1: plain decode; k + 1: verification)."""
         self._tails: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Any]] = {}
         """(bucket, q) -> the tail's graph over the (bucket, q) forward graph's output, and its results."""
+        self.head = head
+        self._heads: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        """(bucket, q) -> the head's graph: the step's inputs built for that bucket."""
         self._pool: Any = None  # the first graph's private memory pool handle
         self.num_replays = 0
         """Forward passes served by a graph (tests and benchmarks read it)."""
         self.num_eager = 0
         """Forward passes that ran eagerly."""
+        self.num_head_replays = 0
+        """Steps whose inputs were built by the head's graph."""
         self.num_decode_tail_replays = 0
         """Decode steps whose greedy sampling was replayed from a tail graph."""
         self.num_verify_tail_replays = 0
@@ -146,11 +158,15 @@ class CudaGraphForward:
             self.replay_seconds[(num_reqs, query_len)] = self._time_replays(graph)
             if self.tail is not None and query_len in self.tail_query_lens:
                 self._tails[(num_reqs, query_len)] = self._capture_tail(self.tail, out, num_reqs, query_len)
+            if self.head is not None:
+                self._heads[(num_reqs, query_len)] = self.capture_function(
+                    lambda b=num_reqs, q=query_len: self.head(b, q)  # type: ignore[misc]
+                ).graph
             if progress is not None:
                 progress(i + 1, len(keys))
         torch.cuda.synchronize(self.device)
         memory = torch.cuda.memory_reserved(self.device) - reserved_before
-        return CaptureStats(len(keys) + len(self._tails), time.perf_counter() - start, memory)
+        return CaptureStats(len(keys) + len(self._tails) + len(self._heads), time.perf_counter() - start, memory)
 
     def _capture_tail(
         self, tail: StepTail, hidden: torch.Tensor, num_reqs: int, query_len: int
@@ -233,6 +249,15 @@ class CudaGraphForward:
         graph.replay()
         self.num_replays += 1
         return out[:num_tokens]
+
+    def has_head(self, bucket: int, query_len: int) -> bool:
+        return (bucket, query_len) in self._heads
+
+    def replay_head(self, bucket: int, query_len: int) -> None:
+        """Builds the step's inputs for (bucket, query_len) from the device's counts (the head's graph);
+        the caller has put the step's counts on the device first, on the same stream."""
+        self._heads[(bucket, query_len)].replay()
+        self.num_head_replays += 1
 
     def has_tail(self, bucket: int, query_len: int) -> bool:
         return (bucket, query_len) in self._tails

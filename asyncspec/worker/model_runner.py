@@ -68,18 +68,43 @@ def _available_host_memory() -> int:
 
 @dataclass
 class StepInputs:
-    """A prepared step: the real requests' view, and how the forward pass runs."""
+    """A prepared step: the real requests' view, and how the forward pass runs. The views of the static
+    buffers are made on first use: a step that replays a graph and samples inside it never needs them, and
+    each costs microseconds of host time."""
 
-    metadata: AttentionMetadata
-    """Attention inputs of the real requests (views of the static buffers)."""
-    positions: torch.Tensor
-    """[T] int64."""
-    input_ids: torch.Tensor
-    """[T] int64."""
+    inputs: StaticInputs
+    """The static buffers the step's inputs were built into."""
+    num_reqs: int
+    """Real requests (padding excluded)."""
+    num_tokens: int
+    """Real tokens (padding excluded): T."""
+    max_query_len: int
+    """Most tokens of one request."""
+    max_seq_len: int
+    """An upper bound on every request's sequence length after the step."""
+    block_size: int
+    """Tokens per KV block."""
     graph_bucket: int | None
     """The captured batch size that replays this step, or None (eager)."""
     query_len: int
     """Tokens per request when uniform (what the graph was captured for)."""
+
+    @functools.cached_property
+    def metadata(self) -> AttentionMetadata:
+        """Attention inputs of the real requests (views of the static buffers)."""
+        metadata = self.inputs.metadata(self.num_reqs, self.num_tokens, self.max_query_len, self.block_size)
+        metadata.max_seq_len = self.max_seq_len
+        return metadata
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        """[T] int64."""
+        return self.inputs.positions[: self.num_tokens]
+
+    @functools.cached_property
+    def input_ids(self) -> torch.Tensor:
+        """[T] int64."""
+        return self.inputs.input_ids[: self.num_tokens]
 
 
 @dataclass(eq=False)
@@ -119,6 +144,10 @@ skinny Triton kernel (layers/linear.py). Inside the engine on an H100, the kerne
 batch-1 greedy decode step of the Llama-1B / 8B shapes 11 % / 9 % faster than cuBLAS without PDL
 (docs/benchmarks.md)."""
 
+GRAPH_STEP_INPUTS_ENV = "ASYNCSPEC_GRAPH_STEP_INPUTS"
+"""Set to 0 to launch the input kernel of a graphed step from Python (Triton's launcher: tens of microseconds of
+host time) instead of replaying it as a small graph captured per bucket."""
+
 GREEDY_DRAFT_STEP_GRAPH_ENV = "ASYNCSPEC_GREEDY_DRAFT_STEP_GRAPH"
 """Set to 0 to launch the draft's step after a greedy verification as its catch-up graph and its
 proposal-loop graph with host work between them, instead of one graph (docs/benchmarks.md: the
@@ -131,10 +160,12 @@ GRAPH_STATS = (
     "cuda_graph_draft_loop_replays",
     "cuda_graph_draft_step_replays",
     "cuda_graph_eager_forwards",
+    "cuda_graph_input_replays",
     "step_meta_copies",
     "step_block_table_copies",
 )
-"""The counters of `ModelRunner.graph_stats` (a tensor-parallel executor starts from them at 0); the last two
+"""The counters of `ModelRunner.graph_stats` (a tensor-parallel executor starts from them at 0);
+`cuda_graph_input_replays` counts the graphed steps whose inputs were built by a graph too; the last two
 count the steps that copied their per-request meta and their block tables to the device (a steady decode
 batch copies neither)."""
 
@@ -468,6 +499,7 @@ class ModelRunner:
             tail, tail_query_lens = GreedyDecodeTail(self.model, self._meta_dev, self.input_batch), [1]
         elif model is self.model and self._greedy_verification is not None:
             tail, tail_query_lens = self._greedy_verification, [q for q in query_lens if q > 1]
+        graph_inputs = static is self._inputs and os.environ.get(GRAPH_STEP_INPUTS_ENV, "1") != "0"
         return CudaGraphForward(
             model,
             kv_caches,
@@ -478,6 +510,20 @@ class ModelRunner:
             self.device,
             tail=tail,
             tail_query_lens=tail_query_lens,
+            head=self._build_padded_step_inputs if graph_inputs else None,
+        )
+
+    def _build_padded_step_inputs(self, bucket: int, query_len: int) -> None:
+        """A graphed step's inputs for `bucket` requests of at most `query_len` tokens, from the device's meta
+        and counts alone: padding requests have no tokens, and resolving them changes nothing."""
+        self._inputs.fill(
+            self._prepare_kernel,
+            self._meta_dev,
+            bucket,
+            bucket * query_len,
+            self.input_batch.token_ids,
+            self.block_size,
+            resolve=(bucket, self.input_batch.num_computed_dev),
         )
 
     def _only_greedy(self, num_reqs: int, num_sampling: int) -> bool:
@@ -521,6 +567,7 @@ class ModelRunner:
 
     def _capture_cuda_graphs(self) -> None:
         batch_sizes = self._graph_batch_sizes()
+        self._meta_dev.zero_()  # the step-input graphs' warm-up runs for real: every request of it is padding
         for model, _, query_lens in self._graph_plan():
             is_target = model is self.model
             name = "target" if is_target else "draft"
@@ -601,6 +648,7 @@ class ModelRunner:
             self.spec.proposer.num_loop_replays if self.spec is not None and self.spec.uses_draft_model else 0,  # type: ignore[union-attr]
             self.num_greedy_draft_steps,
             sum(g.num_eager for g in graphs),
+            sum(g.num_head_replays for g in graphs),
             self.num_meta_copies,
             self.num_block_table_copies,
         )
@@ -612,7 +660,7 @@ class ModelRunner:
             check_token_ids(step.input_ids, self.model_config.vocab_size, "the target's embedding")
         if step.graph_bucket is not None:
             assert self.cuda_graphs is not None
-            return self.cuda_graphs.replay(step.graph_bucket, step.query_len, step.input_ids.shape[0])
+            return self.cuda_graphs.replay(step.graph_bucket, step.query_len, step.num_tokens)
         if self.cuda_graphs is not None:
             self.cuda_graphs.num_eager += 1
         return self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
@@ -803,13 +851,13 @@ class ModelRunner:
         draft_positions = so.num_draft_positions
         num_draft_positions = [draft_positions.get(req_ids[i], 0) for i in sampling_rows]
         step = self._prepare_inputs(states, num_scheduled, sampling_rows, num_draft_positions, admitted)
-        attn_metadata = step.metadata
         hidden_states = self._forward(step)
         # Only a chunk that does not sample can stop short of its request's tokens.
         if self.spec is not None and not self.spec.uses_draft_model and len(sampling_rows) < len(states):
             self._propose_after_recompute(states, num_scheduled, so.num_proposals)
-        # The draft model's catch-up starts from the device's computed counts before this step.
-        computed_before = self._meta_dev[1, : len(states)]
+        # The draft model's catch-up starts from the device's computed counts before this step (a view: only
+        # speculation reads it, and indexing costs microseconds of host time).
+        computed_before = self._meta_dev[1, : len(states)] if self.spec is not None else self._meta_dev[1]
         for state, n in zip(states, num_scheduled, strict=True):
             state.num_computed_tokens += n
         if self.spec is not None and not self._samples_plainly(so, num_draft_positions):
@@ -841,6 +889,7 @@ class ModelRunner:
                 self.input_batch.record_sampled(self._meta_dev[0, :num_sampling], sampled)
             tensors = [sampled]
         else:
+            attn_metadata = step.metadata
             sample_index = self._meta_dev[3, :num_sampling]
             last_token_index = attn_metadata.query_start_loc[1:].to(torch.int64) - 1
             logits = self.model.compute_logits(hidden_states[last_token_index[sample_index]])
@@ -1286,23 +1335,28 @@ class ModelRunner:
         # The block tables were copied into inputs.block_tables (= self._block_table_dev) above. The plan's
         # computed counts in the device meta are replaced by the device's own (the truth), except for rows
         # admitted this step (the host's count is theirs), and the device's counts advance by the scheduled
-        # tokens (verification takes back the rejected ones): one launch with the inputs where it can.
-        inputs.fill(
-            self._prepare_kernel,
-            self._meta_dev,
-            padded_reqs,
-            padded_tokens,
-            self.input_batch.token_ids,
-            self.block_size,
-            resolve=(num_reqs, self.input_batch.num_computed_dev),
-        )
-        metadata = inputs.metadata(num_reqs, total_tokens, max(num_scheduled), self.block_size)
-        # An upper bound (the plan's computed counts are never below the device's).
-        metadata.max_seq_len = max(map(operator.add, computed, num_scheduled))
+        # tokens (verification takes back the rejected ones): one launch with the inputs where it can, or the
+        # bucket's graph of that launch.
+        if bucket is not None and self.cuda_graphs is not None and self.cuda_graphs.has_head(bucket, query_len):
+            self.cuda_graphs.replay_head(bucket, query_len)
+        else:
+            inputs.fill(
+                self._prepare_kernel,
+                self._meta_dev,
+                padded_reqs,
+                padded_tokens,
+                self.input_batch.token_ids,
+                self.block_size,
+                resolve=(num_reqs, self.input_batch.num_computed_dev),
+            )
         return StepInputs(
-            metadata=metadata,
-            positions=inputs.positions[:total_tokens],
-            input_ids=inputs.input_ids[:total_tokens],
+            inputs=inputs,
+            num_reqs=num_reqs,
+            num_tokens=total_tokens,
+            max_query_len=max(num_scheduled),
+            # An upper bound (the plan's computed counts are never below the device's).
+            max_seq_len=max(map(operator.add, computed, num_scheduled)),
+            block_size=self.block_size,
             graph_bucket=bucket,
             query_len=query_len,
         )

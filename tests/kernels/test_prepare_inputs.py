@@ -112,6 +112,7 @@ def with_capacity(case: Case) -> Case:
 CASES = {
     "decode": ([1, 1, 1, 1], [5, 0, 17, 3], 0),
     "verify_padded_bucket": ([5, 5, 5, 0, 0, 0, 0, 0], [9, 30, 2, 0, 0, 0, 0, 0], 25),
+    "decode_padded_bucket": ([1, 1, 1, 0, 0, 0, 0, 0], [4, 12, 2, 0, 0, 0, 0, 0], 5),
     "mixed_prefill": ([7, 1, 0, 12, 5], [0, 40, 0, 3, 11], 3),
     "one_long_prefill": ([150], [2], 10),
     "many_requests": ([1 + (i % 3) for i in range(70)], [i % 11 for i in range(70)], 6),
@@ -125,6 +126,12 @@ def test_reference_matches_the_loop(name, capacity):
     if capacity:
         case = with_capacity(case)
     assert run(prepare_inputs_ref, case) == loop_reference(case)
+
+
+def as_runner_pads(case: Case, n: int) -> Case:
+    """The padding requests past the first n as the runner writes them: row 0, shared with the first real one."""
+    case.meta[0, n : case.num_reqs] = case.meta[0, 0]
+    return case
 
 
 def with_resolve(case: Case, seed: int) -> tuple[Case, torch.Tensor, int]:
@@ -171,9 +178,18 @@ def test_reference_resolve_is_resolve_computed_first(name):
     assert got["counts"] != counts.tolist()  # it did resolve: the device's counts advanced
 
 
+@pytest.mark.parametrize("name", ["decode_padded_bucket", "verify_padded_bucket"])
+def test_reference_resolving_the_padding_too_changes_nothing(name):
+    """A graph resolves its whole bucket: the padding requests (no tokens) must be left alone."""
+    case, counts, n = with_resolve(make_case(*CASES[name]), 0)
+    assert n < case.num_reqs
+    case = as_runner_pads(case, n)
+    assert run_resolved(prepare_inputs_ref, case, counts, case.num_reqs) == run_in_two(case, counts, n)
+
+
 @pytest.mark.skipif(INTERPRETING, reason="TestInterpreted runs in this process")
 def test_interpreter_suite() -> None:
-    run_interpreted_suite(__file__, 2 * len(CASES) + len(RESOLVE_CASES))
+    run_interpreted_suite(__file__, 2 * len(CASES) + len(RESOLVE_CASES) + 2)
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="needs TRITON_INTERPRET=1 before triton is imported")
@@ -195,6 +211,15 @@ class TestInterpreted:
 
         case, counts, n = with_resolve(make_case(*CASES[name], seed=3), 3)
         assert run_resolved(prepare_inputs_triton.prepare_inputs, case, counts, n) == run_in_two(case, counts, n)
+
+    @pytest.mark.parametrize("name", ["decode_padded_bucket", "verify_padded_bucket"])
+    def test_triton_resolving_the_padding_too_changes_nothing(self, name):
+        from asyncspec.kernels import prepare_inputs_triton
+
+        case, counts, n = with_resolve(make_case(*CASES[name], seed=5), 5)
+        case = as_runner_pads(case, n)
+        got = run_resolved(prepare_inputs_triton.prepare_inputs, case, counts, case.num_reqs)
+        assert got == run_in_two(case, counts, n)
 
 
 @pytest.mark.gpu

@@ -16,7 +16,7 @@ import torch
 from asyncspec import LLM, SamplingParams
 from asyncspec.layers.attention_metadata import StaticInputs
 from asyncspec.worker.cuda_graphs import CudaGraphForward, batch_size_buckets
-from asyncspec.worker.model_runner import GREEDY_DRAFT_STEP_GRAPH_ENV, ModelRunner
+from asyncspec.worker.model_runner import GRAPH_STEP_INPUTS_ENV, GREEDY_DRAFT_STEP_GRAPH_ENV, ModelRunner
 from tests.conftest import TARGET_MODEL, load_prompts
 from tests.spec.spec_helpers import assert_same_outputs, spec_kwargs
 
@@ -299,14 +299,24 @@ def _gpu_llm(method: str | None, dtype: str, enforce_eager: bool, **overrides) -
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("method", "draft_step_graph"),
-    [(None, True), ("ngram", True), ("draft_model", True), ("draft_model", False)],
-    ids=["plain", "ngram", "draft_model", "draft_model-two-graphs"],
+    ("method", "draft_step_graph", "input_graphs"),
+    [(None, True, True), (None, True, False), ("ngram", True, True), ("draft_model", True, True)]
+    + [("draft_model", False, True), ("draft_model", True, False)],
+    ids=[
+        "plain",
+        "plain-launched-inputs",
+        "ngram",
+        "draft_model",
+        "draft_model-two-graphs",
+        "draft_model-launched-inputs",
+    ],
 )
-def test_graphs_equal_eager_on_gpu_fp32(method, draft_step_graph, monkeypatch):
+def test_graphs_equal_eager_on_gpu_fp32(method, draft_step_graph, input_graphs, monkeypatch):
     """Real CUDA graphs against enforce_eager, fp32 greedy, with joins, finishes and preemption; the
-    draft's step after a greedy verification as one graph (the default) or as its two graphs."""
+    draft's step after a greedy verification as one graph (the default) or as its two graphs; a graphed
+    step's inputs built by the bucket's input graph (the default) or by the kernel launched from Python."""
     monkeypatch.setenv(GREEDY_DRAFT_STEP_GRAPH_ENV, "1" if draft_step_graph else "0")
+    monkeypatch.setenv(GRAPH_STEP_INPUTS_ENV, "1" if input_graphs else "0")
     ref = _gpu_llm(method, "float32", True).generate(_prompts(), _params())
     llm = _gpu_llm(method, "float32", False)
     runner = llm.engine.engine_core.runner
@@ -319,6 +329,8 @@ def test_graphs_equal_eager_on_gpu_fp32(method, draft_step_graph, monkeypatch):
     assert stats["cuda_graph_replays"] > 20
     # Greedy steps sample in a tail graph: the decode tail without speculation, the verification
     # tail with it; the draft's catch-up and proposals after it replay one graph.
+    # A graphed target step builds its inputs with the bucket's input graph.
+    assert (stats["cuda_graph_input_replays"] > 20) == input_graphs, stats
     assert (stats["cuda_graph_decode_tail_replays"] > 10) == (method is None), stats
     assert (stats["cuda_graph_verify_tail_replays"] > 10) == (method is not None), stats
     assert (stats["cuda_graph_draft_step_replays"] > 10) == (method == "draft_model" and draft_step_graph), stats
