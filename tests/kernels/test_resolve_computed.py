@@ -33,6 +33,9 @@ def make_case(num_reqs: int, seed: int, num_padding: int = 0) -> tuple[torch.Ten
     meta[4] = (torch.rand(num_reqs + 2, generator=gen) < 0.33).long()
     if num_padding:
         real = num_reqs - num_padding
+        holder = (meta[0, :real] == 0).nonzero().flatten()
+        if holder.numel():  # the rows of real requests stay distinct: swap row 0 to the first request
+            meta[0, holder[0]] = meta[0, 0]
         meta[0, 0] = 0
         meta[0, real:num_reqs] = meta[1, real:num_reqs] = meta[2, real:num_reqs] = 0
         meta[4, real:num_reqs] = 0
