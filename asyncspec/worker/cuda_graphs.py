@@ -12,9 +12,11 @@ graphs the draft model's proposal and catch-up passes over the draft's own Stati
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +41,21 @@ StepHead = Callable[[int, int], None]
 most q tokens, from device-resident counts alone (a kernel whose launch depends on (B, q) only), captured as
 a graph of its own per (B, q). The caller replays it instead of launching the kernel; it stays a graph of its
 own so that the inputs can be checked (debug mode) before the forward pass reads them."""
+
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
+    """`torch.cuda.graph` with Python's garbage collector paused. A collection inside the capture may free
+    another engine's CUDA objects (graphs, events, pinned buffers: an LLM dropped before this one was made),
+    and those calls invalidate the capture ("operation failed due to a previous error during capture")."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def batch_size_buckets(max_num_reqs: int) -> list[int]:
@@ -150,7 +167,7 @@ class CudaGraphForward:
                 self._run_static(num_reqs, query_len)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with capturing(graph, self._pool):
                 out = self._run_static(num_reqs, query_len)
             if self._pool is None:
                 self._pool = graph.pool()
@@ -177,7 +194,7 @@ class CudaGraphForward:
             tail(hidden, self.static, num_reqs, query_len)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with capturing(graph, self._pool):
             out = tail(hidden, self.static, num_reqs, query_len)
         graph.replay()  # the first launch uploads the graph: not on a request's step
         return graph, out
@@ -191,7 +208,7 @@ class CudaGraphForward:
             fn()
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with capturing(graph, self._pool):
             out = fn()
         graph.replay()  # the first launch uploads the graph: not on a request's step
         return CapturedGraph(graph, out)

@@ -9,6 +9,7 @@ graphs are captured and compared with `enforce_eager=True` over changing batch c
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -406,3 +407,22 @@ def test_decode_tail_makes_no_host_sync(async_scheduling, monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert llm.stats()["cuda_graph_decode_tail_replays"] > 20
+
+
+@pytest.mark.gpu
+def test_capture_survives_collecting_a_dropped_engine():
+    """An engine dropped in a reference cycle is freed by the cyclic collector, which may run in the middle of
+    the next engine's graph capture; freeing its CUDA objects there invalidated the capture. Collections run
+    at almost every allocation here, and the new engine must capture and generate as usual."""
+    first = _gpu_llm("ngram", "float32", False)
+    ref = first.generate(_prompts(), _params())
+    first.cycle = first  # type: ignore[attr-defined]  # only the cyclic collector can free it now
+    del first
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        llm = _gpu_llm("ngram", "float32", False, async_scheduling=True)
+    finally:
+        gc.set_threshold(*thresholds)
+    assert llm.engine.engine_core.runner.cuda_graphs is not None
+    assert_same_outputs(ref, llm.generate(_prompts(), _params()), "an engine made while another was collected")
