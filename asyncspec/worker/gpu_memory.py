@@ -7,6 +7,7 @@ be free at start-up, though: an engine that cannot have its share fails at once,
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,18 @@ class MemorySnapshot:
     def available(self) -> int:
         """Free on the card, plus what this process's allocator caches without using."""
         return self.free + self.torch_reserved - self.torch_allocated
+
+
+def snapshot_at_start(device: torch.device, utilization: float) -> MemorySnapshot:
+    """The card before this engine loads anything. When this engine's share is not free, Python's cyclic garbage
+    (an engine the caller dropped in a reference cycle) and the allocator's cache are freed first, and the card
+    is read again."""
+    start = MemorySnapshot.take(device)
+    if start.available < int(start.total * utilization):
+        gc.collect()
+        torch.cuda.empty_cache()
+        start = MemorySnapshot.take(device)
+    return start
 
 
 def check_free_at_start(start: MemorySnapshot, utilization: float) -> None:

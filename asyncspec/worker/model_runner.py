@@ -45,7 +45,7 @@ from asyncspec.spec.factory import make_speculative_decoder
 from asyncspec.spec.greedy_verify import GreedyVerification, GreedyVerifyResult
 from asyncspec.spec.spec_decoder import SpeculativeDecoder, VerifyInputs
 from asyncspec.worker.cuda_graphs import CapturedGraph, CudaGraphForward, batch_size_buckets
-from asyncspec.worker.gpu_memory import MemorySnapshot, check_free_at_start, kv_cache_budget
+from asyncspec.worker.gpu_memory import MemorySnapshot, check_free_at_start, kv_cache_budget, snapshot_at_start
 from asyncspec.worker.input_batch import SAMPLING_FEATURES, InputBatch, RowState
 
 logger = logging.getLogger(__name__)
@@ -187,6 +187,35 @@ class GreedyDecodeTail:
         return sampled
 
 
+class PaddedStepInputs:
+    """A graphed step's inputs for `bucket` requests of at most `query_len` tokens, from the device's meta and
+    counts alone (padding requests have no tokens, and resolving them changes nothing): the head of the
+    target's graphs. Like GreedyDecodeTail it holds what it needs, not the runner."""
+
+    def __init__(
+        self,
+        inputs: StaticInputs,
+        prepare: Callable[..., None],
+        meta: torch.Tensor,
+        input_batch: InputBatch,
+        block_size: int,
+    ) -> None:
+        self.inputs, self.prepare, self.meta, self.input_batch = inputs, prepare, meta, input_batch
+        self.block_size = block_size
+
+    def __call__(self, bucket: int, query_len: int) -> None:
+        batch = self.input_batch
+        self.inputs.fill(
+            self.prepare,
+            self.meta,
+            bucket,
+            bucket * query_len,
+            batch.token_ids,
+            self.block_size,
+            resolve=(bucket, batch.num_computed_dev),
+        )
+
+
 class ModelRunner:
     """Holds the model, the KV cache tensors and the persistent input batch."""
 
@@ -212,7 +241,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._device_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
             # Before the weights: what the card holds already is not this engine's (gpu_memory.py).
-            self.memory_at_start = MemorySnapshot.take(self.device)
+            self.memory_at_start = snapshot_at_start(self.device, config.gpu_memory_utilization)
             check_free_at_start(self.memory_at_start, config.gpu_memory_utilization)
         self.model = load_model(
             config.model, model_config, self.dtype, self.device, config.load_format, config.seed, self.tp
@@ -510,20 +539,9 @@ class ModelRunner:
             self.device,
             tail=tail,
             tail_query_lens=tail_query_lens,
-            head=self._build_padded_step_inputs if graph_inputs else None,
-        )
-
-    def _build_padded_step_inputs(self, bucket: int, query_len: int) -> None:
-        """A graphed step's inputs for `bucket` requests of at most `query_len` tokens, from the device's meta
-        and counts alone: padding requests have no tokens, and resolving them changes nothing."""
-        self._inputs.fill(
-            self._prepare_kernel,
-            self._meta_dev,
-            bucket,
-            bucket * query_len,
-            self.input_batch.token_ids,
-            self.block_size,
-            resolve=(bucket, self.input_batch.num_computed_dev),
+            head=PaddedStepInputs(self._inputs, self._prepare_kernel, self._meta_dev, self.input_batch, self.block_size)
+            if graph_inputs
+            else None,
         )
 
     def _only_greedy(self, num_reqs: int, num_sampling: int) -> bool:

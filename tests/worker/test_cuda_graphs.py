@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import weakref
 
 import pytest
 import torch
@@ -426,3 +427,21 @@ def test_capture_survives_collecting_a_dropped_engine():
         gc.set_threshold(*thresholds)
     assert llm.engine.engine_core.runner.cuda_graphs is not None
     assert_same_outputs(ref, llm.generate(_prompts(), _params()), "an engine made while another was collected")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", [None, "draft_model"])
+def test_a_dropped_engine_frees_its_runner_without_the_collector(method):
+    """The graphs hold what they replay, never the runner: an engine is freed as soon as it is dropped, not
+    at some later collection (a reference cycle kept a whole KV pool alive until then)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        llm = _gpu_llm(method, "float32", False)
+        llm.generate(_prompts()[:2], _params()[:2])
+        runner = weakref.ref(llm.engine.engine_core.runner)
+        del llm
+        assert runner() is None
+    finally:
+        if enabled:
+            gc.enable()
