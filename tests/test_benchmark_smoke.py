@@ -104,8 +104,10 @@ def check_asyncspec_row(row: dict, s: dict, name: str) -> None:
         assert w["gpu_ms_per_step"] is None and w["gpu_busy_fraction"] is None  # no CUDA activity on the CPU
         # the engine's step timing: the synchronous loop leaves the device idle between steps
         assert _positive(w["scheduling_ms_per_step"]) and _positive(w["device_idle_ms_per_step"])
-        # (the window's gaps start at the launch before it: about one wall step each, not an exact bound)
-        assert w["device_idle_ms_per_step"] <= w["launch_gap_ms_per_step"] <= w["wall_ms_per_step"] * 1.25
+        # The idle time is part of the launch gap. The gaps have no upper bound in wall time here: the window's
+        # first gap starts at the launch before it, and a pause of a loaded CI host lands in one gap (51 ms
+        # against 40 ms steps in one run).
+        assert 0 < w["device_idle_ms_per_step"] <= w["launch_gap_ms_per_step"]
         assert 0 < w["device_idle_fraction"] < 1
     if "-" in name:  # speculation: acceptance counted
         assert row["tpot"]["acceptance_length"] is None or row["tpot"]["acceptance_length"] >= 1.0
