@@ -232,6 +232,17 @@ def test_compiled_triton_resolving_matches_the_references_in_two(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["decode_padded_bucket", "verify_padded_bucket"])
+def test_compiled_triton_resolving_the_padding_too_changes_nothing(name):
+    from asyncspec.kernels import prepare_inputs_triton
+
+    case, counts, n = with_resolve(make_case(*CASES[name], seed=6), 6)
+    case = as_runner_pads(case, n)
+    got = run_resolved(prepare_inputs_triton.prepare_inputs, case, counts, case.num_reqs, "cuda")
+    assert got == run_in_two(case, counts, n)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("capacity", [False, True])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_compiled_triton_matches_reference(name, capacity):
