@@ -2,7 +2,9 @@
 
 No model: a fake ModelRunnerOutput samples one token per decode. The batch is N running
 decode requests (prompts of ~128 tokens, block_size 16, a pool large enough that nothing
-is preempted, prefix caching on), measured with and without lookahead KV slots.
+is preempted, prefix caching on), measured with and without lookahead KV slots, in
+the synchronous order and pipelined as the asynchronous loop runs (each step planned while the one
+before it is in flight, so every planned request carries a placeholder).
 
     python benchmarks/scheduler_overhead.py [--num-requests 256] [--steps 2000] [--output PATH]
 """
@@ -72,7 +74,7 @@ def summarise(ns: list[int]) -> dict:
     }
 
 
-def run_case(num_requests: int, lookahead: int, steps: int, warmup: int, seed: int) -> dict:
+def run_case(num_requests: int, lookahead: int, steps: int, warmup: int, seed: int, pipelined: bool = False) -> dict:
     sched = build(num_requests, 128, 16, lookahead, warmup + steps, seed)
     # Prefill everything, then warm up on pure decode steps.
     while len(sched.running) < num_requests or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
@@ -85,13 +87,23 @@ def run_case(num_requests: int, lookahead: int, steps: int, warmup: int, seed: i
     sched_ns: list[int] = []
     step_ns: list[int] = []
     gc.collect()
+    # Pipelined (the asynchronous loop): each step is planned while the one before is still in flight, so
+    # every request carries a placeholder when it is planned, and a step is reconciled after the next is planned.
+    inflight = None
+    if pipelined:
+        so = sched.schedule()
+        inflight = (so, fake_output(so, sched, 99))
     for i in range(steps):
         t0 = clock()
         so = sched.schedule()
         t1 = clock()
         out = fake_output(so, sched, 100 + i % 4000)  # the "GPU": not timed
         t2 = clock()
-        sched.update_from_output(so, out)
+        if inflight is not None:
+            sched.update_from_output(*inflight)
+            inflight = (so, out)
+        else:
+            sched.update_from_output(so, out)
         t3 = clock()
         assert len(so.num_scheduled_tokens) == num_requests and not so.preempted_req_ids
         sched_ns.append(t1 - t0)
@@ -100,6 +112,7 @@ def run_case(num_requests: int, lookahead: int, steps: int, warmup: int, seed: i
     return {
         "num_requests": num_requests,
         "num_lookahead_tokens": lookahead,
+        "pipelined": pipelined,
         "steps": steps,
         "schedule": summarise(sched_ns),
         "schedule_plus_update": summarise(step_ns),
@@ -116,7 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     args = ap.parse_args(argv)
 
-    cases = [run_case(args.num_requests, k, args.steps, args.warmup, args.seed) for k in args.lookahead]
+    cases = [
+        run_case(args.num_requests, k, args.steps, args.warmup, args.seed, pipelined)
+        for pipelined in (False, True)
+        for k in args.lookahead
+    ]
     result = {
         "benchmark": "scheduler_overhead",
         "python": sys.version.split()[0],
@@ -132,11 +149,13 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"scheduler step, {args.num_requests} running decodes, {args.steps} timed steps (µs)")
     stats = f"{'p50':>8} {'p99':>8}"
-    print(f"{'lookahead':>9} | {'schedule mean':>13} {stats} | {'sched+update mean':>17} {stats}")
+    print(f"{'loop':>9} {'lookahead':>9} | {'schedule mean':>13} {stats} | {'sched+update mean':>17} {stats}")
     for c in cases:
         s, u = c["schedule"], c["schedule_plus_update"]
+        loop = "pipelined" if c["pipelined"] else "sync"
         print(
-            f"{c['num_lookahead_tokens']:>9} | {s['mean_us']:>13.1f} {s['p50_us']:>8.1f} {s['p99_us']:>8.1f} | "
+            f"{loop:>9} {c['num_lookahead_tokens']:>9} | "
+            f"{s['mean_us']:>13.1f} {s['p50_us']:>8.1f} {s['p99_us']:>8.1f} | "
             f"{u['mean_us']:>17.1f} {u['p50_us']:>8.1f} {u['p99_us']:>8.1f}"
         )
     print(f"wrote {args.output}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -95,6 +95,12 @@ class KVCacheManager:
     def usage(self) -> float:
         """Fraction of blocks held by requests, in [0, 1]."""
         return self.pool.usage
+
+    @property
+    def block_ids_by_request(self) -> Mapping[str, list[int]]:
+        """Every request's block table, read-only (the scheduler's hot loop reads a held table's size to skip
+        `allocate_slots` when the blocks have room; only this manager writes them)."""
+        return self._req_blocks
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's block table ([] for an unknown request)."""

@@ -153,6 +153,8 @@ class Scheduler:
         # Hot loop (every running request, every step): locals and inlined arithmetic only.
         running = self.running
         allocate_slots = kv.allocate_slots
+        block_tables = kv.block_ids_by_request
+        block_size = kv.block_size
         threshold = cfg.long_prefill_token_threshold
         lookahead_k = cfg.num_lookahead_tokens
         # This step verifies what the previous step proposed: the k it committed to.
@@ -168,8 +170,15 @@ class Scheduler:
             computed = request.num_computed_tokens
             placeholders = request.num_output_placeholders
             num_tokens = len(request.all_token_ids) + placeholders
-            if placeholders and self._may_reach_limit(request, num_tokens, max_model_len):
-                # A step in flight may end it (max_tokens, max_model_len): plan it once it is known.
+            # The steps in flight, if every draft is accepted, may end it (max_tokens, max_model_len), and a step
+            # past its end has no place to go: plan it once that is known.
+            if placeholders and (
+                num_tokens >= max_model_len
+                or (
+                    (max_tokens := request.sampling_params.max_tokens) is not None
+                    and len(request.output_token_ids) + placeholders >= max_tokens
+                )
+            ):
                 index += 1
                 continue
             num_new = num_tokens - computed
@@ -194,8 +203,17 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
-            lookahead = self._lookahead_for(computed + num_new, num_tokens, lookahead_k, max_model_len)
-            new_block_ids = allocate_slots(request, num_new, lookahead)
+            end = computed + num_new
+            # Draft slots as _lookahead_for (inlined: hot loop).
+            if end < num_tokens or not lookahead_k:
+                lookahead = 0
+            else:
+                lookahead = lookahead_k if end + lookahead_k <= max_model_len else max(0, max_model_len - end)
+            held = block_tables.get(request.request_id)
+            if held is not None and end + lookahead <= len(held) * block_size:
+                new_block_ids: list[int] | None = []  # allocate_slots' answer when the held blocks have room
+            else:
+                new_block_ids = allocate_slots(request, num_new, lookahead)
             while new_block_ids is None:
                 victim = self._pick_victim()
                 victim_index = running.index(victim)
@@ -343,14 +361,6 @@ class Scheduler:
         return max(num_drafts, 0)
 
     @staticmethod
-    def _may_reach_limit(request: Request, num_tokens: int, max_model_len: int) -> bool:
-        """Whether the steps in flight, if every draft is accepted, reach max_tokens or
-        max_model_len: the request may be finished, and a step past its end has no place to go."""
-        max_tokens = request.sampling_params.max_tokens
-        num_output = len(request.output_token_ids) + request.num_output_placeholders
-        return num_tokens >= max_model_len or (max_tokens is not None and num_output >= max_tokens)
-
-    @staticmethod
     def _lookahead_for(end: int, num_tokens: int, k: int, max_model_len: int) -> int:
         # Draft slots only for a request that samples this step (decode or last prefill chunk:
         # `end` reaches its last known token), and never past max_model_len: no token there can
@@ -371,6 +381,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # a step in flight for it is void (update_from_output)
+        request.next_full_block_tokens = 0  # its recompute registers its blocks again
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.prepend(request)
@@ -405,6 +416,7 @@ class Scheduler:
         block_size = kv.block_size
         max_model_len = self.config.max_model_len
         running_status = RequestStatus.RUNNING
+        finished_status = RequestStatus.FINISHED_STOPPED  # this and above: finished (RequestStatus.is_finished)
         num_prompt_computed = 0
         num_generated = 0
         spec_k = scheduler_output.num_speculative_tokens
@@ -419,7 +431,7 @@ class Scheduler:
             zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
         ):
             request = plan.get(request_id)
-            if request is None or request.is_finished:
+            if request is None or request.status >= finished_status:
                 continue  # finished after this step was planned: its results are void
             # Preempted after this step was planned (asynchronous loop): its tokens are real (a
             # seeded stream already drew them) and are kept; it recomputes them when it resumes.
@@ -477,8 +489,9 @@ class Scheduler:
             # run, if the request goes on).
             committed = len(all_ids) - 1
             cacheable = committed - num_new + 1 if params.stop else committed
-            if cache_blocks is not None and not preempted:
+            if cache_blocks is not None and not preempted and cacheable >= request.next_full_block_tokens:
                 cache_blocks(request, cacheable)
+                request.next_full_block_tokens = (cacheable // block_size + 1) * block_size
             num_accepted = 0
             if num_drafts is not None and num_drafts[i]:
                 num_accepted = min(num_new, len(sampled) - 1)  # drafts among the kept tokens
@@ -486,14 +499,16 @@ class Scheduler:
                 self.spec_policy.observe_run(num_drafts[i], len(sampled) - 1)
             token_logprobs = logprobs[i] if logprobs is not None else None
             output = EngineCoreOutput(
-                request_id=request_id,
-                new_token_ids=list(sampled) if num_new == len(sampled) else sampled[:num_new],
-                new_logprobs=token_logprobs[:num_new] if token_logprobs else None,
+                request_id,
+                list(sampled) if num_new == len(sampled) else sampled[:num_new],
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 queued_seconds=request.queued_seconds,
-                num_draft_tokens=num_drafts[i] if num_drafts is not None else 0,
-                num_accepted_tokens=num_accepted,
             )
+            if num_drafts is not None:
+                output.num_draft_tokens = num_drafts[i]
+                output.num_accepted_tokens = num_accepted
+            if token_logprobs:
+                output.new_logprobs = token_logprobs[:num_new]
             if status is not None:
                 if preempted:
                     self.waiting.remove(request)

@@ -735,7 +735,8 @@ class ModelRunner:
                 # one (asynchronous loop): it sits this step out too; the scheduler ends it once.
                 failed[request_id] = "the worker could not admit the request"
                 continue
-            batch.append_blocks(row_state, new_blocks)
+            if new_blocks:  # most decode steps add none: no call
+                batch.append_blocks(row_state, new_blocks)
             row_state.num_computed_tokens = num_computed
         return failed, admitted
 
@@ -852,11 +853,16 @@ class ModelRunner:
     @torch.inference_mode()
     def _launch_step(self, so: SchedulerOutput) -> StepHandle:
         failed, admitted = self._update_states(so)
-        req_ids = [r for r in so.num_scheduled_tokens if r not in failed]
+        scheduled = so.num_scheduled_tokens
+        if failed:
+            req_ids = [r for r in scheduled if r not in failed]
+            num_scheduled = [scheduled[r] for r in req_ids]
+        else:
+            req_ids, num_scheduled = list(scheduled), list(scheduled.values())
         if not req_ids:
             return StepHandle(output=ModelRunnerOutput(req_ids=[], sampled_token_ids=[], failed_requests=failed))
-        states = [self.input_batch.rows[r] for r in req_ids]
-        num_scheduled = [so.num_scheduled_tokens[r] for r in req_ids]
+        rows = self.input_batch.rows
+        states = [rows[r] for r in req_ids]
         # Only requests whose scheduled tokens reach their last token sample this step. The host's
         # computed count is the plan's (optimistic) and its token count the last collected one: both
         # bounds hold the comparison exact (a prefill chunk's counts are exact).
@@ -929,17 +935,24 @@ class ModelRunner:
         host, ready = self._copy_to_host(tensors)
 
         def finish(values: np.ndarray) -> ModelRunnerOutput:
-            sampled_per_req: list[list[int]] = [[] for _ in req_ids]
             sampled_host = values[:num_sampling].tolist()
-            for i, state, token_id in zip(sampling_rows, sampling_states, sampled_host, strict=True):
-                if token_id == INVALID_TOKEN_ID:
-                    failed[state.request_id] = (
-                        "the sampler found no valid token: the logits were NaN, or every token was masked"
-                    )
-                    continue
-                state.num_tokens += 1
-                state.output_token_ids.append(token_id)
-                sampled_per_req[i] = [token_id]
+            if num_sampling == len(req_ids) and min(sampled_host) >= 0:
+                # Every request sampled a valid token (a decode step): no per-request branches.
+                sampled_per_req = [[token_id] for token_id in sampled_host]
+                for state, token_id in zip(sampling_states, sampled_host, strict=True):
+                    state.num_tokens += 1
+                    state.output_token_ids.append(token_id)
+            else:
+                sampled_per_req = [[] for _ in req_ids]
+                for i, state, token_id in zip(sampling_rows, sampling_states, sampled_host, strict=True):
+                    if token_id == INVALID_TOKEN_ID:
+                        failed[state.request_id] = (
+                            "the sampler found no valid token: the logits were NaN, or every token was masked"
+                        )
+                        continue
+                    state.num_tokens += 1
+                    state.output_token_ids.append(token_id)
+                    sampled_per_req[i] = [token_id]
             logprobs_per_req = None
             if num_logprobs is not None:
                 ids, lps, ranks = _unpack_logprobs(values[num_sampling:], num_sampling, num_logprobs)

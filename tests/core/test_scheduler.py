@@ -125,6 +125,33 @@ def test_prefix_cache_hit(second_len, hit):
     assert s.kv_cache_manager.num_free_blocks == 64
 
 
+@pytest.mark.parametrize("stop", [(), ("never-matched",)])
+def test_decode_registers_each_full_block_as_it_fills(stop):
+    # The decode path calls cache_blocks only when a block can have filled (Request.next_full_block_tokens):
+    # every full block of committed tokens is still registered on the step that commits it (with stop strings,
+    # a run's last token is not yet committed, which a one-token run does not change), and again after a
+    # preemption's recompute.
+    s = make_scheduler(num_blocks=64, block_size=4)
+    runner = FakeRunner(s)
+    s.add_request(make_request("a", 6, max_tokens=30, stop=list(stop)))
+    kv = s.kv_cache_manager
+    preempted = False
+    while s.has_unfinished_requests():
+        step(s, runner)
+        a = s.requests.get("a")
+        if a is None:
+            break
+        if a.output_token_ids:
+            committed = a.num_tokens - 1
+            assert len(kv.block_hashes("a")) == committed // 4, (a.num_tokens, kv.block_hashes("a"))
+        if not preempted and len(a.output_token_ids) == 9:
+            s._preempt(a)  # as the scheduler does when memory runs short
+            runner.rows.pop("a")  # the worker drops its row (the step's preempted_req_ids)
+            preempted = True
+            assert a.next_full_block_tokens == 0
+    assert preempted and kv.num_free_blocks == 64
+
+
 def test_prefix_caching_off_no_hit():
     s = make_scheduler(num_blocks=64, enable_prefix_caching=False)
     runner = FakeRunner(s)
