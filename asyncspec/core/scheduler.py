@@ -500,7 +500,7 @@ class Scheduler:
             token_logprobs = logprobs[i] if logprobs is not None else None
             output = EngineCoreOutput(
                 request_id,
-                list(sampled) if num_new == len(sampled) else sampled[:num_new],
+                sampled if num_new == len(sampled) else sampled[:num_new],  # the runner's list, made for this step
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 queued_seconds=request.queued_seconds,
             )

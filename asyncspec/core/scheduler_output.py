@@ -78,9 +78,9 @@ class ModelRunnerOutput:
     """Debug mode only: each request's num_computed_tokens on the device at the end of this step."""
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
-    """What one step produced for one request, after stop checks."""
+    """What one step produced for one request, after stop checks (slots: one is made per request per step)."""
 
     request_id: str
     new_token_ids: list[int]

@@ -48,6 +48,9 @@ class RequestState:
     num_accepted_tokens: int = 0
     num_drafts: int = 0
     queued_seconds: float | None = None
+    deferred_text: bool = False
+    """The text is made once, at the end: the output is delivered only then (not streamed) and no stop string
+    needs the text of each step (a decode of them all gives what one step at a time would)."""
 
 
 class OutputProcessor:
@@ -63,7 +66,9 @@ class OutputProcessor:
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
-        self.states[request_id] = RequestState(request_id, prompt_token_ids, params, stream_deltas, detokenizer)
+        state = RequestState(request_id, prompt_token_ids, params, stream_deltas, detokenizer)
+        state.deferred_text = detokenizer is not None and not stream_deltas and not params.stop
+        self.states[request_id] = state
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.states
@@ -107,7 +112,7 @@ class OutputProcessor:
         if core.new_logprobs:
             state.logprobs.extend(core.new_logprobs)
         detok = state.detokenizer
-        if detok is not None:
+        if detok is not None and not state.deferred_text:
             text_token_ids = core.new_token_ids
             if finish_reason == "stop" and text_token_ids and not state.sampling_params.include_stop_str_in_output:
                 # As vLLM: the EOS / stop token that ended the request stays in token_ids but its
@@ -160,6 +165,11 @@ class OutputProcessor:
             return None
         detok = state.detokenizer
         if detok is not None and finished:
+            if state.deferred_text:
+                text_token_ids = state.token_ids[detok.num_output_tokens :]
+                if finish_reason == "stop" and text_token_ids and not state.sampling_params.include_stop_str_in_output:
+                    text_token_ids = text_token_ids[:-1]  # the EOS / stop token, as _process_one leaves it out
+                detok.update(text_token_ids)
             detok.finish()
         if state.stream_deltas:
             token_ids = state.token_ids[state.num_sent_tokens :]

@@ -163,6 +163,37 @@ def test_stop_string_earliest_of_several_wins_and_max_tokens_tie(llm, prompts, g
     assert out.token_ids == ref.token_ids[:n_early]
 
 
+def test_text_made_at_the_end_equals_the_streamed_text(llm, prompts):
+    """A whole output with no stop string gets its text once, at the end (finished or aborted): the same text
+    as a streamed request's deltas, and a full decode of its tokens."""
+    engine, tok = llm.engine, llm.get_tokenizer()
+    params = SamplingParams(max_tokens=30, **GREEDY)
+    whole = [engine.make_request(p, params, f"whole-{i}") for i, p in enumerate(prompts[:3])]
+    streamed = [engine.make_request(p, params, f"streamed-{i}") for i, p in enumerate(prompts[:3])]
+    aborted = engine.make_request(prompts[3], params, "aborted")
+    for r in whole + [aborted]:
+        engine.add_request(r, stream_deltas=False)
+    for r in streamed:
+        engine.add_request(r, stream_deltas=True)
+    finals, deltas = {}, {}
+    for _ in range(6):
+        for out in engine.step():
+            deltas[out.request_id] = deltas.get(out.request_id, "") + out.text
+    detok = engine.output_processor.states["whole-0"].detokenizer
+    assert detok is not None and detok.num_output_tokens == 0, "a whole output is not detokenized step by step"
+    (abort_out,) = engine.abort_requests(["aborted"])
+    assert abort_out.token_ids and abort_out.text == tok.decode(abort_out.token_ids)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id.startswith("whole"):
+                finals[out.request_id] = out
+            else:
+                deltas[out.request_id] = deltas.get(out.request_id, "") + out.text
+    for i in range(3):
+        out = finals[f"whole-{i}"]
+        assert out.finish_reason == "length" and out.text == deltas[f"streamed-{i}"] == tok.decode(out.token_ids)
+
+
 def test_stop_string_never_streamed(prompts, greedy_runs, llm):
     """AsyncEngine deltas: the running text is always a prefix of the final (cut) text."""
     tok = llm.get_tokenizer()
