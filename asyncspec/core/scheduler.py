@@ -450,13 +450,15 @@ class Scheduler:
                 ):
                     cache_blocks(request, start + num_sched)
                 continue
-            num_drafts_planned = draft_positions.get(request_id, 0)
+            num_drafts_planned = draft_positions.get(request_id, 0) if draft_positions else 0
+            num_sampled = len(sampled)
             # Reconcile the optimistic view, once: the draft positions this step rejected are not
             # computed (a later step already planned keeps its own optimistic share). A run cut by a
             # stop ends the request, so its cut tail needs no correction.
             if not preempted:  # preemption reset both counts
                 request.num_output_placeholders -= 1 + num_drafts_planned
-                request.num_computed_tokens -= num_drafts_planned - (len(sampled) - 1)
+                if num_drafts_planned != num_sampled - 1:
+                    request.num_computed_tokens -= num_drafts_planned - (num_sampled - 1)
             params = request.sampling_params
             output_ids = request.output_token_ids
             all_ids = request.all_token_ids
@@ -476,13 +478,11 @@ class Scheduler:
                     or len(all_ids) >= max_model_len
                     or token_id in request.eos_token_ids
                     or token_id in params.stop_token_ids
-                ):
-                    status = self._check_stop(request, token_id)
-                    if status is not None:
-                        break
+                ) and (status := self._check_stop(request, token_id)) is not None:
+                    break
             num_generated += num_new
             if spec_k and start >= num_prompt and num_sched == spec_k + 1:
-                self.spec_policy.observe_emitted(spec_k, len(sampled))
+                self.spec_policy.observe_emitted(spec_k, num_sampled)
             # Every kept token but the newest has its KV in the cache. Only verified tokens reach
             # the prefix cache, and with stop strings only those that precede this step's run: the
             # output processor may still cut the run at a stop string (the next step registers the
@@ -492,22 +492,21 @@ class Scheduler:
             if cache_blocks is not None and not preempted and cacheable >= request.next_full_block_tokens:
                 cache_blocks(request, cacheable)
                 request.next_full_block_tokens = (cacheable // block_size + 1) * block_size
-            num_accepted = 0
-            if num_drafts is not None and num_drafts[i]:
-                num_accepted = min(num_new, len(sampled) - 1)  # drafts among the kept tokens
-                self._count_drafts(num_drafts[i], num_accepted)
-                self.spec_policy.observe_run(num_drafts[i], len(sampled) - 1)
-            token_logprobs = logprobs[i] if logprobs is not None else None
             output = EngineCoreOutput(
                 request_id,
-                sampled if num_new == len(sampled) else sampled[:num_new],  # the runner's list, made for this step
+                sampled if num_new == num_sampled else sampled[:num_new],  # the runner's list, made for this step
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 queued_seconds=request.queued_seconds,
             )
             if num_drafts is not None:
+                num_accepted = 0
+                if num_drafts[i]:
+                    num_accepted = min(num_new, num_sampled - 1)  # drafts among the kept tokens
+                    self._count_drafts(num_drafts[i], num_accepted)
+                    self.spec_policy.observe_run(num_drafts[i], num_sampled - 1)
                 output.num_draft_tokens = num_drafts[i]
                 output.num_accepted_tokens = num_accepted
-            if token_logprobs:
+            if logprobs is not None and (token_logprobs := logprobs[i]):
                 output.new_logprobs = token_logprobs[:num_new]
             if status is not None:
                 if preempted:

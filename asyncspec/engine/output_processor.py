@@ -49,8 +49,9 @@ class RequestState:
     num_drafts: int = 0
     queued_seconds: float | None = None
     deferred_text: bool = False
-    """The text is made once, at the end: the output is delivered only then (not streamed) and no stop string
-    needs the text of each step (a decode of them all gives what one step at a time would)."""
+    """The output is delivered only at its end (not streamed) and no stop string needs each step's text: a step
+    only collects tokens, and the text is made once at the end (a decode of them all gives what one step at a
+    time would)."""
 
 
 class OutputProcessor:
@@ -67,7 +68,7 @@ class OutputProcessor:
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
         state = RequestState(request_id, prompt_token_ids, params, stream_deltas, detokenizer)
-        state.deferred_text = detokenizer is not None and not stream_deltas and not params.stop
+        state.deferred_text = not stream_deltas and not params.stop
         self.states[request_id] = state
 
     def has_request(self, request_id: str) -> bool:
@@ -87,6 +88,16 @@ class OutputProcessor:
                 continue
             if state.queued_seconds is None:
                 state.queued_seconds = core.queued_seconds
+            if state.deferred_text and core.finish_reason is None:
+                # A step of a whole output with no stop string: nothing to detokenize or deliver yet.
+                state.token_ids.extend(core.new_token_ids)
+                if core.new_logprobs:
+                    state.logprobs.extend(core.new_logprobs)
+                if core.num_draft_tokens:
+                    state.num_draft_tokens += core.num_draft_tokens
+                    state.num_drafts += 1
+                    state.num_accepted_tokens += core.num_accepted_tokens
+                continue
             try:
                 output = self._process_one(state, core, processed)
             except Exception as e:  # a detokenizer failure ends this request, not the engine

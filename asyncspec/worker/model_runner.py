@@ -873,7 +873,9 @@ class ModelRunner:
         ]
         # Planned draft positions per sampling request (the scheduler's k for a decode).
         draft_positions = so.num_draft_positions
-        num_draft_positions = [draft_positions.get(req_ids[i], 0) for i in sampling_rows]
+        num_draft_positions = (
+            [draft_positions.get(req_ids[i], 0) for i in sampling_rows] if draft_positions else [0] * len(sampling_rows)
+        )
         step = self._prepare_inputs(states, num_scheduled, sampling_rows, num_draft_positions, admitted)
         hidden_states = self._forward(step)
         # Only a chunk that does not sample can stop short of its request's tokens.
