@@ -427,6 +427,10 @@ class Scheduler:
         for new_req in scheduler_output.scheduled_new_reqs:
             starts[new_req.request_id] = new_req.num_computed_tokens
         draft_positions = scheduler_output.num_draft_positions
+        # Tokens emitted by each decode that verified the step's k, and per request with drafts (drafts verified,
+        # kept in its output, accepted by verification): the statistics and the policy take them once per step.
+        emitted: list[int] = []
+        draft_runs: list[tuple[int, int, int]] = []
         for i, (request_id, sampled) in enumerate(
             zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
         ):
@@ -468,21 +472,33 @@ class Scheduler:
             if not output_ids:  # its first token: the prompt is counted once, whatever came before
                 stats.num_prompt_tokens += num_prompt
                 stats.num_prompt_tokens_cached += max(request.num_cached_tokens, 0)
-            for token_id in sampled:
-                output_ids.append(token_id)
-                all_ids.append(token_id)
-                num_new += 1
-                # Cheap pre-check; _check_stop decides (and records stop_reason).
-                if (
-                    (max_tokens is not None and len(output_ids) >= max_tokens)
-                    or len(all_ids) >= max_model_len
-                    or token_id in request.eos_token_ids
-                    or token_id in params.stop_token_ids
-                ) and (status := self._check_stop(request, token_id)) is not None:
-                    break
+            if (
+                num_sampled > 1
+                and (max_tokens is None or len(output_ids) + num_sampled < max_tokens)
+                and len(all_ids) + num_sampled < max_model_len
+                and request.eos_token_ids.isdisjoint(sampled)
+                and (not params.stop_token_ids or not any(t in params.stop_token_ids for t in sampled))
+            ):
+                # A run that no limit and no stop id can end (most verification runs): taken whole.
+                output_ids.extend(sampled)
+                all_ids.extend(sampled)
+                num_new = num_sampled
+            else:
+                for token_id in sampled:
+                    output_ids.append(token_id)
+                    all_ids.append(token_id)
+                    num_new += 1
+                    # Cheap pre-check; _check_stop decides (and records stop_reason).
+                    if (
+                        (max_tokens is not None and len(output_ids) >= max_tokens)
+                        or len(all_ids) >= max_model_len
+                        or token_id in request.eos_token_ids
+                        or token_id in params.stop_token_ids
+                    ) and (status := self._check_stop(request, token_id)) is not None:
+                        break
             num_generated += num_new
             if spec_k and start >= num_prompt and num_sched == spec_k + 1:
-                self.spec_policy.observe_emitted(spec_k, num_sampled)
+                emitted.append(num_sampled)
             # Every kept token but the newest has its KV in the cache. Only verified tokens reach
             # the prefix cache, and with stop strings only those that precede this step's run: the
             # output processor may still cut the run at a stop string (the next step registers the
@@ -500,11 +516,10 @@ class Scheduler:
             )
             if num_drafts is not None:
                 num_accepted = 0
-                if num_drafts[i]:
+                if n_drafts := num_drafts[i]:
                     num_accepted = min(num_new, num_sampled - 1)  # drafts among the kept tokens
-                    self._count_drafts(num_drafts[i], num_accepted)
-                    self.spec_policy.observe_run(num_drafts[i], num_sampled - 1)
-                output.num_draft_tokens = num_drafts[i]
+                    draft_runs.append((n_drafts, num_accepted, num_sampled - 1))
+                output.num_draft_tokens = n_drafts
                 output.num_accepted_tokens = num_accepted
             if logprobs is not None and (token_logprobs := logprobs[i]):
                 output.new_logprobs = token_logprobs[:num_new]
@@ -519,22 +534,34 @@ class Scheduler:
             outputs.append(output)
         stats.num_prompt_tokens_computed += num_prompt_computed
         stats.num_generation_tokens += num_generated
+        if emitted:
+            self.spec_policy.observe_emitted_runs(spec_k, emitted)
+        if draft_runs:
+            self._count_drafts(draft_runs)
+            self.spec_policy.observe_runs([(n, accepted) for n, _, accepted in draft_runs])
         return outputs
 
     def planned_requests(self, step_id: int) -> dict[str, Request]:
         """The Request objects a step not yet reconciled planned (by id)."""
         return self._plans.get(step_id, {})
 
-    def _count_drafts(self, num_drafts: int, num_accepted: int) -> None:
+    def _count_drafts(self, runs: list[tuple[int, int, int]]) -> None:
+        """Counts a step's verifications: per request (drafts verified, drafts kept, _)."""
         stats = self.stats
-        stats.num_drafts += 1
-        stats.num_draft_tokens += num_drafts
-        stats.num_accepted_tokens += num_accepted
+        stats.num_drafts += len(runs)
+        kept_counts: dict[int, int] = {}
+        most = 0
+        for num_drafts, num_kept, _ in runs:
+            stats.num_draft_tokens += num_drafts
+            stats.num_accepted_tokens += num_kept
+            kept_counts[num_kept] = kept_counts.get(num_kept, 0) + 1
+            most = max(most, num_drafts)
         per_position = stats.accepted_per_position
-        if len(per_position) < num_drafts:
-            per_position.extend([0] * (num_drafts - len(per_position)))
-        for position in range(num_accepted):
-            per_position[position] += 1
+        if len(per_position) < most:
+            per_position.extend([0] * (most - len(per_position)))
+        for num_kept, count in kept_counts.items():
+            for position in range(num_kept):
+                per_position[position] += count
 
     def uncount_cut_run(self, num_cut: int, counted: int, kept: int) -> None:
         """Takes back the tail of one run of tokens that a stop string cut (found by the output

@@ -138,6 +138,25 @@ class SpeculationPolicy:
         self._accepted = self.decay * self._accepted + num_accepted
         self._rejected = self.decay * self._rejected + rejected
 
+    def observe_runs(self, runs: list[tuple[int, int]]) -> None:
+        """`observe_run` for each (num_drafts, num_accepted) of a step, in order (one call per step)."""
+        decay, accepted, rejected = self.decay, self._accepted, self._rejected
+        for num_drafts, num_accepted in runs:
+            if num_drafts > 0:
+                accepted = decay * accepted + num_accepted
+                rejected = decay * rejected + (1.0 if num_accepted < num_drafts else 0.0)
+        self._accepted, self._rejected = accepted, rejected
+
+    def observe_emitted_runs(self, k: int, num_tokens: list[int]) -> None:
+        """`observe_emitted(k, n)` for each n of a step, in order (one call per step)."""
+        if k in self.choices and k > 0 and num_tokens:
+            d = self.emitted_decay
+            emitted, runs = self._emitted.get(k, 0.0), self._runs.get(k, 0.0)
+            for n in num_tokens:
+                emitted = d * emitted + n
+                runs = d * runs + 1.0
+            self._emitted[k], self._runs[k] = emitted, runs
+
     def observe_emitted(self, k: int, num_tokens: int) -> None:
         """A decode that verified k planned draft positions emitted num_tokens (1 when its proposer
         found no draft: such runs count here, and tell the policy that speculating did not pay)."""

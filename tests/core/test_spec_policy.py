@@ -19,6 +19,25 @@ def test_choices(max_k, expected):
     assert speculation_choices(max_k) == expected
 
 
+def test_a_steps_observations_at_once_equal_them_one_by_one():
+    """The scheduler hands the policy a step's runs in one call: the same estimates as one call per run."""
+    rng = random.Random(3)
+    one_by_one, at_once = SpeculationPolicy(4), SpeculationPolicy(4)
+    for _ in range(20):
+        k = rng.choice([1, 2, 4])
+        runs = [(rng.randint(0, k), 0) for _ in range(rng.randint(0, 9))]
+        runs = [(n, rng.randint(0, n)) for n, _ in runs]
+        emitted = [accepted + 1 for _, accepted in runs]
+        for (n, accepted), tokens in zip(runs, emitted, strict=True):
+            one_by_one.observe_run(n, accepted)
+            one_by_one.observe_emitted(k, tokens)
+        at_once.observe_runs(runs)
+        at_once.observe_emitted_runs(k, emitted)
+        assert at_once.acceptance_rate == pytest.approx(one_by_one.acceptance_rate, rel=1e-12)
+        for j in (1, 2, 4):
+            assert at_once.tokens_per_run(j) == pytest.approx(one_by_one.tokens_per_run(j), rel=1e-12)
+
+
 def memory_bound(num_decodes: int, k: int) -> float:
     """A small batch on a big GPU: the step costs the same however wide it is."""
     return 1e-3
