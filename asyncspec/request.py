@@ -54,9 +54,6 @@ class Request:
     view): counted in scheduling, never stored as ids; reconciliation replaces them by real tokens."""
     queued_seconds: float | None = None
     """From arrival to first scheduling (set once, at admission)."""
-    next_full_block_tokens: int = 0
-    """Committed tokens from which the request's next full block can enter the prefix cache: a decode
-    step registers blocks (KVCacheManager.cache_blocks) only once its committed count reaches it."""
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

@@ -102,6 +102,12 @@ class KVCacheManager:
         `allocate_slots` when the blocks have room; only this manager writes them)."""
         return self._req_blocks
 
+    @property
+    def num_cached_blocks_by_request(self) -> Mapping[str, int]:
+        """Per request, its leading blocks `cache_blocks` has processed, read-only (the scheduler's hot loop
+        calls `cache_blocks` only once a request's committed tokens fill a block past them)."""
+        return self._req_num_cached
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's block table ([] for an unknown request)."""
         return list(self._req_blocks.get(request_id, ()))

@@ -381,7 +381,6 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # a step in flight for it is void (update_from_output)
-        request.next_full_block_tokens = 0  # its recompute registers its blocks again
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.prepend(request)
@@ -413,6 +412,7 @@ class Scheduler:
         num_scheduled_map = scheduler_output.num_scheduled_tokens
         kv = self.kv_cache_manager
         cache_blocks = kv.cache_blocks if kv.enable_prefix_caching else None
+        num_cached_blocks = kv.num_cached_blocks_by_request
         block_size = kv.block_size
         max_model_len = self.config.max_model_len
         running_status = RequestStatus.RUNNING
@@ -505,9 +505,12 @@ class Scheduler:
             # run, if the request goes on).
             committed = len(all_ids) - 1
             cacheable = committed - num_new + 1 if params.stop else committed
-            if cache_blocks is not None and not preempted and cacheable >= request.next_full_block_tokens:
-                cache_blocks(request, cacheable)
-                request.next_full_block_tokens = (cacheable // block_size + 1) * block_size
+            if (
+                cache_blocks is not None
+                and not preempted
+                and cacheable // block_size > num_cached_blocks.get(request_id, 0)
+            ):
+                cache_blocks(request, cacheable)  # only once a block filled past those it processed
             output = EngineCoreOutput(
                 request_id,
                 sampled if num_new == num_sampled else sampled[:num_new],  # the runner's list, made for this step

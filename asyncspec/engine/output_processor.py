@@ -89,14 +89,9 @@ class OutputProcessor:
             if state.queued_seconds is None:
                 state.queued_seconds = core.queued_seconds
             if state.deferred_text and core.finish_reason is None:
-                # A step of a whole output with no stop string: nothing to detokenize or deliver yet.
-                state.token_ids.extend(core.new_token_ids)
-                if core.new_logprobs:
-                    state.logprobs.extend(core.new_logprobs)
-                if core.num_draft_tokens:
-                    state.num_draft_tokens += core.num_draft_tokens
-                    state.num_drafts += 1
-                    state.num_accepted_tokens += core.num_accepted_tokens
+                # A step of a whole output with no stop string: nothing to detokenize, cut or deliver yet.
+                self._collect(state, core)
+                state.num_accepted_tokens += core.num_accepted_tokens
                 continue
             try:
                 output = self._process_one(state, core, processed)
@@ -116,20 +111,11 @@ class OutputProcessor:
         if core.finish_reason == "error":
             return self._make_error_output(state, core.error or "the request failed", core.num_cached_tokens)
         finish_reason, stop_reason = core.finish_reason, core.stop_reason
-        state.num_draft_tokens += core.num_draft_tokens
-        state.num_drafts += 1 if core.num_draft_tokens else 0
+        self._collect(state, core)
         num_accepted = core.num_accepted_tokens
-        state.token_ids.extend(core.new_token_ids)
-        if core.new_logprobs:
-            state.logprobs.extend(core.new_logprobs)
         detok = state.detokenizer
         if detok is not None and not state.deferred_text:
-            text_token_ids = core.new_token_ids
-            if finish_reason == "stop" and text_token_ids and not state.sampling_params.include_stop_str_in_output:
-                # As vLLM: the EOS / stop token that ended the request stays in token_ids but its
-                # text is left out, unless include_stop_str_in_output.
-                text_token_ids = text_token_ids[:-1]
-            stop_string = detok.update(text_token_ids)
+            stop_string = detok.update(_text_token_ids(state, core.new_token_ids, finish_reason))
             if stop_string is not None:
                 # Tokens after the one that completed the stop string are never delivered, nor
                 # counted as accepted drafts.
@@ -146,6 +132,17 @@ class OutputProcessor:
                     finish_reason, stop_reason = "stop", stop_string
         state.num_accepted_tokens += num_accepted
         return self._make_output(state, finish_reason, stop_reason, core.num_cached_tokens)
+
+    @staticmethod
+    def _collect(state: RequestState, core: EngineCoreOutput) -> None:
+        """A step's tokens, logprobs and draft counts into the request's state (its accepted drafts are the
+        caller's: a stop string may cut some)."""
+        state.token_ids.extend(core.new_token_ids)
+        if core.new_logprobs:
+            state.logprobs.extend(core.new_logprobs)
+        if core.num_draft_tokens:
+            state.num_draft_tokens += core.num_draft_tokens
+            state.num_drafts += 1
 
     def _make_error_output(self, state: RequestState, error: str, num_cached_tokens: int) -> RequestOutput:
         """The final output of a request that failed alone; it carries no new tokens."""
@@ -177,10 +174,7 @@ class OutputProcessor:
         detok = state.detokenizer
         if detok is not None and finished:
             if state.deferred_text:
-                text_token_ids = state.token_ids[detok.num_output_tokens :]
-                if finish_reason == "stop" and text_token_ids and not state.sampling_params.include_stop_str_in_output:
-                    text_token_ids = text_token_ids[:-1]  # the EOS / stop token, as _process_one leaves it out
-                detok.update(text_token_ids)
+                detok.update(_text_token_ids(state, state.token_ids[detok.num_output_tokens :], finish_reason))
             detok.finish()
         if state.stream_deltas:
             token_ids = state.token_ids[state.num_sent_tokens :]
@@ -207,3 +201,11 @@ class OutputProcessor:
             num_accepted_tokens=state.num_accepted_tokens,
             num_drafts=state.num_drafts,
         )
+
+
+def _text_token_ids(state: RequestState, token_ids: list[int], finish_reason: str | None) -> list[int]:
+    """The tokens whose text the output gets: as vLLM, the EOS / stop token that ended the request stays in
+    token_ids but its text is left out, unless include_stop_str_in_output."""
+    if finish_reason == "stop" and token_ids and not state.sampling_params.include_stop_str_in_output:
+        return token_ids[:-1]
+    return token_ids
