@@ -29,11 +29,11 @@ BATCHES = (1, 2, 4, 8, 32)
 
 PATCH_ENV = "GRAPH_REPLAY_PATCH"
 """Comma-separated benchmark-only patches applied in the child before the engine starts (what a switch
-cannot reach): `m1_as_m2` gives the skinny kernel's one-row calls its two-row launch config; `no_gated` runs the MLP's
-activation as its own kernel after the gate|up projection instead of in the projection's epilogue; `skinny_m32` sends
-calls of up to 32 rows (not 2) to the skinny kernel, `skinny_m32_large` only those on weights of 16 Mi elements or
-more. Timing only (the outputs are wrong; they bound what fusing a kernel away could give): `no_combine` launches no
-split-KV combine kernel, `no_norm` no residual-add + RMSNorm kernel (each returns its input)."""
+cannot reach): `m1_as_m2` gives the skinny kernel's one-row calls its two-row launch config; `no_gated` runs the
+MLP's activation as its own kernel after the gate|up projection instead of in the projection's epilogue;
+`skinny_m2` captures the graphs with the skinny kernel taking calls of at most 2 rows (cuBLAS above), as before
+2026-11-28. Timing only (the outputs are wrong; they bound what fusing a kernel away could give): `no_combine`
+launches no split-KV combine kernel, `no_norm` no residual-add + RMSNorm kernel (each returns its input)."""
 
 
 def _apply_patches(patches: set[str]) -> None:
@@ -60,24 +60,12 @@ def _apply_patches(patches: set[str]) -> None:
             return x, (x if residual is None else residual)
 
         fused_add_rms_norm_triton.fused_add_rms_norm = _no_norm  # type: ignore[assignment]
-    if "skinny_m32" in patches or "skinny_m32_large" in patches:
-        make32 = model_runner.make_skinny_linear
-        large_only = "skinny_m32_large" in patches
-
-        def _make32(device, max_rows=2):
-            skinny = make32(device, 32)
-            if not large_only:
-                return skinny
-            supported = skinny.supported
-            return dataclasses.replace(
-                skinny,
-                supported=lambda x, w, **kw: (x.shape[0] <= 2 or w.numel() >= 16 << 20) and supported(x, w, **kw),
-            )
-
-        model_runner.make_skinny_linear = _make32  # type: ignore[assignment]
+    if "skinny_m2" in patches:
+        make2 = model_runner.make_skinny_linear
+        model_runner.make_skinny_linear = lambda device, max_rows=None: make2(device, 2)  # type: ignore[assignment]
     if "no_gated" in patches:
         make = model_runner.make_skinny_linear
-        model_runner.make_skinny_linear = lambda device, max_rows=2: dataclasses.replace(  # type: ignore[assignment]
+        model_runner.make_skinny_linear = lambda device, max_rows=None: dataclasses.replace(  # type: ignore[assignment]
             make(device, max_rows), gated_kernel=None
         )
 

@@ -1,11 +1,16 @@
 """Linear layers whose decode-sized calls may take the skinny Triton kernel.
 
-A decode step multiplies one or two rows per request by every weight matrix: purely a read of the
-weights, where the Triton kernel of `kernels/skinny_linear_triton.py` measured faster than cuBLAS
-at one and two rows on every Llama-1B / 8B / tensor-parallel shape (benchmarks/skinny_linear.py).
+A decode step multiplies one row per request (k + 1 with speculation) by every weight matrix: at up to
+32 rows purely a read of the weights. There the Triton kernel of `kernels/skinny_linear_triton.py`
+measured faster than cuBLAS: alone at one and two rows on every Llama-1B / 8B / tensor-parallel shape
+(benchmarks/skinny_linear.py), and inside the graphed decode step (where its launches overlap under
+PDL and cuBLAS's do not) at every batch up to 32 (benchmarks/graph_replay.py: the Llama-1B / 8B
+steps 4-8 % faster at batches 4, 8 and 32, docs/benchmarks.md).
 `DecodeLinear` is an `nn.Linear` (same parameters, same checkpoint names) that sends its calls of
 at most `SkinnyLinear.max_rows` rows there once a model is switched over (`use_skinny_linear`);
-every other call, and every call before that, is `F.linear`.
+every other call, and every call before that, is `F.linear`. The model runner captures its graphs
+with every size the kernel takes and runs eager steps with calls of at most 2 rows on it (see
+`model_runner.EAGER_SKINNY_ROWS`).
 """
 
 from __future__ import annotations
@@ -76,9 +81,11 @@ class DecodeLinear(nn.Linear):
         return linear(x, self.weight, self.bias, self.skinny_linear)
 
 
-def make_skinny_linear(device: torch.device, max_rows: int = 2) -> SkinnyLinear:
-    """The Triton kernel on `device` (CUDA) for calls of at most `max_rows` rows."""
+def make_skinny_linear(device: torch.device, max_rows: int | None = None) -> SkinnyLinear:
+    """The Triton kernel on `device` (CUDA) for calls of at most `max_rows` rows (None: every size it takes,
+    `skinny_linear_triton.MAX_M`)."""
     from asyncspec.kernels.skinny_linear_triton import (
+        MAX_M,
         make_split_counters,
         skinny_linear,
         skinny_linear_gated,
@@ -86,7 +93,11 @@ def make_skinny_linear(device: torch.device, max_rows: int = 2) -> SkinnyLinear:
     )
 
     return SkinnyLinear(
-        max_rows, make_split_counters(device), skinny_linear, skinny_linear_supported, skinny_linear_gated
+        MAX_M if max_rows is None else max_rows,
+        make_split_counters(device),
+        skinny_linear,
+        skinny_linear_supported,
+        skinny_linear_gated,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import logging
 import operator
@@ -24,7 +25,7 @@ from asyncspec.core.spec_policy import StepCost, speculation_choices
 from asyncspec.errors import ConfigError, EngineDeadError
 from asyncspec.layers.attention import select_backend
 from asyncspec.layers.attention_metadata import AttentionMetadata, StaticInputs
-from asyncspec.layers.linear import make_skinny_linear, use_skinny_linear
+from asyncspec.layers.linear import SkinnyLinear, make_skinny_linear, use_skinny_linear
 from asyncspec.layers.sampler import (
     INVALID_TOKEN_ID,
     Sampler,
@@ -138,11 +139,16 @@ class StepHandle:
             self.ready.synchronize()
 
 
+EAGER_SKINNY_ROWS = 2
+"""Eager calls of at most this many rows take the skinny kernel; graphed steps use it up to its MAX_M rows.
+Graph capture compiles every kernel variant its sizes need at start-up, while an eager step of 3 to 32
+rows (a short prefill chunk) could meet an uncompiled one mid-run (0.3-1 s)."""
+
 SKINNY_LINEAR_ENV = "ASYNCSPEC_SKINNY_LINEAR"
-"""Set to 0 to keep the linear layers' calls of one or two rows (decode) on cuBLAS instead of the
-skinny Triton kernel (layers/linear.py). Inside the engine on an H100, the kernel with PDL made the
-batch-1 greedy decode step of the Llama-1B / 8B shapes 11 % / 9 % faster than cuBLAS without PDL
-(docs/benchmarks.md)."""
+"""Set to 0 to keep the linear layers' calls of up to 32 rows (decode, verification) on cuBLAS instead
+of the skinny Triton kernel (layers/linear.py). Inside the engine on an H100, the kernel with PDL made
+the batch-1 greedy decode step of the Llama-1B / 8B shapes 11 % / 9 % faster than cuBLAS without PDL,
+and their graphed steps at batches 4 to 32 4-8 % faster than cuBLAS with PDL (docs/benchmarks.md)."""
 
 GRAPH_STEP_INPUTS_ENV = "ASYNCSPEC_GRAPH_STEP_INPUTS"
 """Set to 0 to launch the input kernel of a graphed step from Python (Triton's launcher: tens of microseconds of
@@ -261,11 +267,16 @@ class ModelRunner:
         self.spec: SpeculativeDecoder | None = make_speculative_decoder(
             config, model_config, max_model_len, self.dtype, self.device
         )
+        self._skinny: SkinnyLinear | None = None
+        """The decode-shaped linear kernel for eager calls (of at most EAGER_SKINNY_ROWS rows; None: cuBLAS)."""
+        self._skinny_graphed: SkinnyLinear | None = None
+        """The same kernel for graph capture: every size it takes (the same split-K counters)."""
         if self.device.type == "cuda" and os.environ.get(SKINNY_LINEAR_ENV, "1") != "0":
-            skinny = make_skinny_linear(self.device)
-            use_skinny_linear(self.model, skinny)
-            if self.spec is not None and isinstance(self.spec.proposer, DraftModelProposer):
-                use_skinny_linear(self.spec.proposer.model, skinny)
+            self._skinny_graphed = make_skinny_linear(self.device)
+            self._skinny = dataclasses.replace(
+                self._skinny_graphed, max_rows=min(self._skinny_graphed.max_rows, EAGER_SKINNY_ROWS)
+            )
+            self._use_skinny(self._skinny)
         self.cuda_graphs: CudaGraphForward | None = None
         """The target's graphs (captured with the KV cache); None runs every step eagerly."""
         self.draft_cuda_graphs: CudaGraphForward | None = None
@@ -583,7 +594,25 @@ class ModelRunner:
         self._meta_on_device = None
         self._block_tables_on_device = None
 
+    def _use_skinny(self, skinny: SkinnyLinear | None) -> None:
+        use_skinny_linear(self.model, skinny)
+        if self.spec is not None and isinstance(self.spec.proposer, DraftModelProposer):
+            use_skinny_linear(self.spec.proposer.model, skinny)
+
     def _capture_cuda_graphs(self) -> None:
+        if self._skinny is None:
+            self._capture_all_graphs()
+            return
+        # Every size of the graphs' warm-up and capture compiles its kernel variants here, at start-up; an
+        # eager step (a prefill chunk, a batch past the buckets) keeps the kernel to its few rows and so
+        # never compiles one mid-run.
+        self._use_skinny(self._skinny_graphed)
+        try:
+            self._capture_all_graphs()
+        finally:
+            self._use_skinny(self._skinny)
+
+    def _capture_all_graphs(self) -> None:
         batch_sizes = self._graph_batch_sizes()
         self._meta_dev.zero_()  # the step-input graphs' warm-up runs for real: every request of it is padding
         for model, _, query_lens in self._graph_plan():

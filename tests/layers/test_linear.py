@@ -119,3 +119,60 @@ def test_skinny_linear_in_the_engine_on_gpu(spec: bool, monkeypatch) -> None:
     llm = LLM(str(TARGET_MODEL), **kwargs)
     assert llm.engine.engine_core.runner.model.skinny_linear is not None
     assert_same_outputs(ref, llm.generate(prompts, params), "the decode-shaped kernel on the GPU")
+
+
+@pytest.mark.gpu
+def test_graphs_take_the_kernel_up_to_its_rows_and_eager_steps_compile_none(monkeypatch) -> None:
+    """The graphs are captured with the kernel serving every batch bucket (rows 1 to 8 here, and the
+    verification graphs' k + 1 rows per request); an eager step (the prefills of short prompts) keeps it to
+    its 2 rows and compiles no kernel variant mid-run. Greedy fp32 tokens equal cuBLAS's."""
+    import dataclasses
+
+    triton = pytest.importorskip("triton")
+    from asyncspec.worker import model_runner
+
+    rows: list[int] = []
+    make = model_runner.make_skinny_linear
+
+    def recording_make(device, max_rows=None):
+        skinny = make(device, max_rows)
+        assert skinny.gated_kernel is not None
+
+        def kernel(x, weight, bias, **kwargs):
+            rows.append(x.shape[0])
+            return skinny.kernel(x, weight, bias, **kwargs)
+
+        def gated(x, weight, bias, **kwargs):
+            rows.append(x.shape[0])
+            return skinny.gated_kernel(x, weight, bias, **kwargs)
+
+        return dataclasses.replace(skinny, kernel=kernel, gated_kernel=gated)
+
+    kwargs = dict(device="cuda", dtype="float32", max_model_len=512, max_num_seqs=8, gpu_memory_utilization=0.3)
+    kwargs.update(speculative_method="draft_model", draft_model=str(DRAFT_MODEL), num_speculative_tokens=3)
+    monkeypatch.setattr(model_runner, "make_skinny_linear", recording_make)
+    llm = LLM(str(TARGET_MODEL), **kwargs)
+    assert llm.engine.engine_core.runner.model.skinny_linear.max_rows == model_runner.EAGER_SKINNY_ROWS
+    at_start = set(rows)
+    assert {1, 2, 4, 8} <= at_start  # the decode buckets
+    assert max(at_start) > 8  # verification graphs: k + 1 rows per request
+    compiled: list[str] = []
+
+    def hook(*args, **kw):
+        compiled.append(str(getattr(kw.get("fn"), "name", kw.get("fn"))))
+        return False
+
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", hook)
+    rows.clear()
+    # Short prompts: their prefills run eagerly, most at 3 to 32 rows.
+    prompts = [p[: 3 + 8 * i] for i, p in enumerate(load_prompts(8))]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    got = llm.generate(prompts, params)
+    assert rows and max(rows) <= model_runner.EAGER_SKINNY_ROWS  # the graphs' calls run no Python
+    assert not [name for name in compiled if "skinny" in name]
+    del llm
+    gc.collect()
+    monkeypatch.setattr(model_runner, "make_skinny_linear", make)
+    monkeypatch.setenv(SKINNY_LINEAR_ENV, "0")
+    ref = LLM(str(TARGET_MODEL), **kwargs).generate(prompts, params)
+    assert_same_outputs(ref, got, "graphs with the decode-shaped kernel up to 32 rows")
