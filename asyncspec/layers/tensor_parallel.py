@@ -34,6 +34,11 @@ class TensorParallel:
     small_all_reduce: Callable[[torch.Tensor], torch.Tensor | None] | None = None
     """A faster all-reduce for small messages (the worker's symmetric-memory one-shot); it returns
     None for a message it does not take, which then goes through the group's backend."""
+    graph_group: Any = None
+    """The group of the collectives captured in CUDA graphs, a communicator of their own (None: `group`
+    for every collective). NCCL communicators that see both graphed and eager launches pay for it in every
+    graphed collective unless NCCL_GRAPH_MIXING_SUPPORT=0, which is correct only for a communicator that
+    never mixes them; with graphed and eager collectives on separate communicators the worker sets it."""
 
     @property
     def enabled(self) -> bool:
@@ -68,6 +73,12 @@ class TensorParallel:
         return self.rank * rows, rows
 
     # -- collectives ----------------------------------------------------------------------------
+    def _group_now(self) -> Any:
+        """The group for a collective issued now: graph_group while a CUDA graph is being captured."""
+        if self.graph_group is not None and torch.cuda.is_current_stream_capturing():
+            return self.graph_group
+        return self.group
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """`x` summed across the ranks (`x` itself for size 1; maybe a new tensor otherwise)."""
         if self.size == 1:
@@ -76,7 +87,7 @@ class TensorParallel:
             reduced = self.small_all_reduce(x)
             if reduced is not None:
                 return reduced
-        dist.all_reduce(x, group=self.group)
+        dist.all_reduce(x, group=self._group_now())
         return x
 
     def all_gather_rows(self, x: torch.Tensor, total: int) -> torch.Tensor:
@@ -88,7 +99,7 @@ class TensorParallel:
         gathered = torch.empty((self.size * n, shard), dtype=x.dtype, device=x.device)
         # all_gather_single is the name from torch 2.13 on (all_gather_into_tensor before it).
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(gathered, x.contiguous(), group=self.group)
+        gather(gathered, x.contiguous(), group=self._group_now())
         return gathered.view(self.size, n, shard).permute(1, 0, 2).reshape(n, self.size * shard)[:, :total]
 
 

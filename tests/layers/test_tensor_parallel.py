@@ -129,3 +129,33 @@ def test_dummy_weights_do_not_depend_on_the_sharding(tmp_path) -> None:
     assert torch.equal(down, list(full.model.decoder_layers)[1].mlp.down_proj.weight)
     bias = [list(s.model.decoder_layers)[1].mlp.down_proj.bias for s in shards]
     assert torch.equal(bias[0], list(full.model.decoder_layers)[1].mlp.down_proj.bias) and (bias[1] == 0).all()
+
+
+def test_collectives_captured_in_a_graph_use_the_graph_group(monkeypatch) -> None:
+    """Collectives issued while a CUDA graph is captured go to `graph_group` (a communicator that then sees
+    only graphed launches), every other one to `group`; without a graph_group, everything to `group`."""
+    import torch.distributed as dist
+
+    calls: list[tuple[str, object]] = []
+    monkeypatch.setattr(dist, "all_reduce", lambda x, group=None: calls.append(("all_reduce", group)))
+
+    def gather(out, x, group=None):
+        calls.append(("all_gather", group))
+        out.copy_(x.repeat(2, 1))
+
+    monkeypatch.setattr(dist, "all_gather_single", gather, raising=False)
+    monkeypatch.setattr(dist, "all_gather_into_tensor", gather)
+    eager, graphed = object(), object()
+    tp = TensorParallel(rank=0, size=2, group=eager, graph_group=graphed)
+    x = torch.ones(1, 4)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    tp.all_reduce(x)
+    tp.all_gather_rows(x, 7)
+    capturing[0] = True
+    tp.all_reduce(x)
+    tp.all_gather_rows(x, 7)
+    assert calls == [("all_reduce", eager), ("all_gather", eager), ("all_reduce", graphed), ("all_gather", graphed)]
+    calls.clear()
+    TensorParallel(rank=0, size=2, group=eager).all_reduce(x)  # no graph group: the one group, capturing or not
+    assert calls == [("all_reduce", eager)]
