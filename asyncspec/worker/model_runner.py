@@ -11,7 +11,7 @@ import logging
 import operator
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -580,7 +580,7 @@ class ModelRunner:
         for model, mc, query_lens in self._graph_plan():
             tp_size = self.tp.size if model is self.model else 1
             caches = mc.allocate_kv_cache(1, self.block_size, self.dtype, self.device, tp_size)
-            with self._device_context():
+            with self._device_context(), self._graph_kernels():
                 total += self._new_graphs(model, caches, query_lens, largest).capture().memory_bytes
             del caches
         torch.cuda.synchronize(self.device)
@@ -599,18 +599,24 @@ class ModelRunner:
         if self.spec is not None and isinstance(self.spec.proposer, DraftModelProposer):
             use_skinny_linear(self.spec.proposer.model, skinny)
 
-    def _capture_cuda_graphs(self) -> None:
+    @contextlib.contextmanager
+    def _graph_kernels(self) -> Iterator[None]:
+        """The models' linear layers as graphs capture them: the skinny kernel for every size it takes.
+        Every size of the graphs' warm-up and capture compiles its kernel variants at start-up; an eager step
+        (a prefill chunk, a batch past the buckets) keeps the kernel to its few rows and so never compiles one
+        mid-run. The memory estimate captures under it too, so that it measures what the capture will hold."""
         if self._skinny is None:
-            self._capture_all_graphs()
+            yield
             return
-        # Every size of the graphs' warm-up and capture compiles its kernel variants here, at start-up; an
-        # eager step (a prefill chunk, a batch past the buckets) keeps the kernel to its few rows and so
-        # never compiles one mid-run.
         self._use_skinny(self._skinny_graphed)
         try:
-            self._capture_all_graphs()
+            yield
         finally:
             self._use_skinny(self._skinny)
+
+    def _capture_cuda_graphs(self) -> None:
+        with self._graph_kernels():
+            self._capture_all_graphs()
 
     def _capture_all_graphs(self) -> None:
         batch_sizes = self._graph_batch_sizes()

@@ -176,3 +176,26 @@ def test_graphs_take_the_kernel_up_to_its_rows_and_eager_steps_compile_none(monk
     monkeypatch.setenv(SKINNY_LINEAR_ENV, "0")
     ref = LLM(str(TARGET_MODEL), **kwargs).generate(prompts, params)
     assert_same_outputs(ref, got, "graphs with the decode-shaped kernel up to 32 rows")
+
+
+def test_runner_switches_its_models_to_the_graph_kernel_only_while_capturing() -> None:
+    """The runner's models take the skinny kernel for every size it takes only inside `_graph_kernels`
+    (the graphs' capture and their memory estimate), and get the eager one back after, an error included."""
+    kwargs = dict(device="cpu", dtype="float32", max_model_len=256, max_num_seqs=2, num_kv_blocks=64)
+    kwargs.update(speculative_method="draft_model", draft_model=str(DRAFT_MODEL), num_speculative_tokens=3)
+    runner = LLM(str(TARGET_MODEL), **kwargs).engine.engine_core.runner
+    draft = runner.spec.proposer.model
+    eager, _, _ = _stand_in(max_rows=2)
+    graphed, _, _ = _stand_in(max_rows=32)
+    runner._skinny, runner._skinny_graphed = eager, graphed
+    runner._use_skinny(eager)
+    with runner._graph_kernels():
+        assert runner.model.skinny_linear is graphed and draft.skinny_linear is graphed
+    assert runner.model.skinny_linear is eager and draft.skinny_linear is eager
+    with pytest.raises(RuntimeError, match="capture failed"), runner._graph_kernels():
+        raise RuntimeError("capture failed")
+    assert runner.model.skinny_linear is eager and draft.skinny_linear is eager
+    runner._skinny = runner._skinny_graphed = None  # no kernel (cuBLAS): nothing is switched
+    runner._use_skinny(None)
+    with runner._graph_kernels():
+        assert runner.model.skinny_linear is None
