@@ -132,11 +132,7 @@ class SpeculationPolicy:
 
     def observe_run(self, num_drafts: int, num_accepted: int) -> None:
         """One request's verification: `num_accepted` of its `num_drafts` drafts kept in a row."""
-        if num_drafts <= 0:
-            return
-        rejected = 1.0 if num_accepted < num_drafts else 0.0
-        self._accepted = self.decay * self._accepted + num_accepted
-        self._rejected = self.decay * self._rejected + rejected
+        self.observe_runs([(num_drafts, num_accepted)])
 
     def observe_runs(self, runs: list[tuple[int, int]]) -> None:
         """`observe_run` for each (num_drafts, num_accepted) of a step, in order (one call per step)."""
@@ -160,10 +156,7 @@ class SpeculationPolicy:
     def observe_emitted(self, k: int, num_tokens: int) -> None:
         """A decode that verified k planned draft positions emitted num_tokens (1 when its proposer
         found no draft: such runs count here, and tell the policy that speculating did not pay)."""
-        if k in self.choices and k > 0:
-            d = self.emitted_decay
-            self._emitted[k] = d * self._emitted.get(k, 0.0) + num_tokens
-            self._runs[k] = d * self._runs.get(k, 0.0) + 1.0
+        self.observe_emitted_runs(k, [num_tokens])
 
     def tokens_per_run(self, k: int, alpha: float | None = None) -> float:
         """Expected tokens a decode emits when verifying k drafts: the mean of recent runs at k once

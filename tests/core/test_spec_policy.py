@@ -19,23 +19,36 @@ def test_choices(max_k, expected):
     assert speculation_choices(max_k) == expected
 
 
-def test_a_steps_observations_at_once_equal_them_one_by_one():
-    """The scheduler hands the policy a step's runs in one call: the same estimates as one call per run."""
+def test_a_steps_observations_are_decayed_averages_of_its_runs():
+    """The scheduler hands the policy a step's runs in one call. The estimates are the exponentially
+    decayed sums of every run in order, whatever the steps' sizes: computed here by hand over all runs."""
     rng = random.Random(3)
-    one_by_one, at_once = SpeculationPolicy(4), SpeculationPolicy(4)
+    policy = SpeculationPolicy(4)
+    prior_accepted, prior_rejected = policy._accepted, policy._rejected  # the prior decays like a run
+    all_runs: list[tuple[int, int]] = []
+    emitted_by_k: dict[int, list[int]] = {1: [], 2: [], 4: []}
     for _ in range(20):
         k = rng.choice([1, 2, 4])
-        runs = [(rng.randint(0, k), 0) for _ in range(rng.randint(0, 9))]
-        runs = [(n, rng.randint(0, n)) for n, _ in runs]
+        runs = [(n, rng.randint(0, n)) for n in (rng.randint(0, k) for _ in range(rng.randint(0, 9)))]
         emitted = [accepted + 1 for _, accepted in runs]
-        for (n, accepted), tokens in zip(runs, emitted, strict=True):
-            one_by_one.observe_run(n, accepted)
-            one_by_one.observe_emitted(k, tokens)
-        at_once.observe_runs(runs)
-        at_once.observe_emitted_runs(k, emitted)
-        assert at_once.acceptance_rate == pytest.approx(one_by_one.acceptance_rate, rel=1e-12)
-        for j in (1, 2, 4):
-            assert at_once.tokens_per_run(j) == pytest.approx(one_by_one.tokens_per_run(j), rel=1e-12)
+        policy.observe_runs(runs)
+        policy.observe_emitted_runs(k, emitted)
+        all_runs += runs
+        emitted_by_k[k] += emitted
+        counted = [(n, a) for n, a in all_runs if n > 0]  # a run without drafts says nothing of acceptance
+        d = policy.decay
+        accepted = prior_accepted * d ** len(counted)
+        accepted += sum(a * d ** (len(counted) - 1 - i) for i, (_, a) in enumerate(counted))
+        rejected = prior_rejected * d ** len(counted)
+        rejected += sum((a < n) * d ** (len(counted) - 1 - i) for i, (n, a) in enumerate(counted))
+        assert policy._accepted == pytest.approx(accepted, rel=1e-9, abs=1e-12)
+        assert policy._rejected == pytest.approx(rejected, rel=1e-9, abs=1e-12)
+        for j, tokens in emitted_by_k.items():
+            e = policy.emitted_decay
+            total = sum(t * e ** (len(tokens) - 1 - i) for i, t in enumerate(tokens))
+            count = sum(e ** (len(tokens) - 1 - i) for i in range(len(tokens)))
+            assert policy._emitted.get(j, 0.0) == pytest.approx(total, rel=1e-9, abs=1e-12)
+            assert policy._runs.get(j, 0.0) == pytest.approx(count, rel=1e-9, abs=1e-12)
 
 
 def memory_bound(num_decodes: int, k: int) -> float:

@@ -164,7 +164,7 @@ def test_graphs_take_the_kernel_up_to_its_rows_and_eager_steps_compile_none(monk
 
     monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", hook)
     rows.clear()
-    # Short prompts: their prefills run eagerly, most at 3 to 32 rows.
+    # Short prompts: their prefills run eagerly, with more than 2 rows per step.
     prompts = [p[: 3 + 8 * i] for i, p in enumerate(load_prompts(8))]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     got = llm.generate(prompts, params)
