@@ -65,6 +65,9 @@ def bench_size(size: int, s: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     llm = asyncspec.LLM(_model_dir(cfg), **kwargs)
     row: dict[str, Any] = {"size": size, "engine_kwargs": kwargs, "startup_s": time.perf_counter() - t0}
+    from asyncspec.worker.symm_all_reduce import all_reduce_mode
+
+    row["all_reduce_mode"] = all_reduce_mode()  # what the ranks were asked for (they inherit this environment)
     n = s["new_tokens"]
     full = asyncspec.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     one = asyncspec.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -96,7 +99,7 @@ def bench_size(size: int, s: dict[str, Any]) -> dict[str, Any]:
 # Kernel name fragments -> what the time went to (first match wins; names lower-cased).
 KERNEL_CATEGORIES = [
     ("all-reduce / all-gather (NCCL)", ("nccl",)),
-    ("all-reduce (symmetric memory)", ("one_shot", "two_shot", "symm")),
+    ("all-reduce (symmetric memory)", ("one_shot", "two_shot", "symm", "push_all_reduce")),
     ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "splitk", "sm90_", "cublas")),
     ("attention", ("paged_attention", "combine_splits")),
     ("residual add + RMSNorm", ("rms_norm",)),
@@ -179,8 +182,8 @@ def bench_bandwidth(s: dict[str, Any]) -> dict[str, Any]:
 
 
 def _allreduce_rank(rank: int, size: int, hidden: int, init: str, out: Any) -> None:
-    """One rank of the all-reduce measurement: NCCL and the symmetric-memory one-shot path, each as
-    200 all-reduces of a [1, hidden] bf16 tensor captured in a CUDA graph."""
+    """One rank of the all-reduce measurement: NCCL, torch's symmetric-memory one-shot and the push
+    kernel, each as 200 all-reduces of a [1, hidden] bf16 tensor captured in a CUDA graph."""
     try:
         import torch
         import torch.distributed as dist
@@ -192,9 +195,11 @@ def _allreduce_rank(rank: int, size: int, hidden: int, init: str, out: Any) -> N
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=init, rank=rank, world_size=size)
         group = dist.group.WORLD
-        os.environ["ASYNCSPEC_TP_ALL_REDUCE"] = "symm_mem"  # this process measures both paths
-        small = make_small_all_reduce(group, torch.device("cuda", rank), torch.bfloat16)
-        paths = {"nccl": tp(rank, size, group), "symm_mem": tp(rank, size, group, small) if small else None}
+        paths: dict[str, Any] = {"nccl": tp(rank, size, group)}
+        for mode in ("symm_mem", "push"):  # this process measures every path
+            os.environ["ASYNCSPEC_TP_ALL_REDUCE"] = mode
+            small = make_small_all_reduce(group, torch.device("cuda", rank), torch.bfloat16)
+            paths[mode] = tp(rank, size, group, small) if small else None
         result: dict[str, Any] = {}
         for name, par in paths.items():
             if par is None:
@@ -229,7 +234,8 @@ def _allreduce_rank(rank: int, size: int, hidden: int, init: str, out: Any) -> N
 
 def bench_allreduce(size: int, hidden: int) -> dict[str, Any]:
     """Microseconds of one all-reduce of a [1, hidden] bf16 tensor (the batch-1 decode step's) inside
-    a CUDA graph, with nothing else running, through NCCL and through symmetric memory. (Each graph
+    a CUDA graph, with nothing else running, through NCCL, torch's symmetric-memory one-shot and the push
+    kernel. (Each graph
     node also holds the clone that feeds it: a copy kernel of 8 KiB, a microsecond or two.)"""
     import torch.multiprocessing as mp
 
@@ -286,7 +292,7 @@ def derive(results: dict[str, Any], s: dict[str, Any]) -> None:
             continue
         size = int(key.split("-")[0])
         measured = results.get("allreduce", {}).get(str(size), {})
-        ar = (measured.get("symm_mem") if key.endswith("-symm_mem") else measured.get("nccl")) or 0.0
+        ar = measured.get(row.get("all_reduce_mode", "nccl")) or measured.get("nccl") or 0.0
         ar = ar if size > 1 else 0.0
         if gb_s:
             weights_ms = weight_bytes / size / (gb_s * 1e9) * 1e3

@@ -105,18 +105,20 @@ def test_tp2_hot_loop_makes_no_host_sync(method, monkeypatch) -> None:
         assert llm.stats()["cuda_graph_replays"] > 10
 
 
-def test_symmetric_memory_all_reduce_gives_the_nccl_tokens(monkeypatch) -> None:
-    """ASYNCSPEC_TP_ALL_REDUCE=symm_mem (opt-in): with two ranks both paths round the same sum of two
-    bf16 values, so the tokens are identical."""
+@pytest.mark.parametrize("mode", ["symm_mem", "push"])
+def test_small_message_all_reduce_gives_the_nccl_tokens(mode, monkeypatch) -> None:
+    """ASYNCSPEC_TP_ALL_REDUCE=symm_mem or push: with two ranks every path rounds the same sum of two bf16
+    values, so the tokens are identical to NCCL's."""
     prompts = load_prompts(8)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    monkeypatch.setenv("ASYNCSPEC_TP_ALL_REDUCE", "nccl")
     with LLM(str(TARGET_MODEL), tensor_parallel_size=2, async_scheduling=True, **CONFIG) as llm:
         nccl = [o.token_ids for o in llm.generate(prompts, params)]
-    monkeypatch.setenv("ASYNCSPEC_TP_ALL_REDUCE", "symm_mem")
+    monkeypatch.setenv("ASYNCSPEC_TP_ALL_REDUCE", mode)
     with LLM(str(TARGET_MODEL), tensor_parallel_size=2, async_scheduling=True, **CONFIG) as llm:
-        symm = [o.token_ids for o in llm.generate(prompts, params)]
+        other = [o.token_ids for o in llm.generate(prompts, params)]
         assert llm.stats()["cuda_graph_replays"] > 20
-    assert symm == nccl
+    assert other == nccl
 
 
 def test_profile_of_each_rank_holds_its_graphed_kernels_and_all_reduces(tmp_path) -> None:
