@@ -32,7 +32,7 @@ class TensorParallel:
     group: Any = None
     """The torch.distributed process group (None when size is 1)."""
     small_all_reduce: Callable[[torch.Tensor], torch.Tensor | None] | None = None
-    """A faster all-reduce for small messages (the worker's symmetric-memory one-shot); it returns
+    """A faster all-reduce for small messages (the worker's push kernel over symmetric memory); it returns
     None for a message it does not take, which then goes through the group's backend."""
     graph_group: Any = None
     """The group of the collectives captured in CUDA graphs, a communicator of their own (None: `group`

@@ -1,8 +1,10 @@
 """Alternative all-reduces for the small messages of decode steps, chosen with ASYNCSPEC_TP_ALL_REDUCE:
 
-- `push`: each rank stores its part straight into every peer's receive buffer over NVLink and polls its own
-  until all parts have landed: one Triton kernel, launched with PDL like the step's other kernels, no barrier
-  (kernels/push_all_reduce_triton.py). Receive buffers are torch symmetric memory, mapped on every rank.
+- `push` (the default): each rank stores its part straight into every peer's receive buffer over NVLink and
+  polls its own until all parts have landed: one Triton kernel, launched with PDL like the step's other
+  kernels, no barrier (kernels/push_all_reduce_triton.py). Receive buffers are torch symmetric memory, mapped
+  on every rank. Inside a CUDA graph on two H100s: 4.4 us per decode-sized message against NCCL's 7.6 us,
+  and the Llama-8B shape's batch-1 TPOT at TP=2 3.52 -> 3.11 ms. bf16 and fp16 models only.
 - `symm_mem`: torch's own symmetric-memory one-shot all-reduce (device-side barriers before and after).
   Inside a CUDA graph on two H100s it measured 9.5 us per decode-sized message against NCCL's 7.7 us.
 - `nccl`: NCCL for every message.
@@ -25,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 MODE_ENV = "ASYNCSPEC_TP_ALL_REDUCE"
 MODES = ("nccl", "symm_mem", "push")
-DEFAULT_MODE = "nccl"
+DEFAULT_MODE = "push"
 
 MAX_BYTES = 512 * 1024
 """Largest message sent the other way; one-shot beats NCCL's ring below roughly this size on NVLink (every
@@ -54,6 +56,10 @@ def make_small_all_reduce(group: dist.ProcessGroup, device: torch.device, dtype:
     NCCL). A collective: every rank of `group` must call it."""
     wanted = all_reduce_mode()
     if wanted == "nccl" or device.type != "cuda":
+        return None
+    if wanted == "push" and dtype not in (torch.bfloat16, torch.float16):
+        # The same on every rank (one model dtype): no agreement needed.
+        logger.info("tensor-parallel all-reduce: NCCL (the push path takes bf16 or fp16, the model runs %s)", dtype)
         return None
     ok, reduce, error = False, None, ""
     try:

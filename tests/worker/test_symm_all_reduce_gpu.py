@@ -1,7 +1,8 @@
-"""ASYNCSPEC_TP_ALL_REDUCE=push across two GPUs: the worker sets the path up (its self-check against NCCL
-passes), and every sum, eager or replayed from a CUDA graph with new inputs, equals the rank-order fp32 sum
-of all ranks' parts rounded to bf16, with the same bits on both ranks; NCCL's large messages in between do
-not disturb it. End to end (tokens against NCCL's): tests/worker/test_tensor_parallel_gpu.py."""
+"""The push all-reduce (the default on CUDA) across two GPUs, and four where the host has them: the worker
+sets the path up (its self-check against NCCL passes), and every sum, eager or replayed from a CUDA graph
+with new inputs, equals the rank-order fp32 sum of all ranks' parts rounded to bf16, with the same bits on
+every rank; NCCL's large messages in between do not disturb it. End to end (tokens against NCCL's):
+tests/worker/test_tensor_parallel_gpu.py."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
 ]
 
-WORLD = 2
 HIDDEN = 4096
 
 
@@ -25,7 +25,7 @@ def _expected(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Every rank's part gathered, summed in rank order in fp32, rounded once."""
     import torch.distributed as dist
 
-    parts = [torch.empty_like(x) for _ in range(WORLD)]
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for p in parts:
@@ -43,7 +43,7 @@ def _same_on_every_rank(y: torch.Tensor, group: Any) -> bool:
     return bool(torch.equal(low, high))
 
 
-def _rank(rank: int, init: str, queue: Any) -> None:
+def _rank(rank: int, world: int, init: str, queue: Any) -> None:
     try:
         import torch.distributed as dist
 
@@ -51,7 +51,7 @@ def _rank(rank: int, init: str, queue: Any) -> None:
 
         os.environ["ASYNCSPEC_TP_ALL_REDUCE"] = "push"
         torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=WORLD)
+        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
         group = dist.group.WORLD
         reduce = make_small_all_reduce(group, torch.device("cuda", rank), torch.bfloat16)
         failures: list[str] = []
@@ -112,17 +112,20 @@ def _rank(rank: int, init: str, queue: Any) -> None:
         queue.put((rank, [f"{type(e).__name__}: {e}"], 0))
 
 
-def test_push_all_reduce_sums_exactly_and_alike_on_both_ranks() -> None:
+@pytest.mark.parametrize("world", [2, 4])
+def test_push_all_reduce_sums_exactly_and_alike_on_every_rank(world: int) -> None:
     import torch.multiprocessing as mp
 
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     init = f"file://{tempfile.mkdtemp(prefix='push-ar-')}/store"
-    procs = [ctx.Process(target=_rank, args=(r, init, queue), daemon=True) for r in range(WORLD)]
+    procs = [ctx.Process(target=_rank, args=(r, world, init, queue), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     try:
-        results = sorted(queue.get(timeout=240) for _ in range(WORLD))
+        results = sorted(queue.get(timeout=240) for _ in range(world))
     finally:
         for p in procs:
             p.join(30)
