@@ -84,6 +84,7 @@ def _rank(rank: int, world: int, init: str, queue: Any) -> None:
 
         fused = getattr(reduce, "add_rms_norm", None)
         weight = (torch.rand(HIDDEN, generator=gen, device="cuda") + 0.5).to(torch.bfloat16)
+        dist.broadcast(weight, 0, group=group)  # replicated, as the model's
         for rows in (1, 3, 32, 1):
             x = torch.randn(rows, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
             residual = torch.randn(rows, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
