@@ -10,7 +10,6 @@ from torch import nn
 
 from asyncspec.kernels.fused_add_rms_norm import fused_add_rms_norm_ref
 from asyncspec.layers.attention import select_backend
-from asyncspec.layers.tensor_parallel import TensorParallel
 
 FusedAddRMSNorm = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -44,18 +43,9 @@ class RMSNorm(nn.Module):
         # Cast before the weight multiply, as HF does, so bf16 results match bit for bit.
         return self.weight * h.to(input_dtype)
 
-    def forward_residual(
-        self, x: torch.Tensor, residual: torch.Tensor | None, tp: TensorParallel | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); with residual None, (norm(x), x). The same numbers as
-        an add then `forward`, in one kernel on the GPU. With `tp`, x is this rank's partial sum of a
-        row-parallel projection: it is all-reduced first (in the same kernel where the group has one)."""
-        if tp is not None and tp.enabled:
-            if residual is not None:
-                fused = tp.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
-                if fused is not None:
-                    return fused
-            x = tp.all_reduce(x)
+        an add then `forward`, in one kernel on the GPU."""
         if self._fused is None:
             self._fused = select_fused_add_rms_norm(x.device)
         return self._fused(x, residual, self.weight, self.eps)

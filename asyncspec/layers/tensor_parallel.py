@@ -34,11 +34,6 @@ class TensorParallel:
     small_all_reduce: Callable[[torch.Tensor], torch.Tensor | None] | None = None
     """A faster all-reduce for small messages (the worker's push kernel over symmetric memory); it returns
     None for a message it does not take, which then goes through the group's backend."""
-    small_all_reduce_add_rms_norm: (
-        Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor] | None] | None
-    ) = None
-    """The small all-reduce fused with the residual add and RMSNorm that follow it (the worker's push
-    kernel): (normed, new residual), or None for a call it does not take."""
     graph_group: Any = None
     """The group of the collectives captured in CUDA graphs, a communicator of their own (None: `group`
     for every collective). NCCL communicators that see both graphed and eager launches pay for it in every
@@ -94,15 +89,6 @@ class TensorParallel:
                 return reduced
         dist.all_reduce(x, group=self._group_now())
         return x
-
-    def all_reduce_add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rmsnorm(sum + residual) * weight, sum + residual), `x` summed across the ranks, in one kernel
-        where the group has one for this call; None otherwise (all_reduce, then the norm)."""
-        if self.size == 1 or self.small_all_reduce_add_rms_norm is None:
-            return None
-        return self.small_all_reduce_add_rms_norm(x, residual, weight, eps)
 
     def all_gather_rows(self, x: torch.Tensor, total: int) -> torch.Tensor:
         """Concatenates each rank's [N, shard] along the last dimension and keeps the first `total`

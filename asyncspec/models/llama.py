@@ -70,8 +70,7 @@ class LlamaAttention(nn.Module):
         else:
             q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
             o = self.attn(q, k, v, kv_cache, attn_metadata)
-        # This rank's partial sum: the next norm all-reduces it (fused with its add where it can).
-        return self.o_proj(o.reshape(T, self.q_size))
+        return self.tp.all_reduce(self.o_proj(o.reshape(T, self.q_size)))
 
 
 class LlamaMLP(nn.Module):
@@ -93,7 +92,7 @@ class LlamaMLP(nn.Module):
             self._silu_and_mul = select_silu_and_mul(x.device)
         gate_up = self.gate_up_proj
         act = linear_silu_and_mul(x, gate_up.weight, gate_up.bias, gate_up.skinny_linear, self._silu_and_mul)
-        return self.down_proj(act)  # a partial sum, as the attention's
+        return self.tp.all_reduce(self.down_proj(act))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -101,7 +100,6 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.tp = tp if tp is not None else TensorParallel()
         self.self_attn = LlamaAttention(config, layer_idx, tp)
         self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -115,12 +113,10 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this block's MLP output, the residual stream before it): the next norm adds them, fused. Under
-        tensor parallelism the attention's and the MLP's outputs are each rank's partial sums, and the norm
-        after each all-reduces it (the embedding, before the first layer, is already reduced)."""
-        x, residual = self.input_layernorm.forward_residual(h, residual, self.tp if residual is not None else None)
+        """(this block's MLP output, the residual stream before it): the next norm adds them, fused."""
+        x, residual = self.input_layernorm.forward_residual(h, residual)
         x = self.self_attn(x, rope, kv_cache, attn_metadata)
-        x, residual = self.post_attention_layernorm.forward_residual(x, residual, self.tp)
+        x, residual = self.post_attention_layernorm.forward_residual(x, residual)
         return self.mlp(x), residual
 
 
@@ -149,7 +145,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.tp = tp = tp if tp is not None else TensorParallel()
+        tp = tp if tp is not None else TensorParallel()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -177,7 +173,7 @@ class LlamaModel(nn.Module):
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h, residual = layer(h, residual, rope, kv_cache, attn_metadata)
-        return self.norm.forward_residual(h, residual, self.tp)[0]
+        return self.norm.forward_residual(h, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -26,8 +26,6 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 MODE_ENV = "ASYNCSPEC_TP_ALL_REDUCE"
-FUSED_NORM_ENV = "ASYNCSPEC_TP_FUSED_NORM"
-"""`0`: the push path leaves the residual add and RMSNorm after each all-reduce to their own kernel."""
 MODES = ("nccl", "symm_mem", "push")
 DEFAULT_MODE = "push"
 
@@ -135,58 +133,22 @@ class _PushAllReduce:
         self.buffer.fill_(kernel.SENTINEL)
         self.counts = torch.zeros(kernel.num_programs(self.max_numel), dtype=torch.int32, device=device)
         self.buffer_ptrs: torch.Tensor | None = None
-        # The fused all-reduce + add + RMSNorm has buffers of its own: its programs' regions depend on the
-        # hidden size (one per process: the first it sees).
-        self.norm_buffer = symm_mem.empty(
-            kernel.receive_buffer_numel(self.max_numel, self.world), dtype=torch.int16, device=device
-        )
-        self.norm_buffer.fill_(kernel.SENTINEL)
-        self.norm_counts = torch.zeros(self.max_numel // 64, dtype=torch.int32, device=device)
-        self.norm_buffer_ptrs: torch.Tensor | None = None
-        self.norm_hidden: int | None = None
-        self.fuse_norm = os.environ.get(FUSED_NORM_ENV, "1") != "0"
 
     def rendezvous(self) -> None:
         """Exchanges the buffers' handles with the peers (a collective)."""
         # A peer pushes as soon as the rendezvous returns: this rank's sentinel fill must have landed.
         torch.cuda.synchronize(self.device)
-        self.buffer_ptrs = self._peer_pointers(self.buffer)
-        self.norm_buffer_ptrs = self._peer_pointers(self.norm_buffer)
-
-    def _peer_pointers(self, buffer: torch.Tensor) -> torch.Tensor:
-        handle = self._symm_mem.rendezvous(buffer, self.group_name)
+        handle = self._symm_mem.rendezvous(self.buffer, self.group_name)
         ptrs = list(handle.buffer_ptrs)
-        offset = buffer.data_ptr() - ptrs[self.rank]  # the tensor's place in its allocation: the same on every rank
-        return torch.tensor([p + offset for p in ptrs], dtype=torch.int64, device=self.device)
+        offset = (
+            self.buffer.data_ptr() - ptrs[self.rank]
+        )  # the tensor's place in its allocation, the same on every rank
+        self.buffer_ptrs = torch.tensor([p + offset for p in ptrs], dtype=torch.int64, device=self.device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         if self.buffer_ptrs is None or x.numel() > self.max_numel or x.dtype != self.dtype:
             return None
         return self._kernel.push_all_reduce(x, self.buffer_ptrs, self.counts, self.max_numel, self.rank, self.world)
-
-    def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rmsnorm(sum + residual) * weight, sum + residual) for `x` summed over the ranks, in one kernel; None
-        for a call it does not take (the caller then all-reduces and normalises separately)."""
-        if (
-            not self.fuse_norm
-            or self.norm_buffer_ptrs is None
-            or x.dim() != 2
-            or x.numel() > self.max_numel
-            or x.dtype != self.dtype
-            or residual.dtype != self.dtype
-            or residual.shape != x.shape
-        ):
-            return None
-        rows, hidden = x.shape
-        if self.norm_hidden is None:
-            self.norm_hidden = hidden
-        if hidden != self.norm_hidden or rows > self.norm_counts.numel():
-            return None
-        return self._kernel.push_all_reduce_add_rms_norm(
-            x, residual, weight, eps, self.norm_buffer_ptrs, self.norm_counts, self.max_numel, self.rank, self.world
-        )
 
 
 class _SymmetricAllReduce:

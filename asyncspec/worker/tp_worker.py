@@ -167,8 +167,7 @@ def _start(args: WorkerArgs) -> RankWorker:
         dist.all_reduce(torch.zeros(1, device=device), group=graph_group)
         torch.cuda.synchronize(device)
     small = make_small_all_reduce(group, torch.device(device), config.torch_dtype)
-    fused_norm = getattr(small, "add_rms_norm", None)
-    tp = TensorParallel(args.rank, args.size, group, small, fused_norm, graph_group)
+    tp = TensorParallel(args.rank, args.size, group, small, graph_group)
     runner = ModelRunner(config, args.model_config, args.max_model_len, tp)
     return RankWorker(runner)
 

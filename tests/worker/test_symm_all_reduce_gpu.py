@@ -79,26 +79,6 @@ def _rank(rank: int, world: int, init: str, queue: Any) -> None:
             check(f"eager rows={rows}", x, reduce(x))
             big = torch.ones(1024, HIDDEN, device="cuda")
             dist.all_reduce(big, group=group)
-        # Fused with the residual add and RMSNorm: the numbers of the sum followed by the norm kernel.
-        from asyncspec.kernels.fused_add_rms_norm_triton import fused_add_rms_norm
-
-        fused = getattr(reduce, "add_rms_norm", None)
-        weight = (torch.rand(HIDDEN, generator=gen, device="cuda") + 0.5).to(torch.bfloat16)
-        dist.broadcast(weight, 0, group=group)  # replicated, as the model's
-        for rows in (1, 3, 32, 1):
-            x = torch.randn(rows, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
-            residual = torch.randn(rows, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
-            dist.broadcast(residual, 0, group=group)  # the residual stream is the same on every rank
-            got = fused(x, residual, weight, 1e-5) if fused is not None else None
-            checked += 1
-            if got is None:
-                failures.append(f"fused rows={rows}: not taken")
-                continue
-            want = fused_add_rms_norm(_expected(x, group), residual, weight, 1e-5)
-            if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
-                failures.append(f"fused rows={rows}: differs from the sum followed by the norm kernel")
-            elif not _same_on_every_rank(got[0], group):
-                failures.append(f"fused rows={rows}: ranks disagree")
         # A graph of three chained sums (as in a decode step's layers), replayed with new inputs.
         static_x = torch.zeros(4, HIDDEN, dtype=torch.bfloat16, device="cuda")
         stream = torch.cuda.Stream()
@@ -153,4 +133,4 @@ def test_push_all_reduce_sums_exactly_and_alike_on_every_rank(world: int) -> Non
                 p.kill()
     for rank, failures, checked in results:
         assert not failures, f"rank {rank}: {failures}"
-        assert checked == 6 + 4 + 40, f"rank {rank} checked {checked} sums"
+        assert checked == 6 + 40, f"rank {rank} checked {checked} sums"
