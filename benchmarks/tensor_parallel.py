@@ -235,8 +235,8 @@ def _allreduce_rank(rank: int, size: int, hidden: int, init: str, out: Any) -> N
 def bench_allreduce(size: int, hidden: int) -> dict[str, Any]:
     """Microseconds of one all-reduce of a [1, hidden] bf16 tensor (the batch-1 decode step's) inside
     a CUDA graph, with nothing else running, through NCCL, torch's symmetric-memory one-shot and the push
-    kernel. (Each graph
-    node also holds the clone that feeds it: a copy kernel of 8 KiB, a microsecond or two.)"""
+    kernel. (Each graph node also holds the clone that feeds it: a copy kernel of 8 KiB, a microsecond or
+    two.)"""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")

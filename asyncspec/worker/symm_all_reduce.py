@@ -140,9 +140,8 @@ class _PushAllReduce:
         torch.cuda.synchronize(self.device)
         handle = self._symm_mem.rendezvous(self.buffer, self.group_name)
         ptrs = list(handle.buffer_ptrs)
-        offset = (
-            self.buffer.data_ptr() - ptrs[self.rank]
-        )  # the tensor's place in its allocation, the same on every rank
+        # The tensor's place in its allocation, the same on every rank.
+        offset = self.buffer.data_ptr() - ptrs[self.rank]
         self.buffer_ptrs = torch.tensor([p + offset for p in ptrs], dtype=torch.int64, device=self.device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
