@@ -5,7 +5,10 @@
 #   bash benchmarks/gpu_pending_checks.sh            # on the device, from the repository root
 #
 # Writes its JSON under $OUT (or /tmp/pending). Parts, each about one device call (at most 10 minutes):
-#   tests  the whole gpu-marked suite but tensor parallelism: ~7 min on an H100
+#   tests  the whole gpu-marked suite but tensor parallelism: 7 to more than 10 min on an H100 (a cold machine
+#          compiles every kernel), so one call may not hold it: tests-a (worker, layers, kernels) and tests-b
+#          (spec, engine, models) split it in two
+#   tp     the tensor-parallel GPU tests (two GPUs or more): ~5 min
 #   step   batch-1 TPOT and 32/128-stream throughput of the bundled pair at BASE and NEW, alternated twice (pack
 #          them here first: `benchmarks/ab_commits.sh pack BASE NEW`, and carry .devdata). One process per run;
 #          the host's speed moves by up to 2x between processes on these machines, so read medians of rounds.
@@ -18,9 +21,22 @@ mkdir -p "$out"
 parts=${PARTS:-tests}
 [ -e asyncspec/kernels ] || ln -s ../kernels asyncspec/kernels
 
+gpu_tests() {
+    timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu "$@" --deselect tests/worker/test_tensor_parallel_gpu.py \
+        --deselect tests/worker/test_symm_all_reduce_gpu.py 2>&1 | tail -15
+}
 if [[ " $parts " == *" tests "* ]]; then
-    timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu tests/worker tests/layers tests/kernels tests/spec \
-        tests/engine tests/models --deselect tests/worker/test_tensor_parallel_gpu.py 2>&1 | tail -15
+    gpu_tests tests/worker tests/layers tests/kernels tests/spec tests/engine tests/models
+fi
+if [[ " $parts " == *" tests-a "* ]]; then
+    gpu_tests tests/worker tests/layers tests/kernels
+fi
+if [[ " $parts " == *" tests-b "* ]]; then
+    gpu_tests tests/spec tests/engine tests/models
+fi
+if [[ " $parts " == *" tp "* ]]; then
+    timeout 560 python3 -m pytest -q -p no:cacheprovider tests/worker/test_symm_all_reduce_gpu.py \
+        tests/worker/test_tensor_parallel_gpu.py 2>&1 | tail -15
 fi
 
 if [[ " $parts " == *" step "* ]]; then
