@@ -57,15 +57,18 @@ def make_small_all_reduce(group: dist.ProcessGroup, device: torch.device, dtype:
     wanted = all_reduce_mode()
     if wanted == "nccl" or device.type != "cuda":
         return None
-    if wanted == "push" and dtype not in (torch.bfloat16, torch.float16):
-        # The same on every rank (one model dtype): no agreement needed.
-        logger.info("tensor-parallel all-reduce: NCCL (the push path takes bf16 or fp16, the model runs %s)", dtype)
-        return None
+    if wanted == "push":
+        from asyncspec.kernels.push_all_reduce_triton import DTYPES
+
+        if dtype not in DTYPES:
+            # The same on every rank (one model dtype): no agreement needed.
+            logger.info("tensor-parallel all-reduce: NCCL (the push path takes %s, the model runs %s)", DTYPES, dtype)
+            return None
     ok, reduce, error = False, None, ""
     try:
         reduce = _PushAllReduce(group, device, dtype) if wanted == "push" else _SymmetricAllReduce(group, device, dtype)
         ok = True
-    except Exception as e:  # an older torch, no peer access, a dtype the path lacks: NCCL it is
+    except Exception as e:  # an older torch, no peer access: NCCL it is
         error = f"{type(e).__name__}: {e}"
     # Every rank must take the same path, or a collective would wait for ever: agree before the
     # rendezvous (itself a collective), and again on the self-check.
@@ -114,8 +117,6 @@ class _PushAllReduce:
 
         from asyncspec.kernels import push_all_reduce_triton as kernel
 
-        if dtype not in kernel.DTYPES:
-            raise ValueError(f"the push all-reduce takes bf16 or fp16 models, not {dtype}")
         self._kernel = kernel
         self._symm_mem = symm_mem
         self.group_name = group.group_name
@@ -154,7 +155,6 @@ class _SymmetricAllReduce:
     def __init__(self, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
-        self.group = group
         self.group_name = group.group_name
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:
