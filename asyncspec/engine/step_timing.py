@@ -29,6 +29,7 @@ class StepTimings:
     """Device idle between the end of one step's work and the start of the next: CUDA events on a GPU;
     on the CPU, where the worker plays the device, the host time between two executions."""
     last_scheduling_seconds: float = 0.0
+    last_execute_seconds: float = 0.0
     last_launch_gap_seconds: float = 0.0
     last_device_idle_seconds: float = 0.0
     _last_launch: float | None = None
@@ -47,7 +48,8 @@ class StepTimings:
         self.num_steps += 1
         self.last_scheduling_seconds = launch - schedule_start
         self.scheduling_seconds += self.last_scheduling_seconds
-        self.execute_seconds += execute_end - launch
+        self.last_execute_seconds = execute_end - launch
+        self.execute_seconds += self.last_execute_seconds
         self.update_seconds += update_end - execute_end
         gap = launch - self._last_launch if self._last_launch is not None else 0.0
         self.last_launch_gap_seconds = gap
@@ -71,6 +73,7 @@ class StepTimings:
             "step_launch_gap_seconds_total": self.launch_gap_seconds,
             "device_idle_seconds_total": self.device_idle_seconds,
             "last_step_scheduling_seconds": self.last_scheduling_seconds,
+            "last_step_execute_seconds": self.last_execute_seconds,
             "last_step_launch_gap_seconds": self.last_launch_gap_seconds,
             "last_step_device_idle_seconds": self.last_device_idle_seconds,
         }
