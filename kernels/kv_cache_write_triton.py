@@ -33,11 +33,10 @@ def _kv_cache_write_kernel(
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    # One program per token: all its KV heads at once, so the slot is read once. The slot mapping is a step
-    # input, never the predecessor's output: read before the PDL wait (kernels/pdl.py).
+    pdl_start(USE_PDL)
+    # One program per token: all its KV heads at once, so the slot is read once.
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + t)
-    pdl_start(USE_PDL)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     # Padded tokens carry slot -1: masking every access means they are never written.

@@ -101,26 +101,6 @@ def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _tile_blocks(bt_row, start_n, kv_end, block_size, BLOCK_N: tl.constexpr):
-    """The block-table entries of keys start_n + [0, BLOCK_N) (0 past kv_end), as int64."""
-    k_pos = start_n + tl.arange(0, BLOCK_N)
-    return tl.load(bt_row + k_pos // block_size, mask=k_pos < kv_end, other=0).to(tl.int64)
-
-
-@triton.jit
-def _request_inputs(qsl_ptr, seq_lens_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
-    """(req, q_start, q_tile, q_len, seq_len) of query-tile id `pid` from the step's inputs; req == num_reqs
-    is the padding tail, whose q_len and seq_len are 0 (nothing past the inputs' ends is read)."""
-    req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q)
-    is_real = req < num_reqs
-    q_start = tl.load(qsl_ptr + req)
-    q_tile = pid - _tile_start(qsl_ptr, req, BLOCK_Q)
-    q_len = tl.where(is_real, tl.load(qsl_ptr + req + 1, mask=is_real, other=0) - q_start, 0)
-    seq_len = tl.load(seq_lens_ptr + req, mask=is_real, other=0)
-    return req, q_start, q_tile, q_len, seq_len
-
-
-@triton.jit
 def _attend_keys(
     q,
     k_cache_ptr,
@@ -142,14 +122,12 @@ def _attend_keys(
     sliding_window,
     kv_begin,
     kv_end,
-    first_blocks,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Online softmax of the query rows over keys [kv_begin, kv_end) (kv_begin a multiple of BLOCK_N), the
-    first tile's physical blocks given (`_tile_blocks`, loaded before the PDL wait).
+    """Online softmax of the query rows over keys [kv_begin, kv_end) (kv_begin a multiple of BLOCK_N).
 
     Returns fp32 (m, l, acc): running max of the log2-scaled scores, sum of exp2(score - m), unnormalised
     output. A row that sees no key keeps m = -inf, l = 0, acc = 0; an empty range returns exactly that."""
@@ -161,10 +139,7 @@ def _attend_keys(
         k_pos = start_n + offs_n
         k_ok = k_pos < kv_end
         # Physical slot of every key: its block from the block table, its offset within the block.
-        if start_n == kv_begin:
-            block = first_blocks
-        else:
-            block = _tile_blocks(bt_row, start_n, kv_end, block_size, BLOCK_N)
+        block = tl.load(bt_row + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
         in_block = k_pos % block_size
         k_ptrs = (
             k_cache_ptr
@@ -248,17 +223,12 @@ def _paged_attention_kernel(
     USE_PDL: tl.constexpr = False,
 ):
     """Single pass: each program walks all visible keys of its (query tile, KV head) and writes `out`."""
+    pdl_start(USE_PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-    # The step's inputs and the first tile's block-table entries before the PDL wait (kernels/pdl.py): the
-    # predecessor writes q and the cache, never these, so their chain of dependent loads overlaps its tail.
-    req, q_start, q_tile, q_len, seq_len = _request_inputs(qsl_ptr, seq_lens_ptr, pid, num_reqs, BLOCK_Q)
-    context_len = seq_len - q_len
-    kv_begin, kv_end = _visible_keys(context_len, q_tile, q_len, seq_len, sliding_window, BLOCK_Q, BLOCK_N)
-    kv_end = tl.where(q_tile * BLOCK_Q < q_len, kv_end, kv_begin)  # the padding tail and empty tiles: none
-    bt_row = block_tables_ptr + req.to(tl.int64) * bt_stride
-    first_blocks = _tile_blocks(bt_row, kv_begin, kv_end, block_size, BLOCK_N)
-    pdl_start(USE_PDL)
+    req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + req)
+    q_tile = pid - _tile_start(qsl_ptr, req, BLOCK_Q)
 
     rows = tl.arange(0, BLOCK_M)
     q_idx = q_tile * BLOCK_Q + rows // GROUP  # query token within the request
@@ -275,8 +245,11 @@ def _paged_attention_kernel(
         tl.store(o_ptrs, zeros, mask=row_ok[:, None] & d_mask[None, :])
         return
 
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
     if q_tile * BLOCK_Q >= q_len:
         return  # the grid over-provisions tiles; this one has no queries
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len
     row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
     q_pos = context_len + q_idx  # absolute position of each row's query
 
@@ -284,6 +257,8 @@ def _paged_attention_kernel(
     q_ptrs = q_ptr + t[:, None] * q_stride_t + head[:, None] * q_stride_h + d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_mask[None, :], other=0.0)
 
+    kv_begin, kv_end = _visible_keys(context_len, q_tile, q_len, seq_len, sliding_window, BLOCK_Q, BLOCK_N)
+    bt_row = block_tables_ptr + req.to(tl.int64) * bt_stride
     m_i, l_i, acc = _attend_keys(
         q,
         k_cache_ptr,
@@ -305,7 +280,6 @@ def _paged_attention_kernel(
         sliding_window,
         kv_begin,
         kv_end,
-        first_blocks,
         BLOCK_M,
         BLOCK_N,
         BLOCK_D,
@@ -356,24 +330,16 @@ def _paged_attention_split_kernel(
     """Split pass: program (query tile, KV head, split) attends to the split-th share of the tile's visible
     keys and writes its partial (m, l, acc) for every real row, even when its share is empty, so the
     combine kernel can read all num_splits partials of every real token without knowing which are empty."""
+    pdl_start(USE_PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # The step's inputs and the first tile's block-table entries before the PDL wait, as in the single pass.
-    req, q_start, q_tile, q_len, seq_len = _request_inputs(qsl_ptr, seq_lens_ptr, pid, num_reqs, BLOCK_Q)
-    context_len = seq_len - q_len
-    # This split's share of the visible keys, from the real seq_len (the grid only knows shapes): whole
-    # BLOCK_N tiles, so every share starts aligned; trailing splits of a short context get nothing.
-    kv_begin, kv_end = _visible_keys(context_len, q_tile, q_len, seq_len, sliding_window, BLOCK_Q, BLOCK_N)
-    chunk = tl.cdiv(tl.cdiv(kv_end - kv_begin, BLOCK_N), num_splits) * BLOCK_N
-    split_begin = kv_begin + split * chunk
-    split_end = tl.minimum(split_begin + chunk, kv_end)
-    split_end = tl.where(q_tile * BLOCK_Q < q_len, split_end, split_begin)  # the padding tail, empty tiles
-    bt_row = block_tables_ptr + req.to(tl.int64) * bt_stride
-    first_blocks = _tile_blocks(bt_row, split_begin, split_end, block_size, BLOCK_N)
-    pdl_start(USE_PDL)
+    req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q)
     if req == num_reqs:
         return  # the padding tail is zeroed by the combine kernel
+    q_start = tl.load(qsl_ptr + req)
+    q_tile = pid - _tile_start(qsl_ptr, req, BLOCK_Q)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
     if q_tile * BLOCK_Q >= q_len:
         return  # the grid over-provisions tiles; this one has no queries
 
@@ -382,6 +348,8 @@ def _paged_attention_split_kernel(
     head = kv_head * GROUP + rows % GROUP
     d = tl.arange(0, BLOCK_D)
     d_mask = d < head_dim
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len
     row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
     q_pos = context_len + q_idx
 
@@ -389,6 +357,13 @@ def _paged_attention_split_kernel(
     q_ptrs = q_ptr + t[:, None] * q_stride_t + head[:, None] * q_stride_h + d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_mask[None, :], other=0.0)
 
+    # This split's share of the visible keys, from the real seq_len (the grid only knows shapes): whole
+    # BLOCK_N tiles, so every share starts aligned; trailing splits of a short context get nothing.
+    kv_begin, kv_end = _visible_keys(context_len, q_tile, q_len, seq_len, sliding_window, BLOCK_Q, BLOCK_N)
+    chunk = tl.cdiv(tl.cdiv(kv_end - kv_begin, BLOCK_N), num_splits) * BLOCK_N
+    split_begin = kv_begin + split * chunk
+    split_end = tl.minimum(split_begin + chunk, kv_end)
+    bt_row = block_tables_ptr + req.to(tl.int64) * bt_stride
     m_i, l_i, acc = _attend_keys(
         q,
         k_cache_ptr,
@@ -410,7 +385,6 @@ def _paged_attention_split_kernel(
         sliding_window,
         split_begin,
         split_end,
-        first_blocks,
         BLOCK_M,
         BLOCK_N,
         BLOCK_D,
@@ -443,14 +417,13 @@ def _combine_splits_kernel(
 ):
     """Program (token, query head): log-sum-exp merge of the token's num_splits partials into `out`.
     Tokens of the padding tail (t >= query_start_loc[-1]) are written as zeros."""
+    pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    num_real = tl.load(qsl_ptr + num_reqs)  # a step input: before the PDL wait
-    pdl_start(USE_PDL)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < head_dim
     o_ptrs = out_ptr + t * o_stride_t + head * o_stride_h + d
-    if t >= num_real:
+    if t >= tl.load(qsl_ptr + num_reqs):
         # Padding tail (the partials of these rows were never written): zeros, as the single pass writes.
         tl.store(o_ptrs, tl.zeros([BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=d_mask)
         return

@@ -7,22 +7,12 @@ wait in `griddepcontrol.wait` until the predecessor has completed and flushed it
 so the launch and ramp-up overlap the predecessor's tail. CUDA-graph capture keeps the launches as
 programmatic edges.
 
-The contract that keeps it correct: every program of a kernel launched with PDL calls `pdl_start(USE_PDL)`
-(none returns before it) before it writes anything, or reads anything its predecessor may write; the wait
-is transitive, since a predecessor only completes after its own wait. Kernels without PDL (torch's,
-cuBLAS's) keep ordinary stream order on both sides.
-
-What may be read before the wait, so that those loads overlap the predecessor's tail:
-- what no kernel of a step writes: the weights (the skinny linear kernel's first chunks of W, the norm's
-  weight), the rotary cos/sin caches;
-- what only a kernel at least two launches back writes. A kernel's programs start only once every program
-  of its predecessor passed its own wait (the trigger is in `pdl_start`, after the wait), or, for a
-  predecessor without PDL, once that predecessor started, which was after everything before it completed.
-  So everything before the predecessor has completed and flushed. The step's inputs are such data: the
-  positions and slot mapping (read by the rotary KV write and the KV write), and query_start_loc, seq_lens
-  and the block tables (read by the attention kernels). The runner writes them before the forward's first
-  kernel, and inside a forward their readers never directly follow a kernel that writes them. A caller of
-  these kernels outside the engine must keep that: not write those inputs in the launch just before.
+The contract that keeps it correct: every kernel launched with PDL calls `pdl_start(USE_PDL)` before it
+reads or writes anything a predecessor may touch, so nothing it does overlaps another kernel's writes; the
+wait is transitive, since a predecessor only completes after its own wait. Only what no kernel of a step
+writes, the weights, is read before the wait (the skinny linear kernel's first chunks of W, the norm's
+weight): those loads then overlap the predecessor's tail. Kernels without PDL (torch's, cuBLAS's) keep
+ordinary stream order on both sides.
 `ASYNCSPEC_PDL=0` turns it off (an A/B, or a driver that mishandles it); the interpreter never uses it.
 """
 

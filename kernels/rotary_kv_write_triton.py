@@ -75,20 +75,16 @@ def _rotary_kv_write_kernel(
     BLOCK_HALF: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
+    pdl_start(USE_PDL)
     DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
-    # The positions, the slot mapping and the cos/sin caches are the step's inputs and constants, written
-    # before the forward's first kernel, never by the predecessor: loaded before the PDL wait, their chain
-    # of dependent loads overlaps the predecessor's tail (kernels/pdl.py).
     # A position past the cache can only be a padding row's garbage: clamped, so that no load strays.
     pos = tl.load(positions_ptr + t).to(tl.int64)
     pos = tl.minimum(tl.maximum(pos, 0), max_position - 1)
-    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
     d_mask = d < half_dim
     cos = _round(tl.load(cos_ptr + pos * cos_stride + d, mask=d_mask, other=0.0).to(tl.float32), DTYPE)[None, :]
     sin = _round(tl.load(sin_ptr + pos * sin_stride + d, mask=d_mask, other=0.0).to(tl.float32), DTYPE)[None, :]
-    pdl_start(USE_PDL)
     # Compiled, both branches are one scf.if: a name bound in both must have one type, hence q_ / kv_ names.
     if tl.program_id(1) == 0:
         q_h = tl.arange(0, BLOCK_H)[:, None]
@@ -102,6 +98,7 @@ def _rotary_kv_write_kernel(
         tl.store(q_dst, q_lo.to(q_out_ptr.dtype.element_ty), mask=q_mask)
         tl.store(q_dst + half_dim, q_hi.to(q_out_ptr.dtype.element_ty), mask=q_mask)
     else:
+        slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
         kv_h = tl.arange(0, BLOCK_KVH)[:, None]
         # Padded tokens carry slot -1: masking every access means they are never written.
         kv_mask = (slot >= 0) & (kv_h < num_kv_heads) & d_mask[None, :]
