@@ -90,9 +90,10 @@ class EngineConfig:
     adaptive_speculation: bool = True
     """Choose the drafts verified per step (0, 1, k/2 or k) from the batch size, the measured acceptance and
     the step costs measured at CUDA-graph capture; False (or no graphs) always verifies num_speculative_tokens."""
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None
     """Plan and launch step N+1 while step N runs (optimistically: every draft accepted), reconciling
-    when N's results land; False runs one step at a time (the reference loop)."""
+    when N's results land; False runs one step at a time (the reference loop); None: on with CUDA, off
+    on the CPU (see `use_async_scheduling`)."""
     enforce_eager: bool = False
     """Run every step eagerly: no CUDA graphs (they are captured on CUDA with the Triton backend)."""
     cuda_graph_max_batch_size: int | None = None
@@ -122,6 +123,16 @@ class EngineConfig:
         return _DTYPES[self.dtype]
 
     @property
+    def use_async_scheduling(self) -> bool:
+        """Whether the engine runs the asynchronous loop. Unset, it does on CUDA, where it measured faster
+        than the synchronous loop at every batch size (docs/benchmarks.md). On the CPU a worker thread
+        plays the device and competes with the scheduler for the interpreter and the cores, so the
+        synchronous loop, the reference, stays the default there."""
+        if self.async_scheduling is None:
+            return self.torch_device.type == "cuda"
+        return self.async_scheduling
+
+    @property
     def tokenizer_path(self) -> str:
         return self.tokenizer or self.model
 
@@ -141,6 +152,8 @@ class EngineConfig:
                 raise ConfigError(f"device {self.device!r} is not a valid torch device: {e}") from None
             if dev.type not in ("cpu", "cuda"):
                 raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ConfigError(f"async_scheduling must be True, False or None (CUDA: on), got {self.async_scheduling!r}")
         if self.load_format not in ("safetensors", "dummy"):
             raise ConfigError(f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}")
         for name in (

@@ -40,12 +40,13 @@ Parts (`--parts`, comma-separated, default `bandwidth,all`; the groups `asyncspe
 per model, each in a fresh process, a failure recorded as {"error": ...} while the rest go on):
 - `bandwidth`: read bandwidth of the card, the roofline's denominator: `x.sum()` and `x.amax()` over a 3 GiB bf16
   tensor, median of 10 after 3 warm-ups, CUDA events; the faster of the two.
-- `eager`, `graphed` (enforce_eager True / False), `eager-ngram`, `graphed-ngram` (ngram, k=4),
-  `eager-draft`, `graphed-draft` (bundled only: draft_model k=4); with CUDA graphs the engine's adaptive
-  speculation (its default) picks k in {0, 1, 2, 4} per step, eager always verifies 4; the opt-in group
-  `fixed-k` adds `graphed-ngram-fixed` and `graphed-draft-fixed` (adaptive_speculation=False: always 4); the
-  opt-in group `async` adds `async`, `async-ngram`, `async-draft`: the graphed configurations with
-  async_scheduling=True (the asynchronous loop).
+- `eager`, `graphed` (enforce_eager True / False; both with the synchronous loop), `eager-ngram`,
+  `graphed-ngram` (ngram, k=4), `eager-draft`, `graphed-draft` (bundled only: draft_model k=4); with CUDA
+  graphs the engine's adaptive speculation (its default) picks k in {0, 1, 2, 4} per step, eager always
+  verifies 4; the opt-in group `fixed-k` adds `graphed-ngram-fixed` and `graphed-draft-fixed`
+  (adaptive_speculation=False: always 4); the opt-in group `async` adds `async`, `async-ngram`,
+  `async-draft`: the graphed configurations with async_scheduling=True (the asynchronous loop, the CUDA
+  default).
   Each measures, at gpu_memory_utilization 0.5:
   - `tpot`: batch-1 wall TPOT = (time of a 128-token generation - time of a 1-token one) / 127, medians of 3
     alternated runs of each, after one untimed 1-token call and `--warmup-runs` (3) untimed 128-token ones;
@@ -167,17 +168,19 @@ MODELS: dict[str, dict[str, Any]] = {
 K = 4
 _NGRAM = {"speculative_method": "ngram", "num_speculative_tokens": K}
 _DRAFT = {"speculative_method": "draft_model", "num_speculative_tokens": K}
+_SYNC = {"async_scheduling": False}
 ASYNCSPEC_CONFIGS: dict[str, dict[str, Any]] = {
-    "graphed": {"enforce_eager": False},
-    "graphed-ngram": {"enforce_eager": False, **_NGRAM, "adaptive_speculation": True},
-    "graphed-draft": {"enforce_eager": False, **_DRAFT, "adaptive_speculation": True},
-    "eager": {"enforce_eager": True},
+    # The synchronous loop (async_scheduling=False; the CUDA default is the asynchronous one, the async rows).
+    "graphed": {"enforce_eager": False, **_SYNC},
+    "graphed-ngram": {"enforce_eager": False, **_NGRAM, "adaptive_speculation": True, **_SYNC},
+    "graphed-draft": {"enforce_eager": False, **_DRAFT, "adaptive_speculation": True, **_SYNC},
+    "eager": {"enforce_eager": True, **_SYNC},
     # Without CUDA graphs the engine has no step costs to adapt k to: eager speculation always verifies k.
-    "eager-ngram": {"enforce_eager": True, **_NGRAM},
-    "eager-draft": {"enforce_eager": True, **_DRAFT},
+    "eager-ngram": {"enforce_eager": True, **_NGRAM, **_SYNC},
+    "eager-draft": {"enforce_eager": True, **_DRAFT, **_SYNC},
     # Opt-in (group `fixed-k`): CUDA graphs with a fixed k = 4, what the adaptive policy is measured against.
-    "graphed-ngram-fixed": {"enforce_eager": False, **_NGRAM, "adaptive_speculation": False},
-    "graphed-draft-fixed": {"enforce_eager": False, **_DRAFT, "adaptive_speculation": False},
+    "graphed-ngram-fixed": {"enforce_eager": False, **_NGRAM, "adaptive_speculation": False, **_SYNC},
+    "graphed-draft-fixed": {"enforce_eager": False, **_DRAFT, "adaptive_speculation": False, **_SYNC},
     # Opt-in (group `async-all`): the asynchronous loop (issue 9), next to the graphed rows above.
     "async": {"enforce_eager": False, "async_scheduling": True},
     "async-ngram": {"enforce_eager": False, **_NGRAM, "adaptive_speculation": True, "async_scheduling": True},

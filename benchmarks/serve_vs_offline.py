@@ -122,7 +122,11 @@ def main() -> int:
         "--gpu-memory-utilization", type=float, default=0.4, help="each side's share of the card (both are loaded)"
     )
     parser.add_argument("--device", default="cuda", help="cpu: checks the script only")
-    parser.add_argument("--async-scheduling", action="store_true", help="both sides with the asynchronous loop")
+    parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="both sides with the asynchronous loop (already the default on CUDA)",
+    )
     parser.add_argument(
         "--served-worker-process",
         action="store_true",

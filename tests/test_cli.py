@@ -41,12 +41,16 @@ def test_flags_parse_into_typed_fields():
             "256",
             "--scheduling-policy",
             "priority",
+            "--async-scheduling",
+            "false",
         ]
     )
+    assert engine_config_from_args(_parser().parse_args(["--async-scheduling", "none"])).async_scheduling is None
     config = engine_config_from_args(args)
     assert config.max_num_seqs == 8 and config.gpu_memory_utilization == 0.5
     assert config.enable_prefix_caching is False and config.num_kv_blocks is None
     assert config.max_model_len == 256 and config.scheduling_policy == "priority"
+    assert config.async_scheduling is False
 
 
 def test_bad_values_are_refused():

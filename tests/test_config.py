@@ -26,6 +26,7 @@ from tests.conftest import TARGET_MODEL
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"scheduling_policy": "lifo"}, "scheduling_policy"),
         ({"load_format": "pt"}, "load_format"),
+        ({"async_scheduling": "yes"}, "async_scheduling"),
         ({"max_num_batched_tokens": 8, "max_num_seqs": 16}, "max_num_batched_tokens"),
         ({"long_prefill_token_threshold": 64, "enable_chunked_prefill": False}, "long_prefill_token_threshold"),
         ({"speculative_method": "eagle", "num_speculative_tokens": 4}, "speculative_method"),
@@ -53,6 +54,33 @@ from tests.conftest import TARGET_MODEL
 def test_bad_config_values_are_config_errors(kwargs, field):
     with pytest.raises(ConfigError, match=field):
         EngineConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "device, async_scheduling, expected",
+    [
+        ("cpu", None, False),
+        ("cuda", None, True),
+        ("cuda:1", None, True),
+        ("cuda", False, False),
+        ("cpu", True, True),
+    ],
+)
+def test_async_scheduling_defaults_to_on_with_cuda_only(device, async_scheduling, expected):
+    """Unset, the asynchronous loop runs on CUDA (measured faster there) and the synchronous one, the
+    reference, on the CPU; an explicit choice always wins."""
+    config = EngineConfig(device=device, async_scheduling=async_scheduling)
+    assert config.use_async_scheduling is expected
+
+
+def test_async_scheduling_follows_the_device_chosen_when_unset(monkeypatch):
+    """With no device given the engine picks CUDA when there is one, and the loop follows it."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert EngineConfig().use_async_scheduling is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert EngineConfig().use_async_scheduling is True
 
 
 def test_unknown_option_is_named():

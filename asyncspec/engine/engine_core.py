@@ -124,11 +124,11 @@ class EngineCore:
             self.kv_cache_manager,
         )
         self.scheduler.spec_policy.step_cost = self.runner.speculation_step_cost()
-        if config.async_scheduling:
+        if config.use_async_scheduling:
             self.scheduler.spec_policy.probe_length = 4  # see spec_policy.py: one steady period per probe
         self.step_timings = StepTimings()
         """CPU planning, launch gaps and device idle between steps (read by stats and metrics)."""
-        self.async_scheduling = config.async_scheduling
+        self.async_scheduling = config.use_async_scheduling
         self._inflight: deque[InflightStep] = deque()
         self._last_retired_key: tuple[int, int, int] | None = None
         """The last retired step's `_decode_key`."""

@@ -150,7 +150,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             speculative_method=config.speculative_method or "",
             num_speculative_tokens=config.num_speculative_tokens,
             draft_model=config.draft_model_path or "",
-            async_scheduling=config.async_scheduling,
+            async_scheduling=config.use_async_scheduling,
             tensor_parallel_size=config.tensor_parallel_size,
         )
         if engine.model_config.bos_token_id is not None:

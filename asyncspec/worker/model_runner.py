@@ -353,7 +353,7 @@ class ModelRunner:
         # in launch order while the engine plans the next one.
         self._closed = False
         self._cpu_stream: concurrent.futures.ThreadPoolExecutor | None = None
-        if self.config.async_scheduling and not pin:
+        if self.config.use_async_scheduling and not pin:
             self._cpu_stream = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asyncspec-cpu-stream")
 
     def check_health(self) -> None:

@@ -54,7 +54,9 @@ def test_engine_counts_every_step():
 
 @pytest.mark.gpu
 def test_device_idle_is_measured_with_cuda_events():
-    llm = make_llm(device="cuda", block_size=16, max_model_len=192, num_kv_blocks=64, max_num_seqs=4)
+    llm = make_llm(
+        device="cuda", block_size=16, max_model_len=192, num_kv_blocks=64, max_num_seqs=4, async_scheduling=False
+    )
     prompts = [p[:50] for p in load_prompts(3)]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
     stats = llm.stats()
