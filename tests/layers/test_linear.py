@@ -170,10 +170,10 @@ def test_graphs_take_the_kernel_up_to_its_rows_and_eager_steps_compile_none(monk
     prompts = [p[: 3 + 8 * i] for i, p in enumerate(load_prompts(8))]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     got = llm.generate(prompts, params)
-    # The graphs' calls run no Python. The synchronous loop's eager steps call the kernel (the asynchronous
-    # loop's may all be too large for it).
+    # The graphs' calls run no Python; an eager call of more rows went to cuBLAS. Whether an eager step of one
+    # or two rows happens at all depends on the adaptive policy's choices (the steps' measured costs), so
+    # `rows` may be empty: the cap itself is the max_rows asserted above.
     assert max(rows, default=0) <= model_runner.EAGER_SKINNY_ROWS, rows
-    assert rows or async_scheduling
     assert not [name for name in compiled if "skinny" in name]
     del llm
     gc.collect()
