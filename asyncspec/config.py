@@ -125,7 +125,8 @@ class EngineConfig:
     @property
     def use_async_scheduling(self) -> bool:
         """Whether the engine runs the asynchronous loop. Unset, it does on CUDA, where it measured faster
-        than the synchronous loop at every batch size (docs/benchmarks.md). On the CPU a worker thread
+        than the synchronous loop at every batch size on fast host cores (docs/benchmarks.md, with the one
+        exception seen: a host-bound tiny model pinned to two slow cores). On the CPU a worker thread
         plays the device and competes with the scheduler for the interpreter and the cores, so the
         synchronous loop, the reference, stays the default there."""
         if self.async_scheduling is None:
