@@ -33,7 +33,9 @@ cannot reach): `m1_as_m2` gives the skinny kernel's one-row calls its two-row la
 MLP's activation as its own kernel after the gate|up projection instead of in the projection's epilogue;
 `skinny_m2` captures the graphs with the skinny kernel taking calls of at most 2 rows (cuBLAS above), as before
 2026-11-28. Timing only (the outputs are wrong; they bound what fusing a kernel away could give): `no_combine`
-launches no split-KV combine kernel, `no_norm` no residual-add + RMSNorm kernel (each returns its input)."""
+launches no split-KV combine kernel, `no_norm` no residual-add + RMSNorm kernel (each returns its input),
+`no_rotary` no RoPE + KV-write kernel (q passes through unrotated), `no_attention` no attention kernels (the output
+is q), `no_small` the first three together (what fusing every small kernel of a layer away could give)."""
 
 
 def _apply_patches(patches: set[str]) -> None:
@@ -45,6 +47,16 @@ def _apply_patches(patches: set[str]) -> None:
     if "m1_as_m2" in patches:
         choose = skinny_linear_triton.choose_config
         skinny_linear_triton.choose_config = lambda m, n, k, sms=132: choose(max(m, 2), n, k, sms)  # type: ignore[assignment]
+    if "no_small" in patches:
+        patches = patches | {"no_combine", "no_norm", "no_rotary"}
+    if "no_rotary" in patches:
+        from asyncspec.kernels import rotary_kv_write_triton
+
+        rotary_kv_write_triton.rotary_kv_write = lambda q, *args, **kwargs: q  # type: ignore[assignment]
+    if "no_attention" in patches:
+        from asyncspec.kernels import paged_attention_triton
+
+        paged_attention_triton.paged_attention = lambda query, *args, **kwargs: query  # type: ignore[assignment]
     if "no_combine" in patches:
         from asyncspec.kernels import paged_attention_triton
 
