@@ -35,6 +35,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "spec": {"speculative_method": "draft_model", "draft_model": str(DRAFT), "num_speculative_tokens": 4},
     },
     "bundled-b128": {"streams": 128, "spec": {}},
+    "bundled-b64": {"streams": 64, "spec": {}},
 }
 
 
