@@ -4,17 +4,21 @@ runner's parts timed with perf_counter wrappers (about a microsecond each), per 
 A window is as `bubble.window` (prefilled, 3 warm-up steps, `--steps` engine steps timed) with these methods
 wrapped: the scheduler's `schedule` and `update_from_output`; the runner's `launch`, `collect` and, inside
 them, `_update_states`, `_prepare_inputs`, `_copy_to_host`; the graph replays (`CudaGraphForward.replay`,
-`replay_head`, `replay_tail`, and torch's `CUDAGraph.replay` under them); the wait for a step's results
+`replay_head`, `replay_tail`, and torch's `CUDAGraph.replay` under them); with speculation, the runner's
+verification and proposal (`_verify_and_propose` and the calls under it); the wait for a step's results
 (`StepHandle.wait`); the output processor. The loop's own time is the window's wall time minus the phases.
 
     python3 benchmarks/host_phases.py --output $OUT/host_phases.json      # bundled target, batch 64, both loops
     python3 benchmarks/host_phases.py --smoke                             # CPU: checks the script only
+    python3 benchmarks/host_phases.py --spec --cprofile                   # the window under cProfile instead
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import sys
 import time
 from collections import defaultdict
@@ -33,7 +37,9 @@ def _targets(llm: Any) -> list[tuple[str, Any, str]]:
     import torch
 
     from asyncspec.engine.output_processor import OutputProcessor
-    from asyncspec.worker.cuda_graphs import CudaGraphForward
+    from asyncspec.spec.draft_model_proposer import DraftModelProposer
+    from asyncspec.spec.spec_decoder import SpeculativeDecoder
+    from asyncspec.worker.cuda_graphs import CapturedGraph, CudaGraphForward
     from asyncspec.worker.model_runner import StepHandle
 
     core = llm.engine.engine_core
@@ -50,6 +56,15 @@ def _targets(llm: Any) -> list[tuple[str, Any, str]]:
         ("  launch: graph replay (inputs head)", CudaGraphForward, "replay_head"),
         ("  launch: graph replay (sampling tail)", CudaGraphForward, "replay_tail"),
         ("    torch CUDAGraph.replay", torch.cuda.CUDAGraph, "replay"),
+        ("  launch: _verify_and_propose (speculation)", runner, "_verify_and_propose"),
+        ("    _verify_greedily", runner, "_verify_greedily"),
+        ("    _verify (sampler)", runner, "_verify"),
+        ("    _sampling_metadata", runner, "_sampling_metadata"),
+        ("    _replay_greedy_draft_step", runner, "_replay_greedy_draft_step"),
+        ("      captured function replay", CapturedGraph, "replay"),
+        ("    _draft_step (its inputs)", runner, "_draft_step"),
+        ("    SpeculativeDecoder.propose", SpeculativeDecoder, "propose"),
+        ("      DraftModelProposer.propose", DraftModelProposer, "propose"),
         ("  collect: wait for results", StepHandle, "wait"),
         ("process_outputs", OutputProcessor, "process_outputs"),
     ]
@@ -79,11 +94,14 @@ class _Timers:
         return wrapper
 
 
-def measure(llm: Any, asyncspec: Any, batch: int, steps: int, clock: Any) -> dict[str, Any]:
+def measure(
+    llm: Any, asyncspec: Any, batch: int, steps: int, clock: Any, profiler: cProfile.Profile | None = None
+) -> dict[str, Any]:
     """A steady decode window (as bubble.window: prefilled, 3 warm-up steps, `steps` timed) with every target
-    wrapped; microseconds per step and per call of each, and the loop's own rest."""
+    wrapped; microseconds per step and per call of each, and the loop's own rest. With `profiler`, the
+    window also runs under it (the caller reads it)."""
     timers = _Timers()
-    targets = _targets(llm)
+    targets = _targets(llm) if profiler is None else []
     saved = []
     for label, obj, attr in targets:
         # A class keeps its function in __dict__ (restored as it was); an instance gets a shadowing attribute.
@@ -104,8 +122,12 @@ def measure(llm: Any, asyncspec: Any, batch: int, steps: int, clock: Any) -> dic
         s0, tokens0 = llm.stats(), sum(r.num_output_tokens for r in reqs)
         t0 = clock()
         timers.active = True
+        if profiler is not None:
+            profiler.enable()
         for _ in range(steps):
             engine.step()
+        if profiler is not None:
+            profiler.disable()
         timers.active = False
         wall = clock() - t0
         s1, tokens = llm.stats(), sum(r.num_output_tokens for r in reqs) - tokens0
@@ -125,7 +147,7 @@ def measure(llm: Any, asyncspec: Any, batch: int, steps: int, clock: Any) -> dic
         label: (timers.seconds[label] / n * 1e6 if (n := timers.calls[label]) else None) for label, _, _ in targets
     }
     phases = ("schedule", "update_from_output", "runner.launch", "runner.collect", "process_outputs")
-    per_step["rest of the loop"] = wall / steps * 1e6 - sum(per_step[p] for p in phases)
+    per_step["rest of the loop"] = wall / steps * 1e6 - sum(per_step.get(p, 0.0) for p in phases)
     per_call["rest of the loop"] = None
     return {
         "wall_ms_per_step": wall / steps * 1e3,
@@ -136,6 +158,26 @@ def measure(llm: Any, asyncspec: Any, batch: int, steps: int, clock: Any) -> dic
     }
 
 
+def _profile_rows(profiler: cProfile.Profile, steps: int) -> list[dict[str, Any]]:
+    """Functions by own time per step, with their callers' names (where a blocking C call is made from)."""
+    stats = pstats.Stats(profiler)
+
+    def name(key: tuple[str, int, str]) -> str:
+        return f"{Path(key[0]).name}:{key[1]}({key[2]})"
+
+    rows = [
+        {
+            "function": name(key),
+            "calls": nc / steps,
+            "own_us": tt / steps * 1e6,
+            "cumulative_us": ct / steps * 1e6,
+            "callers": ", ".join(name(c) for c in sorted(callers, key=lambda c: -callers[c][2])[:3]),
+        }
+        for key, (_cc, nc, tt, ct, callers) in stats.stats.items()  # type: ignore[attr-defined]
+    ]
+    return sorted(rows, key=lambda r: -r["own_us"])[:80]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="bundled")
@@ -144,6 +186,11 @@ def main() -> int:
     parser.add_argument("--loops", default="async,sync")
     parser.add_argument("--spec", action="store_true", help="with the model's speculation (bubble.SPEC)")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument(
+        "--cprofile",
+        action="store_true",
+        help="profile the window with cProfile instead (function level, C calls included; slows the host)",
+    )
     parser.add_argument("--output")
     args = parser.parse_args()
     model = "tiny-dummy" if args.smoke else args.model
@@ -161,8 +208,11 @@ def main() -> int:
     for loop in args.loops.split(","):
         kwargs = bubble.engine_kwargs(model, args.spec, loop == "async", s)
         llm, _, _ = gss.construct(asyncspec, model, kwargs, gss.Clock(s["device"]))
-        row = measure(llm, asyncspec, args.batch, steps, gss.Clock(s["device"]))
+        profiler = cProfile.Profile() if args.cprofile else None
+        row = measure(llm, asyncspec, args.batch, steps, gss.Clock(s["device"]), profiler)
         llm.shutdown()
+        if profiler is not None:
+            row["cprofile"] = _profile_rows(profiler, steps)
         row.update(model=model, loop=loop, batch=args.batch, spec=args.spec)
         results.append(row)
         w = row
@@ -170,6 +220,10 @@ def main() -> int:
             f"\n== {model} batch {args.batch} {loop}{' spec' if args.spec else ''}: "
             f"{w['wall_ms_per_step']:.3f} ms a step, device idle {100 * w['device_idle_fraction']:.1f} %"
         )
+        for r in row.get("cprofile", [])[:40]:
+            own, cum = r["own_us"], r["cumulative_us"]
+            print(f"  {own:8.1f} own {cum:8.1f} cum us/step {r['calls']:7.2f} calls  {r['function']}")
+            print(f"           called from: {r['callers']}")
         for label, us in row["us_per_step"].items():
             call = row["us_per_call"][label]
             print(f"  {label:40} {us:8.1f} us/step  {'' if call is None else f'{call:8.1f} us/call'}")

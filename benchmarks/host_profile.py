@@ -36,6 +36,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
     "bundled-b128": {"streams": 128, "spec": {}},
     "bundled-b64": {"streams": 64, "spec": {}},
+    "bundled-draft-b64": {
+        "streams": 64,
+        "spec": {"speculative_method": "draft_model", "draft_model": str(DRAFT), "num_speculative_tokens": 4},
+    },
 }
 
 

@@ -132,6 +132,15 @@ class Scheduler:
         del self.requests[request.request_id]
         self.stats.num_finished_requests += 1
 
+    def reset_after_warm_up(self, spec_policy: SpeculationPolicy) -> None:
+        """Forgets what the start-up warm-up's dummy requests taught: the statistics, and the speculation
+        policy (replaced by a fresh one). Only on an idle scheduler."""
+        if self.requests or self._plans:
+            raise RuntimeError("reset_after_warm_up needs an idle scheduler: requests or steps are in flight")
+        self.stats = SchedulerStats()
+        self.spec_policy = spec_policy
+        self._planned_k = self.config.num_speculative_tokens
+
     @property
     def num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)

@@ -16,7 +16,9 @@ from asyncspec.config import EngineConfig
 from asyncspec.core.kv_cache import KVCacheManager
 from asyncspec.core.scheduler import Scheduler, SchedulerConfig
 from asyncspec.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from asyncspec.core.spec_policy import SpeculationPolicy
 from asyncspec.engine.step_timing import StepTimings
+from asyncspec.engine.warm_up import WarmUpStats, warm_up
 from asyncspec.errors import ConfigError, ProfilerError
 from asyncspec.layers.tensor_parallel import TensorParallel, check_divisible
 from asyncspec.models.model_config import ModelConfig
@@ -123,9 +125,7 @@ class EngineCore:
             ),
             self.kv_cache_manager,
         )
-        self.scheduler.spec_policy.step_cost = self.runner.speculation_step_cost()
-        if config.use_async_scheduling:
-            self.scheduler.spec_policy.probe_length = 4  # see spec_policy.py: one steady period per probe
+        self.scheduler.spec_policy = self._new_spec_policy()
         self.step_timings = StepTimings()
         """CPU planning, launch gaps and device idle between steps (read by stats and metrics)."""
         self.async_scheduling = config.use_async_scheduling
@@ -141,6 +141,32 @@ class EngineCore:
         """ASYNCSPEC_DEBUG_INVARIANTS=1: check the placeholder invariant and the host's reconciled
         counts against the device's at every step (tests; synchronizes the device)."""
         self.runner.set_debug_invariants(self.debug_invariants)
+        if config.torch_device.type == "cuda":
+            self.warm_up()
+
+    def _new_spec_policy(self) -> SpeculationPolicy:
+        policy = SpeculationPolicy(self.config.num_lookahead_tokens, self.config.adaptive_speculation)
+        policy.step_cost = self.runner.speculation_step_cost()
+        if self.config.use_async_scheduling:
+            policy.probe_length = 4  # see spec_policy.py: one steady period per probe
+        return policy
+
+    def warm_up(self) -> WarmUpStats:
+        """Dummy requests through the engine, so that the first real ones compile no kernel (warm_up.py).
+        Runs at start-up on CUDA."""
+        return warm_up(self)
+
+    def reset_after_warm_up(self) -> None:
+        """Forgets the warm-up: scheduler statistics and speculation policy, prefix-cache counters, step
+        timings and traces."""
+        self.scheduler.reset_after_warm_up(self._new_spec_policy())
+        self.kv_cache_manager.take_prefix_cache_stats()
+        self.step_timings = StepTimings()
+        self.retired_step_tokens.clear()
+        self.step_trace.clear()
+        self._last_retired_key = None
+        self._last_collected = None
+        self.runner.reset_device_idle()
 
     def check_health(self) -> None:
         """Raises WorkerDiedError if a tensor-parallel worker process has died."""
