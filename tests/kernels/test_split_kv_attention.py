@@ -132,7 +132,7 @@ class TestInterpreted:
         monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
         monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
 
-    @pytest.mark.parametrize("num_splits", [1, 2, 7, 16])
+    @pytest.mark.parametrize("num_splits", [1, 2, 7, 11, 16])
     def test_decode_forced_splits(self, attention, num_splits: int) -> None:
         gen = torch.Generator().manual_seed(num_splits)
         batch = make_batch(gen, DECODE, 16, num_pad=3)
