@@ -68,7 +68,7 @@ def main() -> int:
             for context in [int(x) for x in args.contexts.split(",")]:
                 inputs = make_inputs(batch, context, heads, kv_heads, head_dim, gen)
                 out = torch.empty_like(inputs["query"])
-                block_m, _, _ = _tile_sizes(batch, batch, heads // kv_heads, head_dim, 2)
+                block_m = _tile_sizes(batch, batch, heads // kv_heads, head_dim, 2).block_m
                 auto = choose_num_splits(batch, batch, kv_heads, block_m // (heads // kv_heads), MAX_MODEL_LEN, sms)
                 times = {}
                 for s in split_list:

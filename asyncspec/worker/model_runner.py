@@ -946,7 +946,7 @@ class ModelRunner:
         if self._greedy_in_graph(step, len(states), num_sampling):
             assert self.cuda_graphs is not None and step.graph_bucket is not None
             sampled = self.cuda_graphs.replay_tail(step.graph_bucket, 1)[:num_sampling]
-            if self.input_batch.output_token_counts is not None:
+            if self.input_batch.records_sampled:
                 self.input_batch.record_sampled(self._meta_dev[0, :num_sampling], sampled)
             tensors = [sampled]
         else:
@@ -1128,7 +1128,7 @@ class ModelRunner:
             num_positions = greedy.output_token_ids.shape[1]
             out, num_accepted = greedy.output_token_ids[:num_sampling], greedy.num_accepted[:num_sampling]
             num_valid, new_num_tokens = greedy.num_valid_drafts[:num_sampling], greedy.new_num_tokens[:num_sampling]
-            if self.input_batch.output_token_counts is not None:
+            if self.input_batch.records_sampled:
                 self.input_batch.record_sampled(rows.unsqueeze(1).expand_as(out).reshape(-1), out.reshape(-1))
         else:
             metadata = self._sampling_metadata(sampling_states, rows)

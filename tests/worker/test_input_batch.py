@@ -45,6 +45,35 @@ def test_resumed_penalised_request_gets_its_statistics_rebuilt():
     assert batch.prompt_token_mask[again.row].nonzero().flatten().tolist() == [6]
 
 
+def test_sampled_tokens_are_counted_only_while_a_penalised_row_is_in_the_batch():
+    """Repeated (row, token) pairs add up, a negative id (a rejected draft position) counts nothing; once the
+    last penalised request left, later steps leave the table alone, and a penalised request taking a row again
+    starts from its own tokens."""
+    batch = InputBatch(max_num_reqs=4, max_model_len=64, block_size=4, vocab_size=VOCAB, device=torch.device("cpu"))
+    plain = batch.add_request(_new("a", [1, 2, 3], 3, SamplingParams()))
+    batch.record_sampled(torch.tensor([plain.row]), torch.tensor([5]))  # no table yet: nothing to count in
+    assert batch.output_token_counts is None and not batch.records_sampled
+    penalised = batch.add_request(_new("b", [4, 5], 2, SamplingParams(presence_penalty=0.5)))
+    assert batch.records_sampled
+    rows = torch.tensor([penalised.row, penalised.row, penalised.row, plain.row])
+    batch.record_sampled(rows, torch.tensor([7, 7, -1, 9]))
+    expected = torch.zeros(4, VOCAB)
+    expected[penalised.row, 7] = 2
+    expected[plain.row, 9] = 1
+    assert torch.equal(batch.output_token_counts, expected)
+
+    batch.remove_request("b")
+    assert not batch.records_sampled
+    before = batch.output_token_counts.clone()
+    batch.record_sampled(torch.tensor([plain.row]), torch.tensor([3]))
+    assert torch.equal(batch.output_token_counts, before)
+
+    again = batch.add_request(_new("c", [6, 8, 8], 1, SamplingParams(frequency_penalty=0.5)))
+    assert batch.records_sampled
+    counts = batch.output_token_counts[again.row]
+    assert counts[8] == 2 and counts.sum() == 2
+
+
 def _recount(batch: InputBatch) -> dict[str, int]:
     counts = dict.fromkeys(SAMPLING_FEATURES, 0)
     for state in batch.rows.values():
