@@ -45,7 +45,7 @@ def attention() -> Callable[..., torch.Tensor]:
 
 @pytest.mark.skipif(INTERPRETING, reason="TestInterpreted runs in this process")
 def test_interpreter_suite() -> None:
-    run_interpreted_suite(__file__, 18)
+    run_interpreted_suite(__file__, 19)
 
 
 def check_split(
@@ -107,6 +107,19 @@ def test_choose_num_splits_keeps_single_pass() -> None:
     assert choose_num_splits(4, 0, 8, 16, 8192, 132) == 1
 
 
+@pytest.mark.parametrize("num_splits", [0, 33])
+def test_forced_num_splits_outside_the_combines_range_is_refused(num_splits: int) -> None:
+    from asyncspec.kernels.paged_attention_triton import paged_attention
+
+    gen = torch.Generator().manual_seed(0)
+    batch = make_batch(gen, DECODE, 16, num_pad=0)
+    k_cache, v_cache = fill_cache(gen, batch, 16, 1, 64, torch.float32)
+    query = torch.randn(batch.num_tokens, 4, 64, generator=gen)
+    args = (query, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, 0.125)
+    with pytest.raises(ValueError, match=r"num_splits must be in \[1, 32\]"):
+        paged_attention(*args, num_splits=num_splits)
+
+
 def test_choose_num_splits_scales_with_sms_and_grid() -> None:
     counts = [choose_num_splits(r, r, 8, 16, 1 << 16, 132) for r in (1, 2, 4, 8, 16, 32, 64)]
     assert counts == sorted(counts, reverse=True) and counts[0] > counts[-1] == 1
@@ -132,7 +145,7 @@ class TestInterpreted:
         monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
         monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
 
-    @pytest.mark.parametrize("num_splits", [1, 2, 7, 11, 16])
+    @pytest.mark.parametrize("num_splits", [1, 2, 7, 11, 16, 32])
     def test_decode_forced_splits(self, attention, num_splits: int) -> None:
         gen = torch.Generator().manual_seed(num_splits)
         batch = make_batch(gen, DECODE, 16, num_pad=3)
