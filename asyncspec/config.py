@@ -13,6 +13,8 @@ from asyncspec.errors import ConfigError
 
 MAX_SPECULATIVE_TOKENS = 8
 """Largest k: budgets, lookahead slots and draft buffers are sized for k + 1 tokens per request."""
+MAX_SCHEDULER_STEPS = 16
+"""Most decode steps one plan may run back to back (num_scheduler_steps)."""
 BUNDLED_TARGET, BUNDLED_DRAFT = "stdlib-coder-target", "stdlib-coder-draft"
 """Directory names of the embedded default pair (models/)."""
 
@@ -90,6 +92,12 @@ class EngineConfig:
     adaptive_speculation: bool = True
     """Choose the drafts verified per step (0, 1, k/2 or k) from the batch size, the measured acceptance and
     the step costs measured at CUDA-graph capture; False (or no graphs) always verifies num_speculative_tokens."""
+    num_scheduler_steps: int = 1
+    """Greedy decode steps planned and launched together (1 to 16) while every running request is a plain greedy
+    decode (no penalties, logprobs or min_tokens) and none waits: the host plans, collects and reconciles once
+    per that many steps, so that a model whose step is shorter than the host's work per step (a small model at
+    a high batch) keeps the GPU busy. Tokens then stream that many at a time, and a request arriving meanwhile
+    waits for the run. Not with speculation; 1 plans every step."""
     async_scheduling: bool | None = None
     """Plan and launch step N+1 while step N runs (optimistically: every draft accepted), reconciling
     when N's results land; False runs one step at a time (the reference loop); None: on with CUDA, off
@@ -170,6 +178,16 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         for name in ("long_prefill_token_threshold", "seed", "num_speculative_tokens"):
             _check_int(name, getattr(self, name), minimum=0)
+        _check_int("num_scheduler_steps", self.num_scheduler_steps, minimum=1)
+        if self.num_scheduler_steps > MAX_SCHEDULER_STEPS:
+            raise ConfigError(
+                f"num_scheduler_steps must be at most {MAX_SCHEDULER_STEPS}, got {self.num_scheduler_steps}"
+            )
+        if self.num_scheduler_steps > 1 and self.speculative_method is not None:
+            raise ConfigError(
+                "num_scheduler_steps > 1 runs several plain decode steps per plan; with speculative_method set each "
+                "step verifies drafts instead: use one or the other"
+            )
         for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len", "cuda_graph_max_batch_size"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)

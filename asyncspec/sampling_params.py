@@ -206,6 +206,12 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
+    @property
+    def multi_step_decodable(self) -> bool:
+        """Whether a greedy decode step samples this request whole (the argmax, nothing the sampler adds): the
+        condition for running several decode steps per plan (EngineConfig.num_scheduler_steps)."""
+        return self.is_greedy and not self.uses_penalties and self.logprobs is None and self.min_tokens == 0
+
     def all_stop_token_ids(self, eos_token_ids: Iterable[int]) -> frozenset[int]:
         """Token ids that end this request: stop_token_ids plus EOS unless ignore_eos."""
         ids = set(self.stop_token_ids)

@@ -36,9 +36,13 @@ SPEC = {
 }
 
 
-def engine_kwargs(model: str, spec: bool, async_scheduling: bool, s: dict[str, Any]) -> dict[str, Any]:
+def engine_kwargs(
+    model: str, spec: bool, async_scheduling: bool, s: dict[str, Any], scheduler_steps: int = 1
+) -> dict[str, Any]:
     kwargs = gss.engine_kwargs(model, "graphed", s, 0.3)  # one engine at a time, each a small pool
     kwargs["async_scheduling"] = async_scheduling
+    if scheduler_steps > 1:
+        kwargs["num_scheduler_steps"] = scheduler_steps
     if spec:
         kwargs.update(SPEC[model])
         kwargs["max_num_batched_tokens"] = max(kwargs["max_num_batched_tokens"], s["max_num_seqs"] * 5)
@@ -49,7 +53,8 @@ def window(llm: Any, asyncspec: Any, batch: int, steps: int, clock: gss.Clock) -
     """A steady decode window at `batch` requests."""
     engine = llm.engine
     k = llm.config.num_speculative_tokens if llm.config.speculative_method else 0
-    params = asyncspec.SamplingParams(temperature=0.0, max_tokens=2 + (steps + 8) * (k + 1), ignore_eos=True)
+    per_step = (k + 1) * llm.config.num_scheduler_steps  # the most tokens one engine step emits
+    params = asyncspec.SamplingParams(temperature=0.0, max_tokens=2 + (steps + 8) * per_step, ignore_eos=True)
     tag = f"b{batch}-{time.monotonic_ns()}"
     reqs = [engine.make_request(p, params, f"{tag}-{i}") for i, p in enumerate(gss.load_prompts(batch))]
     for r in reqs:
@@ -178,10 +183,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rows": [],
         "timelines": {},
     }
+    configs = [(False, n) for n in args.scheduler_steps] + ([] if args.skip_spec else [(True, 1)])
     for model in args.models:
-        for spec in (False, True):
+        for spec, scheduler_steps in configs:
             for async_scheduling in (False, True):
-                kwargs = engine_kwargs(model, spec, async_scheduling, s)
+                kwargs = engine_kwargs(model, spec, async_scheduling, s, scheduler_steps)
                 llm, startup_s, _ = gss.construct(asyncspec, model, kwargs, clock)
                 for batch in args.batches:
                     window(llm, asyncspec, batch, 4, clock)  # compiles what this batch shape needs
@@ -194,10 +200,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         model=model,
                         spec=SPEC[model]["speculative_method"] if spec else None,
                         loop="async" if async_scheduling else "sync",
+                        scheduler_steps=scheduler_steps,
                     )
                     results["rows"].append(row)
                     print(json.dumps(row), flush=True)
-                if model == args.models[0] and not spec:
+                if model == args.models[0] and not spec and scheduler_steps == args.scheduler_steps[0]:
                     key = "async" if async_scheduling else "sync"
                     trace = Path(args.output).with_suffix(f".{key}.trace.json")
                     results["timelines"][key] = timeline(llm, asyncspec, 1, args.timeline_steps, trace)
@@ -238,11 +245,15 @@ def gss_args(args: argparse.Namespace) -> argparse.Namespace:
 
 def print_table(results: dict[str, Any]) -> None:
     print(f"card: {results['card']}")
-    print(f"{'model':9} {'spec':12} {'batch':>5} {'loop':5} {'ms/step':>8} {'TPOT ms':>8} {'idle ms':>8} {'idle %':>7}")
+    print(
+        f"{'model':9} {'spec':12} {'steps':>5} {'batch':>5} {'loop':5} {'ms/step':>8} {'TPOT ms':>8} {'idle ms':>8} "
+        f"{'idle %':>7}"
+    )
     for r in results["rows"]:
         idle = r["device_idle_fraction"] * 100
         print(
-            f"{r['model']:9} {str(r['spec']):12} {r['batch']:>5} {r['loop']:5} {r['wall_ms_per_step']:8.3f} "
+            f"{r['model']:9} {str(r['spec']):12} {r.get('scheduler_steps', 1):>5} {r['batch']:>5} {r['loop']:5} "
+            f"{r['wall_ms_per_step']:8.3f} "
             f"{r['tpot_ms'] or 0:8.3f} {r['device_idle_ms_per_step'] or 0:8.3f} {idle:7.1f}"
         )
 
@@ -283,6 +294,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=128, help="steps timed per window")
     parser.add_argument("--repeats", type=int, default=3, help="windows per point (the median is kept)")
     parser.add_argument("--timeline-steps", type=int, default=6)
+    parser.add_argument(
+        "--scheduler-steps", default="1", help="num_scheduler_steps values of the configurations without speculation"
+    )
+    parser.add_argument("--skip-spec", action="store_true", help="only the configurations without speculation")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--smoke", action="store_true", help="CPU, the tiny random shape, small windows")
     parser.add_argument("--plot", metavar="RESULTS", help="draw the timeline of a results file, measure nothing")
@@ -293,6 +308,7 @@ def main() -> int:
         return 0
     args.models = [m for m in args.models.split(",") if m]
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.scheduler_steps = [int(n) for n in args.scheduler_steps.split(",")]
     if args.smoke:
         args.device, args.models, args.batches, args.steps, args.repeats = "cpu", ["tiny-dummy"], [1, 2], 4, 1
     results = run(args)

@@ -109,7 +109,8 @@ def measure(
         setattr(obj, attr, timers.wrap(label, getattr(obj, attr)))
     engine = llm.engine
     k = llm.config.num_speculative_tokens if llm.config.speculative_method else 0
-    params = asyncspec.SamplingParams(temperature=0.0, max_tokens=2 + (steps + 8) * (k + 1), ignore_eos=True)
+    per_step = (k + 1) * llm.config.num_scheduler_steps  # the most tokens one engine step emits
+    params = asyncspec.SamplingParams(temperature=0.0, max_tokens=2 + (steps + 8) * per_step, ignore_eos=True)
     tag = f"phases-{time.monotonic_ns()}"
     reqs = [engine.make_request(p, params, f"{tag}-{i}") for i, p in enumerate(gss.load_prompts(batch))]
     try:

@@ -43,6 +43,9 @@ class SchedulerConfig:
     """"fcfs" or "priority"."""
     adaptive_speculation: bool = True
     """Choose k per step (SpeculationPolicy); False: always num_speculative_tokens."""
+    num_scheduler_steps: int = 1
+    """Greedy decode steps one plan runs back to back when every running request may take them (see
+    `_multi_step_count`); 1: one step per plan."""
 
 
 @dataclass
@@ -173,6 +176,16 @@ class Scheduler:
         cached_blocks = cached.new_block_ids
         cached_computed = cached.num_computed_tokens
         draft_positions: dict[str, int] = {}
+        # Decode steps this plan runs back to back: each request computes one token per step, so it needs
+        # slots for num_steps tokens and emits num_steps tokens (optimistic view below).
+        # Not while a request waits that could be admitted now: it would wait for the whole run.
+        num_steps = (
+            self._multi_step_count()
+            if cfg.num_scheduler_steps > 1 and (not self.waiting or len(running) >= cfg.max_num_seqs)
+            else 1
+        )
+        if num_steps > 1:
+            lookahead_k = num_steps - 1
         index = 0
         while index < len(running) and token_budget > 0:
             request = running[index]
@@ -250,9 +263,9 @@ class Scheduler:
             # Optimistic view: the scheduled tokens count as computed from now on, and a step that
             # reaches the last token emits every draft plus one token (a victim preempted later in
             # this step is reset by _preempt; reconciliation corrects both).
-            request.num_computed_tokens = computed + num_new
+            request.num_computed_tokens = computed + num_new * num_steps
             if computed + num_new >= num_tokens:
-                request.num_output_placeholders = placeholders + 1 + num_drafts
+                request.num_output_placeholders = placeholders + num_steps + num_drafts
                 if num_drafts:
                     draft_positions[request_id] = num_drafts
             token_budget -= num_new
@@ -320,6 +333,7 @@ class Scheduler:
             num_speculative_tokens=spec_k,
             num_proposals=self._plan_next_k() if cfg.num_speculative_tokens else 0,
             num_draft_positions=draft_positions,
+            num_steps=num_steps,
         )
         requests = self.requests
         self._plans[self._step_id] = {rid: requests[rid] for rid in num_scheduled}
@@ -328,6 +342,31 @@ class Scheduler:
             counts[spec_k] = counts.get(spec_k, 0) + 1
         self._finished_since_last_step = set()
         return output
+
+    def _multi_step_count(self) -> int:
+        """How many decode steps the next plan may run back to back (1: just one). Every running request must
+        be a decode (one token to compute, its last) whose sampling a greedy decode step does whole: greedy,
+        no penalties, logprobs or min_tokens (the worker samples these steps inside the decode graph, with
+        no host work between them). No step may pass a request's max_tokens or max_model_len: the slots
+        after them could not be kept. Without speculation only (EngineConfig's check)."""
+        max_model_len = self.config.max_model_len
+        num_steps = self.config.num_scheduler_steps
+        for request in self.running:
+            params = request.sampling_params
+            if not params.multi_step_decodable:
+                return 1
+            placeholders = request.num_output_placeholders
+            num_tokens = len(request.all_token_ids) + placeholders
+            if num_tokens - request.num_computed_tokens != 1:
+                return 1
+            room = max_model_len - num_tokens
+            if params.max_tokens is not None:
+                room = min(room, params.max_tokens - len(request.output_token_ids) - placeholders)
+            if room < num_steps:
+                num_steps = room
+                if num_steps <= 1:
+                    return 1
+        return num_steps
 
     def _resumes_seeded_stream(self, request: Request) -> bool:
         """A seeded sampling request recomputing its tokens under speculation (it was preempted): its
@@ -429,6 +468,7 @@ class Scheduler:
         num_prompt_computed = 0
         num_generated = 0
         spec_k = scheduler_output.num_speculative_tokens
+        num_steps = scheduler_output.num_steps
         cached = scheduler_output.scheduled_cached_reqs
         # Where each request's step began (the plan's view: exact for prefill chunks, which have no
         # draft in flight before them).
@@ -469,9 +509,10 @@ class Scheduler:
             # computed (a later step already planned keeps its own optimistic share). A run cut by a
             # stop ends the request, so its cut tail needs no correction.
             if not preempted:  # preemption reset both counts
-                request.num_output_placeholders -= 1 + num_drafts_planned
-                if num_drafts_planned != num_sampled - 1:
-                    request.num_computed_tokens -= num_drafts_planned - (num_sampled - 1)
+                planned = num_steps + num_drafts_planned  # tokens the plan counted on
+                request.num_output_placeholders -= planned
+                if planned != num_sampled:
+                    request.num_computed_tokens -= planned - num_sampled
             params = request.sampling_params
             output_ids = request.output_token_ids
             all_ids = request.all_token_ids

@@ -53,6 +53,10 @@ class SchedulerOutput:
     num_draft_positions: dict[str, int] = field(default_factory=dict)
     """Per decode verifying drafts: the draft positions scheduled after its last token (the worker
     cannot derive them while an earlier step's accepted counts are still on their way)."""
+    num_steps: int = 1
+    """Greedy decode steps run back to back (EngineConfig.num_scheduler_steps): every request computes its
+    num_scheduled_tokens (one) in each, from the tokens the step before sampled on the device, and emits
+    num_steps tokens."""
 
     @property
     def is_empty(self) -> bool:

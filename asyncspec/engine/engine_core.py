@@ -122,6 +122,7 @@ class EngineCore:
                 num_speculative_tokens=config.num_lookahead_tokens,
                 policy=config.scheduling_policy,
                 adaptive_speculation=config.adaptive_speculation,
+                num_scheduler_steps=config.num_scheduler_steps,
             ),
             self.kv_cache_manager,
         )
@@ -274,7 +275,7 @@ class EngineCore:
         collected = time.perf_counter()
         self.step_trace.append(("collect", step.scheduler_output.step_id, collected))
         so = step.scheduler_output
-        self.retired_step_tokens.append(so.total_num_scheduled_tokens)
+        self.retired_step_tokens.append(so.total_num_scheduled_tokens * so.num_steps)
         decode_key = step.decode_key
         if decode_key is not None and self._steady_period(decode_key):
             self._observe_decode_step(so, self._step_seconds(step, collected))
@@ -318,7 +319,7 @@ class EngineCore:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
             ahead = sum(
-                s.scheduler_output.num_scheduled_tokens[request_id]
+                s.scheduler_output.num_scheduled_tokens[request_id] * s.scheduler_output.num_steps
                 for s in self._inflight
                 if self.scheduler.planned_requests(s.scheduler_output.step_id).get(request_id) is request
             )

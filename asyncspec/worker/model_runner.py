@@ -333,7 +333,7 @@ class ModelRunner:
         self._draft_slots = torch.arange(max(k, 1), dtype=torch.int64, device=self.device)
         # The step's one device-to-host copy lands here (sampled tokens, accepted and draft counts,
         # logprobs): two buffers, since the next step's copy is queued before this one is read.
-        size = n * (k + 3) + n * (k + 1) * (2 * (MAX_LOGPROBS + 1) + 1)
+        size = max(n * (k + 3) + n * (k + 1) * (2 * (MAX_LOGPROBS + 1) + 1), n * self.config.num_scheduler_steps)
         self._output_host = [torch.zeros(size, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._output_ready = [torch.cuda.Event() for _ in range(2)] if pin else None
         self._output_index = 0
@@ -919,8 +919,11 @@ class ModelRunner:
         # The draft model's catch-up starts from the device's computed counts before this step (a view: only
         # speculation reads it, and indexing costs microseconds of host time).
         computed_before = self._meta_dev[1, : len(states)] if self.spec is not None else self._meta_dev[1]
+        num_steps = so.num_steps
         for state, n in zip(states, num_scheduled, strict=True):
-            state.num_computed_tokens += n
+            state.num_computed_tokens += n * num_steps
+        if num_steps > 1:
+            return self._launch_decode_steps(req_ids, states, step, hidden_states, num_steps, failed)
         if self.spec is not None and not self._samples_plainly(so, num_draft_positions):
             return self._verify_and_propose(
                 req_ids,
@@ -1001,6 +1004,74 @@ class ModelRunner:
             )
 
         return StepHandle(finish=finish, host=host, ready=ready)
+
+    def _launch_decode_steps(
+        self,
+        req_ids: list[str],
+        states: list[RowState],
+        step: StepInputs,
+        hidden_states: torch.Tensor,
+        num_steps: int,
+        failed: dict[str, str],
+    ) -> StepHandle:
+        """A plan of num_steps greedy decode steps (SchedulerOutput.num_steps): this step's forward pass ran;
+        each step samples, and the next one builds its inputs on the device from the one before (the head
+        resolves the computed counts the previous head advanced, and reads the token the previous tail
+        wrote), so nothing but launches happens on the host between them. The tokens of every step come
+        back in the plan's one copy."""
+        num_reqs = len(states)
+        if self.spec is not None or not self._only_greedy(num_reqs, num_reqs) or step.query_len != 1:
+            raise RuntimeError(
+                "a multi-step plan needs every request to be a plain greedy decode without speculation "
+                "(Scheduler._multi_step_count)"
+            )
+        graphs = self.cuda_graphs
+        bucket = step.graph_bucket
+        in_graph = self._greedy_in_graph(step, num_reqs, num_reqs)
+        tokens = torch.empty((num_steps, num_reqs), dtype=torch.int64, device=self.device)
+        for j in range(num_steps):
+            if j:
+                if bucket is not None and graphs is not None and graphs.has_head(bucket, 1):
+                    graphs.replay_head(bucket, 1)
+                else:
+                    padded = bucket if bucket is not None else num_reqs
+                    step.inputs.fill(
+                        self._prepare_kernel,
+                        self._meta_dev,
+                        padded,
+                        padded,
+                        self.input_batch.token_ids,
+                        self.block_size,
+                        resolve=(num_reqs, self.input_batch.num_computed_dev),
+                    )
+                hidden_states = self._forward(step)
+            if in_graph:
+                assert graphs is not None and bucket is not None
+                tokens[j] = graphs.replay_tail(bucket, 1)[:num_reqs]
+            else:
+                tokens[j] = self._eager_decode_tail(hidden_states, step.inputs, num_reqs)
+        host, ready = self._copy_to_host([tokens])
+
+        def finish(values: np.ndarray) -> ModelRunnerOutput:
+            per_step = values[: num_steps * num_reqs].reshape(num_steps, num_reqs).T.tolist()
+            sampled_per_req: list[list[int]] = []
+            for state, sampled in zip(states, per_step, strict=True):
+                if min(sampled) < 0:
+                    failed[state.request_id] = (
+                        "the sampler found no valid token: the logits were NaN, or every token was masked"
+                    )
+                    sampled_per_req.append([])
+                    continue
+                state.num_tokens += num_steps
+                state.output_token_ids.extend(sampled)
+                sampled_per_req.append(sampled)
+            return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_per_req, failed_requests=failed)
+
+        return StepHandle(finish=finish, host=host, ready=ready)
+
+    def _eager_decode_tail(self, hidden_states: torch.Tensor, inputs: StaticInputs, num_reqs: int) -> torch.Tensor:
+        """The decode graph's greedy tail, run eagerly (a step with no graph)."""
+        return GreedyDecodeTail(self.model, self._meta_dev, self.input_batch)(hidden_states, inputs, num_reqs)
 
     def _propose_after_recompute(self, states: list[RowState], num_scheduled: list[int], num_proposals: int) -> None:
         """A recompute chunk that ends one token short of a request's known tokens (the scheduler

@@ -82,19 +82,23 @@ class FakeRunner:
         req_ids = list(so.num_scheduled_tokens)
         sampled: list[list[int]] = []
         kv = self.scheduler.kv_cache_manager
+        num_steps = so.num_steps
         for rid in req_ids:
             n = so.num_scheduled_tokens[rid]
             row = self.rows[rid]
+            if num_steps > 1:  # a multi-step plan: decodes only, one token a step
+                assert n == 1 and row.num_computed_tokens + 1 >= row.num_tokens, (rid, n, row)
             if self.check and rid in self.scheduler.requests:  # (not aborted since schedule())
                 assert n > 0
                 # The block table the worker built from diffs is the manager's, and covers the step.
                 assert row.block_ids == kv.get_block_ids(rid), rid
-                assert len(row.block_ids) * kv.block_size >= row.num_computed_tokens + n
+                assert len(row.block_ids) * kv.block_size >= row.num_computed_tokens + n * num_steps
             out: list[int] = []
-            if row.num_computed_tokens + n >= row.num_tokens:
-                out.append(self.token_fn(rid, row.num_tokens))
-                row.num_tokens += 1
-            row.num_computed_tokens += n
+            for _ in range(num_steps):
+                if row.num_computed_tokens + n >= row.num_tokens:
+                    out.append(self.token_fn(rid, row.num_tokens))
+                    row.num_tokens += 1
+                row.num_computed_tokens += n
             sampled.append(out)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
 

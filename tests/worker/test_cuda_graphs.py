@@ -475,3 +475,44 @@ def test_a_dropped_engine_frees_its_runner_without_the_collector(method):
     finally:
         if enabled:
             gc.enable()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("input_graphs", [True, False], ids=["input-graph", "launched-inputs"])
+def test_multi_step_plans_equal_one_step_plans_on_gpu(enforce_eager, async_scheduling, input_graphs, monkeypatch):
+    """num_scheduler_steps=4 with joins, finishes and preemption, fp32: the tokens of one step per plan, from
+    the decode graph's head and tail replayed back to back (or their eager forms), in fewer plans."""
+    monkeypatch.setenv(GRAPH_STEP_INPUTS_ENV, "1" if input_graphs else "0")
+    ref_llm = _gpu_llm(None, "float32", enforce_eager)
+    ref = ref_llm.generate(_prompts(), _params())
+    llm = _gpu_llm(None, "float32", enforce_eager, num_scheduler_steps=4, async_scheduling=async_scheduling)
+    assert_same_outputs(ref, llm.generate(_prompts(), _params()), "multi-step plans")
+    stats, ref_stats = llm.stats(), ref_llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    assert stats["num_steps"] < ref_stats["num_steps"] * 0.6, (stats["num_steps"], ref_stats["num_steps"])
+    if not enforce_eager:
+        assert stats["cuda_graph_decode_tail_replays"] > ref_stats["cuda_graph_decode_tail_replays"] * 0.9
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_multi_step_plans_make_no_host_sync(async_scheduling, monkeypatch):
+    """Four decode steps a plan under set_sync_debug_mode("error"): graph replays and one copy a plan."""
+    monkeypatch.setenv("ASYNCSPEC_DEBUG_INVARIANTS", "0")
+    llm = _gpu_llm(None, "bfloat16", False, async_scheduling=async_scheduling, num_scheduler_steps=4)
+    engine = llm.engine
+    for i, prompt in enumerate(_prompts()):
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS[i], ignore_eos=True)
+        engine.add_request(engine.make_request(prompt, params, f"r{i}"), stream_deltas=False)
+    engine.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stats = llm.stats()
+    assert stats["cuda_graph_decode_tail_replays"] > stats["num_steps"], stats  # plans of several replays

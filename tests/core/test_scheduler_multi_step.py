@@ -1,0 +1,150 @@
+"""Multi-step plans (SchedulerConfig.num_scheduler_steps): several greedy decode steps per plan, only while every
+running request may take them, never past a request's limits; the same tokens as one step per plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from .scheduler_fakes import FakeRunner, make_request, make_scheduler, run_to_completion, step
+
+EOS = 7
+
+
+def _greedy(request_id: str, prompt: int, **params):
+    return make_request(request_id, prompt, temperature=0.0, **params)
+
+
+def _plans(s, runner, max_plans: int = 500) -> list[tuple[int, dict[str, int]]]:
+    """(num_steps, tokens emitted per request) of every plan until nothing is left."""
+    plans = []
+    for _ in range(max_plans):
+        if not s.has_unfinished_requests():
+            return plans
+        so, outs = step(s, runner)
+        plans.append((so.num_steps, {o.request_id: len(o.new_token_ids) for o in outs}))
+    raise AssertionError("did not drain")
+
+
+def _requests():
+    return [
+        _greedy("a", 6, max_tokens=13),
+        _greedy("b", 9, max_tokens=2),
+        _greedy("c", 5, max_tokens=None, eos=frozenset({EOS})),
+        _greedy("d", 7, max_tokens=20, stop_token_ids=[EOS], ignore_eos=True),
+    ]
+
+
+def _eos_after(n_by_request: dict[str, int], prompt_len: dict[str, int]):
+    """Samples EOS as the n-th output token of the named requests, distinct ids elsewhere."""
+
+    def fn(rid: str, position: int) -> int:
+        n = n_by_request.get(rid)
+        return EOS if n is not None and position == prompt_len[rid] + n - 1 else 2000 + position
+
+    return fn
+
+
+@pytest.mark.parametrize("num_steps", [2, 4, 7])
+def test_multi_step_plans_emit_the_tokens_of_one_step_plans(num_steps):
+    prompt_len = {"a": 6, "b": 9, "c": 5, "d": 7}
+    token_fn = _eos_after({"c": 10, "d": 6}, prompt_len)
+    results = []
+    for steps in (1, num_steps):
+        s = make_scheduler(num_blocks=64, block_size=4, max_model_len=64, num_scheduler_steps=steps)
+        runner = FakeRunner(s, token_fn)
+        for r in _requests():
+            s.add_request(r)
+        results.append(run_to_completion(s, runner))
+        assert s.kv_cache_manager.num_free_blocks == s.kv_cache_manager.num_blocks
+    single, multi = results
+    assert multi == single
+    assert multi["c"] == [[2000 + p for p in range(5, 14)] + [EOS], "stop"]  # EOS cuts the run it lands in
+    assert multi["d"][1] == "stop" and len(multi["d"][0]) == 6
+    assert len(multi["a"][0]) == 13 and multi["a"][1] == "length"
+
+
+def test_plans_take_several_steps_only_when_every_request_can_and_never_past_a_limit():
+    s = make_scheduler(num_blocks=64, block_size=4, max_model_len=40, num_scheduler_steps=4)
+    runner = FakeRunner(s)
+    s.add_request(_greedy("a", 6, max_tokens=10))
+    s.add_request(_greedy("b", 30, max_tokens=None))  # max_model_len leaves it 10 tokens
+    plans = _plans(s, runner)
+    # The admission step samples each request's first token; then 4-step plans until a limit is near.
+    assert plans[0] == (1, {"a": 1, "b": 1})
+    assert [n for n, _ in plans[1:]] == [4, 4, 1]  # 9 tokens left to each after the first: 4 + 4 + 1
+    assert plans[1][1] == {"a": 4, "b": 4} and plans[2][1] == {"a": 4, "b": 4}
+    assert sum(out.get("a", 0) for _, out in plans) == 10
+    assert sum(out.get("b", 0) for _, out in plans) == 10
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        dict(temperature=0.8),
+        dict(temperature=0.0, presence_penalty=0.5),
+        dict(temperature=0.0, logprobs=1),
+        dict(temperature=0.0, min_tokens=3),
+    ],
+)
+def test_one_step_per_plan_while_a_request_needs_the_sampler(other):
+    s = make_scheduler(num_blocks=64, block_size=4, num_scheduler_steps=4)
+    runner = FakeRunner(s)
+    s.add_request(_greedy("a", 6, max_tokens=30))
+    s.add_request(make_request("b", 6, max_tokens=5, **other))
+    plans = _plans(s, runner)
+    num_b = next(i for i, (_, out) in enumerate(plans) if sum(o.get("b", 0) for _, o in plans[: i + 1]) == 5)
+    assert all(n == 1 for n, _ in plans[: num_b + 1]), plans[: num_b + 1]
+    assert any(n == 4 for n, _ in plans[num_b + 1 :]), "once b finished, a alone takes several steps a plan"
+
+
+def test_a_prefill_or_a_request_waiting_for_room_keeps_plans_to_one_step():
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=8, num_scheduler_steps=4)
+    runner = FakeRunner(s)
+    s.add_request(_greedy("a", 6, max_tokens=30))
+    step(s, runner)
+    so, _ = step(s, runner)
+    assert so.num_steps == 4
+    # A long prompt is admitted and chunked: its chunks are not decodes, so plans go back to one step.
+    s.add_request(_greedy("b", 20, max_tokens=30))
+    so, _ = step(s, runner)
+    assert so.num_steps == 1 and "b" in so.num_scheduled_tokens
+    while s.requests["b"].num_computed_tokens < 20:
+        so, _ = step(s, runner)
+        assert so.num_steps == 1
+    so, _ = step(s, runner)
+    assert so.num_steps == 4
+    # The batch is full (max_num_seqs 2): a waiting request could not be admitted anyway.
+    s.add_request(_greedy("c", 5, max_tokens=3))
+    so, _ = step(s, runner)
+    assert so.num_steps == 4 and "c" not in so.num_scheduled_tokens
+
+
+def test_multi_step_slots_are_reserved_and_reconciled_when_planned_ahead():
+    """The asynchronous order: the next plan is made before this one's results are reconciled. Each plan
+    reserves slots for all its steps, the optimistic counts include the plan in flight, and once reconciled
+    they equal the tokens really emitted; the plan in flight when the request ends is void."""
+    bs = 4
+    s = make_scheduler(num_blocks=64, block_size=bs, num_scheduler_steps=3)
+    runner = FakeRunner(s, check=False)
+    request = _greedy("a", 5, max_tokens=14)
+    s.add_request(request)
+    so = s.schedule()
+    s.update_from_output(so, runner.execute(so))  # admission: the first token
+    emitted = 1
+    in_flight = s.schedule()
+    assert in_flight.num_steps == 3
+    while s.has_unfinished_requests():
+        assert len(s.kv_cache_manager.get_block_ids("a")) * bs >= request.num_computed_tokens
+        nxt = s.schedule()  # planned while `in_flight` runs
+        planned_ahead = nxt.num_steps if nxt.num_scheduled_tokens else 0
+        outs = s.update_from_output(in_flight, runner.execute(in_flight))
+        emitted += sum(len(o.new_token_ids) for o in outs)
+        if s.has_unfinished_requests():
+            # Reconciled: every kept token but the newest is computed, plus the plan still in flight.
+            assert request.num_computed_tokens == len(request.all_token_ids) - 1 + planned_ahead
+            assert request.num_output_placeholders == planned_ahead
+        in_flight = nxt
+    assert emitted == 14 and len(request.output_token_ids) == 14
+    if in_flight.num_scheduled_tokens:  # planned before the request ended: its results are discarded
+        assert s.update_from_output(in_flight, runner.execute(in_flight)) == []
+    assert s.kv_cache_manager.num_free_blocks == s.kv_cache_manager.num_blocks

@@ -1,0 +1,115 @@
+"""Multi-step plans (num_scheduler_steps > 1) end to end: the engine's tokens, texts and finish reasons equal
+one step per plan, in both loops, with arrivals, chunked prefill, prefix caching, stop conditions inside a
+run, a request that needs the sampler, preemption and aborts; the debug mode (on in tests) checks the host's
+reconciled counts against the device's after every plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncspec import SamplingParams
+from asyncspec.errors import ConfigError
+from tests.conftest import load_prompts
+from tests.engine.engine_helpers import assert_ids_in_vocab, assert_kv_free
+from tests.spec.spec_helpers import make_llm
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BASE = dict(block_size=16, max_model_len=256, max_num_seqs=4, num_kv_blocks=96)
+
+
+def _run(num_steps, async_scheduling, prompts, params, **overrides):
+    llm = make_llm(num_scheduler_steps=num_steps, async_scheduling=async_scheduling, **{**BASE, **overrides})
+    outputs = llm.generate(prompts, params)
+    stats = llm.stats()
+    assert_kv_free(stats)
+    for o in outputs:
+        assert_ids_in_vocab(o.token_ids)
+    return outputs, stats
+
+
+def _summary(outputs):
+    return [(o.token_ids, o.text, o.finish_reason) for o in outputs]
+
+
+def _workload():
+    raw = load_prompts(7)
+    shared = raw[0][:40]  # shares the first prompt's prefix: a prefix-cache hit once that prompt's blocks fill
+    prompts = [raw[0][:60], raw[1][:40], raw[2][:90], raw[3][:30], raw[4][:50], raw[5][:45], shared + raw[6][:12]]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),  # ends inside the first run
+        SamplingParams(temperature=0.0, max_tokens=40, stop=["\n"], ignore_eos=True),  # a stop string cuts a run
+        SamplingParams(temperature=0.0, max_tokens=30),  # EOS possible
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[13, 9]),
+        SamplingParams(temperature=0.0, max_tokens=10, repetition_penalty=1.3),  # the sampler: one step a plan
+        SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True),
+    ]
+    return prompts, params
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_multi_step_equals_one_step_per_plan(async_scheduling):
+    """Seven requests through four slots (arrivals while others decode), prompts chunked at 16 tokens, a
+    shared prefix: the same outputs with 4 steps a plan as with 1, in fewer plans."""
+    prompts, params = _workload()
+    options = dict(long_prefill_token_threshold=16, max_num_batched_tokens=64)
+    ref, ref_stats = _run(1, False, prompts, params, **options)
+    got, stats = _run(4, async_scheduling, prompts, params, **options)
+    assert _summary(got) == _summary(ref)
+    assert stats["num_generation_tokens"] == ref_stats["num_generation_tokens"]
+    assert stats["prefix_cache_hits"] > 0
+    assert stats["num_steps"] < ref_stats["num_steps"], "no plan took several steps"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_multi_step_under_preemption(async_scheduling):
+    prompts = [p[:64] for p in load_prompts(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    options = dict(num_kv_blocks=18, max_num_batched_tokens=128)
+    ref, _ = _run(1, False, prompts, params, **options)
+    got, stats = _run(4, async_scheduling, prompts, params, **options)
+    assert stats["num_preemptions"] > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+
+
+def test_abort_while_a_multi_step_plan_is_in_flight():
+    prompts = [p[:40] for p in load_prompts(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    ref, _ = _run(1, False, prompts, params)
+    llm = make_llm(num_scheduler_steps=4, async_scheduling=True, **BASE)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(engine.make_request(prompt, params, f"r{i}"), stream_deltas=False)
+    finished = {}
+    for _ in range(3):
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    in_flight = engine.engine_core._inflight
+    assert len(in_flight) == 1 and in_flight[0].scheduler_output.num_steps == 4
+    (aborted,) = engine.abort_requests(["r1"])
+    assert aborted.finish_reason == "abort"
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    assert "r1" not in finished
+    assert finished["r0"].token_ids == ref[0].token_ids and finished["r2"].token_ids == ref[2].token_ids
+    assert_kv_free(llm.stats())
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(num_scheduler_steps=0), "num_scheduler_steps"),
+        (dict(num_scheduler_steps=17), "num_scheduler_steps"),
+        (dict(num_scheduler_steps=2.5), "num_scheduler_steps"),
+        (dict(num_scheduler_steps=4, speculative_method="ngram", num_speculative_tokens=3), "num_scheduler_steps"),
+    ],
+)
+def test_bad_num_scheduler_steps_is_refused(kwargs, field):
+    from asyncspec.config import EngineConfig
+
+    with pytest.raises(ConfigError, match=field):
+        EngineConfig(device="cpu", **kwargs)
