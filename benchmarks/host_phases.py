@@ -186,6 +186,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--loops", default="async,sync")
     parser.add_argument("--spec", action="store_true", help="with the model's speculation (bubble.SPEC)")
+    parser.add_argument("--scheduler-steps", type=int, default=1, help="num_scheduler_steps (without --spec)")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument(
         "--cprofile",
@@ -207,14 +208,14 @@ def main() -> int:
     asyncspec = gss._import_asyncspec()
     results = []
     for loop in args.loops.split(","):
-        kwargs = bubble.engine_kwargs(model, args.spec, loop == "async", s)
+        kwargs = bubble.engine_kwargs(model, args.spec, loop == "async", s, args.scheduler_steps)
         llm, _, _ = gss.construct(asyncspec, model, kwargs, gss.Clock(s["device"]))
         profiler = cProfile.Profile() if args.cprofile else None
         row = measure(llm, asyncspec, args.batch, steps, gss.Clock(s["device"]), profiler)
         llm.shutdown()
         if profiler is not None:
             row["cprofile"] = _profile_rows(profiler, steps)
-        row.update(model=model, loop=loop, batch=args.batch, spec=args.spec)
+        row.update(model=model, loop=loop, batch=args.batch, spec=args.spec, scheduler_steps=args.scheduler_steps)
         results.append(row)
         w = row
         print(
