@@ -56,13 +56,13 @@ def _greedy(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    "spec,async_scheduling",
-    [(None, False), ("draft_model", True)],
-    ids=["plain-sync", "draft-async"],
+    "spec,async_scheduling,scheduler_steps",
+    [(None, False, 1), ("draft_model", True, 1), (None, True, 4)],
+    ids=["plain-sync", "draft-async", "multi-step-async"],
 )
-def test_bundled_pair_tp2_equals_tp1(spec, async_scheduling) -> None:
+def test_bundled_pair_tp2_equals_tp1(spec, async_scheduling, scheduler_steps) -> None:
     prompts = [p[:60] for p in load_prompts(6)]
-    kwargs = dict(async_scheduling=async_scheduling, **BUNDLED)
+    kwargs = dict(async_scheduling=async_scheduling, num_scheduler_steps=scheduler_steps, **BUNDLED)
     if spec:
         kwargs.update(speculative_method=spec, num_speculative_tokens=4)
     with LLM(str(TARGET_MODEL), **kwargs) as single:
@@ -75,6 +75,8 @@ def test_bundled_pair_tp2_equals_tp1(spec, async_scheduling) -> None:
         assert_kv_free(stats)
         if spec:
             assert stats["spec_num_accepted_tokens"] > 0
+        if scheduler_steps > 1:  # 32 tokens each: plans of several steps, not 32 plans
+            assert stats["num_steps"] < 20, stats["num_steps"]
     _assert_gone(pids)
 
 
