@@ -94,10 +94,11 @@ class EngineConfig:
     the step costs measured at CUDA-graph capture; False (or no graphs) always verifies num_speculative_tokens."""
     num_scheduler_steps: int = 1
     """Greedy decode steps planned and launched together (1 to 16) while every running request is a plain greedy
-    decode (no penalties, logprobs or min_tokens) and none waits: the host plans, collects and reconciles once
-    per that many steps, so that a model whose step is shorter than the host's work per step (a small model at
-    a high batch) keeps the GPU busy. Tokens then stream that many at a time, and a request arriving meanwhile
-    waits for the run. Not with speculation; 1 plans every step."""
+    decode (no penalties, logprobs or min_tokens) and no waiting request could be admitted: the host plans,
+    collects and reconciles once per that many steps, so that a model whose step is shorter than the host's
+    work per step (a small model at a high batch) keeps the GPU busy. Tokens then stream that many at a time,
+    and a request arriving while the batch is full waits for the run. Not with speculation; 1 plans every
+    step."""
     async_scheduling: bool | None = None
     """Plan and launch step N+1 while step N runs (optimistically: every draft accepted), reconciling
     when N's results land; False runs one step at a time (the reference loop); None: on with CUDA, off
