@@ -53,6 +53,9 @@ class SchedulerStats:
     """Counters since start; read by LLM.stats() and the metrics exporter."""
 
     num_steps: int = 0
+    """Plans reconciled."""
+    num_device_steps: int = 0
+    """Forward steps those plans ran: a multi-step plan (num_scheduler_steps) counts each of its steps."""
     num_preemptions: int = 0
     num_prompt_tokens_computed: int = 0
     """Prompt tokens run through prefill steps, recomputation after a preemption included."""
@@ -445,6 +448,7 @@ class Scheduler:
         """Appends sampled tokens, applies token-level stop conditions, frees finished requests."""
         stats = self.stats
         stats.num_steps += 1
+        stats.num_device_steps += scheduler_output.num_steps
         outputs: list[EngineCoreOutput] = []
         plan = self._plans.pop(scheduler_output.step_id, {})
         if runner_output.failed_requests:

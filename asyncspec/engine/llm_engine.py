@@ -168,6 +168,7 @@ class LLMEngine:
         prefix = kv.prefix_cache_stats
         return {
             "num_steps": scheduler.stats.num_steps,
+            "num_device_steps": scheduler.stats.num_device_steps,
             "num_preemptions": scheduler.stats.num_preemptions,
             "num_prompt_tokens_computed": scheduler.stats.num_prompt_tokens_computed,
             "num_prompt_tokens": scheduler.stats.num_prompt_tokens,

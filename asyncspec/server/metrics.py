@@ -46,6 +46,11 @@ _COUNTERS = (
     ("spec_decode_num_draft_tokens", "Draft tokens verified.", "spec_num_draft_tokens"),
     ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_num_accepted_tokens"),
     ("num_steps", "Engine steps run.", "num_steps"),
+    (
+        "num_device_steps",
+        "Forward steps the engine steps ran: a multi-step plan (num_scheduler_steps) counts each of its steps.",
+        "num_device_steps",
+    ),
     ("step_duration_seconds", "Wall time of engine steps, launch to results.", "step_execute_seconds_total"),
     ("step_scheduling_seconds", "CPU time planning engine steps.", "step_scheduling_seconds_total"),
     ("step_update_seconds", "CPU time reconciling engine steps' results.", "step_update_seconds_total"),

@@ -60,6 +60,8 @@ def test_multi_step_equals_one_step_per_plan(async_scheduling):
     assert stats["num_generation_tokens"] == ref_stats["num_generation_tokens"]
     assert stats["prefix_cache_hits"] > 0
     assert stats["num_steps"] < ref_stats["num_steps"], "no plan took several steps"
+    assert ref_stats["num_device_steps"] == ref_stats["num_steps"]
+    assert stats["num_device_steps"] > stats["num_steps"]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
