@@ -664,6 +664,7 @@ def bench_startup(model: str, s: dict[str, Any]) -> dict:
         "kv_bytes_per_stream_at_max_model_len": per_token * s["max_model_len"],
         "streams_at_benchmark_length": int(facts["kv_capacity_tokens"] // bench_len),
         "generated_after_start": len(out[0].token_ids),
+        "startup_phases": {k: v for k, v in llm.stats().items() if k.startswith("startup_")},
     }
     if s["device"].startswith("cuda"):
         free, total = torch.cuda.mem_get_info()

@@ -17,7 +17,7 @@ from asyncspec.core.kv_cache import KVCacheManager
 from asyncspec.core.scheduler import Scheduler, SchedulerConfig
 from asyncspec.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from asyncspec.core.spec_policy import SpeculationPolicy
-from asyncspec.engine.step_timing import StepTimings
+from asyncspec.engine.step_timing import StartupTimings, StepTimings
 from asyncspec.engine.warm_up import WarmUpStats, warm_up
 from asyncspec.errors import ConfigError, ProfilerError
 from asyncspec.layers.tensor_parallel import TensorParallel, check_divisible
@@ -88,7 +88,10 @@ class EngineCore:
                 f"{config.max_num_batched_tokens} is below max_model_len={self.max_model_len}; raise it, "
                 "lower max_model_len or enable chunked prefill"
             )
+        start = time.perf_counter()
         self.runner: ModelRunner | TensorParallelExecutor = _make_runner(config, self.model_config, self.max_model_len)
+        self.startup_timings = StartupTimings(load_seconds=time.perf_counter() - start)
+        """Where construction went (read by stats)."""
         self._profiler: StepProfiler | None = None
         """The running profiler of an in-process runner (the ranks of tensor parallelism hold their own)."""
         self._profiling = False
@@ -100,6 +103,7 @@ class EngineCore:
 
     def _init_engine(self) -> None:
         config = self.config
+        start = time.perf_counter()
         num_blocks = self.runner.determine_num_kv_blocks()
         blocks_per_max_len = -(-self.max_model_len // config.block_size)
         if num_blocks < blocks_per_max_len:
@@ -109,6 +113,7 @@ class EngineCore:
                 "kv_cache_bytes / gpu_memory_utilization or lower max_model_len"
             )
         self.runner.initialize_kv_cache(num_blocks)
+        self.startup_timings.kv_cache_seconds = time.perf_counter() - start
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -143,7 +148,8 @@ class EngineCore:
         counts against the device's at every step (tests; synchronizes the device)."""
         self.runner.set_debug_invariants(self.debug_invariants)
         if config.torch_device.type == "cuda":
-            self.warm_up()
+            stats = self.warm_up()
+            self.startup_timings.warm_up_seconds, self.startup_timings.warm_up_steps = stats.seconds, stats.num_steps
 
     def _new_spec_policy(self) -> SpeculationPolicy:
         policy = SpeculationPolicy(self.config.num_lookahead_tokens, self.config.adaptive_speculation)

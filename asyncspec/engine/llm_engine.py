@@ -195,4 +195,5 @@ class LLMEngine:
             "kv_cache_usage": kv.usage,
             **self.engine_core.runner.graph_stats(),
             **self.engine_core.step_timings.as_stats(),
+            **self.engine_core.startup_timings.as_stats(),
         }

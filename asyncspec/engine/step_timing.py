@@ -77,3 +77,25 @@ class StepTimings:
             "last_step_launch_gap_seconds": self.last_launch_gap_seconds,
             "last_step_device_idle_seconds": self.last_device_idle_seconds,
         }
+
+
+@dataclass
+class StartupTimings:
+    """Where an engine's construction went, in seconds (stats: `startup_*`)."""
+
+    load_seconds: float = 0.0
+    """The model runner: model config and weights (in each rank's process under tensor parallelism)."""
+    kv_cache_seconds: float = 0.0
+    """Memory profiling, the KV pool and CUDA-graph capture."""
+    warm_up_seconds: float = 0.0
+    """The start-up warm-up's dummy requests (CUDA only; warm_up.py)."""
+    warm_up_steps: int = 0
+    """Engine steps the warm-up ran."""
+
+    def as_stats(self) -> dict[str, float]:
+        return {
+            "startup_load_seconds": self.load_seconds,
+            "startup_kv_cache_seconds": self.kv_cache_seconds,
+            "startup_warm_up_seconds": self.warm_up_seconds,
+            "startup_warm_up_steps": self.warm_up_steps,
+        }

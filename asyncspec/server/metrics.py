@@ -26,6 +26,13 @@ _GAUGES = (
     ("num_requests_running", "Requests running on the engine.", "num_running_requests"),
     ("num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting_requests"),
     ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", "kv_cache_usage"),
+    ("startup_load_seconds", "Start-up: loading the model runner (config, weights).", "startup_load_seconds"),
+    (
+        "startup_kv_cache_seconds",
+        "Start-up: memory profiling, the KV pool and CUDA-graph capture.",
+        "startup_kv_cache_seconds",
+    ),
+    ("startup_warm_up_seconds", "Start-up: the warm-up's dummy requests (CUDA).", "startup_warm_up_seconds"),
 )
 _COUNTERS = (
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),

@@ -116,3 +116,10 @@ def test_async_loop_leaves_the_gpu_less_idle_than_the_sync_loop(monkeypatch, tmp
         llm.shutdown()
         del llm
     assert idle[True] < idle[False], idle
+
+
+def test_startup_phases_are_reported():
+    """Construction's phases in stats: loading and the KV pool took time; the warm-up runs on CUDA only."""
+    stats = make_llm(num_kv_blocks=32, max_model_len=256).stats()
+    assert stats["startup_load_seconds"] > 0 and stats["startup_kv_cache_seconds"] > 0
+    assert stats["startup_warm_up_seconds"] == 0 and stats["startup_warm_up_steps"] == 0

@@ -126,6 +126,7 @@ def test_after_the_warm_up_no_kernel_compiles_mid_run(monkeypatch, method) -> No
     llm = LLM(str(TARGET_MODEL), **kwargs)
     stats = llm.stats()
     assert stats["num_steps"] == 0 and stats["num_kv_blocks"] == stats["num_free_kv_blocks"], stats
+    assert stats["startup_warm_up_steps"] > 0 and stats["startup_warm_up_seconds"] > 0, stats
     compiled: list[str] = []
 
     def hook(*args, **kw):
