@@ -61,3 +61,27 @@ async def wait_kv_free(engine, timeout: float = 20.0) -> dict:
         if time.monotonic() > deadline:
             raise AssertionError(f"KV blocks not freed within {timeout}s: {stats}")
         await asyncio.sleep(0.01)
+
+
+def abort_r1_while_a_step_is_in_flight(llm, prompts, params, ref, steps_before: int, check_in_flight) -> None:
+    """Adds the prompts as r0, r1, r2 ..., runs `steps_before` engine steps, lets `check_in_flight(engine_core)`
+    assert what is in flight, aborts r1, and runs the rest: r1 never finishes, r0 and r2 equal `ref`'s tokens,
+    and the KV pool is whole again."""
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(engine.make_request(prompt, params, f"r{i}"), stream_deltas=False)
+    finished = {}
+
+    def collect(outputs) -> None:
+        finished.update({o.request_id: o for o in outputs if o.finished})
+
+    for _ in range(steps_before):
+        collect(engine.step())
+    check_in_flight(engine.engine_core)
+    (aborted,) = engine.abort_requests(["r1"])
+    assert aborted.finish_reason == "abort"
+    while engine.has_unfinished_requests():
+        collect(engine.step())
+    assert "r1" not in finished
+    assert finished["r0"].token_ids == ref[0].token_ids and finished["r2"].token_ids == ref[2].token_ids
+    assert_kv_free(llm.stats())

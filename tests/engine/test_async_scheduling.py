@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from asyncspec import SamplingParams
 from asyncspec.layers.sampler import check_token_ids
 from tests.conftest import load_prompts
-from tests.engine.engine_helpers import assert_ids_in_vocab, assert_kv_free
+from tests.engine.engine_helpers import abort_r1_while_a_step_is_in_flight, assert_ids_in_vocab, assert_kv_free
 from tests.spec.spec_helpers import make_llm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -210,24 +210,11 @@ def test_abort_while_a_step_is_in_flight(method):
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     ref, _, _ = _run(method, False, prompts, params, num_kv_blocks=64)
     llm = _llm(method, True, num_kv_blocks=64)
-    engine = llm.engine
-    for i, prompt in enumerate(prompts):
-        engine.add_request(engine.make_request(prompt, params, f"r{i}"), stream_deltas=False)
-    finished = {}
-    for _ in range(4):
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
-    assert engine.engine_core.num_inflight_steps == 1
-    (aborted,) = engine.abort_requests(["r1"])
-    assert aborted.finish_reason == "abort"
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
-    assert "r1" not in finished
-    assert finished["r0"].token_ids == ref[0].token_ids and finished["r2"].token_ids == ref[2].token_ids
-    assert_kv_free(llm.stats())
+
+    def one_in_flight(core) -> None:
+        assert core.num_inflight_steps == 1
+
+    abort_r1_while_a_step_is_in_flight(llm, prompts, params, ref, 4, one_in_flight)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 from asyncspec import SamplingParams
 from asyncspec.errors import ConfigError
 from tests.conftest import load_prompts
-from tests.engine.engine_helpers import assert_ids_in_vocab, assert_kv_free
+from tests.engine.engine_helpers import abort_r1_while_a_step_is_in_flight, assert_ids_in_vocab, assert_kv_free
 from tests.spec.spec_helpers import make_llm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -80,25 +80,11 @@ def test_abort_while_a_multi_step_plan_is_in_flight():
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     ref, _ = _run(1, False, prompts, params)
     llm = make_llm(num_scheduler_steps=4, async_scheduling=True, **BASE)
-    engine = llm.engine
-    for i, prompt in enumerate(prompts):
-        engine.add_request(engine.make_request(prompt, params, f"r{i}"), stream_deltas=False)
-    finished = {}
-    for _ in range(3):
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
-    in_flight = engine.engine_core._inflight
-    assert len(in_flight) == 1 and in_flight[0].scheduler_output.num_steps == 4
-    (aborted,) = engine.abort_requests(["r1"])
-    assert aborted.finish_reason == "abort"
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
-    assert "r1" not in finished
-    assert finished["r0"].token_ids == ref[0].token_ids and finished["r2"].token_ids == ref[2].token_ids
-    assert_kv_free(llm.stats())
+
+    def a_multi_step_plan_in_flight(core) -> None:
+        assert len(core._inflight) == 1 and core._inflight[0].scheduler_output.num_steps == 4
+
+    abort_r1_while_a_step_is_in_flight(llm, prompts, params, ref, 3, a_multi_step_plan_in_flight)
 
 
 @pytest.mark.parametrize(

@@ -390,11 +390,13 @@ def test_graphed_steps_make_no_host_sync(method, async_scheduling, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scheduler_steps", [1, 4], ids=["one-step-plans", "four-step-plans"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_decode_tail_makes_no_host_sync(async_scheduling, monkeypatch):
-    """An all-greedy batch decodes through the graphed tail under set_sync_debug_mode("error")."""
+def test_decode_tail_makes_no_host_sync(async_scheduling, scheduler_steps, monkeypatch):
+    """An all-greedy batch decodes through the graphed tail under set_sync_debug_mode("error"), one step a
+    plan or four (graph replays back to back and one copy a plan)."""
     monkeypatch.setenv("ASYNCSPEC_DEBUG_INVARIANTS", "0")
-    llm = _gpu_llm(None, "bfloat16", False, async_scheduling=async_scheduling)
+    llm = _gpu_llm(None, "bfloat16", False, async_scheduling=async_scheduling, num_scheduler_steps=scheduler_steps)
     engine = llm.engine
     for i, prompt in enumerate(_prompts()):
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS[i], ignore_eos=True)
@@ -407,7 +409,10 @@ def test_decode_tail_makes_no_host_sync(async_scheduling, monkeypatch):
             engine.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert llm.stats()["cuda_graph_decode_tail_replays"] > 20
+    stats = llm.stats()
+    assert stats["cuda_graph_decode_tail_replays"] > 20
+    if scheduler_steps > 1:
+        assert stats["cuda_graph_decode_tail_replays"] > stats["num_steps"], stats  # plans of several replays
 
 
 @pytest.mark.gpu
@@ -496,25 +501,3 @@ def test_multi_step_plans_equal_one_step_plans_on_gpu(enforce_eager, async_sched
     assert stats["num_steps"] < ref_stats["num_steps"] * 0.8, (stats["num_steps"], ref_stats["num_steps"])
     if not enforce_eager:
         assert stats["cuda_graph_decode_tail_replays"] > ref_stats["cuda_graph_decode_tail_replays"] * 0.9
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_multi_step_plans_make_no_host_sync(async_scheduling, monkeypatch):
-    """Four decode steps a plan under set_sync_debug_mode("error"): graph replays and one copy a plan."""
-    monkeypatch.setenv("ASYNCSPEC_DEBUG_INVARIANTS", "0")
-    llm = _gpu_llm(None, "bfloat16", False, async_scheduling=async_scheduling, num_scheduler_steps=4)
-    engine = llm.engine
-    for i, prompt in enumerate(_prompts()):
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS[i], ignore_eos=True)
-        engine.add_request(engine.make_request(prompt, params, f"r{i}"), stream_deltas=False)
-    engine.step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        while engine.has_unfinished_requests():
-            engine.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    stats = llm.stats()
-    assert stats["cuda_graph_decode_tail_replays"] > stats["num_steps"], stats  # plans of several replays
