@@ -53,7 +53,8 @@ def window(llm: Any, asyncspec: Any, batch: int, steps: int, clock: gss.Clock) -
     """A steady decode window at `batch` requests."""
     engine = llm.engine
     k = llm.config.num_speculative_tokens if llm.config.speculative_method else 0
-    per_step = (k + 1) * llm.config.num_scheduler_steps  # the most tokens one engine step emits
+    # the most tokens one engine step emits (getattr: A/B runs against commits older than multi-step plans)
+    per_step = (k + 1) * getattr(llm.config, "num_scheduler_steps", 1)
     params = asyncspec.SamplingParams(temperature=0.0, max_tokens=2 + (steps + 8) * per_step, ignore_eos=True)
     tag = f"b{batch}-{time.monotonic_ns()}"
     reqs = [engine.make_request(p, params, f"{tag}-{i}") for i, p in enumerate(gss.load_prompts(batch))]
