@@ -28,14 +28,15 @@ BATCHES = (1, 2, 4, 8, 32)
 
 
 PATCH_ENV = "GRAPH_REPLAY_PATCH"
-"""Comma-separated benchmark-only patches applied in the child before the engine starts (what a switch
-cannot reach): `m1_as_m2` gives the skinny kernel's one-row calls its two-row launch config; `no_gated` runs the
-MLP's activation as its own kernel after the gate|up projection instead of in the projection's epilogue;
-`skinny_m2` captures the graphs with the skinny kernel taking calls of at most 2 rows (cuBLAS above), as before
-2026-11-28. Timing only (the outputs are wrong; they bound what fusing a kernel away could give): `no_combine`
-launches no split-KV combine kernel, `no_norm` no residual-add + RMSNorm kernel (each returns its input),
-`no_rotary` no RoPE + KV-write kernel (q passes through unrotated), `no_attention` no attention kernels (the output
-is q), `no_small` the first three together (what fusing every small kernel of a layer away could give)."""
+"""Comma-separated benchmark-only patches applied in the child before the engine starts (what a switch cannot reach):
+`m1_as_m2` gives the skinny kernel's one-row calls its two-row launch config; `no_gated` runs the MLP's activation
+as its own kernel after the gate|up projection instead of in the projection's epilogue; `m1_wide` gives every one-
+row call the 8 x 512 tiles it took before 2026-11-29; `skinny_m2` captures the graphs with the skinny kernel taking
+calls of at most 2 rows (cuBLAS above), as before 2026-11-28. Timing only (the outputs are wrong; they bound what
+fusing a kernel away could give): `no_combine` launches no split-KV combine kernel, `no_norm` no residual-add +
+RMSNorm kernel (each returns its input), `no_rotary` no RoPE + KV-write kernel (q passes through unrotated),
+`no_attention` no attention kernels (the output is q), `no_small` the first three together (what fusing every small
+kernel of a layer away could give)."""
 
 
 def _apply_patches(patches: set[str]) -> None:
@@ -47,6 +48,17 @@ def _apply_patches(patches: set[str]) -> None:
     if "m1_as_m2" in patches:
         choose = skinny_linear_triton.choose_config
         skinny_linear_triton.choose_config = lambda m, n, k, sms=132: choose(max(m, 2), n, k, sms)  # type: ignore[assignment]
+    if "m1_wide" in patches:
+        choose1 = skinny_linear_triton.choose_config
+
+        def _m1_wide(m, n, k, sms=132):
+            cfg = choose1(m, n, k, sms)
+            if m != 1 or cfg.use_dot:
+                return cfg
+            split = skinny_linear_triton._split_for(-(-n // 8), k, 512, sms)
+            return dataclasses.replace(cfg, block_n=8, block_k=512, unroll=2, split_k=split)
+
+        skinny_linear_triton.choose_config = _m1_wide  # type: ignore[assignment]
     if "no_small" in patches:
         patches = patches | {"no_combine", "no_norm", "no_rotary"}
     if "no_rotary" in patches:

@@ -341,8 +341,17 @@ class TestInterpreted:
 
 # ------------------------------------------------------------------------------------------------ gpu
 
-# Llama-8B projections (qkv, o, down, a TP=4 qkv shard), the 1B's, an lm_head, and an odd size.
-GPU_SHAPES = [(6144, 4096), (4096, 4096), (4096, 14336), (1536, 4096), (3072, 2048), (128256, 2048), (1000, 3000)]
+# Llama-8B projections (qkv, o, down, a TP=4 qkv shard), the 1B's qkv and down, an lm_head, and an odd size.
+GPU_SHAPES = [
+    (6144, 4096),
+    (4096, 4096),
+    (4096, 14336),
+    (1536, 4096),
+    (3072, 2048),
+    (2048, 8192),
+    (128256, 2048),
+    (1000, 3000),
+]
 
 
 @pytest.mark.gpu
