@@ -2,7 +2,8 @@
 
 python3 benchmarks/skinny_linear.py --output out.json            the table (every shape, M = 1..32)
 python3 benchmarks/skinny_linear.py --sweep --output sweep.json  times candidate configs per shape (tuning;
-    --focus split: split-K factors of the best tiles; --layers qkv,o,down and --ms 4,8 narrow it)
+    --focus split: split-K factors of the best tiles; --focus fma --ms 1,2: the one- and two-row FMA tiles;
+    --layers qkv,o,down and --ms 4,8 narrow it)
 
 Shapes: Llama-3.2-1B and Llama-3.1-8B projections, and the 8B's tensor-parallel shards at TP = 2 and 4 (qkv,
 gate_up and the vocab-parallel lm_head split N, o and down split K). Each shape is first checked against the fp32
@@ -210,12 +211,28 @@ def bench_shape(shape: Shape, x: torch.Tensor, gen: torch.Generator) -> list[dic
 def candidates(m: int, n: int, k: int, sms: int, focus: str = "tiles") -> list[SkinnyConfig]:
     """Configs worth timing for one (M, N, K).
 
+    focus "fma" (M = 1, 2): FMA tiles from 2 x 1024 to 16 x 256, 4 or 8 warps, each with every power-of-two split of
+    K up to 8 (the sweep behind the 4 x 1024 one-row tiles, on an H200).
     focus "tiles": FMA tiles (M <= 8) whose per-thread accumulators (BLOCK_M rows times the W tile's share of a
     thread) stay at 32..64 fp32 registers, unrolled once or twice, and tensor-core tiles; each with no split and
     with the smallest split of K that gives two waves of programs. focus "split": the few good tiles of a
     "tiles" sweep, each with every power-of-two split of K up to 8.
     """
     tiles: list[tuple[int, int, int, int, bool, int]] = []  # block_n, block_k, warps, stages, dot, unroll
+    if focus == "fma":
+        # bn, bk, unroll, warps: narrow-and-deep to wide-and-shallow FMA tiles, 4 or 8 warps (M = 1, 2 only)
+        fma = {
+            1: [(8, 512, 2, 4), (8, 256, 2, 4), (4, 512, 2, 4), (4, 256, 2, 4), (16, 256, 1, 4), (16, 512, 1, 8)]
+            + [(8, 512, 2, 8), (8, 1024, 1, 8), (4, 1024, 1, 4), (2, 1024, 1, 4)],
+            2: [(4, 512, 1, 4), (4, 256, 2, 4), (8, 256, 1, 4), (4, 512, 2, 4), (8, 512, 1, 8), (4, 1024, 1, 8)]
+            + [(2, 1024, 1, 4)],
+        }.get(m, [])
+        return [
+            SkinnyConfig(bn, bk, split, warps, 1, False, unroll)
+            for bn, bk, unroll, warps in fma
+            for split in (1, 2, 4, 8)
+            if split == 1 or k >= 2 * split * bk
+        ]
     if focus == "split":
         if m <= 4:
             tiles += [(8, 256, 4, 1, False, 2), (4, 512, 4, 1, False, 1), (4, 512, 4, 1, False, 2)]
@@ -297,7 +314,7 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this long")
     parser.add_argument("--layers", default="", help="comma-separated layers to keep (qkv, o, gate_up, ...)")
     parser.add_argument("--ms", default="", help="comma-separated M values for the sweep (default: 1,2,4,8,16,32)")
-    parser.add_argument("--focus", default="tiles", choices=["tiles", "split"], help="sweep candidates")
+    parser.add_argument("--focus", default="tiles", choices=["tiles", "split", "fma"], help="sweep candidates")
     args = parser.parse_args()
     start = time.monotonic()
     deadline = start + args.budget_s
