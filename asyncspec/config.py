@@ -15,6 +15,10 @@ MAX_SPECULATIVE_TOKENS = 8
 """Largest k: budgets, lookahead slots and draft buffers are sized for k + 1 tokens per request."""
 MAX_SCHEDULER_STEPS = 16
 """Most decode steps one plan may run back to back (num_scheduler_steps)."""
+AUTO_SCHEDULER_STEPS = 4
+"""The ceiling of adaptive multi-step plans (num_scheduler_steps=None on CUDA): enough to hide the host's work
+per plan behind a small model's steps (the bundled target at batch 64 needed 2 to 3 on an H200), few enough that
+a request arriving while the batch is full waits at most three more steps."""
 BUNDLED_TARGET, BUNDLED_DRAFT = "stdlib-coder-target", "stdlib-coder-draft"
 """Directory names of the embedded default pair (models/)."""
 
@@ -92,13 +96,15 @@ class EngineConfig:
     adaptive_speculation: bool = True
     """Choose the drafts verified per step (0, 1, k/2 or k) from the batch size, the measured acceptance and
     the step costs measured at CUDA-graph capture; False (or no graphs) always verifies num_speculative_tokens."""
-    num_scheduler_steps: int = 1
+    num_scheduler_steps: int | None = None
     """Greedy decode steps planned and launched together (1 to 16) while every running request is a plain greedy
     decode (no penalties, logprobs or min_tokens) and no waiting request could be admitted: the host plans,
     collects and reconciles once per that many steps, so that a model whose step is shorter than the host's
     work per step (a small model at a high batch) keeps the GPU busy. Tokens then stream that many at a time,
     and a request arriving while the batch is full waits for the run. Not with speculation; 1 plans every
-    step."""
+    step. None (automatic): in the asynchronous loop on CUDA without speculation, as many as the host needs
+    to stay ahead of the device, measured as it runs (up to 4; 1 while the device is the slower side);
+    otherwise 1."""
     async_scheduling: bool | None = None
     """Plan and launch step N+1 while step N runs (optimistically: every draft accepted), reconciling
     when N's results land; False runs one step at a time (the reference loop); None: on with CUDA, off
@@ -143,6 +149,25 @@ class EngineConfig:
         return self.async_scheduling
 
     @property
+    def adaptive_scheduler_steps(self) -> bool:
+        """Whether the engine chooses each plan's step count from measured host and device time
+        (num_scheduler_steps=None in the asynchronous loop on CUDA, without speculation)."""
+        return (
+            self.num_scheduler_steps is None
+            and self.speculative_method is None
+            and self.use_async_scheduling
+            and self.torch_device.type == "cuda"
+        )
+
+    @property
+    def max_scheduler_steps(self) -> int:
+        """The most decode steps one plan may run: num_scheduler_steps, or with None the adaptive ceiling
+        (AUTO_SCHEDULER_STEPS) where the engine adapts, else 1."""
+        if self.num_scheduler_steps is not None:
+            return self.num_scheduler_steps
+        return AUTO_SCHEDULER_STEPS if self.adaptive_scheduler_steps else 1
+
+    @property
     def tokenizer_path(self) -> str:
         return self.tokenizer or self.model
 
@@ -179,12 +204,14 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         for name in ("long_prefill_token_threshold", "seed", "num_speculative_tokens"):
             _check_int(name, getattr(self, name), minimum=0)
-        _check_int("num_scheduler_steps", self.num_scheduler_steps, minimum=1)
-        if self.num_scheduler_steps > MAX_SCHEDULER_STEPS:
-            raise ConfigError(
-                f"num_scheduler_steps must be at most {MAX_SCHEDULER_STEPS}, got {self.num_scheduler_steps}"
-            )
-        if self.num_scheduler_steps > 1 and self.speculative_method is not None:
+        if self.num_scheduler_steps is not None:
+            _check_int("num_scheduler_steps", self.num_scheduler_steps, minimum=1)
+            if self.num_scheduler_steps > MAX_SCHEDULER_STEPS:
+                raise ConfigError(
+                    f"num_scheduler_steps must be at most {MAX_SCHEDULER_STEPS} (or None: automatic), "
+                    f"got {self.num_scheduler_steps}"
+                )
+        if self.num_scheduler_steps is not None and self.num_scheduler_steps > 1 and self.speculative_method:
             raise ConfigError(
                 "num_scheduler_steps > 1 runs several plain decode steps per plan; with speculative_method set each "
                 "step verifies drafts instead: use one or the other"

@@ -37,11 +37,13 @@ SPEC = {
 
 
 def engine_kwargs(
-    model: str, spec: bool, async_scheduling: bool, s: dict[str, Any], scheduler_steps: int = 1
+    model: str, spec: bool, async_scheduling: bool, s: dict[str, Any], scheduler_steps: int | None = None
 ) -> dict[str, Any]:
+    """None: the engine's default num_scheduler_steps (adaptive in the asynchronous loop on CUDA; a commit older
+    than multi-step plans can only be measured so)."""
     kwargs = gss.engine_kwargs(model, "graphed", s, 0.3)  # one engine at a time, each a small pool
     kwargs["async_scheduling"] = async_scheduling
-    if scheduler_steps > 1:
+    if scheduler_steps is not None:
         kwargs["num_scheduler_steps"] = scheduler_steps
     if spec:
         kwargs.update(SPEC[model])
@@ -53,8 +55,8 @@ def window(llm: Any, asyncspec: Any, batch: int, steps: int, clock: gss.Clock) -
     """A steady decode window at `batch` requests."""
     engine = llm.engine
     k = llm.config.num_speculative_tokens if llm.config.speculative_method else 0
-    # the most tokens one engine step emits (getattr: A/B runs against commits older than multi-step plans)
-    per_step = (k + 1) * getattr(llm.config, "num_scheduler_steps", 1)
+    # the most tokens one engine step emits (getattr: A/B runs against commits older than adaptive plans)
+    per_step = (k + 1) * getattr(llm.config, "max_scheduler_steps", getattr(llm.config, "num_scheduler_steps", 1))
     params = asyncspec.SamplingParams(temperature=0.0, max_tokens=2 + (steps + 8) * per_step, ignore_eos=True)
     tag = f"b{batch}-{time.monotonic_ns()}"
     reqs = [engine.make_request(p, params, f"{tag}-{i}") for i, p in enumerate(gss.load_prompts(batch))]
@@ -92,6 +94,12 @@ def window(llm: Any, asyncspec: Any, batch: int, steps: int, clock: gss.Clock) -
         "scheduling_ms_per_step": (s1["step_scheduling_seconds_total"] - s0["step_scheduling_seconds_total"])
         / timed
         * 1e3,
+        "steps_per_plan_at_end": s1.get("scheduler_steps_per_plan", 1),
+        "device_steps_per_plan": (
+            (s1["num_device_steps"] - s0["num_device_steps"]) / n
+            if "num_device_steps" in s1 and (n := s1["num_steps"] - s0["num_steps"])
+            else 1.0
+        ),
         "acceptance_length": (
             1 + (s1["spec_num_accepted_tokens"] - s0["spec_num_accepted_tokens"]) / d
             if (d := s1["spec_num_drafts"] - s0["spec_num_drafts"])
@@ -184,7 +192,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rows": [],
         "timelines": {},
     }
-    configs = [(False, n) for n in args.scheduler_steps] + ([] if args.skip_spec else [(True, 1)])
+    configs = [(False, n) for n in args.scheduler_steps] + ([] if args.skip_spec else [(True, None)])
     for model in args.models:
         for spec, scheduler_steps in configs:
             for async_scheduling in (False, True):
@@ -201,7 +209,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         model=model,
                         spec=SPEC[model]["speculative_method"] if spec else None,
                         loop="async" if async_scheduling else "sync",
-                        scheduler_steps=scheduler_steps,
+                        scheduler_steps="auto" if scheduler_steps is None else scheduler_steps,
                     )
                     results["rows"].append(row)
                     print(json.dumps(row), flush=True)
@@ -247,16 +255,24 @@ def gss_args(args: argparse.Namespace) -> argparse.Namespace:
 def print_table(results: dict[str, Any]) -> None:
     print(f"card: {results['card']}")
     print(
-        f"{'model':9} {'spec':12} {'steps':>5} {'batch':>5} {'loop':5} {'ms/step':>8} {'TPOT ms':>8} {'idle ms':>8} "
+        f"{'model':9} {'spec':12} {'steps':>8} {'batch':>5} {'loop':5} {'ms/step':>8} {'TPOT ms':>8} {'idle ms':>8} "
         f"{'idle %':>7}"
     )
     for r in results["rows"]:
         idle = r["device_idle_fraction"] * 100
         print(
-            f"{r['model']:9} {str(r['spec']):12} {r.get('scheduler_steps', 1):>5} {r['batch']:>5} {r['loop']:5} "
+            f"{r['model']:9} {str(r['spec']):12} {_steps_label(r):>8} {r['batch']:>5} {r['loop']:5} "
             f"{r['wall_ms_per_step']:8.3f} "
             f"{r['tpot_ms'] or 0:8.3f} {r['device_idle_ms_per_step'] or 0:8.3f} {idle:7.1f}"
         )
+
+
+def _steps_label(row: dict[str, Any]) -> str:
+    """The configured steps a plan; with auto, the mean the plans ran (e.g. auto:2.9)."""
+    steps = row.get("scheduler_steps", 1)
+    if steps == "auto":
+        return f"auto:{row.get('device_steps_per_plan', 1.0):.1f}"
+    return str(steps)
 
 
 def plot(path: Path, out: Path) -> None:
@@ -296,7 +312,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="windows per point (the median is kept)")
     parser.add_argument("--timeline-steps", type=int, default=6)
     parser.add_argument(
-        "--scheduler-steps", default="1", help="num_scheduler_steps values of the configurations without speculation"
+        "--scheduler-steps",
+        default="auto",
+        help="num_scheduler_steps values of the configurations without speculation (auto: the engine's default)",
     )
     parser.add_argument("--skip-spec", action="store_true", help="only the configurations without speculation")
     parser.add_argument("--device", default="cuda")
@@ -309,7 +327,7 @@ def main() -> int:
         return 0
     args.models = [m for m in args.models.split(",") if m]
     args.batches = [int(b) for b in args.batches.split(",")]
-    args.scheduler_steps = [int(n) for n in args.scheduler_steps.split(",")]
+    args.scheduler_steps = [None if n == "auto" else int(n) for n in args.scheduler_steps.split(",")]
     if args.smoke:
         args.device, args.models, args.batches, args.steps, args.repeats = "cpu", ["tiny-dummy"], [1, 2], 4, 1
     results = run(args)

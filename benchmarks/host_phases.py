@@ -109,7 +109,7 @@ def measure(
         setattr(obj, attr, timers.wrap(label, getattr(obj, attr)))
     engine = llm.engine
     k = llm.config.num_speculative_tokens if llm.config.speculative_method else 0
-    per_step = (k + 1) * llm.config.num_scheduler_steps  # the most tokens one engine step emits
+    per_step = (k + 1) * llm.config.max_scheduler_steps  # the most tokens one engine step emits
     params = asyncspec.SamplingParams(temperature=0.0, max_tokens=2 + (steps + 8) * per_step, ignore_eos=True)
     tag = f"phases-{time.monotonic_ns()}"
     reqs = [engine.make_request(p, params, f"{tag}-{i}") for i, p in enumerate(gss.load_prompts(batch))]
@@ -186,7 +186,12 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--loops", default="async,sync")
     parser.add_argument("--spec", action="store_true", help="with the model's speculation (bubble.SPEC)")
-    parser.add_argument("--scheduler-steps", type=int, default=1, help="num_scheduler_steps (without --spec)")
+    parser.add_argument(
+        "--scheduler-steps",
+        type=lambda v: None if v == "auto" else int(v),
+        default=None,
+        help="num_scheduler_steps (without --spec); default auto, the engine's default",
+    )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument(
         "--cprofile",

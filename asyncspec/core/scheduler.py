@@ -90,6 +90,8 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.spec_policy = SpeculationPolicy(config.num_speculative_tokens, config.adaptive_speculation)
         self._planned_k = config.num_speculative_tokens  # drafts the previous step proposed per request
+        self.steps_per_plan = config.num_scheduler_steps
+        """The most decode steps the next plans may run (`set_steps_per_plan`; at most the config's)."""
         self._finished_since_last_step: set[str] = set()
         self._step_id = 0
         self._below_min_tokens: set[Request] = set()
@@ -147,6 +149,13 @@ class Scheduler:
         self.spec_policy = spec_policy
         self._planned_k = self.config.num_speculative_tokens
 
+    def set_steps_per_plan(self, num_steps: int) -> None:
+        """Caps the decode steps of the next plans (the engine's adaptive multi-step: as many as the host's
+        work per plan needs to stay ahead of the device), within 1..SchedulerConfig.num_scheduler_steps."""
+        if not 1 <= num_steps <= self.config.num_scheduler_steps:
+            raise ValueError(f"steps per plan must be in [1, {self.config.num_scheduler_steps}], got {num_steps}")
+        self.steps_per_plan = num_steps
+
     @property
     def num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -184,7 +193,7 @@ class Scheduler:
         # Not while a request waits that could be admitted now: it would wait for the whole run.
         num_steps = (
             self._multi_step_count()
-            if cfg.num_scheduler_steps > 1 and (not self.waiting or len(running) >= cfg.max_num_seqs)
+            if self.steps_per_plan > 1 and (not self.waiting or len(running) >= cfg.max_num_seqs)
             else 1
         )
         if num_steps > 1:
@@ -353,7 +362,7 @@ class Scheduler:
         no host work between them). No step may pass a request's max_tokens or max_model_len: the slots
         after them could not be kept. Without speculation only (EngineConfig's check)."""
         max_model_len = self.config.max_model_len
-        num_steps = self.config.num_scheduler_steps
+        num_steps = self.steps_per_plan
         for request in self.running:
             params = request.sampling_params
             if not params.multi_step_decodable:

@@ -17,6 +17,7 @@ from asyncspec.core.kv_cache import KVCacheManager
 from asyncspec.core.scheduler import Scheduler, SchedulerConfig
 from asyncspec.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from asyncspec.core.spec_policy import SpeculationPolicy
+from asyncspec.engine.scheduler_steps import SchedulerStepsTuner
 from asyncspec.engine.step_timing import StartupTimings, StepTimings
 from asyncspec.engine.warm_up import WarmUpStats, warm_up
 from asyncspec.errors import ConfigError, ProfilerError
@@ -127,7 +128,7 @@ class EngineCore:
                 num_speculative_tokens=config.num_lookahead_tokens,
                 policy=config.scheduling_policy,
                 adaptive_speculation=config.adaptive_speculation,
-                num_scheduler_steps=config.num_scheduler_steps,
+                num_scheduler_steps=config.max_scheduler_steps,
             ),
             self.kv_cache_manager,
         )
@@ -139,6 +140,9 @@ class EngineCore:
         self._last_retired_key: tuple[int, int, int] | None = None
         """The last retired step's `_decode_key`."""
         self._last_collected: float | None = None
+        self.scheduler_steps_tuner = self._new_scheduler_steps_tuner()
+        """Chooses each plan's decode steps (num_scheduler_steps=None on CUDA); None where they are fixed."""
+        self._last_retired_decode = False
         self.retired_step_tokens: deque[int] = deque(maxlen=4096)
         """Tokens scheduled in each retired step, until a listener drains them (metrics)."""
         self.step_trace: deque[tuple[str, int, float]] = deque(maxlen=256)
@@ -158,6 +162,13 @@ class EngineCore:
             policy.probe_length = 4  # see spec_policy.py: one steady period per probe
         return policy
 
+    def _new_scheduler_steps_tuner(self) -> SchedulerStepsTuner | None:
+        if not self.config.adaptive_scheduler_steps:
+            return None
+        tuner = SchedulerStepsTuner(self.config.max_scheduler_steps)
+        self.scheduler.set_steps_per_plan(tuner.steps)
+        return tuner
+
     def warm_up(self) -> WarmUpStats:
         """Dummy requests through the engine, so that the first real ones compile no kernel (warm_up.py).
         Runs at start-up on CUDA."""
@@ -165,7 +176,7 @@ class EngineCore:
 
     def reset_after_warm_up(self) -> None:
         """Forgets the warm-up: scheduler statistics and speculation policy, prefix-cache counters, step
-        timings and traces."""
+        timings and traces, and the multi-step tuner's measurements."""
         self.scheduler.reset_after_warm_up(self._new_spec_policy())
         self.kv_cache_manager.take_prefix_cache_stats()
         self.step_timings = StepTimings()
@@ -173,6 +184,8 @@ class EngineCore:
         self.step_trace.clear()
         self._last_retired_key = None
         self._last_collected = None
+        self.scheduler_steps_tuner = self._new_scheduler_steps_tuner()
+        self._last_retired_decode = False
         self.runner.reset_device_idle()
 
     def check_health(self) -> None:
@@ -286,6 +299,8 @@ class EngineCore:
         if decode_key is not None and self._steady_period(decode_key):
             self._observe_decode_step(so, self._step_seconds(step, collected))
         self._last_retired_key = decode_key
+        if self.scheduler_steps_tuner is not None:
+            self._tune_scheduler_steps(step, collected)
         plan = self.scheduler.planned_requests(so.step_id) if self.debug_invariants else {}
         outputs = self.scheduler.update_from_output(so, runner_output)
         self.step_timings.record(
@@ -299,6 +314,23 @@ class EngineCore:
         if self.debug_invariants:
             self.check_reconciled(runner_output, outputs, plan)
         return outputs
+
+    def _tune_scheduler_steps(self, step: InflightStep, collected: float) -> None:
+        """Feeds a steady decode plan (it, the plan retired before it and one in flight behind it all pure
+        decodes, no admission) to the adaptive multi-step tuner and applies its choice."""
+        assert self.scheduler_steps_tuner is not None
+        so = step.scheduler_output
+        decode = not so.scheduled_new_reqs and so.total_num_scheduled_tokens == len(so.num_scheduled_tokens)
+        steady = decode and self._last_retired_decode and bool(self._inflight) and self._last_collected is not None
+        self._last_retired_decode = decode
+        idle = self.runner.last_device_idle_seconds
+        if not steady or idle is None:
+            return
+        steps = self.scheduler_steps_tuner.observe(
+            so.num_steps, self._step_seconds(step, collected), self.runner.last_wait_seconds, idle
+        )
+        if steps != self.scheduler.steps_per_plan:
+            self.scheduler.set_steps_per_plan(steps)
 
     def _step_seconds(self, step: InflightStep, collected: float) -> float:
         """A step's cost to the loop: launch to results in the synchronous loop; in the asynchronous

@@ -169,6 +169,7 @@ class LLMEngine:
         return {
             "num_steps": scheduler.stats.num_steps,
             "num_device_steps": scheduler.stats.num_device_steps,
+            "scheduler_steps_per_plan": scheduler.steps_per_plan,
             "num_preemptions": scheduler.stats.num_preemptions,
             "num_prompt_tokens_computed": scheduler.stats.num_prompt_tokens_computed,
             "num_prompt_tokens": scheduler.stats.num_prompt_tokens,

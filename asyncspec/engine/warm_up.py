@@ -4,9 +4,9 @@ Triton compiles a kernel the first time a process launches it with a new variant
 dtype, a model's head count), 0.05-0.7 s each on an H200, or loads it from the disk cache. Graph capture
 compiles the decode and verification variants, but the eager paths (prefill chunks of the target and the
 draft, a prefill joining running decodes, the sampler with temperature, penalties or logprobs,
-verification of a mixed batch, speculation's k = 0 steps) compiled theirs mid-run: a steady draft-model
-window at batch 64 measured 2.68 ms a step against 1.03 ms once warm (docs/benchmarks.md). The warm-up
-runs those paths once, in waves, then forgets what they taught the scheduler (statistics, the
+verification of a mixed batch, speculation's k = 0 steps, multi-step plans) compiled theirs mid-run: a
+steady draft-model window at batch 64 measured 2.68 ms a step against 1.03 ms once warm (docs/benchmarks.md).
+The warm-up runs those paths once, in waves, then forgets what they taught the scheduler (statistics, the
 speculation policy's estimates) and the timings. The dummy requests' blocks go back to the pool.
 """
 
@@ -110,6 +110,11 @@ def warm_up(core: EngineCore) -> WarmUpStats:
     num_requests = num_steps = 0
     max_k = core.config.num_speculative_tokens
     forced_ks = [max_k, 0] if max_k else [0]
+    if core.config.max_scheduler_steps > 1:
+        # Plans of the most steps wherever they may run (the greedy waves' decodes): the multi-step launch
+        # paths. An adaptive engine's tuner would shorten them; reset_after_warm_up makes a fresh one.
+        core.scheduler_steps_tuner = None
+        core.scheduler.set_steps_per_plan(core.config.max_scheduler_steps)
     for k in forced_ks:
         if max_k:
             # One choice only: the policy picks it at every step (step_cost set, so it decides at all).

@@ -33,6 +33,11 @@ _GAUGES = (
         "startup_kv_cache_seconds",
     ),
     ("startup_warm_up_seconds", "Start-up: the warm-up's dummy requests (CUDA).", "startup_warm_up_seconds"),
+    (
+        "scheduler_steps_per_plan",
+        "Most decode steps the next plans may run (adaptive with num_scheduler_steps unset on CUDA).",
+        "scheduler_steps_per_plan",
+    ),
 )
 _COUNTERS = (
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),

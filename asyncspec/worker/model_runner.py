@@ -333,7 +333,7 @@ class ModelRunner:
         self._draft_slots = torch.arange(max(k, 1), dtype=torch.int64, device=self.device)
         # The step's one device-to-host copy lands here (sampled tokens, accepted and draft counts,
         # logprobs): two buffers, since the next step's copy is queued before this one is read.
-        size = max(n * (k + 3) + n * (k + 1) * (2 * (MAX_LOGPROBS + 1) + 1), n * self.config.num_scheduler_steps)
+        size = max(n * (k + 3) + n * (k + 1) * (2 * (MAX_LOGPROBS + 1) + 1), n * self.config.max_scheduler_steps)
         self._output_host = [torch.zeros(size, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._output_ready = [torch.cuda.Event() for _ in range(2)] if pin else None
         self._output_index = 0
@@ -349,6 +349,8 @@ class ModelRunner:
         self._cpu_step_end: float | None = None
         self.last_device_idle_seconds: float | None = None
         """Device idle before the last collected step (CUDA events); None on the CPU or when not measured."""
+        self.last_wait_seconds = 0.0
+        """Host time the last `collect` spent blocked on the step's results (the adaptive multi-step's input)."""
         # On the CPU in asynchronous mode a worker thread plays the CUDA stream: it runs the steps
         # in launch order while the engine plans the next one.
         self._closed = False
@@ -829,10 +831,13 @@ class ModelRunner:
         """The step's results, once its copy landed (blocks until then; the engine calls it from its
         worker thread, after launching the next step). Every host-side update of the step happens
         here, in launch order."""
+        wait_start = time.perf_counter()
         if handle.future is not None:
             output = handle.future.result()
+            self.last_wait_seconds = time.perf_counter() - wait_start
         else:
             handle.wait()
+            self.last_wait_seconds = time.perf_counter() - wait_start
             if handle.timing_slot is not None:
                 self._measure_device_idle(handle)
             output = self._finish(handle)

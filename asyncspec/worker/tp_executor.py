@@ -48,6 +48,8 @@ class TensorParallelExecutor:
         self.size = config.tensor_parallel_size
         self.last_device_idle_seconds: float | None = None
         """Rank 0's device idle before the last collected step."""
+        self.last_wait_seconds = 0.0
+        """Time the last `collect` blocked on rank 0's reply (what this process waited for the devices)."""
         self._handles: deque[StepHandle] = deque()
         self._graph_stats: dict[str, int] = dict.fromkeys(GRAPH_STATS, 0)
         self._dead: WorkerDiedError | None = None
@@ -112,12 +114,14 @@ class TensorParallelExecutor:
         if not self._handles or self._handles[0] is not handle:
             raise RuntimeError("steps must be collected in the order they were launched")
         self._handles.popleft()
+        wait_start = time.perf_counter()
         if self._debug:
             replies = self._call_all("collect")
             check_ranks_agree([reply[0] for reply in replies])
         else:
             self._send("collect", (), "first")
             replies = self._replies([0], "collect")
+        self.last_wait_seconds = time.perf_counter() - wait_start
         output, idle, self._graph_stats = replies[0]
         self.last_device_idle_seconds = idle
         return output

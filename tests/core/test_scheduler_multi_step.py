@@ -148,3 +148,32 @@ def test_multi_step_slots_are_reserved_and_reconciled_when_planned_ahead():
     if in_flight.num_scheduled_tokens:  # planned before the request ended: its results are discarded
         assert s.update_from_output(in_flight, runner.execute(in_flight)) == []
     assert s.kv_cache_manager.num_free_blocks == s.kv_cache_manager.num_blocks
+
+
+def test_steps_per_plan_caps_the_plans_and_is_checked():
+    """The engine's adaptive tuner sets the cap: plans follow it as it changes, tokens are unchanged."""
+    results = []
+    for steps in (1, 4):
+        s = make_scheduler(num_blocks=64, block_size=4, max_model_len=64, num_scheduler_steps=steps)
+        runner = FakeRunner(s)
+        s.add_request(_greedy("a", 6, max_tokens=30))
+        s.add_request(_greedy("b", 5, max_tokens=30))
+        tokens: dict[str, list[int]] = {"a": [], "b": []}
+        if steps == 4:
+            plan_steps = []
+            for cap in (1, 2, 2, 3, 4, 1, 4):
+                s.set_steps_per_plan(cap)
+                so, outs = step(s, runner)
+                plan_steps.append(so.num_steps)
+                for o in outs:
+                    tokens[o.request_id] += o.new_token_ids
+            assert plan_steps == [1, 2, 2, 3, 4, 1, 4]  # the admission step, then decodes take the whole cap
+            for bad in (0, 5, -1):
+                with pytest.raises(ValueError, match="steps per plan"):
+                    s.set_steps_per_plan(bad)
+            assert s.steps_per_plan == 4  # a refused value changes nothing
+        for rid, (rest, reason) in run_to_completion(s, runner).items():
+            tokens[rid] += rest
+            assert reason == "length"
+        results.append(tokens)
+    assert results[1] == results[0] and len(results[0]["a"]) == 30

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from asyncspec import SamplingParams
+from asyncspec.engine.scheduler_steps import SchedulerStepsTuner
 from asyncspec.errors import ConfigError
 from tests.conftest import load_prompts
 from tests.engine.engine_helpers import abort_r1_while_a_step_is_in_flight, assert_ids_in_vocab, assert_kv_free
@@ -101,3 +102,48 @@ def test_bad_num_scheduler_steps_is_refused(kwargs, field):
 
     with pytest.raises(ConfigError, match=field):
         EngineConfig(device="cpu", **kwargs)
+
+
+class _ScriptedTuner(SchedulerStepsTuner):
+    """Returns scripted step counts; records what the engine measured."""
+
+    def __init__(self, script: list[int]) -> None:
+        super().__init__(max_steps=4)
+        self.script = iter(script)
+        self.calls: list[tuple[int, float, float, float]] = []
+
+    def observe(self, num_steps: int, period: float, wait: float, device_idle: float) -> int:
+        self.calls.append((num_steps, period, wait, device_idle))
+        self.steps = next(self.script, self.steps)
+        return self.steps
+
+
+def test_the_engine_feeds_steady_decode_plans_to_the_tuner_and_follows_it():
+    """The adaptive wiring (on CUDA by default) on the CPU's asynchronous loop, with a tuner whose choices are
+    scripted: it sees only steady decode plans with sane measurements, every plan keeps to the cap it set,
+    and the tokens are those of one step per plan."""
+    prompts = [p[:40] for p in load_prompts(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    ref, _ = _run(1, False, prompts, params)
+    llm = make_llm(num_scheduler_steps=4, async_scheduling=True, **BASE)
+    core = llm.engine.engine_core
+    tuner = _ScriptedTuner([2, 3, 1, 4, 2, 1, 3] * 20)
+    core.scheduler_steps_tuner = tuner
+    schedule = core.scheduler.schedule
+    plans = []
+
+    def recording_schedule():
+        cap = core.scheduler.steps_per_plan
+        so = schedule()
+        plans.append((cap, so.num_steps))
+        return so
+
+    core.scheduler.schedule = recording_schedule
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert len(tuner.calls) >= 5, "no steady decode plan reached the tuner"
+    for num_steps, period, wait, idle in tuner.calls:
+        assert 1 <= num_steps <= 4 and period > 0 and 0 <= wait <= period + 1e-3 and idle >= 0
+    assert all(steps <= cap for cap, steps in plans)
+    assert {steps for _, steps in plans} >= {1, 2, 3}, plans  # the caps it set were taken
+    assert_kv_free(llm.stats())

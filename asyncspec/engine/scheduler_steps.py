@@ -1,0 +1,72 @@
+"""Adaptive multi-step plans: as many decode steps per plan as the host needs to stay ahead of the device.
+
+In the asynchronous loop the host plans, launches, reconciles and streams one plan while the device runs the
+one before. When the host's work per plan is longer than the device's, the device idles between plans (the
+bubble). A plan of K decode steps gives the device K steps of work for about one plan's host work, so the
+smallest K with host work < K x device step hides the host. Both sides are measured on steady decode plans:
+
+- host work per plan: the period between two plans' results less the time the host spent blocked waiting
+  for the device (0 when the host is the slower side);
+- device time per step: the same period less the device's idle time before the plan (CUDA events), over K.
+
+K rises as soon as the estimate says the host falls behind, and falls only with a wider margin, so that a
+host near the boundary does not flip between two plan lengths.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+RAISE_MARGIN = 1.25
+"""K is raised when the host's work exceeds K device steps over this factor (room for the host's jitter)."""
+LOWER_MARGIN = 1.6
+"""K is lowered only once the host's work times this factor fits in fewer steps."""
+SMOOTHING = 0.2
+"""Weight of the newest plan in the moving averages."""
+MIN_OBSERVATIONS = 4
+"""Steady plans observed before the first change."""
+
+
+@dataclass
+class SchedulerStepsTuner:
+    """Chooses the decode steps of the next plans from the measured host work per plan and device time per
+    step (EngineCore feeds it steady decode plans; the scheduler applies `steps`)."""
+
+    max_steps: int
+    """The ceiling (EngineConfig.max_scheduler_steps)."""
+    steps: int = 1
+    """The steps the next plans may run."""
+    host_seconds: float = 0.0
+    """Moving average of the host's work per plan."""
+    device_step_seconds: float = 0.0
+    """Moving average of the device's time per step."""
+    num_observations: int = 0
+
+    def observe(self, num_steps: int, period: float, wait: float, device_idle: float) -> int:
+        """One steady plan of `num_steps` decode steps: `period` seconds since the previous plan's results,
+        `wait` of them blocked on the device, `device_idle` the device's idle time before it. Returns the
+        steps the next plans may run."""
+        if num_steps < 1 or period <= 0.0:
+            return self.steps
+        host = max(period - wait, 0.0)
+        device_step = max(period - device_idle, 0.0) / num_steps
+        if device_step <= 0.0:
+            return self.steps
+        if self.num_observations == 0:
+            self.host_seconds, self.device_step_seconds = host, device_step
+        else:
+            self.host_seconds += SMOOTHING * (host - self.host_seconds)
+            self.device_step_seconds += SMOOTHING * (device_step - self.device_step_seconds)
+        self.num_observations += 1
+        if self.num_observations < MIN_OBSERVATIONS:
+            return self.steps
+        ratio = self.host_seconds / self.device_step_seconds
+        needed = min(max(math.ceil(ratio * RAISE_MARGIN), 1), self.max_steps)
+        if needed > self.steps:
+            self.steps = needed
+        else:
+            relaxed = min(max(math.ceil(ratio * LOWER_MARGIN), 1), self.max_steps)
+            if relaxed < self.steps:
+                self.steps = relaxed
+        return self.steps
