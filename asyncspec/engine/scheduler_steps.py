@@ -9,8 +9,11 @@ smallest K with host work < K x device step hides the host. Both sides are measu
   for the device (0 when the host is the slower side);
 - device time per step: the same period less the device's idle time before the plan (CUDA events), over K.
 
-K rises as soon as the estimate says the host falls behind, and falls only with a wider margin, so that a
-host near the boundary does not flip between two plan lengths.
+The device's time is an overestimate when the host is the slower side: a step's kernels are enqueued one after
+another, and the device waits for the last of them inside the step, between its events. So K rises only while
+the device is seen idling between plans (more than RAISE_IDLE_FRACTION of the time) and the estimate asks for
+more steps; it falls only when the estimate, with a wider margin, fits in fewer steps, so that a host near the
+boundary does not flip between two plan lengths.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ RAISE_MARGIN = 1.25
 """K is raised when the host's work exceeds K device steps over this factor (room for the host's jitter)."""
 LOWER_MARGIN = 1.6
 """K is lowered only once the host's work times this factor fits in fewer steps."""
+RAISE_IDLE_FRACTION = 0.02
+"""K rises only while the device idles between plans more than this share of the time (the issue's goal for
+the bubble is under 3 %)."""
 SMOOTHING = 0.2
 """Weight of the newest plan in the moving averages."""
 MIN_OBSERVATIONS = 4
@@ -41,6 +47,8 @@ class SchedulerStepsTuner:
     """Moving average of the host's work per plan."""
     device_step_seconds: float = 0.0
     """Moving average of the device's time per step."""
+    idle_fraction: float = 0.0
+    """Moving average of the device's idle share of each plan's period."""
     num_observations: int = 0
 
     def observe(self, num_steps: int, period: float, wait: float, device_idle: float) -> int:
@@ -53,18 +61,21 @@ class SchedulerStepsTuner:
         device_step = max(period - device_idle, 0.0) / num_steps
         if device_step <= 0.0:
             return self.steps
+        idle_fraction = min(device_idle / period, 1.0)
         if self.num_observations == 0:
-            self.host_seconds, self.device_step_seconds = host, device_step
+            self.host_seconds, self.device_step_seconds, self.idle_fraction = host, device_step, idle_fraction
         else:
             self.host_seconds += SMOOTHING * (host - self.host_seconds)
             self.device_step_seconds += SMOOTHING * (device_step - self.device_step_seconds)
+            self.idle_fraction += SMOOTHING * (idle_fraction - self.idle_fraction)
         self.num_observations += 1
         if self.num_observations < MIN_OBSERVATIONS:
             return self.steps
         ratio = self.host_seconds / self.device_step_seconds
         needed = min(max(math.ceil(ratio * RAISE_MARGIN), 1), self.max_steps)
         if needed > self.steps:
-            self.steps = needed
+            if self.idle_fraction > RAISE_IDLE_FRACTION:
+                self.steps = needed
         else:
             relaxed = min(max(math.ceil(ratio * LOWER_MARGIN), 1), self.max_steps)
             if relaxed < self.steps:

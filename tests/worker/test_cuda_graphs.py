@@ -490,7 +490,7 @@ def test_multi_step_plans_equal_one_step_plans_on_gpu(enforce_eager, async_sched
     """num_scheduler_steps=4 with joins, finishes and preemption, fp32: the tokens of one step per plan, from
     the decode graph's head and tail replayed back to back (or their eager forms), in fewer plans."""
     monkeypatch.setenv(GRAPH_STEP_INPUTS_ENV, "1" if input_graphs else "0")
-    ref_llm = _gpu_llm(None, "float32", enforce_eager)
+    ref_llm = _gpu_llm(None, "float32", enforce_eager, num_scheduler_steps=1)  # not the adaptive default
     ref = ref_llm.generate(_prompts(), _params())
     llm = _gpu_llm(None, "float32", enforce_eager, num_scheduler_steps=4, async_scheduling=async_scheduling)
     assert_same_outputs(ref, llm.generate(_prompts(), _params()), "multi-step plans")
