@@ -44,8 +44,8 @@ class SchedulerConfig:
     adaptive_speculation: bool = True
     """Choose k per step (SpeculationPolicy); False: always num_speculative_tokens."""
     num_scheduler_steps: int = 1
-    """Greedy decode steps one plan runs back to back when every running request may take them (see
-    `_multi_step_count`); 1: one step per plan."""
+    """The most greedy decode steps one plan may run back to back when every running request may take them
+    (see `_multi_step_count`; `Scheduler.set_steps_per_plan` lowers the cap); 1: one step per plan."""
 
 
 @dataclass

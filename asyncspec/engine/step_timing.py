@@ -7,6 +7,7 @@ exporter reads the totals and the last step's values.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -93,9 +94,5 @@ class StartupTimings:
     """Engine steps the warm-up ran."""
 
     def as_stats(self) -> dict[str, float]:
-        return {
-            "startup_load_seconds": self.load_seconds,
-            "startup_kv_cache_seconds": self.kv_cache_seconds,
-            "startup_warm_up_seconds": self.warm_up_seconds,
-            "startup_warm_up_steps": self.warm_up_steps,
-        }
+        """Each field as `startup_<field>`."""
+        return {f"startup_{f.name}": getattr(self, f.name) for f in dataclasses.fields(self)}
