@@ -101,10 +101,11 @@ class EngineConfig:
     decode (no penalties, logprobs or min_tokens) and no waiting request could be admitted: the host plans,
     collects and reconciles once per that many steps, so that a model whose step is shorter than the host's
     work per step (a small model at a high batch) keeps the GPU busy. Tokens then stream that many at a time,
-    and a request arriving while the batch is full waits for the run. Not with speculation; 1 plans every
-    step. None (automatic): in the asynchronous loop on CUDA without speculation, as many as the host needs
-    to stay ahead of the device, measured as it runs (up to 4; 1 while the device is the slower side);
-    otherwise 1."""
+    and a request arriving while the batch is full waits for the run. With speculation only plans that verify
+    nothing and propose nothing (the policy chose k = 0 for them and the next plan) take several steps; the
+    draft model catches up on them in its next pass. 1 plans every step. None (automatic): in the asynchronous
+    loop on CUDA, as many as the host needs to stay ahead of the device, measured as it runs (up to 4; 1 while
+    the device is the slower side); otherwise 1."""
     async_scheduling: bool | None = None
     """Plan and launch step N+1 while step N runs (optimistically: every draft accepted), reconciling
     when N's results land; False runs one step at a time (the reference loop); None: on with CUDA, off
@@ -151,13 +152,8 @@ class EngineConfig:
     @property
     def adaptive_scheduler_steps(self) -> bool:
         """Whether the engine chooses each plan's step count from measured host and device time
-        (num_scheduler_steps=None in the asynchronous loop on CUDA, without speculation)."""
-        return (
-            self.num_scheduler_steps is None
-            and self.speculative_method is None
-            and self.use_async_scheduling
-            and self.torch_device.type == "cuda"
-        )
+        (num_scheduler_steps=None in the asynchronous loop on CUDA)."""
+        return self.num_scheduler_steps is None and self.use_async_scheduling and self.torch_device.type == "cuda"
 
     @property
     def max_scheduler_steps(self) -> int:
@@ -166,6 +162,15 @@ class EngineConfig:
         if self.num_scheduler_steps is not None:
             return self.num_scheduler_steps
         return AUTO_SCHEDULER_STEPS if self.adaptive_scheduler_steps else 1
+
+    @property
+    def max_draft_lag(self) -> int:
+        """Most tokens a request's draft-model KV may fall behind the target's (decode steps at k = 0 skip the
+        draft; its next pass feeds them all): the draft's input buffers hold that catch-up for every request.
+        0 without a draft model."""
+        if self.speculative_method != "draft_model":
+            return 0
+        return max(1, self.max_num_batched_tokens // self.max_num_seqs)
 
     @property
     def tokenizer_path(self) -> str:
@@ -211,11 +216,6 @@ class EngineConfig:
                     f"num_scheduler_steps must be at most {MAX_SCHEDULER_STEPS} (or None: automatic), "
                     f"got {self.num_scheduler_steps}"
                 )
-        if self.num_scheduler_steps is not None and self.num_scheduler_steps > 1 and self.speculative_method:
-            raise ConfigError(
-                "num_scheduler_steps > 1 runs several plain decode steps per plan; with speculative_method set each "
-                "step verifies drafts instead: use one or the other"
-            )
         for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len", "cuda_graph_max_batch_size"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)

@@ -45,7 +45,12 @@ class SchedulerConfig:
     """Choose k per step (SpeculationPolicy); False: always num_speculative_tokens."""
     num_scheduler_steps: int = 1
     """The most greedy decode steps one plan may run back to back when every running request may take them
-    (see `_multi_step_count`; `Scheduler.set_steps_per_plan` lowers the cap); 1: one step per plan."""
+    (see `_multi_step_count`; `Scheduler.set_steps_per_plan` lowers the cap); 1: one step per plan. With
+    speculation only plans at k = 0 that propose nothing."""
+    max_draft_lag: int = 0
+    """Most decode steps a request's draft model may fall behind (EngineConfig.max_draft_lag; 0: no draft model).
+    The worker feeds the draft the first step of a run when the lag would pass it, so a run takes at most
+    max_draft_lag + 1 steps."""
 
 
 @dataclass
@@ -190,12 +195,16 @@ class Scheduler:
         draft_positions: dict[str, int] = {}
         # Decode steps this plan runs back to back: each request computes one token per step, so it needs
         # slots for num_steps tokens and emits num_steps tokens (optimistic view below).
-        # Not while a request waits that could be admitted now: it would wait for the whole run.
-        num_steps = (
-            self._multi_step_count()
-            if self.steps_per_plan > 1 and (not self.waiting or len(running) >= cfg.max_num_seqs)
-            else 1
-        )
+        # Not while a request waits that could be admitted now: it would wait for the whole run. With
+        # speculation, only when this plan verifies nothing and the next one verifies nothing either (the
+        # policy's choice before the run: a run admits no request, so the batch it saw is the run's).
+        num_steps = 1
+        next_k: int | None = None
+        if self.steps_per_plan > 1 and spec_k == 0 and (not self.waiting or len(running) >= cfg.max_num_seqs):
+            if cfg.num_speculative_tokens:
+                next_k = self._plan_next_k()
+            if not next_k:
+                num_steps = self._multi_step_count()
         if num_steps > 1:
             lookahead_k = num_steps - 1
         index = 0
@@ -343,7 +352,7 @@ class Scheduler:
             finished_req_ids=self._finished_since_last_step,
             preempted_req_ids=preempted_ids,
             num_speculative_tokens=spec_k,
-            num_proposals=self._plan_next_k() if cfg.num_speculative_tokens else 0,
+            num_proposals=self._next_proposals(next_k),
             num_draft_positions=draft_positions,
             num_steps=num_steps,
         )
@@ -355,14 +364,24 @@ class Scheduler:
         self._finished_since_last_step = set()
         return output
 
+    def _next_proposals(self, next_k: int | None) -> int:
+        """The drafts the worker proposes after this plan (the next plan's k): the choice already made when the
+        plan could take several steps (no admission possible), else the policy's now that the admissions are
+        known."""
+        if not self.config.num_speculative_tokens:
+            return 0
+        return self._plan_next_k() if next_k is None else next_k
+
     def _multi_step_count(self) -> int:
         """How many decode steps the next plan may run back to back (1: just one). Every running request must
         be a decode (one token to compute, its last) whose sampling a greedy decode step does whole: greedy,
         no penalties, logprobs or min_tokens (the worker samples these steps inside the decode graph, with
         no host work between them). No step may pass a request's max_tokens or max_model_len: the slots
-        after them could not be kept. Without speculation only (EngineConfig's check)."""
+        after them could not be kept. With a draft model, at most max_draft_lag + 1 steps (its lag bound)."""
         max_model_len = self.config.max_model_len
         num_steps = self.steps_per_plan
+        if self.config.max_draft_lag:
+            num_steps = min(num_steps, self.config.max_draft_lag + 1)
         for request in self.running:
             params = request.sampling_params
             if not params.multi_step_decodable:

@@ -28,6 +28,8 @@ from asyncspec.worker.model_runner import ModelRunner, StepHandle
 from asyncspec.worker.profiler import ProfileSummary, StepProfiler
 from asyncspec.worker.tp_executor import TensorParallelExecutor
 
+DecodeKey = tuple[int, ...]
+"""What kind of decode plan a step was (`_decode_key`): steady periods are runs of one kind."""
 MAX_INFLIGHT_STEPS = 2
 """The running step and one planned behind it: a deeper pipeline only adds optimistic
 over-allocation and later reconciliation (DESIGN.md, "The GPU step")."""
@@ -41,7 +43,7 @@ class InflightStep:
     handle: StepHandle
     schedule_start: float
     launch_start: float
-    decode_key: tuple[int, int, int] | None = None
+    decode_key: DecodeKey | None = None
     """`_decode_key` of its plan when speculation is configured (the policy's steady-period check reads it)."""
 
 
@@ -129,6 +131,7 @@ class EngineCore:
                 policy=config.scheduling_policy,
                 adaptive_speculation=config.adaptive_speculation,
                 num_scheduler_steps=config.max_scheduler_steps,
+                max_draft_lag=config.max_draft_lag,
             ),
             self.kv_cache_manager,
         )
@@ -137,7 +140,7 @@ class EngineCore:
         """CPU planning, launch gaps and device idle between steps (read by stats and metrics)."""
         self.async_scheduling = config.use_async_scheduling
         self._inflight: deque[InflightStep] = deque()
-        self._last_retired_key: tuple[int, int, int] | None = None
+        self._last_retired_key: DecodeKey | None = None
         """The last retired step's `_decode_key`."""
         self._last_collected: float | None = None
         self.scheduler_steps_tuner = self._new_scheduler_steps_tuner()
@@ -320,7 +323,12 @@ class EngineCore:
         decodes, no admission) to the adaptive multi-step tuner and applies its choice."""
         assert self.scheduler_steps_tuner is not None
         so = step.scheduler_output
-        decode = not so.scheduled_new_reqs and so.total_num_scheduled_tokens == len(so.num_scheduled_tokens)
+        # With speculation, only plans at k = 0 that propose nothing: the plans that may take several steps.
+        decode = (
+            not so.scheduled_new_reqs
+            and so.total_num_scheduled_tokens == len(so.num_scheduled_tokens)
+            and not so.num_proposals
+        )
         steady = decode and self._last_retired_decode and bool(self._inflight) and self._last_collected is not None
         self._last_retired_decode = decode
         idle = self.runner.last_device_idle_seconds
@@ -371,21 +379,24 @@ class EngineCore:
             if any(not 0 <= t < vocab for t in request.all_token_ids):
                 raise AssertionError(f"{request_id}: token ids outside [0, {vocab}) in the request")
 
-    def _steady_period(self, key: tuple[int, int, int]) -> bool:
+    def _steady_period(self, key: DecodeKey) -> bool:
         next_key = self._inflight[0].decode_key if self._inflight else None
         return steady_period(self.async_scheduling, key, self._last_retired_key, next_key)
 
     def _observe_decode_step(self, so: SchedulerOutput, seconds: float) -> None:
-        """Feeds a pure decode step's time to the speculation policy (its host-time estimate)."""
+        """Feeds a pure decode plan's time per step to the speculation policy (its host-time estimate): a
+        multi-step plan at k = 0 shares its host work among its steps."""
         k = so.num_speculative_tokens
-        self.scheduler.spec_policy.observe_step(len(so.num_scheduled_tokens), k, seconds, so.num_proposals)
+        self.scheduler.spec_policy.observe_step(
+            len(so.num_scheduled_tokens), k, seconds / so.num_steps, so.num_proposals
+        )
 
 
 def steady_period(
     async_scheduling: bool,
-    key: tuple[int, int, int],
-    previous_key: tuple[int, int, int] | None,
-    next_key: tuple[int, int, int] | None,
+    key: DecodeKey,
+    previous_key: DecodeKey | None,
+    next_key: DecodeKey | None,
 ) -> bool:
     """Whether a retired decode step's time shows a steady run of its kind (`_decode_key`), given the kinds of
     the step retired before it and of the step in flight after it. Synchronous: the time is the step's own.
@@ -395,12 +406,12 @@ def steady_period(
     return not async_scheduling or key == previous_key == next_key
 
 
-def _decode_key(so: SchedulerOutput) -> tuple[int, int, int] | None:
-    """(requests, drafts verified, drafts proposed) of a step that only decodes (every request verifies
-    exactly its k drafts, none admitted); None for any other step."""
+def _decode_key(so: SchedulerOutput) -> DecodeKey | None:
+    """(requests, drafts verified, drafts proposed, steps) of a plan that only decodes (every request verifies
+    exactly its k drafts, none admitted); None for any other plan."""
     k = so.num_speculative_tokens
     if so.scheduled_new_reqs:
         return None
     if any(n != k + 1 for n in so.num_scheduled_tokens.values()):
         return None
-    return (len(so.num_scheduled_tokens), k, so.num_proposals)
+    return (len(so.num_scheduled_tokens), k, so.num_proposals, so.num_steps)

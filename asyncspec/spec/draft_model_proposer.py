@@ -124,6 +124,7 @@ class DraftModelProposer:
         seed: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        max_lag: int,
     ) -> None:
         self.model_config = ModelConfig.from_pretrained(draft_path)
         check_draft_compatible(target_config, self.model_config, target_path, draft_path)
@@ -141,8 +142,9 @@ class DraftModelProposer:
         self._prepare = select_backend(device).prepare_inputs
         self.kv_caches: list[tuple[Tensor, Tensor]] = []
         max_blocks_per_req = -(-max_model_len // block_size)
-        self.max_lag = max(1, max_num_batched_tokens // max_num_seqs)
-        """Most tokens a request's draft KV may fall behind the target's (see RowState.draft_lag)."""
+        self.max_lag = max_lag
+        """Most tokens a request's draft KV may fall behind the target's (EngineConfig.max_draft_lag; see
+        RowState.draft_lag)."""
         # The catch-up feeds every target token, each request's lag and one new token per request.
         self.inputs = StaticInputs.allocate(
             max_num_seqs, max_num_batched_tokens + max_num_seqs * (self.max_lag + 1), max_blocks_per_req, device

@@ -40,5 +40,6 @@ def make_speculative_decoder(
             config.seed,
             config.max_num_seqs,
             config.max_num_batched_tokens,
+            config.max_draft_lag,
         )
     return SpeculativeDecoder(k, proposer, config.max_num_seqs, target_config.vocab_size, device)

@@ -928,6 +928,8 @@ class ModelRunner:
         for state, n in zip(states, num_scheduled, strict=True):
             state.num_computed_tokens += n * num_steps
         if num_steps > 1:
+            if self.spec is not None:
+                self._defer_draft(so, states, num_scheduled, computed_before)
             return self._launch_decode_steps(req_ids, states, step, hidden_states, num_steps, failed)
         if self.spec is not None and not self._samples_plainly(so, num_draft_positions):
             return self._verify_and_propose(
@@ -1025,9 +1027,9 @@ class ModelRunner:
         wrote), so nothing but launches happens on the host between them. The tokens of every step come
         back in the plan's one copy."""
         num_reqs = len(states)
-        if self.spec is not None or not self._only_greedy(num_reqs, num_reqs) or step.query_len != 1:
+        if not self._only_greedy(num_reqs, num_reqs) or step.query_len != 1:
             raise RuntimeError(
-                "a multi-step plan needs every request to be a plain greedy decode without speculation "
+                "a multi-step plan needs every request to be a plain greedy decode without drafts "
                 "(Scheduler._multi_step_count)"
             )
         graphs = self.cuda_graphs
@@ -1073,6 +1075,39 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_per_req, failed_requests=failed)
 
         return StepHandle(finish=finish, host=host, ready=ready)
+
+    def _defer_draft(
+        self, so: SchedulerOutput, states: list[RowState], num_scheduled: list[int], computed_before: torch.Tensor
+    ) -> None:
+        """A multi-step plan of a speculating engine verifies nothing and proposes nothing (the policy chose
+        k = 0 for it and the next plan), so it leaves the draft model alone: each request's draft falls the
+        plan's steps behind and its next pass catches up on them. Where that would pass the proposer's bound,
+        the draft first catches up through the plan's first step (whose input tokens are known), and falls
+        behind by the other steps only."""
+        assert self.spec is not None
+        if so.num_speculative_tokens or so.num_proposals:
+            raise RuntimeError("a multi-step plan must verify and propose no drafts (Scheduler.schedule)")
+        if not self.spec.uses_draft_model:
+            return  # the n-gram proposer keeps no per-step state: it drafts from the token buffer when asked
+        num_steps = so.num_steps
+        max_lag = self.spec.proposer.max_lag  # type: ignore[union-attr]
+        if num_steps - 1 > max_lag:
+            raise RuntimeError(
+                f"a multi-step plan of {num_steps} steps passes the draft's lag bound {max_lag} "
+                "(SchedulerConfig.max_draft_lag)"
+            )
+        if max(state.draft_lag for state in states) + num_steps > max_lag:
+            self._catch_up_draft(states, num_scheduled, computed_before)
+            num_steps -= 1
+        for state in states:
+            state.draft_lag += num_steps
+
+    def _catch_up_draft(self, states: list[RowState], num_scheduled: list[int], computed_before: torch.Tensor) -> None:
+        """The draft model's pass over this step's tokens and each request's lag, proposing nothing."""
+        assert self.spec is not None
+        no_rows = torch.empty(0, dtype=torch.int64, device=self.device)
+        catch_up = self._draft_step(states, num_scheduled, [], [], no_rows, None, 0, computed_before)
+        self.spec.propose(self.input_batch.token_ids, no_rows, no_rows, 0, catch_up, 0)
 
     def _eager_decode_tail(self, hidden_states: torch.Tensor, inputs: StaticInputs, num_reqs: int) -> torch.Tensor:
         """The decode graph's greedy tail, run eagerly (a step with no graph)."""
@@ -1185,9 +1220,7 @@ class ModelRunner:
         assert self.spec is not None
         if not sampling_rows:
             if self.spec.uses_draft_model:  # the draft's KV follows every prefill chunk
-                no_rows = torch.empty(0, dtype=torch.int64, device=self.device)
-                catch_up = self._draft_step(states, num_scheduled, [], [], no_rows, None, 0, computed_before)
-                self.spec.propose(self.input_batch.token_ids, no_rows, no_rows, 0, catch_up, 0)
+                self._catch_up_draft(states, num_scheduled, computed_before)
             output = ModelRunnerOutput(req_ids, [[] for _ in req_ids], failed_requests=failed)
             return StepHandle(output=output)
         num_sampling = len(sampling_rows)

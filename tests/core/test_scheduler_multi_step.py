@@ -177,3 +177,61 @@ def test_steps_per_plan_caps_the_plans_and_is_checked():
             assert reason == "length"
         results.append(tokens)
     assert results[1] == results[0] and len(results[0]["a"]) == 30
+
+
+@pytest.mark.parametrize("max_draft_lag", [0, 2, 16])
+def test_a_speculating_scheduler_runs_several_steps_only_at_k0(max_draft_lag):
+    """With speculation a plan takes several steps only when it verifies nothing and the policy chose k = 0 for
+    the next plan too (asked once per plan, before the run), at most max_draft_lag + 1 with a draft model."""
+    s = make_scheduler(
+        num_blocks=64,
+        block_size=4,
+        max_model_len=64,
+        num_scheduler_steps=4,
+        num_speculative_tokens=4,
+        num_lookahead_tokens=4,
+        max_draft_lag=max_draft_lag,
+    )
+    runner = FakeRunner(s)
+    asked = []
+
+    def choose(num_decodes: int) -> int:
+        asked.append(num_decodes)
+        return 0
+
+    s.spec_policy.choose = choose  # type: ignore[method-assign]
+    s.add_request(_greedy("a", 6, max_tokens=40))
+    s.add_request(_greedy("b", 5, max_tokens=40))
+    plans = []
+    for _ in range(6):
+        so, _ = step(s, runner)
+        plans.append((so.num_speculative_tokens, so.num_proposals, so.num_steps))
+    cap = 4 if max_draft_lag == 0 else min(4, max_draft_lag + 1)
+    # The admission plan verifies the configured k (nothing to verify: a prefill) and proposes the policy's 0.
+    assert plans[0] == (4, 0, 1)
+    assert plans[1:] == [(0, 0, cap)] * 5
+    assert len(asked) == len(plans)  # one choice per plan, not per step
+
+
+def test_a_plan_before_speculation_resumes_takes_one_step():
+    """When the policy turns speculation back on, the plan that proposes the drafts is a single step, and the
+    next one verifies them."""
+    s = make_scheduler(
+        num_blocks=64,
+        block_size=4,
+        max_model_len=64,
+        num_scheduler_steps=4,
+        num_speculative_tokens=4,
+        num_lookahead_tokens=4,
+    )
+    runner = FakeRunner(s)
+    script = iter([0, 0, 2, 0])
+    s.spec_policy.choose = lambda num_decodes: next(script)  # type: ignore[method-assign]
+    s.add_request(_greedy("a", 6, max_tokens=40))
+    plans = []
+    for _ in range(3):
+        so, _ = step(s, runner)
+        plans.append((so.num_speculative_tokens, so.num_proposals, so.num_steps))
+    assert plans == [(4, 0, 1), (0, 0, 4), (0, 2, 1)]
+    so = s.schedule()
+    assert so.num_speculative_tokens == 2 and so.num_scheduled_tokens["a"] == 3  # 1 + its 2 drafts

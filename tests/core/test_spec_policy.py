@@ -11,7 +11,7 @@ import pytest
 from asyncspec import SamplingParams
 from asyncspec.core.spec_policy import SpeculationPolicy, speculation_choices
 from tests.conftest import load_prompts
-from tests.spec.spec_helpers import METHODS, assert_same_outputs, make_llm
+from tests.spec.spec_helpers import METHODS, assert_same_outputs, make_llm, script_k
 
 
 @pytest.mark.parametrize(("max_k", "expected"), [(0, [0]), (1, [0, 1]), (4, [0, 1, 2, 4]), (7, [0, 1, 3, 7])])
@@ -333,21 +333,6 @@ def test_each_step_verifies_what_the_previous_one_proposed(method):
     assert stats["spec_num_draft_tokens"] >= (2 if method == "ngram" else 4) * stats["spec_steps_with_k_4"]
 
 
-def _scripted_k(llm, pattern):
-    """Makes the policy follow `pattern` (cycled), one k per step; no probing."""
-    ks = itertools.cycle(pattern)
-    state = {"k": pattern[0]}
-
-    def cost(num_decodes: int, k: int) -> float:
-        if k == 0:  # asked first, once per step
-            state["k"] = next(ks)
-        return 1.0 if k != state["k"] else 1e-6
-
-    policy = llm.engine.engine_core.scheduler.spec_policy
-    policy.step_cost = cost
-    policy.probe_interval = 0
-
-
 def _recording(decide, decisions: list[bool]):
     def wrapper(*args):
         decisions.append(decide(*args))
@@ -367,7 +352,7 @@ def test_draft_skipped_at_k0_catches_up_to_the_same_drafts():
     runs = {}
     for lazy in (True, False):
         llm = make_llm(method="draft_model", k=4, **CONFIG)
-        _scripted_k(llm, pattern)
+        script_k(llm, pattern)
         runner = llm.engine.engine_core.runner
         decisions: list[bool] = []
         runner._skips_draft = _recording(runner._skips_draft, decisions) if lazy else (lambda *a: False)

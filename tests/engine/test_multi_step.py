@@ -94,7 +94,6 @@ def test_abort_while_a_multi_step_plan_is_in_flight():
         (dict(num_scheduler_steps=0), "num_scheduler_steps"),
         (dict(num_scheduler_steps=17), "num_scheduler_steps"),
         (dict(num_scheduler_steps=2.5), "num_scheduler_steps"),
-        (dict(num_scheduler_steps=4, speculative_method="ngram", num_speculative_tokens=3), "num_scheduler_steps"),
     ],
 )
 def test_bad_num_scheduler_steps_is_refused(kwargs, field):

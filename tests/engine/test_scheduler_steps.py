@@ -102,7 +102,9 @@ def test_unusable_observations_change_nothing():
     [
         (dict(device="cuda"), True, AUTO_SCHEDULER_STEPS),  # the CUDA default: asynchronous, no speculation
         (dict(device="cuda", async_scheduling=False), False, 1),  # the reference loop plans every step
-        (dict(device="cuda", speculative_method="ngram", num_speculative_tokens=3), False, 1),
+        # Speculation too: its plans at k = 0 may take several steps.
+        (dict(device="cuda", speculative_method="ngram", num_speculative_tokens=3), True, AUTO_SCHEDULER_STEPS),
+        (dict(device="cuda", speculative_method="ngram", num_speculative_tokens=3, num_scheduler_steps=3), False, 3),
         (dict(device="cuda", num_scheduler_steps=2), False, 2),  # a fixed count
         (dict(device="cuda", num_scheduler_steps=1), False, 1),
         (dict(device="cpu"), False, 1),

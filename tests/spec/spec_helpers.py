@@ -7,6 +7,7 @@ runs the whole suite against it too (`spec_kwargs` already knows how to configur
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 
@@ -48,6 +49,37 @@ def make_llm(model: str | Path = TARGET_MODEL, method: str | None = None, k: int
         kwargs.update(spec_kwargs(method, k, draft))
     kwargs.update(overrides)
     return LLM(str(model), **kwargs)
+
+
+def script_k(llm, pattern: Sequence[int]) -> None:
+    """Makes an LLM's speculation policy follow `pattern` (cycled), one k per choice (one per plan); no probing.
+    The policy asks its step cost about k = 0 first at every choice: that is when the next k is taken."""
+    ks = itertools.cycle(pattern)
+    state = {"k": pattern[0]}
+
+    def cost(num_decodes: int, k: int) -> float:
+        if k == 0:
+            state["k"] = next(ks)
+        return 1.0 if k != state["k"] else 1e-6
+
+    policy = llm.engine.engine_core.scheduler.spec_policy
+    policy.step_cost = cost
+    policy.probe_interval = 0
+
+
+def record_plans(llm) -> list[tuple[int, int, int]]:
+    """(k verified, drafts proposed, steps) of every plan the LLM's scheduler makes from now on."""
+    scheduler = llm.engine.engine_core.scheduler
+    schedule = scheduler.schedule
+    plans: list[tuple[int, int, int]] = []
+
+    def recording():
+        so = schedule()
+        plans.append((so.num_speculative_tokens, so.num_proposals, so.num_steps))
+        return so
+
+    scheduler.schedule = recording
+    return plans
 
 
 def spec_runner(llm):
