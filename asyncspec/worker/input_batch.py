@@ -159,7 +159,9 @@ class InputBatch:
         if state.generator is None and params.seed is not None:
             state.generator = make_generator(params.seed, self.device)
         for name, value in _row_sampling_values(params).items():
-            self.sampling_tensors[name][row] = value
+            # fill_ takes the value as a kernel argument; an indexed assignment copies it from host memory
+            # and waits for the device (a step in flight) first.
+            self.sampling_tensors[name][row].fill_(value)
         if params.uses_penalties:
             self._init_penalty_row(state)
         self.append_blocks(state, data.block_ids)

@@ -193,6 +193,19 @@ class GreedyDecodeTail:
         return sampled
 
 
+class GreedyStepTail:
+    """A speculating engine's greedy tail: the decode tail after a step of one token a request (k = 0), the
+    greedy verification after a wider one."""
+
+    def __init__(self, decode: GreedyDecodeTail, verification: GreedyVerification) -> None:
+        self.decode, self.verification = decode, verification
+
+    def __call__(self, hidden: torch.Tensor, static: StaticInputs, num_reqs: int, query_len: int) -> Any:
+        if query_len == 1:
+            return self.decode(hidden, static, num_reqs)
+        return self.verification(hidden, static, num_reqs, query_len)
+
+
 class PaddedStepInputs:
     """A graphed step's inputs for `bucket` requests of at most `query_len` tokens, from the device's meta and
     counts alone (padding requests have no tokens, and resolving them changes nothing): the head of the
@@ -535,12 +548,15 @@ class ModelRunner:
             max_tokens = max(batch_sizes) * max(query_lens)
             cols = self.input_batch.max_blocks_per_req
             static = StaticInputs.allocate(max(batch_sizes), max_tokens, cols, self.device)
-        tail: GreedyDecodeTail | GreedyVerification | None = None
+        tail: GreedyDecodeTail | GreedyStepTail | None = None
         tail_query_lens: list[int] = []
-        if model is self.model and self.spec is None:
-            tail, tail_query_lens = GreedyDecodeTail(self.model, self._meta_dev, self.input_batch), [1]
-        elif model is self.model and self._greedy_verification is not None:
-            tail, tail_query_lens = self._greedy_verification, [q for q in query_lens if q > 1]
+        if model is self.model:
+            decode_tail = GreedyDecodeTail(self.model, self._meta_dev, self.input_batch)
+            if self._greedy_verification is None:
+                tail, tail_query_lens = decode_tail, [1]
+            else:
+                # A speculating engine's steps at k = 0 (one token a request) sample with the decode tail.
+                tail, tail_query_lens = GreedyStepTail(decode_tail, self._greedy_verification), query_lens
         graph_inputs = static is self._inputs and os.environ.get(GRAPH_STEP_INPUTS_ENV, "1") != "0"
         return CudaGraphForward(
             model,
@@ -674,6 +690,8 @@ class ModelRunner:
         self._meta_dev.zero_()  # warm-up runs for real: every request of it is padding
         self._forget_device_inputs()
         for (bucket, query_len), result in self.cuda_graphs.tail_outputs().items():
+            if query_len == 1:
+                continue  # a decode tail at k = 0: no draft step follows it from a graph
             step = functools.partial(self._greedy_draft_step, proposer, bucket, query_len, result)
             self._greedy_draft_steps[(bucket, query_len)] = draft_graphs.capture_function(step)
         logger.info(
@@ -958,6 +976,15 @@ class ModelRunner:
             sampled = self.cuda_graphs.replay_tail(step.graph_bucket, 1)[:num_sampling]
             if self.input_batch.records_sampled:
                 self.input_batch.record_sampled(self._meta_dev[0, :num_sampling], sampled)
+            if self.spec is not None and not self._skip_draft_step(so, states, num_sampling):
+                # A speculating engine's step at k = 0: every request samples, so its new token went to
+                # column seq_len of its row.
+                batch_rows = self._meta_dev[7, :num_sampling]
+                new_num_tokens = step.inputs.seq_lens[:num_sampling].to(torch.int64) + 1
+                metadata = self._sampling_metadata(sampling_states, batch_rows)
+                self._propose_without_drafts(
+                    states, num_scheduled, sampling_rows, batch_rows, new_num_tokens, metadata, so, computed_before
+                )
             tensors = [sampled]
         else:
             attn_metadata = step.metadata
@@ -973,7 +1000,7 @@ class ModelRunner:
             sampled = out.sampled_token_ids
             self.input_batch.write_sampled_tokens(batch_rows, token_cols, sampled)
             self.input_batch.record_sampled(batch_rows, sampled)
-            if self.spec is not None:
+            if self.spec is not None and not self._skip_draft_step(so, states, num_sampling):
                 self._propose_without_drafts(
                     states, num_scheduled, sampling_rows, batch_rows, token_cols + 1, metadata, so, computed_before
                 )
@@ -1157,10 +1184,6 @@ class ModelRunner:
         assert self.spec is not None
         num_sampling = len(sampling_rows)
         draft_step = None
-        if self._skips_draft(so, states, num_sampling):
-            for state in states:
-                state.draft_lag += 1
-            return
         if self.spec.uses_draft_model:
             no_accepted = torch.zeros(num_sampling, dtype=torch.int64, device=self.device)
             draft_step = self._draft_step(
@@ -1187,6 +1210,15 @@ class ModelRunner:
         plan's computed counts, which are never below the device's), clamped to the buffer."""
         known = max((states[i].num_computed_tokens for i in sampling_rows), default=0) + 1
         return min(known, self.input_batch.token_ids.shape[1])
+
+    def _skip_draft_step(self, so: SchedulerOutput, states: list[RowState], num_sampling: int) -> bool:
+        """Whether this plainly sampled step leaves the draft model alone (`_skips_draft`); if so, every
+        request's draft falls one token further behind."""
+        if not self._skips_draft(so, states, num_sampling):
+            return False
+        for state in states:
+            state.draft_lag += 1
+        return True
 
     def _skips_draft(self, so: SchedulerOutput, states: list[RowState], num_sampling: int) -> bool:
         """A decode step that verifies nothing and proposes nothing (the policy chose k = 0 for this
@@ -1315,7 +1347,8 @@ class ModelRunner:
         without a graph)."""
         assert self._greedy_verification is not None
         graphs, bucket = self.cuda_graphs, step.graph_bucket
-        if graphs is not None and bucket is not None and graphs.has_tail(bucket, step.query_len):
+        # One token a request (drafts planned, none left to verify) is the decode tail's shape, not this one's.
+        if graphs is not None and bucket is not None and step.query_len > 1 and graphs.has_tail(bucket, step.query_len):
             return graphs.replay_tail(bucket, step.query_len)
         return self._greedy_verification(hidden_states, self._inputs, num_reqs, num_positions)
 

@@ -17,7 +17,9 @@ PATTERN = [4, 4, *[0] * 9, 2, 4, *[0] * 4, 1]
 
 
 def _llm(method: str | None, dtype: str, **overrides) -> LLM:
-    return LLM(str(TARGET_MODEL), dtype=dtype, **{**GPU_CONFIG, **overrides}, **(spec_kwargs(method, 4) if method else {}))
+    return LLM(
+        str(TARGET_MODEL), dtype=dtype, **{**GPU_CONFIG, **overrides}, **(spec_kwargs(method, 4) if method else {})
+    )
 
 
 @pytest.mark.gpu
