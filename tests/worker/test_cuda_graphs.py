@@ -333,7 +333,9 @@ def test_graphs_equal_eager_on_gpu_fp32(method, draft_step_graph, input_graphs, 
     # tail with it; the draft's catch-up and proposals after it replay one graph.
     # A graphed target step builds its inputs with the bucket's input graph.
     assert (stats["cuda_graph_input_replays"] > 20) == input_graphs, stats
-    assert (stats["cuda_graph_decode_tail_replays"] > 10) == (method is None), stats
+    # (A speculating engine's steps at k = 0, when its policy chooses them, replay the decode tail too.)
+    if method is None:
+        assert stats["cuda_graph_decode_tail_replays"] > 10, stats
     assert (stats["cuda_graph_verify_tail_replays"] > 10) == (method is not None), stats
     assert (stats["cuda_graph_draft_step_replays"] > 10) == (method == "draft_model" and draft_step_graph), stats
     if method == "draft_model" and not draft_step_graph:
