@@ -300,3 +300,17 @@ def test_spec_policy_trace_smoke(tmp_path: Path) -> None:
         assert row["steps"] >= 2 and sum(row["steps_by_k"].values()) == row["steps"]
         assert set(row["steps_by_k"]) <= {"0", "1", "2", "4"} and row["steps_by_k"].get("4", 0) >= 1
         assert row["estimates"] == {}
+
+
+def test_plan_trace_smoke(tmp_path: Path) -> None:
+    """benchmarks/plan_trace.py --smoke: both engines' plans are traced and their periods add up to the run."""
+    out = tmp_path / "plan_trace.json"
+    _run(str(REPO / "benchmarks" / "plan_trace.py"), "--smoke", "--output", str(out))
+    results = json.loads(out.read_text())
+    assert set(results["configs"]) == {"plain", "draft"}
+    for name, config in results["configs"].items():
+        (trial,) = config["streams"]["4"]
+        kinds = trial["kinds"]
+        assert "prefill" in kinds and sum(e["plans"] for e in kinds.values()) == trial["plans"] > 1
+        assert sum(e["ms"] for e in kinds.values()) <= trial["wall_ms"] + 1e-6
+        assert any(kind.startswith("k4->") for kind in kinds) == (name == "draft"), kinds

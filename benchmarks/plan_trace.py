@@ -1,0 +1,135 @@
+"""Where one closed batch's time goes, plan by plan: the bundled target with and without its draft, `--streams`
+requests of 128 new tokens submitted together (the throughput run of `gpu_step_speed.py`, same engine settings).
+Each plan's period (from its scheduling to the next plan's) is charged to its kind: a plan that admits or
+prefills, or a decode plan by (k verified -> drafts proposed, steps, batch size).
+
+    python3 benchmarks/plan_trace.py --streams 32,128 --output $OUT/plan_trace.json   # GPU, ~1 min
+    python3 benchmarks/plan_trace.py --smoke                                            # CPU: the script only
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: asyncspec without an install
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_step_speed import DRAFT, TARGET, load_prompts  # noqa: E402
+
+
+def plan_kind(record: tuple[int, int, int, int, int, int], streams: int) -> str:
+    num_reqs, k, proposed, steps, tokens, new = record
+    if new or tokens > num_reqs * (k + 1):
+        return "prefill"
+    size = "full" if num_reqs == streams else ("half+" if 2 * num_reqs >= streams else "tail")
+    return f"k{k}->{proposed} x{steps} {size}"
+
+
+def trace(llm: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]:
+    """Runs one generate, recording every plan; returns the wall time and the time per plan kind."""
+    scheduler = llm.engine.engine_core.scheduler
+    schedule = scheduler.schedule
+    records: list[tuple[float, tuple[int, int, int, int, int, int]]] = []
+
+    def recording():
+        t = time.perf_counter()
+        so = schedule()
+        records.append(
+            (
+                t,
+                (
+                    len(so.num_scheduled_tokens),
+                    so.num_speculative_tokens,
+                    so.num_proposals,
+                    so.num_steps,
+                    so.total_num_scheduled_tokens,
+                    len(so.scheduled_new_reqs),
+                ),
+            )
+        )
+        return so
+
+    scheduler.schedule = recording
+    try:
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        end = time.perf_counter()
+    finally:
+        scheduler.schedule = schedule
+    kinds: dict[str, dict[str, float]] = collections.defaultdict(lambda: {"plans": 0, "steps": 0, "ms": 0.0})
+    for i, (t, record) in enumerate(records):
+        period = (records[i + 1][0] if i + 1 < len(records) else end) - t
+        entry = kinds[plan_kind(record, len(prompts))]
+        entry["plans"] += 1
+        entry["steps"] += record[3]
+        entry["ms"] += period * 1e3
+    return {"wall_ms": (end - start) * 1e3, "plans": len(records), "kinds": dict(kinds)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", default="32,128")
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny settings: checks the script")
+    ap.add_argument("--note", default="")
+    ap.add_argument("--output", type=Path)
+    args = ap.parse_args()
+    import asyncspec
+
+    streams = [int(s) for s in args.streams.split(",")]
+    base: dict[str, Any] = dict(
+        device="cuda",
+        dtype="bfloat16",
+        max_model_len=2048,
+        max_num_seqs=128,
+        max_num_batched_tokens=4096,
+        enable_prefix_caching=False,
+        gpu_memory_utilization=0.5,
+        skip_tokenizer_init=True,
+        async_scheduling=True,
+    )
+    if args.smoke:
+        streams, args.trials, args.new_tokens = [4], 1, 6
+        base.update(device="cpu", dtype="float32", max_num_seqs=8, num_kv_blocks=256, max_model_len=512)
+        base.pop("gpu_memory_utilization")
+    draft = dict(speculative_method="draft_model", num_speculative_tokens=4, draft_model=str(DRAFT))
+    results: dict[str, Any] = {"command": " ".join(sys.argv), "note": args.note, "configs": {}}
+    for name, extra in (("plain", {}), ("draft", draft)):
+        llm = asyncspec.LLM(str(TARGET), **base, **extra)
+        rows: dict[str, Any] = {}
+        for c in streams:
+            prompts = load_prompts(c)
+            if args.smoke:
+                prompts = [p[:32] for p in prompts]
+            warm = asyncspec.SamplingParams(temperature=0.0, max_tokens=min(16, args.new_tokens), ignore_eos=True)
+            llm.generate(prompts, warm)  # untimed: this batch's shapes compiled
+            full = asyncspec.SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+            rows[str(c)] = [trace(llm, prompts, full) for _ in range(args.trials)]
+        stats = llm.stats()
+        results["configs"][name] = {
+            "streams": rows,
+            "steps_per_k": {k: v for k, v in stats.items() if k.startswith("spec_steps_with_k_")},
+        }
+        del llm
+        gc.collect()
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(results, indent=1))
+    for name, config in results["configs"].items():
+        for c, trials in config["streams"].items():
+            best = min(trials, key=lambda r: r["wall_ms"])
+            print(f"{name} @{c}: {[round(r['wall_ms'], 1) for r in trials]} ms, fastest {best['plans']} plans")
+            for kind, e in sorted(best["kinds"].items(), key=lambda x: -x[1]["ms"]):
+                print(f"   {kind:22s} plans {e['plans']:4d} steps {e['steps']:4d} {e['ms']:8.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
