@@ -147,6 +147,18 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.backend: AttentionBackend | None = None
 
+    def compile_kernel_variants(self, kv_cache: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> int:
+        """Compiles (or loads from Triton's disk cache) every tile variant of the attention kernel for this layer's
+        heads at start-up (`compile_tile_variants`); nothing with the torch reference. Returns the calls made."""
+        if self._backend(kv_cache[0].device).name != "triton":
+            return 0
+        from asyncspec.kernels import paged_attention_triton
+
+        k_cache, v_cache = kv_cache
+        return paged_attention_triton.compile_tile_variants(
+            self.num_heads, k_cache, v_cache, dtype, self.scale, self.sliding_window
+        )
+
     def _backend(self, device: torch.device) -> AttentionBackend:
         if self.backend is None:
             self.backend = select_backend(device)

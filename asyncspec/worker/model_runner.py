@@ -23,7 +23,7 @@ from asyncspec.core.kv_cache import num_blocks_for_bytes
 from asyncspec.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncspec.core.spec_policy import StepCost, speculation_choices
 from asyncspec.errors import ConfigError, EngineDeadError
-from asyncspec.layers.attention import select_backend
+from asyncspec.layers.attention import Attention, select_backend
 from asyncspec.layers.attention_metadata import AttentionMetadata, StaticInputs
 from asyncspec.layers.linear import SkinnyLinear, make_skinny_linear, use_skinny_linear
 from asyncspec.layers.sampler import (
@@ -485,6 +485,34 @@ class ModelRunner:
         if self.uses_cuda_graphs:
             with self._device_context():
                 self._capture_cuda_graphs()
+        if self.device.type == "cuda":
+            with self._device_context():
+                self._compile_attention_variants()
+
+    def _compile_attention_variants(self) -> None:
+        """Every attention tile variant of the target and the draft, compiled at start-up rather than by the first
+        eager step that needs it (`Attention.compile_kernel_variants`)."""
+        start = time.perf_counter()
+        models = [(self.model, self.kv_caches)]
+        if self.spec is not None and isinstance(self.spec.proposer, DraftModelProposer):
+            models.append((self.spec.proposer.model, self.spec.proposer.kv_caches))
+        calls = 0
+        for model, kv_caches in models:
+            layouts = set()
+            for module in model.modules():
+                if isinstance(module, Attention) and kv_caches:
+                    layout = (
+                        module.num_heads,
+                        module.num_kv_heads,
+                        module.head_dim,
+                        module.scale,
+                        module.sliding_window,
+                    )
+                    if layout not in layouts:
+                        layouts.add(layout)
+                        calls += module.compile_kernel_variants(kv_caches[0], self.dtype)
+        torch.cuda.synchronize(self.device)
+        logger.info("attention kernel variants: %d calls in %.2f s", calls, time.perf_counter() - start)
 
     # -- CUDA graphs ------------------------------------------------------------------------
     @property

@@ -92,6 +92,57 @@ def test_norm_and_attention_compile_once_across_batch_sizes(compiled):
     assert compiled[warm:] == [], compiled[warm:]
 
 
+def _attention_batches(heads: int, kv_heads: int, precompile: bool, compiled: list[str]) -> list[str]:
+    """What compiles in a series of eager attention batches after the start-up variants (or without them)."""
+    from asyncspec.kernels.paged_attention_triton import compile_tile_variants, paged_attention
+
+    head_dim, block_size, num_blocks = 64, 16, 512
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen, device="cuda").bfloat16()
+    v_cache = torch.randn_like(k_cache)
+    if precompile:
+        assert compile_tile_variants(heads, k_cache, v_cache, torch.bfloat16, 0.125) == 6
+        torch.cuda.synchronize()
+    warm = len(compiled)
+
+    def batch(query_lens: list[int], context: int) -> None:
+        n = len(query_lens)
+        qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        seq_lens = torch.tensor([context + q for q in query_lens], dtype=torch.int32, device="cuda")
+        width = -(-(context + max(query_lens)) // block_size)
+        tables = torch.randint(0, num_blocks, (n, width), generator=gen, device="cuda", dtype=torch.int32)
+        query = torch.randn(sum(query_lens), heads, head_dim, generator=gen, device="cuda").bfloat16()
+        paged_attention(query, k_cache, v_cache, qsl, seq_lens, tables, 0.125)
+
+    batch([1], 40)  # a decode
+    batch([5] * 8, 300)  # a small verification batch: split
+    batch([5] * 127 + [302], 300)  # 127 verifications joined by a prompt's last chunk: single pass, short tile
+    batch([1] * 128 + [40], 1000)
+    batch([20] * 16, 64)  # medium tile
+    batch([300, 200], 0)  # tall tiles (prefill)
+    batch([512] * 8, 0)
+    torch.cuda.synchronize()
+    return compiled[warm:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("heads", "kv_heads"), [(10, 2), (28, 4)])
+def test_start_up_attention_variants_cover_every_eager_batch(compiled, heads, kv_heads, tmp_path, monkeypatch):
+    """After `compile_tile_variants`, no batch compiles the attention kernel again: short, medium and tall tiles,
+    single pass or split, small batches and a full batch of decodes joined by a prompt's last chunk (the variant
+    that compiled mid-run on an H200, 0.5-0.8 s). Head groups (5, 7) no other test uses and an empty disk cache,
+    so that every variant really compiles in this test."""
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
+    assert _attention_batches(heads, kv_heads, True, compiled) == []
+
+
+@pytest.mark.gpu
+def test_without_start_up_variants_eager_batches_compile(compiled, tmp_path, monkeypatch):
+    """The control: the same batches without `compile_tile_variants` compile (a group of 9 no other test uses)."""
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
+    assert len(_attention_batches(18, 2, False, compiled)) >= 4
+
+
 @pytest.mark.gpu
 def test_greedy_argmax_compiles_once_across_batch_sizes(compiled):
     """Only shapes that do not change with the batch (V, the row stride) reach its kernels as arguments."""
