@@ -138,9 +138,10 @@ def test_start_up_attention_variants_cover_every_eager_batch(compiled, heads, kv
 
 @pytest.mark.gpu
 def test_without_start_up_variants_eager_batches_compile(compiled, tmp_path, monkeypatch):
-    """The control: the same batches without `compile_tile_variants` compile (a group of 9 no other test uses)."""
+    """The control: the same batches without `compile_tile_variants` compile the single pass's three tiles as they
+    meet them (a group of 9 no other test uses; 3 on an H200)."""
     monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
-    assert len(_attention_batches(18, 2, False, compiled)) >= 4
+    assert _attention_batches(18, 2, False, compiled).count("_paged_attention_kernel") >= 3
 
 
 @pytest.mark.gpu
