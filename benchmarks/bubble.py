@@ -314,7 +314,8 @@ def main() -> int:
     parser.add_argument(
         "--scheduler-steps",
         default="auto",
-        help="num_scheduler_steps values of the configurations without speculation (auto: the engine's default)",
+        help="num_scheduler_steps values of the configurations without speculation (auto: the engine's default, "
+        "which the speculating configurations always run)",
     )
     parser.add_argument("--skip-spec", action="store_true", help="only the configurations without speculation")
     parser.add_argument("--device", default="cuda")
