@@ -179,19 +179,24 @@ def test_steps_per_plan_caps_the_plans_and_is_checked():
     assert results[1] == results[0] and len(results[0]["a"]) == 30
 
 
-@pytest.mark.parametrize("max_draft_lag", [0, 2, 16])
-def test_a_speculating_scheduler_runs_several_steps_only_at_k0(max_draft_lag):
-    """With speculation a plan takes several steps only when it verifies nothing and the policy chose k = 0 for
-    the next plan too (asked once per plan, before the run), at most max_draft_lag + 1 with a draft model."""
-    s = make_scheduler(
+def _speculating_scheduler(**cfg):
+    """A scheduler of k = 4 with up to 4 steps a plan."""
+    return make_scheduler(
         num_blocks=64,
         block_size=4,
         max_model_len=64,
         num_scheduler_steps=4,
         num_speculative_tokens=4,
         num_lookahead_tokens=4,
-        max_draft_lag=max_draft_lag,
+        **cfg,
     )
+
+
+@pytest.mark.parametrize("max_draft_lag", [0, 2, 16])
+def test_a_speculating_scheduler_runs_several_steps_only_at_k0(max_draft_lag):
+    """With speculation a plan takes several steps only when it verifies nothing and the policy chose k = 0 for
+    the next plan too (asked once per plan, before the run), at most max_draft_lag + 1 with a draft model."""
+    s = _speculating_scheduler(max_draft_lag=max_draft_lag)
     runner = FakeRunner(s)
     asked = []
 
@@ -216,14 +221,7 @@ def test_a_speculating_scheduler_runs_several_steps_only_at_k0(max_draft_lag):
 def test_a_plan_before_speculation_resumes_takes_one_step():
     """When the policy turns speculation back on, the plan that proposes the drafts is a single step, and the
     next one verifies them."""
-    s = make_scheduler(
-        num_blocks=64,
-        block_size=4,
-        max_model_len=64,
-        num_scheduler_steps=4,
-        num_speculative_tokens=4,
-        num_lookahead_tokens=4,
-    )
+    s = _speculating_scheduler()
     runner = FakeRunner(s)
     script = iter([0, 0, 2, 0])
     s.spec_policy.choose = lambda num_decodes: next(script)  # type: ignore[method-assign]

@@ -289,6 +289,25 @@ def test_no_graphs_on_the_cpu_or_with_enforce_eager():
 GPU_CONFIG = dict(device="cuda", **CONFIG)
 
 
+def step_without_host_sync(engine) -> int:
+    """One step (it may allocate device state), then the engine's steps until every request is done under
+    `set_sync_debug_mode("error")`; no request may fail (a sync at admission fails the request, not the step).
+    Returns the steps run under the debug mode."""
+    outputs = list(engine.step())
+    torch.cuda.synchronize()
+    steps = 0
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+            steps += 1
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    errors = [(o.request_id, o.finish_reason) for o in outputs if o.finished and o.finish_reason == "error"]
+    assert not errors, errors
+    return steps
+
+
 def _gpu_llm(method: str | None, dtype: str, enforce_eager: bool, **overrides) -> LLM:
     return LLM(
         str(TARGET_MODEL),
@@ -377,16 +396,7 @@ def test_graphed_steps_make_no_host_sync(method, async_scheduling, monkeypatch):
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, top_k=40, seed=i, max_tokens=48) for i in range(6)]
     for i, (prompt, p) in enumerate(zip(_prompts(), params, strict=True)):
         engine.add_request(engine.make_request(prompt, p, f"r{i}"), stream_deltas=False)
-    engine.step()  # the first step allocates the generators' device state
-    torch.cuda.synchronize()
-    steps = 0
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        while engine.has_unfinished_requests():
-            engine.step()
-            steps += 1
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    steps = step_without_host_sync(engine)  # the first step allocates the generators' device state
     assert steps > 10
     assert llm.stats()["cuda_graph_replays"] > 10
 
@@ -403,14 +413,7 @@ def test_decode_tail_makes_no_host_sync(async_scheduling, scheduler_steps, monke
     for i, prompt in enumerate(_prompts()):
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS[i], ignore_eos=True)
         engine.add_request(engine.make_request(prompt, params, f"r{i}"), stream_deltas=False)
-    engine.step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        while engine.has_unfinished_requests():
-            engine.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    step_without_host_sync(engine)
     stats = llm.stats()
     assert stats["cuda_graph_decode_tail_replays"] > 20
     if scheduler_steps > 1:

@@ -5,12 +5,11 @@ lag bound) and the verification after it, with joins, finishes and preemption.""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from asyncspec import LLM
 from tests.conftest import TARGET_MODEL
 from tests.spec.spec_helpers import assert_same_outputs, record_plans, script_k, spec_kwargs
-from tests.worker.test_cuda_graphs import GPU_CONFIG, _params, _prompts
+from tests.worker.test_cuda_graphs import GPU_CONFIG, _params, _prompts, step_without_host_sync
 
 PATTERN = [4, 4, *[0] * 9, 2, 4, *[0] * 4, 1]
 """The policy's k per plan: runs of k = 0 between verifying plans."""
@@ -57,13 +56,6 @@ def test_multi_step_plans_at_k0_make_no_host_sync(async_scheduling, monkeypatch)
     engine = llm.engine
     for i, (prompt, params) in enumerate(zip(_prompts(), _params(), strict=True)):
         engine.add_request(engine.make_request(prompt, params, f"r{i}"), stream_deltas=False)
-    engine.step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        while engine.has_unfinished_requests():
-            engine.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    step_without_host_sync(engine)
     assert sum(steps > 1 for _, _, steps in plans) > 5, plans
     assert llm.stats()["num_free_kv_blocks"] == llm.stats()["num_kv_blocks"]
