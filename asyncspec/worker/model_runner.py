@@ -1187,9 +1187,10 @@ class ModelRunner:
         self.spec.propose(self.input_batch.token_ids, rows, num_tokens, bound, None, num_proposals)
 
     def _samples_plainly(self, so: SchedulerOutput, num_draft_positions: list[int]) -> bool:
-        """With speculation on, a step that verifies nothing (the policy chose k = 0) samples with
-        the plain sampler instead of the verification path, at the plain step's cost. Not while a
-        seeded request runs: its stream must draw the same randomness whatever k its steps have."""
+        """With speculation on, a step that verifies nothing (the policy chose k = 0) samples as a plain
+        step does (the decode tail, or the plain sampler) instead of the verification path, at the plain
+        step's cost. Not while a seeded request runs: its stream must draw the same randomness whatever k
+        its steps have."""
         return (
             so.num_speculative_tokens == 0
             and not any(num_draft_positions)
