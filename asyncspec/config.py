@@ -114,6 +114,10 @@ class EngineConfig:
     """Run every step eagerly: no CUDA graphs (they are captured on CUDA with the Triton backend)."""
     cuda_graph_max_batch_size: int | None = None
     """Largest batch replayed from a CUDA graph (buckets 1, 2, 4, 8, 16, ...); None: max_num_seqs."""
+    cuda_graph_max_tokens: int | None = None
+    """Largest step, in tokens, of a mixed batch (prompt chunks, with or without decodes) replayed from a CUDA
+    graph (token buckets 64, 128, 256, ... up to it); 0 runs such steps eagerly; None: max_num_batched_tokens.
+    Uniform decode and verification steps use the batch-size graphs either way."""
     tensor_parallel_size: int = 1
     """GPUs (or CPU processes) one model is split across, one worker process each (NCCL on cuda,
     gloo on cpu); on cuda they are cuda:<first> to cuda:<first + size - 1>."""
@@ -219,6 +223,8 @@ class EngineConfig:
         for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len", "cuda_graph_max_batch_size"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
+        if self.cuda_graph_max_tokens is not None:
+            _check_int("cuda_graph_max_tokens", self.cuda_graph_max_tokens, minimum=0)
         if self.long_prefill_token_threshold > 0 and not self.enable_chunked_prefill:
             raise ConfigError("long_prefill_token_threshold > 0 chunks prompts: it needs enable_chunked_prefill=True")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -43,6 +43,10 @@ class GraphReplayer(Protocol):
 
     def replay(self, bucket: int, query_len: int, num_tokens: int) -> Tensor: ...
 
+    def select_mixed(self, num_reqs: int, num_tokens: int) -> tuple[int, int] | None: ...
+
+    def replay_mixed(self, key: tuple[int, int], num_tokens: int) -> Tensor: ...
+
     def capture_function(self, fn: Callable[[], Any]) -> CapturedFunction: ...
 
     num_eager: int
@@ -298,9 +302,14 @@ class DraftModelProposer:
         computed = np.asarray(step.num_computed, dtype=np.int64)
         lengths = scheduled + is_sampling  # a sampling request also feeds its new token
         num_tokens = int(lengths.sum())
-        graph = self.graphs.select(num_reqs, int(lengths.max()), num_tokens) if self.graphs is not None else None
+        graphs = self.graphs
+        graph = graphs.select(num_reqs, int(lengths.max()), num_tokens) if graphs is not None else None
+        mixed = graphs.select_mixed(num_reqs, num_tokens) if graphs is not None and graph is None else None
         bucket, query_len = graph if graph is not None else (None, int(lengths.max()))
-        padded = bucket if bucket is not None else num_reqs
+        if bucket is not None:
+            padded, padded_tokens = bucket, bucket * query_len
+        else:
+            padded, padded_tokens = mixed if mixed is not None else (num_reqs, num_tokens)
         size = 4 * padded + 5 * num_sampling
         host_tensor = self._next_host_meta()
         host = host_tensor.numpy()[:size]
@@ -333,9 +342,8 @@ class DraftModelProposer:
 
         inputs = self.inputs
         inputs.block_tables[:num_reqs].copy_(step.block_tables)
-        padded_tokens = bucket * query_len if bucket is not None else num_tokens
         hidden = self._forward(
-            step.token_ids, meta_dev, padded, num_tokens, padded_tokens, query_len, bucket, meta_dev[3]
+            step.token_ids, meta_dev, padded, num_tokens, padded_tokens, query_len, bucket, meta_dev[3], mixed=mixed
         )
         if num_proposals == 0:
             return torch.empty((num_sampling, 0), dtype=torch.int64, device=dev), None
@@ -393,10 +401,11 @@ class DraftModelProposer:
         bucket: int | None,
         capacity: Tensor,
         input_ids: Tensor | None = None,
+        mixed: tuple[int, int] | None = None,
     ) -> Tensor:
         """Builds the inputs of `num_reqs` requests (padding included) from `meta` into the static
-        buffers with one kernel, then replays the graph of `bucket` or runs eagerly. `input_ids`
-        replaces the gathered ids (a proposal pass feeds tokens that are in no buffer)."""
+        buffers with one kernel, then replays the graph of `bucket` (or the `mixed` graph) or runs eagerly.
+        `input_ids` replaces the gathered ids (a proposal pass feeds tokens that are in no buffer)."""
         inputs = self.inputs
         inputs.fill(self._prepare, meta, num_reqs, padded_tokens, token_ids, self.block_size, capacity)
         if input_ids is not None:
@@ -405,6 +414,8 @@ class DraftModelProposer:
             check_token_ids(inputs.input_ids[:num_tokens], self.model_config.vocab_size, "the draft's embedding")
         if bucket is not None and query_len is not None and self.graphs is not None:
             return self.graphs.replay(bucket, query_len, num_tokens)
+        if mixed is not None and self.graphs is not None:
+            return self.graphs.replay_mixed(mixed, num_tokens)
         if self.graphs is not None:
             self.graphs.num_eager += 1
         metadata = inputs.metadata(num_reqs, num_tokens, query_len or num_tokens, self.block_size)

@@ -6,8 +6,15 @@ batch of n requests in a bucket of B is padded with B - n zero-length requests, 
 [T, B * q) write no KV (slot -1) and are never sampled (the attention kernel zeroes their rows).
 Requests of different lengths (drafts trimmed near max_tokens, a draft catching up) replay the graph
 whose query length q holds the longest (see `select`): every kernel reads lengths and offsets from
-the static buffers. Anything else (longer prefill chunks, no bucket) runs eagerly. The same class
-graphs the draft model's proposal and catch-up passes over the draft's own StaticInputs.
+the static buffers. The same class graphs the draft model's proposal and catch-up passes over the
+draft's own StaticInputs.
+
+A mixed step (prompt chunks, with or without decodes) replays a graph of its own, keyed by a request
+bucket R and a token bucket T (`select_mixed`): the attention kernel's launch depends on shapes only, so
+one graph serves any split of T tokens among R requests. The request buckets keep the attention tile
+near what the real batch would take (it is chosen from T / R). Without such a graph (past the buckets,
+or `cuda_graph_max_tokens=0`) the step runs eagerly: on a small model an eager prompt chunk costs the host
+far more than the device (about a hundred launches for a few milliseconds of the device's time).
 """
 
 from __future__ import annotations
@@ -65,6 +72,28 @@ def batch_size_buckets(max_num_reqs: int) -> list[int]:
     return sorted(set(sizes) | {max_num_reqs})
 
 
+MIN_MIXED_TOKENS = 64
+"""The smallest token bucket of the mixed graphs."""
+MIXED_REQUEST_BUCKETS = (16, 64)
+"""Request buckets of the mixed graphs below max_num_seqs (which is always one)."""
+
+
+def mixed_graph_sizes(max_num_reqs: int, max_tokens: int, max_query_len: int) -> list[tuple[int, int]]:
+    """(request bucket, token bucket) of the mixed graphs: requests 16, 64 and max_num_reqs; tokens 64, 128,
+    256, ... and max_tokens. A pair is left out when no real step maps to it: R requests hold at most
+    R * max_query_len tokens, and a step maps to the smallest request bucket that holds it, so a bucket's
+    steps have more requests (hence tokens) than the bucket below it."""
+    if max_tokens < 1:
+        return []
+    requests = sorted({min(r, max_num_reqs) for r in MIXED_REQUEST_BUCKETS} | {max_num_reqs})
+    tokens = [t for t in (MIN_MIXED_TOKENS << i for i in range(32)) if t < max_tokens] + [max_tokens]
+    sizes = []
+    for i, r in enumerate(requests):
+        below = requests[i - 1] if i else 0
+        sizes += [(r, t) for t in tokens if t > below and t <= r * max_query_len]
+    return sizes
+
+
 @dataclass(frozen=True)
 class CaptureStats:
     """What capture cost: reported at start-up."""
@@ -105,6 +134,7 @@ class CudaGraphForward:
         tail: StepTail | None = None,
         tail_query_lens: Iterable[int] = (),
         head: StepHead | None = None,
+        mixed_sizes: Iterable[tuple[int, int]] = (),
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -113,9 +143,16 @@ class CudaGraphForward:
         self.batch_sizes = sorted(set(batch_sizes))
         self.query_lens = sorted(set(query_lens))
         self.device = device
-        max_tokens = self.batch_sizes[-1] * self.query_lens[-1]
-        if static.query_start_loc.shape[0] <= self.batch_sizes[-1] or static.input_ids.shape[0] < max_tokens:
+        self.mixed_sizes = sorted(set(mixed_sizes))
+        """(request bucket, token bucket) of the mixed graphs (see `mixed_graph_sizes`)."""
+        max_reqs = max([self.batch_sizes[-1], *(r for r, _ in self.mixed_sizes)])
+        max_tokens = max([self.batch_sizes[-1] * self.query_lens[-1], *(t for _, t in self.mixed_sizes)])
+        if static.query_start_loc.shape[0] <= max_reqs or static.input_ids.shape[0] < max_tokens:
             raise ValueError("the static inputs are smaller than the largest graph")
+        self._mixed: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        """(request bucket, token bucket) -> the mixed step's graph and its hidden states."""
+        self.num_mixed_replays = 0
+        """Forward passes of mixed steps (prompt chunks) served by a graph; also counted in num_replays."""
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.tail = tail
         self.tail_query_lens = frozenset(tail_query_lens) if tail is not None else frozenset()
@@ -140,50 +177,66 @@ class CudaGraphForward:
         """Device time of one replay per (batch size, query length), measured at capture."""
 
     # -- capture -----------------------------------------------------------------------------
-    def _run_static(self, num_reqs: int, query_len: int) -> torch.Tensor:
-        n = num_reqs * query_len
-        metadata = self.static.metadata(num_reqs, n, query_len, self.block_size)
+    def _run_static(self, num_reqs: int, num_tokens: int, max_query_len: int) -> torch.Tensor:
+        n = num_tokens
+        metadata = self.static.metadata(num_reqs, n, max_query_len, self.block_size)
         return self.model(self.static.input_ids[:n], self.static.positions[:n], self.kv_caches, metadata)
+
+    def _capture_forward(self, num_reqs: int, query_lens: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warms up and captures the forward pass of num_reqs requests of `query_lens` tokens each (every
+        request sees its own tokens' keys in block 0: finite values; slots -1: nothing written)."""
+        static = self.static
+        static.query_start_loc[0] = 0
+        torch.cumsum(query_lens, 0, dtype=torch.int32, out=static.query_start_loc[1 : num_reqs + 1])
+        static.seq_lens[:num_reqs].copy_(query_lens)
+        num_tokens, max_query_len = int(query_lens.sum()), int(query_lens.max())
+        for _ in range(2):  # compile every Triton specialisation before capture
+            self._run_static(num_reqs, num_tokens, max_query_len)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with capturing(graph, self._pool):
+            out = self._run_static(num_reqs, num_tokens, max_query_len)
+        if self._pool is None:
+            self._pool = graph.pool()
+        return graph, out
 
     @torch.inference_mode()
     def capture(self, progress: Callable[[int, int], None] | None = None) -> CaptureStats:
-        """Warms up and captures every (bucket, query length), largest first so that the smaller
-        graphs reuse the first one's private pool. Capture writes no KV (slots -1)."""
+        """Warms up and captures every (bucket, query length) and every mixed (requests, tokens), largest
+        first so that the smaller graphs reuse the first one's private pool. Capture writes no KV (slots -1)."""
         start = time.perf_counter()
         torch.cuda.synchronize(self.device)
         reserved_before = torch.cuda.memory_reserved(self.device)
-        keys = [(b, q) for q in self.query_lens for b in self.batch_sizes]
-        keys.sort(key=lambda key: key[0] * key[1], reverse=True)
+        # Largest first (in tokens), uniform (False) and mixed (True) graphs together.
+        jobs = [(b * q, False, b, q) for q in self.query_lens for b in self.batch_sizes]
+        jobs += [(t, True, r, t) for r, t in self.mixed_sizes]
+        jobs.sort(key=lambda job: (job[0], job[1]), reverse=True)
         static = self.static
         static.slot_mapping.fill_(-1)
         static.block_tables.zero_()
-        for i, (num_reqs, query_len) in enumerate(keys):
-            # Every request sees its own query_len keys of block 0: finite values, nothing written.
-            static.query_start_loc[: num_reqs + 1].copy_(
-                torch.arange(num_reqs + 1, dtype=torch.int32, device=self.device) * query_len
-            )
-            static.seq_lens[:num_reqs].fill_(query_len)
-            for _ in range(2):  # compile every Triton specialisation before capture
-                self._run_static(num_reqs, query_len)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with capturing(graph, self._pool):
-                out = self._run_static(num_reqs, query_len)
-            if self._pool is None:
-                self._pool = graph.pool()
-            self._graphs[(num_reqs, query_len)] = (graph, out)
-            self.replay_seconds[(num_reqs, query_len)] = self._time_replays(graph)
-            if self.tail is not None and query_len in self.tail_query_lens:
-                self._tails[(num_reqs, query_len)] = self._capture_tail(self.tail, out, num_reqs, query_len)
-            if self.head is not None:
-                self._heads[(num_reqs, query_len)] = self.capture_function(
-                    lambda b=num_reqs, q=query_len: self.head(b, q)  # type: ignore[misc]
-                ).graph
+        for i, (num_tokens, mixed, num_reqs, query_len) in enumerate(jobs):
+            if mixed:
+                # The tokens spread over the requests (the split does not matter: shapes alone set the launches).
+                bounds = torch.arange(num_reqs + 1, dtype=torch.int64, device=self.device) * num_tokens // num_reqs
+                graph, out = self._capture_forward(num_reqs, (bounds[1:] - bounds[:-1]).to(torch.int32))
+                graph.replay()  # the first launch uploads the graph: not on a request's step
+                self._mixed[(num_reqs, num_tokens)] = (graph, out)
+            else:
+                lens = torch.full((num_reqs,), query_len, dtype=torch.int32, device=self.device)
+                graph, out = self._capture_forward(num_reqs, lens)
+                self._graphs[(num_reqs, query_len)] = (graph, out)
+                self.replay_seconds[(num_reqs, query_len)] = self._time_replays(graph)
+                if self.tail is not None and query_len in self.tail_query_lens:
+                    self._tails[(num_reqs, query_len)] = self._capture_tail(self.tail, out, num_reqs, query_len)
+                if self.head is not None:
+                    self._heads[(num_reqs, query_len)] = self.capture_function(
+                        lambda b=num_reqs, q=query_len: self.head(b, q)  # type: ignore[misc]
+                    ).graph
             if progress is not None:
-                progress(i + 1, len(keys))
+                progress(i + 1, len(jobs))
         torch.cuda.synchronize(self.device)
         memory = torch.cuda.memory_reserved(self.device) - reserved_before
-        return CaptureStats(len(keys) + len(self._tails) + len(self._heads), time.perf_counter() - start, memory)
+        return CaptureStats(len(jobs) + len(self._tails) + len(self._heads), time.perf_counter() - start, memory)
 
     def _capture_tail(
         self, tail: StepTail, hidden: torch.Tensor, num_reqs: int, query_len: int
@@ -256,6 +309,25 @@ class CudaGraphForward:
         if bucket is None or bucket * query_len > 2 * num_tokens + bucket:
             return None
         return bucket, query_len
+
+    def select_mixed(self, num_reqs: int, num_tokens: int) -> tuple[int, int] | None:
+        """The mixed graph (request bucket, token bucket) that replays a step of num_reqs requests and
+        num_tokens tokens in all, however they are split: the smallest request bucket that holds the
+        requests, then its smallest token bucket that holds the tokens. None when none does."""
+        for key in self.mixed_sizes:  # sorted by requests, then tokens
+            if key[0] >= num_reqs and key[1] >= num_tokens and key in self._mixed:
+                return key
+        return None
+
+    def replay_mixed(self, key: tuple[int, int], num_tokens: int) -> torch.Tensor:
+        """Runs the mixed graph `key` over the static inputs, which the caller filled for key[0] requests
+        (the padding ones with no tokens) and key[1] tokens (the tail with slot -1). Returns the first
+        num_tokens hidden states (valid until the next replay)."""
+        graph, out = self._mixed[key]
+        graph.replay()
+        self.num_replays += 1
+        self.num_mixed_replays += 1
+        return out[:num_tokens]
 
     def replay(self, bucket: int, query_len: int, num_tokens: int) -> torch.Tensor:
         """Runs the graph of (bucket, query_len) over the static inputs, which the caller filled

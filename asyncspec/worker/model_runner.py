@@ -45,7 +45,7 @@ from asyncspec.spec.draft_model_proposer import DraftModelProposer, DraftStep
 from asyncspec.spec.factory import make_speculative_decoder
 from asyncspec.spec.greedy_verify import GreedyVerification, GreedyVerifyResult
 from asyncspec.spec.spec_decoder import SpeculativeDecoder, VerifyInputs
-from asyncspec.worker.cuda_graphs import CapturedGraph, CudaGraphForward, batch_size_buckets
+from asyncspec.worker.cuda_graphs import CapturedGraph, CudaGraphForward, batch_size_buckets, mixed_graph_sizes
 from asyncspec.worker.gpu_memory import MemorySnapshot, check_free_at_start, kv_cache_budget, snapshot_at_start
 from asyncspec.worker.input_batch import SAMPLING_FEATURES, InputBatch, RowState
 
@@ -86,9 +86,11 @@ class StepInputs:
     block_size: int
     """Tokens per KV block."""
     graph_bucket: int | None
-    """The captured batch size that replays this step, or None (eager)."""
+    """The captured batch size that replays this step, or None (a mixed graph, or eager)."""
     query_len: int
     """Tokens per request when uniform (what the graph was captured for)."""
+    mixed_graph: tuple[int, int] | None = None
+    """The mixed graph (request bucket, token bucket) that replays this step when no uniform one does."""
 
     @functools.cached_property
     def metadata(self) -> AttentionMetadata:
@@ -166,12 +168,15 @@ GRAPH_STATS = (
     "cuda_graph_draft_loop_replays",
     "cuda_graph_draft_step_replays",
     "cuda_graph_eager_forwards",
+    "cuda_graph_mixed_replays",
     "cuda_graph_input_replays",
     "step_meta_copies",
     "step_block_table_copies",
 )
 """The counters of `ModelRunner.graph_stats` (a tensor-parallel executor starts from them at 0);
-`cuda_graph_input_replays` counts the graphed steps whose inputs were built by a graph too; the last two
+`cuda_graph_mixed_replays` counts the forward passes of mixed steps (prompt chunks) replayed from a graph (they
+are in `cuda_graph_replays` too); `cuda_graph_input_replays` counts the graphed steps whose inputs were built by
+a graph too; the last two
 count the steps that copied their per-request meta and their block tables to the device (a steady decode
 batch copies neither)."""
 
@@ -566,16 +571,29 @@ class ModelRunner:
 
         return step_cost
 
+    def _mixed_graph_sizes(self, static: StaticInputs) -> list[tuple[int, int]]:
+        """The mixed graphs of a model over `static` (its step buffers): up to cuda_graph_max_tokens or the
+        buffers' tokens. None under tensor parallelism: their all-reduces are untested on several GPUs."""
+        if self.tp.size > 1:
+            return []
+        limit = static.input_ids.shape[0]
+        if self.config.cuda_graph_max_tokens is not None:
+            limit = min(limit, self.config.cuda_graph_max_tokens)
+        max_reqs = min(self.config.max_num_seqs, static.query_start_loc.shape[0] - 1)
+        return mixed_graph_sizes(max_reqs, limit, self.max_model_len)
+
     def _new_graphs(
-        self, model, kv_caches, query_lens: list[int], batch_sizes: list[int], static: StaticInputs | None = None
+        self,
+        model,
+        kv_caches,
+        query_lens: list[int],
+        batch_sizes: list[int],
+        static: StaticInputs,
+        mixed_sizes: list[tuple[int, int]],
     ) -> CudaGraphForward:
-        """Graphs over `static` (the target's step buffers) or over buffers of their own (the draft's).
-        The target's graphs get a greedy tail: sampling after a plain decode (without speculation),
+        """Graphs over `static`: the target's step buffers, the draft's, or buffers of their own (the memory
+        estimate). The target's graphs get a greedy tail: sampling after a plain decode (without speculation),
         verification after a speculative step's forward pass (with it)."""
-        if static is None:
-            max_tokens = max(batch_sizes) * max(query_lens)
-            cols = self.input_batch.max_blocks_per_req
-            static = StaticInputs.allocate(max(batch_sizes), max_tokens, cols, self.device)
         tail: GreedyDecodeTail | GreedyStepTail | None = None
         tail_query_lens: list[int] = []
         if model is self.model:
@@ -599,7 +617,15 @@ class ModelRunner:
             head=PaddedStepInputs(self._inputs, self._prepare_kernel, self._meta_dev, self.input_batch, self.block_size)
             if graph_inputs
             else None,
+            mixed_sizes=mixed_sizes,
         )
+
+    def _graph_inputs(self, model: torch.nn.Module) -> StaticInputs:
+        """The step buffers a model's graphs read: the target's, or the draft's own."""
+        if model is self.model:
+            return self._inputs
+        assert self.spec is not None and isinstance(self.spec.proposer, DraftModelProposer)
+        return self.spec.proposer.inputs
 
     def _only_greedy(self, num_reqs: int, num_sampling: int) -> bool:
         """Every request samples this step, and every row of the batch (counted whether scheduled or
@@ -619,16 +645,21 @@ class ModelRunner:
         return self._only_greedy(num_reqs, num_sampling) and graphs.has_tail(step.graph_bucket, 1)
 
     def _estimate_cuda_graph_memory(self) -> int:
-        """Captures the largest bucket of each model over a one-block KV cache and measures its
-        pool: the smaller graphs share that pool, so this is what the real capture will hold."""
+        """Captures the largest bucket of each model (and its largest mixed graph) over a one-block KV cache
+        and measures its pool: the smaller graphs share that pool, so this is what the real capture will hold."""
         largest = self._graph_batch_sizes()[-1:]
         total = 0
         for model, mc, query_lens in self._graph_plan():
             tp_size = self.tp.size if model is self.model else 1
             caches = mc.allocate_kv_cache(1, self.block_size, self.dtype, self.device, tp_size)
+            mixed = self._mixed_graph_sizes(self._graph_inputs(model))[-1:]
+            max_tokens = max([largest[0] * max(query_lens), *(t for _, t in mixed)])
+            static = StaticInputs.allocate(
+                max([largest[0], *(r for r, _ in mixed)]), max_tokens, self.input_batch.max_blocks_per_req, self.device
+            )
             with self._device_context(), self._graph_kernels():
-                total += self._new_graphs(model, caches, query_lens, largest).capture().memory_bytes
-            del caches
+                total += self._new_graphs(model, caches, query_lens, largest, static, mixed).capture().memory_bytes
+            del caches, static
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         self._forget_device_inputs()
@@ -671,8 +702,9 @@ class ModelRunner:
             is_target = model is self.model
             name = "target" if is_target else "draft"
             kv_caches = self.kv_caches if is_target else self.spec.proposer.kv_caches  # type: ignore[union-attr]
-            static = self._inputs if is_target else self.spec.proposer.inputs  # type: ignore[union-attr]
-            graphs = self._new_graphs(model, kv_caches, query_lens, batch_sizes, static)
+            static = self._graph_inputs(model)
+            mixed = self._mixed_graph_sizes(static)
+            graphs = self._new_graphs(model, kv_caches, query_lens, batch_sizes, static, mixed)
 
             def progress(done: int, total: int, name: str = name) -> None:
                 if done == total or done % 8 == 0:
@@ -680,11 +712,13 @@ class ModelRunner:
 
             stats = graphs.capture(progress)
             logger.info(
-                "captured %d CUDA graphs of the %s model (batch sizes %s x query lengths %s) in %.2f s, %.1f MiB",
+                "captured %d CUDA graphs of the %s model (batch sizes %s x query lengths %s; mixed steps up to %d "
+                "tokens) in %.2f s, %.1f MiB",
                 stats.num_graphs,
                 name,
                 batch_sizes,
                 query_lens,
+                max((t for _, t in mixed), default=0),
                 stats.seconds,
                 stats.memory_bytes / 2**20,
             )
@@ -749,6 +783,7 @@ class ModelRunner:
             self.spec.proposer.num_loop_replays if self.spec is not None and self.spec.uses_draft_model else 0,  # type: ignore[union-attr]
             self.num_greedy_draft_steps,
             sum(g.num_eager for g in graphs),
+            sum(g.num_mixed_replays for g in graphs),
             sum(g.num_head_replays for g in graphs),
             self.num_meta_copies,
             self.num_block_table_copies,
@@ -762,6 +797,9 @@ class ModelRunner:
         if step.graph_bucket is not None:
             assert self.cuda_graphs is not None
             return self.cuda_graphs.replay(step.graph_bucket, step.query_len, step.num_tokens)
+        if step.mixed_graph is not None:
+            assert self.cuda_graphs is not None
+            return self.cuda_graphs.replay_mixed(step.mixed_graph, step.num_tokens)
         if self.cuda_graphs is not None:
             self.cuda_graphs.num_eager += 1
         return self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
@@ -1512,10 +1550,14 @@ class ModelRunner:
         num_reqs = len(states)
         num_sampling = len(sampling_rows)
         total_tokens = sum(num_scheduled)
-        graph = self.cuda_graphs.select(num_reqs, max(num_scheduled), total_tokens) if self.cuda_graphs else None
+        graphs = self.cuda_graphs
+        graph = graphs.select(num_reqs, max(num_scheduled), total_tokens) if graphs is not None else None
+        mixed = graphs.select_mixed(num_reqs, total_tokens) if graphs is not None and graph is None else None
         bucket, query_len = graph if graph is not None else (None, max(num_scheduled))
-        padded_reqs = bucket if bucket is not None else num_reqs
-        padded_tokens = bucket * query_len if bucket is not None else total_tokens
+        if bucket is not None:
+            padded_reqs, padded_tokens = bucket, bucket * query_len
+        else:
+            padded_reqs, padded_tokens = mixed if mixed is not None else (num_reqs, total_tokens)
         rows = [s.row for s in states]
         computed = [s.num_computed_tokens for s in states]
         writable = (
@@ -1598,6 +1640,7 @@ class ModelRunner:
             block_size=self.block_size,
             graph_bucket=bucket,
             query_len=query_len,
+            mixed_graph=mixed,
         )
 
     def _sampling_metadata(self, states: list[RowState], batch_rows: torch.Tensor) -> SamplingMetadata:

@@ -17,7 +17,7 @@ import torch
 
 from asyncspec import LLM, SamplingParams
 from asyncspec.layers.attention_metadata import StaticInputs
-from asyncspec.worker.cuda_graphs import CudaGraphForward, batch_size_buckets, capturing
+from asyncspec.worker.cuda_graphs import CudaGraphForward, batch_size_buckets, capturing, mixed_graph_sizes
 from asyncspec.worker.model_runner import GRAPH_STEP_INPUTS_ENV, GREEDY_DRAFT_STEP_GRAPH_ENV, ModelRunner
 from tests.conftest import TARGET_MODEL, load_prompts
 from tests.spec.spec_helpers import assert_same_outputs, spec_kwargs
@@ -45,13 +45,14 @@ def test_batch_size_buckets(max_num_reqs, expected):
 
 
 class _EagerStandIn:
-    """Replays by running the model over the static buffers, as the captured graph would."""
+    """Replays by running the model over the static buffers (num_reqs requests, num_tokens tokens, padding
+    included), as the captured graph would."""
 
-    def __init__(self, graphs: CudaGraphForward, num_reqs: int, query_len: int, out: torch.Tensor) -> None:
-        self.graphs, self.num_reqs, self.query_len, self.out = graphs, num_reqs, query_len, out
+    def __init__(self, graphs: CudaGraphForward, num_reqs: int, num_tokens: int, out: torch.Tensor) -> None:
+        self.graphs, self.num_reqs, self.num_tokens, self.out = graphs, num_reqs, num_tokens, out
 
     def replay(self) -> None:
-        self.out.copy_(self.graphs._run_static(self.num_reqs, self.query_len))
+        self.out.copy_(self.graphs._run_static(self.num_reqs, self.num_tokens, self.num_tokens))
 
 
 def _tensors(result) -> list[torch.Tensor]:
@@ -102,17 +103,21 @@ def _install_stand_ins(runner: ModelRunner) -> list[CudaGraphForward]:
         is_target = model is runner.model
         caches = runner.kv_caches if is_target else runner.spec.proposer.kv_caches
         static = runner._inputs if is_target else runner.spec.proposer.inputs
-        graphs = runner._new_graphs(model, caches, query_lens, runner._graph_batch_sizes(), static)
+        mixed = runner._mixed_graph_sizes(static)
+        graphs = runner._new_graphs(model, caches, query_lens, runner._graph_batch_sizes(), static, mixed)
         # Poison the static buffers: a replay must overwrite (or never read) every stale value.
         graphs.static.block_tables[len(runner.input_batch) :].fill_(10_000)
         graphs.static.input_ids.fill_(7)
         for q in graphs.query_lens:
             for b in graphs.batch_sizes:
                 out = torch.full((b * q, mc.hidden_size), float("nan"))
-                graphs._graphs[(b, q)] = (_EagerStandIn(graphs, b, q, out), out)  # type: ignore[assignment]
+                graphs._graphs[(b, q)] = (_EagerStandIn(graphs, b, b * q, out), out)  # type: ignore[assignment]
                 if q in graphs.tail_query_lens:
                     tail = _TailStandIn(graphs, b, q, out)
                     graphs._tails[(b, q)] = (tail, tail.out)  # type: ignore[assignment]
+        for r, t in mixed:
+            out = torch.full((t, mc.hidden_size), float("nan"))
+            graphs._mixed[(r, t)] = (_EagerStandIn(graphs, r, t, out), out)  # type: ignore[assignment]
         if is_target:
             runner.cuda_graphs = graphs
         else:
@@ -127,14 +132,19 @@ def _install_stand_ins(runner: ModelRunner) -> list[CudaGraphForward]:
     return installed
 
 
-@pytest.mark.parametrize("method", [None, "ngram", "draft_model"])
-def test_padded_static_replay_equals_eager(method):
+@pytest.mark.parametrize(
+    ("method", "mixed"),
+    [(None, True), ("ngram", True), ("draft_model", True), ("draft_model", False)],
+    ids=["plain", "ngram", "draft_model", "draft_model-eager-prompts"],
+)
+def test_padded_static_replay_equals_eager(method, mixed):
     """Greedy fp32 outputs through the padded static buffers equal the eager engine's, while the
-    batch grows, shrinks, is preempted and re-admitted."""
+    batch grows, shrinks, is preempted and re-admitted; steps with prompt chunks replay the mixed graphs
+    (padded to their request and token buckets), or run eagerly with cuda_graph_max_tokens=0."""
     kwargs = dict(device="cpu", dtype="float32", **CONFIG, **(spec_kwargs(method, 3) if method else {}))
     eager = LLM(str(TARGET_MODEL), **kwargs)
     ref = eager.generate(_prompts(), _params())
-    llm = LLM(str(TARGET_MODEL), **kwargs)
+    llm = LLM(str(TARGET_MODEL), **kwargs, **({} if mixed else {"cuda_graph_max_tokens": 0}))
     graphs = _install_stand_ins(llm.engine.engine_core.runner)
     ragged = []  # replays of batches whose requests have different lengths (padded inside the graph)
     for g in graphs:
@@ -153,7 +163,13 @@ def test_padded_static_replay_equals_eager(method):
     assert stats["num_preemptions"] > 0, "the small pool was meant to force preemption"
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
     target = graphs[0]
-    assert target.num_replays > 10 and target.num_eager > 0  # decodes replayed, prefills eager
+    assert target.num_replays > 10
+    if mixed:  # every step replays: prompt chunks the mixed graphs, padded to 8 requests and 64 or 128 tokens
+        assert target.mixed_sizes == [(8, 64), (8, 128)]
+        assert target.num_mixed_replays >= 3 and target.num_eager == 0, (target.num_mixed_replays, target.num_eager)
+        assert all(g.num_eager == 0 for g in graphs) and stats["cuda_graph_mixed_replays"] >= 3
+    else:
+        assert target.num_eager > 0 and stats["cuda_graph_mixed_replays"] == 0  # prompt chunks eager
     # Greedy steps sample inside the graph: the decode tail without speculation, the verification
     # tail with it.
     assert (target.num_decode_tail_replays > 10) == (method is None), target.num_decode_tail_replays
@@ -279,6 +295,44 @@ def test_ragged_batches_pick_the_graph_that_holds_the_longest_request():
     assert graphs.select(8, 5, 12) is None  # 40 padded tokens for 12: eager is cheaper
 
 
+@pytest.mark.parametrize(
+    ("max_reqs", "max_tokens", "max_query_len", "expected"),
+    [
+        (8, 128, 256, [(8, 64), (8, 128)]),
+        (
+            128,
+            4096,
+            2048,
+            # A step of 17 to 64 requests has at least 17 tokens; one of 65 to 128 requests at least 65.
+            [(16, 64 << i) for i in range(7)] + [(64, 64 << i) for i in range(7)] + [(128, 128 << i) for i in range(6)],
+        ),
+        (16, 300, 16, [(16, 64), (16, 128), (16, 256)]),  # 16 requests hold at most 256 tokens
+        (64, 100, 2048, [(16, 64), (16, 100), (64, 64), (64, 100)]),  # max_tokens itself is a bucket
+        (4, 0, 256, []),
+    ],
+)
+def test_mixed_graph_sizes(max_reqs, max_tokens, max_query_len, expected):
+    assert mixed_graph_sizes(max_reqs, max_tokens, max_query_len) == expected
+
+
+def test_mixed_graph_choice():
+    cpu = torch.device("cpu")
+    static = StaticInputs.allocate(128, 4096, 4, cpu)
+    sizes = mixed_graph_sizes(128, 4096, 2048)
+    graphs = CudaGraphForward(torch.nn.Identity(), [], 16, static, [1, 2], [1], cpu, mixed_sizes=sizes)
+    assert graphs.select_mixed(1, 100) is None  # nothing captured
+    graphs._mixed = dict.fromkeys(sizes)  # type: ignore[arg-type]
+    assert graphs.select_mixed(1, 100) == (16, 128)  # the fewest requests, then the fewest tokens
+    assert graphs.select_mixed(16, 4096) == (16, 4096)
+    assert graphs.select_mixed(17, 200) == (64, 256)
+    assert graphs.select_mixed(100, 4000) == (128, 4096)
+    assert graphs.select_mixed(129, 300) is None  # more requests than every bucket
+    assert graphs.select_mixed(3, 4097) is None  # more tokens than every bucket
+    too_small = StaticInputs.allocate(128, 2048, 4, cpu)
+    with pytest.raises(ValueError, match="smaller than the largest graph"):
+        CudaGraphForward(torch.nn.Identity(), [], 16, too_small, [1], [1], cpu, mixed_sizes=sizes)
+
+
 def test_no_graphs_on_the_cpu_or_with_enforce_eager():
     runner = LLM(str(TARGET_MODEL), device="cpu", dtype="float32", **CONFIG).engine.engine_core.runner
     assert not runner.uses_cuda_graphs and runner.cuda_graphs is None
@@ -348,6 +402,7 @@ def test_graphs_equal_eager_on_gpu_fp32(method, draft_step_graph, input_graphs, 
     stats = llm.stats()
     assert stats["num_preemptions"] > 0
     assert stats["cuda_graph_replays"] > 20
+    assert stats["cuda_graph_mixed_replays"] > 2 and stats["cuda_graph_eager_forwards"] == 0, stats  # prompt chunks
     # Greedy steps sample in a tail graph: the decode tail without speculation, the verification
     # tail with it; the draft's catch-up and proposals after it replay one graph.
     # A graphed target step builds its inputs with the bucket's input graph.
