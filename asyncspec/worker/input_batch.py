@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from asyncspec.core.scheduler_output import NewRequestData
-from asyncspec.layers.sampler import host_list_to_device, make_generator
+from asyncspec.layers.sampler import host_array_to_device, host_list_to_device, make_generator
 from asyncspec.sampling_params import SamplingParams
 
 
@@ -62,6 +62,20 @@ _SAMPLING_FIELDS = {
     "frequency_penalty": torch.float32,
     "repetition_penalty": torch.float32,
 }
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_FLOAT_FIELDS = tuple(name for name, dtype in _SAMPLING_FIELDS.items() if dtype == torch.float32)
+
+
+def _check_representable(values: dict[str, float]) -> None:
+    """Raises (OverflowError) for a value its device table cannot hold; a row's values are checked before
+    any reaches the device, so a failed admission leaves nothing behind."""
+    for name, value in values.items():
+        if _SAMPLING_FIELDS[name] == torch.int64:
+            np.int64(value)  # raises OverflowError past int64
+        elif abs(value) > _FLOAT32_MAX:
+            raise OverflowError(f"{name}={value} does not fit float32")
 
 
 def _row_sampling_values(params: SamplingParams) -> dict[str, float]:
@@ -121,29 +135,66 @@ class InputBatch:
             name: torch.zeros(max_num_reqs, dtype=dtype, device=device) for name, dtype in _SAMPLING_FIELDS.items()
         }
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        self._unwritten: list[tuple[int, list[int], dict[str, float]]] = []
+        """Rows admitted whose token ids and sampling values are not on the device yet (`write_admitted`)."""
         self.feature_counts = dict.fromkeys(SAMPLING_FEATURES, 0)
         """Rows using each sampling feature: kept on admission and removal, so a step whose rows
         are the whole batch learns, e.g., that every row is greedy without looking at each."""
         # Seeded generators of preempted requests, so a resumed request continues its stream.
         self._parked_generators: dict[str, torch.Generator] = {}
 
-    def add_request(self, data: NewRequestData) -> RowState:
+    def add_request(self, data: NewRequestData, write_device: bool = True) -> RowState:
         """Gives the request a row. All or nothing: if anything fails (a value its device tables
         cannot hold, say), the row is free again and the error propagates to the caller, which
-        fails this request alone."""
+        fails this request alone. With write_device=False its token ids and sampling values reach the
+        device at the next `write_admitted` (a step admits all its requests, then writes them at once)."""
         if not self._free_rows:
             raise RuntimeError("input batch is full: more running requests than max_num_seqs")
         row = self._free_rows.pop()
         try:
-            return self._fill_row(row, data)
+            state = self._fill_row(row, data)
         except BaseException:
             self.rows.pop(data.request_id, None)
             self._free_rows.append(row)
             raise
+        if write_device:
+            self.write_admitted()
+        return state
+
+    def write_admitted(self) -> None:
+        """The token ids and sampling values of the rows admitted since the last call onto the device: one
+        host-to-device copy per dtype and one scatter per tensor, however many rows (a few launches per
+        row would make a step that admits a hundred requests wait on the host)."""
+        if not self._unwritten:
+            return
+        pending, self._unwritten = self._unwritten, []
+        num_rows = len(pending)
+        num_tokens = sum(len(tokens) for _, tokens, _ in pending)
+        cols = self.token_ids.shape[1]
+        # int64: token ids, their flat index in token_ids, the rows, top_k; float32: the other values.
+        ints = np.empty(2 * num_tokens + 2 * num_rows, dtype=np.int64)
+        floats = np.empty((len(_FLOAT_FIELDS), num_rows), dtype=np.float32)
+        start = 0
+        for i, (row, tokens, values) in enumerate(pending):
+            end = start + len(tokens)
+            ints[start:end] = tokens
+            ints[num_tokens + start : num_tokens + end] = np.arange(row * cols, row * cols + len(tokens))
+            ints[2 * num_tokens + i] = row
+            ints[2 * num_tokens + num_rows + i] = values["top_k"]
+            floats[:, i] = [values[name] for name in _FLOAT_FIELDS]
+            start = end
+        ints_dev = host_array_to_device(ints, self.device)
+        floats_dev = host_array_to_device(floats, self.device)
+        self.token_ids.view(-1).index_copy_(0, ints_dev[num_tokens : 2 * num_tokens], ints_dev[:num_tokens])
+        rows = ints_dev[2 * num_tokens : 2 * num_tokens + num_rows]
+        self.sampling_tensors["top_k"].index_copy_(0, rows, ints_dev[2 * num_tokens + num_rows :])
+        for i, name in enumerate(_FLOAT_FIELDS):
+            self.sampling_tensors[name].index_copy_(0, rows, floats_dev[i])
 
     def _fill_row(self, row: int, data: NewRequestData) -> RowState:
         n = len(data.token_ids)
-        self.token_ids[row, :n] = host_list_to_device(data.token_ids, self.device)
+        if n > self.token_ids.shape[1]:
+            raise ValueError(f"{n} tokens do not fit a row of {self.token_ids.shape[1]}")
         params = data.sampling_params
         state = RowState(
             request_id=data.request_id,
@@ -158,15 +209,14 @@ class InputBatch:
         )
         if state.generator is None and params.seed is not None:
             state.generator = make_generator(params.seed, self.device)
-        for name, value in _row_sampling_values(params).items():
-            # fill_ takes the value as a kernel argument; an indexed assignment copies it from host memory
-            # and waits for the device (a step in flight) first.
-            self.sampling_tensors[name][row].fill_(value)
+        values = _row_sampling_values(params)
+        _check_representable(values)
         if params.uses_penalties:
             self._init_penalty_row(state)
         self.append_blocks(state, data.block_ids)
         state.features = sampling_features(params, state.generator is not None)
         self.rows[data.request_id] = state
+        self._unwritten.append((row, data.token_ids, values))
         for name in state.features:
             self.feature_counts[name] += 1
         if data.request_id in self._parked_generators:

@@ -832,9 +832,10 @@ class ModelRunner:
             batch.remove_request(request_id, preempted=True)
         failed: dict[str, str] = {}
         admitted: set[str] = set()
+        admitted_rows: list[int] = []
         for data in so.scheduled_new_reqs:
             try:
-                state = batch.add_request(data)
+                state = batch.add_request(data, write_device=False)
             except Exception as e:  # one request's bad data must not end the others' streams
                 if self.tp.enabled:
                     # A failure on one rank only (out of memory) would leave the ranks computing
@@ -844,8 +845,11 @@ class ModelRunner:
                 failed[data.request_id] = f"the worker could not admit the request: {e!r}"
             else:
                 admitted.add(data.request_id)
-                if self.spec is not None:
-                    self.spec.reset_rows([state.row])
+                admitted_rows.append(state.row)
+        if admitted_rows:
+            batch.write_admitted()
+            if self.spec is not None:
+                self.spec.reset_rows(admitted_rows)
         cached = so.scheduled_cached_reqs
         for request_id, new_blocks, num_computed in zip(
             cached.request_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True

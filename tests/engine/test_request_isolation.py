@@ -12,7 +12,9 @@ import asyncio
 import gc
 import logging
 
+import numpy as np
 import pytest
+import torch
 
 from asyncspec import AsyncEngine, SamplingParams
 from asyncspec.config import make_config
@@ -79,12 +81,12 @@ def poison_admission(monkeypatch):
     device tables cannot hold once did), leaving every other request alone."""
     real_add = InputBatch.add_request
 
-    def add_request(self, data):
+    def add_request(self, data, write_device=True):
         if data.request_id.startswith("poison"):
             # Part of the row is written before the failure: the rollback must undo it.
             self.sampling_tensors["top_k"][self._free_rows[-1]] = 123
             raise OverflowError("Overflow when unpacking long long")
-        return real_add(self, data)
+        return real_add(self, data, write_device)
 
     monkeypatch.setattr(InputBatch, "add_request", add_request)
 
@@ -122,6 +124,29 @@ def test_llm_generate_rejects_whole_batch_with_typed_error_before_running(prompt
         llm.generate(prompts[:2], [GREEDY, bad])
     assert_kv_free(llm.stats())
     assert llm.generate(prompts[:1], GREEDY)[0].token_ids == reference[0].token_ids
+
+
+@pytest.mark.parametrize(
+    ("bad_token", "message"),
+    [
+        (-1, "prompt token 2 is -1, outside the vocabulary"),
+        (8192, "prompt token 2 is 8192, outside"),
+        (True, "prompt token 2 is True, not an integer"),
+        (3.0, "prompt token 2 is 3.0, not an integer"),
+        ("7", "prompt token 2 is '7', not an integer"),
+    ],
+)
+def test_prompt_token_ids_are_checked_one_by_one_in_the_error(prompts, reference, bad_token, message):
+    """A prompt of token ids is checked as a whole (types, min and max); a bad one names its first bad entry,
+    and the batch it came in runs nothing. Lists, tuples, numpy arrays and tensors of ids are accepted."""
+    llm = bundled_llm(**CONFIG)
+    bad = [5, 6, bad_token, 7]
+    with pytest.raises(InvalidRequestError, match=message):
+        llm.generate([prompts[0], bad], GREEDY)
+    assert_kv_free(llm.stats())
+    as_numpy = np.asarray(prompts[0], dtype=np.int32)
+    outs = llm.generate([tuple(prompts[0]), as_numpy, torch.tensor(prompts[0])], GREEDY)
+    assert all(o.token_ids == reference[0].token_ids for o in outs)
 
 
 def test_admission_failure_fails_that_request_alone(engine, prompts, reference, poison_admission):

@@ -116,3 +116,42 @@ def test_feature_counts_follow_admissions_removals_and_failures():
             live.append(request_id)
         assert batch.feature_counts == _recount(batch), f"step {step}"
     assert all(v >= 0 for v in batch.feature_counts.values())
+
+
+def test_rows_admitted_together_are_written_at_once_and_a_failed_one_leaves_nothing():
+    """Admissions with write_device=False reach the device at write_admitted, each row with its own tokens and
+    sampling values, exactly as one-by-one admissions write them; a request whose value its table cannot hold
+    fails alone, before anything of it is queued."""
+    cpu = torch.device("cpu")
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05),
+        SamplingParams(temperature=1.3, presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.2),
+    ]
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
+    one_by_one = InputBatch(max_num_reqs=4, max_model_len=16, block_size=4, vocab_size=VOCAB, device=cpu)
+    together = InputBatch(max_num_reqs=4, max_model_len=16, block_size=4, vocab_size=VOCAB, device=cpu)
+    together.token_ids.fill_(-3)  # stale values a row must overwrite
+    for t in together.sampling_tensors.values():
+        t.fill_(-3)
+    for i, (p, tokens) in enumerate(zip(params, prompts, strict=True)):
+        one_by_one.add_request(_new(f"r{i}", tokens, len(tokens), p))
+        together.add_request(_new(f"r{i}", tokens, len(tokens), p), write_device=False)
+        if i == 1:
+            bad = SamplingParams(temperature=0.5)
+            bad.top_k = 2**63  # past validation: the device table cannot hold it
+            with pytest.raises(OverflowError):
+                together.add_request(_new("bad", [7, 7], 2, bad), write_device=False)
+            assert "bad" not in together.rows
+    assert (together.token_ids == -3).all()  # nothing written yet
+    together.write_admitted()
+    rows = torch.tensor([together.rows[f"r{i}"].row for i in range(3)])
+    assert rows.tolist() == [one_by_one.rows[f"r{i}"].row for i in range(3)]
+    for i, tokens in enumerate(prompts):
+        assert together.token_ids[rows[i], : len(tokens)].tolist() == tokens
+        assert (together.token_ids[rows[i], len(tokens) :] == -3).all()  # the rest of the row untouched
+    for name, table in together.sampling_tensors.items():
+        assert torch.equal(table[rows], one_by_one.sampling_tensors[name][rows]), name
+    assert together.sampling_tensors["top_k"][rows].tolist() == [0, 5, 0]
+    together.write_admitted()  # nothing pending: a no-op
+    assert (together.token_ids[3] == -3).all()
