@@ -17,7 +17,7 @@ from asyncspec.core.kv_cache import KVCacheManager
 from asyncspec.core.scheduler import Scheduler, SchedulerConfig
 from asyncspec.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from asyncspec.core.spec_policy import SpeculationPolicy
-from asyncspec.engine.scheduler_steps import SchedulerStepsTuner
+from asyncspec.engine.scheduler_steps import SchedulerStepsTuner, initial_scheduler_steps
 from asyncspec.engine.step_timing import StartupTimings, StepTimings
 from asyncspec.engine.warm_up import WarmUpStats, warm_up
 from asyncspec.errors import ConfigError, ProfilerError
@@ -168,7 +168,7 @@ class EngineCore:
     def _new_scheduler_steps_tuner(self) -> SchedulerStepsTuner | None:
         if not self.config.adaptive_scheduler_steps:
             return None
-        tuner = SchedulerStepsTuner(self.config.max_scheduler_steps)
+        tuner = SchedulerStepsTuner(self.config.max_scheduler_steps, steps=initial_scheduler_steps(self.config))
         self.scheduler.set_steps_per_plan(tuner.steps)
         return tuner
 

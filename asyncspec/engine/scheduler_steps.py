@@ -20,6 +20,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncspec.config import EngineConfig
 
 RAISE_MARGIN = 1.25
 """K is raised when the host's work exceeds K device steps over this factor (room for the host's jitter)."""
@@ -81,3 +85,13 @@ class SchedulerStepsTuner:
             if relaxed < self.steps:
                 self.steps = relaxed
         return self.steps
+
+
+def initial_scheduler_steps(config: EngineConfig) -> int:
+    """The steps plans start at: 1, or with speculation the ceiling. A speculating engine runs several steps
+    only in plans at k = 0, which its policy takes when speculating does not pay (a large batch, low acceptance),
+    comparing each k by its measured time per token. Started at 1, its rare k = 0 plans were measured one step
+    a plan and charged a whole plan's host work per token, so k = 0 never looked better (an H200 host: 1.24 ms
+    a k = 0 token against 0.53 ms a k = 4 token) and never ran long enough to raise the count. From the ceiling,
+    the tuner comes down once it has measured the device as the slower side."""
+    return config.max_scheduler_steps if config.num_lookahead_tokens > 0 else 1

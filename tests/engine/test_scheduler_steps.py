@@ -9,7 +9,7 @@ import random
 import pytest
 
 from asyncspec.config import AUTO_SCHEDULER_STEPS, EngineConfig
-from asyncspec.engine.scheduler_steps import MIN_OBSERVATIONS, SchedulerStepsTuner
+from asyncspec.engine.scheduler_steps import MIN_OBSERVATIONS, SchedulerStepsTuner, initial_scheduler_steps
 
 
 def _plan(k: int, host_base: float, host_per_step: float, device_step: float, jitter: float = 0.0, rng=None):
@@ -116,3 +116,30 @@ def test_config_resolves_automatic_scheduler_steps(kwargs, adaptive, ceiling):
     assert config.num_scheduler_steps == kwargs.get("num_scheduler_steps")
     assert config.adaptive_scheduler_steps is adaptive
     assert config.max_scheduler_steps == ceiling
+
+
+@pytest.mark.parametrize(
+    "kwargs, initial",
+    [
+        (dict(device="cuda"), 1),  # no speculation: raised once the device is seen idling
+        # k = 0 plans are measured at several steps from the first, so k = 0 is priced per step as it runs.
+        (dict(device="cuda", speculative_method="ngram", num_speculative_tokens=3), AUTO_SCHEDULER_STEPS),
+        (dict(device="cuda", speculative_method="ngram", num_speculative_tokens=3, num_scheduler_steps=3), 3),
+        (dict(device="cpu", speculative_method="ngram", num_speculative_tokens=3), 1),
+    ],
+)
+def test_speculating_engines_start_at_the_ceiling(kwargs, initial):
+    assert initial_scheduler_steps(EngineConfig(**kwargs)) == initial
+
+
+def test_a_device_bound_loop_started_at_the_ceiling_comes_down():
+    """A speculating engine's k = 0 plans start at the ceiling: where the device is the slower side (host work
+    0.2 ms a plan, a 0.6 ms step), the tuner lowers the count to 1 once it has measured that, and keeps it."""
+    tuner = SchedulerStepsTuner(max_steps=AUTO_SCHEDULER_STEPS, steps=AUTO_SCHEDULER_STEPS)
+    chosen, _ = _run(tuner, 60, host_base=0.2e-3, host_per_step=0.0, device_step=0.6e-3)
+    assert chosen[: MIN_OBSERVATIONS - 1] == [AUTO_SCHEDULER_STEPS] * (MIN_OBSERVATIONS - 1)
+    assert chosen[-50:] == [1] * 50, chosen
+    # A host-bound one (1.2 ms a plan, a 0.3 ms step) keeps the ceiling: the device needs every step of it.
+    tuner = SchedulerStepsTuner(max_steps=AUTO_SCHEDULER_STEPS, steps=AUTO_SCHEDULER_STEPS)
+    chosen, idle = _run(tuner, 60, host_base=1.2e-3, host_per_step=0.0, device_step=0.3e-3)
+    assert chosen == [AUTO_SCHEDULER_STEPS] * 60
