@@ -5,6 +5,9 @@ prefills, or a decode plan by (k verified -> drafts proposed, steps, batch size)
 
     python3 benchmarks/plan_trace.py --streams 32,128 --output $OUT/plan_trace.json   # GPU, ~1 min
     python3 benchmarks/plan_trace.py --smoke                                            # CPU: the script only
+
+`--policy` also records, at every choice of the speculation policy, the batch size, the k chosen, whether it
+was a probe, and the policy's estimate per k: tokens a run, host and device microseconds a step.
 """
 
 from __future__ import annotations
@@ -31,10 +34,35 @@ def plan_kind(record: tuple[int, int, int, int, int, int], streams: int) -> str:
     return f"k{k}->{proposed} x{steps} {size}"
 
 
-def trace(llm: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]:
-    """Runs one generate, recording every plan; returns the wall time and the time per plan kind."""
+def policy_estimates(policy: Any, num_decodes: int) -> dict[str, list[float]] | None:
+    """Per k: [tokens a run, host µs a step, device µs a step], as the policy prices k for this batch."""
+    if policy.step_cost is None:
+        return None
+    return {
+        str(k): [
+            round(policy.tokens_per_run(k), 3),
+            round(policy.host_seconds(k) * 1e6, 1),
+            round(policy.step_cost(num_decodes, k) * 1e6, 1),
+        ]
+        for k in policy.choices
+    }
+
+
+def trace(llm: Any, prompts: list[list[int]], params: Any, record_policy: bool = False) -> dict[str, Any]:
+    """Runs one generate, recording every plan (and with record_policy every choice of the speculation policy);
+    returns the wall time, the time per plan kind and the choices."""
     scheduler = llm.engine.engine_core.scheduler
     schedule = scheduler.schedule
+    policy = scheduler.spec_policy
+    choose = policy.choose
+    choices: list[dict[str, Any]] = []
+
+    def choosing(num_decodes: int) -> int:
+        estimates = policy_estimates(policy, num_decodes)
+        k = choose(num_decodes)
+        choices.append({"decodes": num_decodes, "k": k, "probe": policy._probe is not None, "estimates": estimates})
+        return k
+
     records: list[tuple[float, tuple[int, int, int, int, int, int]]] = []
 
     def recording():
@@ -56,12 +84,15 @@ def trace(llm: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]:
         return so
 
     scheduler.schedule = recording
+    if record_policy:
+        policy.choose = choosing
     try:
         start = time.perf_counter()
         llm.generate(prompts, params)
         end = time.perf_counter()
     finally:
         scheduler.schedule = schedule
+        policy.choose = choose
     kinds: dict[str, dict[str, float]] = collections.defaultdict(lambda: {"plans": 0, "steps": 0, "ms": 0.0})
     for i, (t, record) in enumerate(records):
         period = (records[i + 1][0] if i + 1 < len(records) else end) - t
@@ -69,7 +100,10 @@ def trace(llm: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]:
         entry["plans"] += 1
         entry["steps"] += record[3]
         entry["ms"] += period * 1e3
-    return {"wall_ms": (end - start) * 1e3, "plans": len(records), "kinds": dict(kinds)}
+    result = {"wall_ms": (end - start) * 1e3, "plans": len(records), "kinds": dict(kinds)}
+    if record_policy:
+        result["choices"] = choices
+    return result
 
 
 def main() -> int:
@@ -78,6 +112,7 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny settings: checks the script")
+    ap.add_argument("--policy", action="store_true", help="record the speculation policy's estimates at every choice")
     ap.add_argument("--note", default="")
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
@@ -111,7 +146,7 @@ def main() -> int:
             warm = asyncspec.SamplingParams(temperature=0.0, max_tokens=min(16, args.new_tokens), ignore_eos=True)
             llm.generate(prompts, warm)  # untimed: this batch's shapes compiled
             full = asyncspec.SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
-            rows[str(c)] = [trace(llm, prompts, full) for _ in range(args.trials)]
+            rows[str(c)] = [trace(llm, prompts, full, args.policy and name == "draft") for _ in range(args.trials)]
         stats = llm.stats()
         results["configs"][name] = {
             "streams": rows,
@@ -128,6 +163,10 @@ def main() -> int:
             print(f"{name} @{c}: {[round(r['wall_ms'], 1) for r in trials]} ms, fastest {best['plans']} plans")
             for kind, e in sorted(best["kinds"].items(), key=lambda x: -x[1]["ms"]):
                 print(f"   {kind:22s} plans {e['plans']:4d} steps {e['steps']:4d} {e['ms']:8.2f} ms")
+            if best.get("choices"):
+                last = best["choices"][-1]
+                print(f"   last choice: {last['decodes']} decodes, k {last['k']}; per k [tokens, host us, device us]:")
+                print(f"   {last['estimates']}")
     return 0
 
 

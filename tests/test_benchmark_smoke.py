@@ -305,11 +305,15 @@ def test_spec_policy_trace_smoke(tmp_path: Path) -> None:
 def test_plan_trace_smoke(tmp_path: Path) -> None:
     """benchmarks/plan_trace.py --smoke: both engines' plans are traced and their periods add up to the run."""
     out = tmp_path / "plan_trace.json"
-    _run(str(REPO / "benchmarks" / "plan_trace.py"), "--smoke", "--output", str(out))
+    _run(str(REPO / "benchmarks" / "plan_trace.py"), "--smoke", "--policy", "--output", str(out))
     results = json.loads(out.read_text())
     assert set(results["configs"]) == {"plain", "draft"}
     for name, config in results["configs"].items():
         (trial,) = config["streams"]["4"]
+        # The draft engine's policy is asked once per decode plan (no step costs on the CPU: no estimates, k fixed).
+        choices = trial.get("choices", [])
+        assert (len(choices) > 1) == (name == "draft"), choices
+        assert all(c["k"] == 4 and c["estimates"] is None for c in choices), choices
         kinds = trial["kinds"]
         assert "prefill" in kinds and sum(e["plans"] for e in kinds.values()) == trial["plans"] > 1
         assert sum(e["ms"] for e in kinds.values()) <= trial["wall_ms"] + 1e-6

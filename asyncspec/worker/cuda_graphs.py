@@ -178,9 +178,9 @@ class CudaGraphForward:
 
     # -- capture -----------------------------------------------------------------------------
     def _run_static(self, num_reqs: int, num_tokens: int, max_query_len: int) -> torch.Tensor:
-        n = num_tokens
-        metadata = self.static.metadata(num_reqs, n, max_query_len, self.block_size)
-        return self.model(self.static.input_ids[:n], self.static.positions[:n], self.kv_caches, metadata)
+        static = self.static
+        metadata = static.metadata(num_reqs, num_tokens, max_query_len, self.block_size)
+        return self.model(static.input_ids[:num_tokens], static.positions[:num_tokens], self.kv_caches, metadata)
 
     def _capture_forward(self, num_reqs: int, query_lens: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warms up and captures the forward pass of num_reqs requests of `query_lens` tokens each (every
