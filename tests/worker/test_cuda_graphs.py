@@ -132,6 +132,33 @@ def _install_stand_ins(runner: ModelRunner) -> list[CudaGraphForward]:
     return installed
 
 
+@pytest.mark.parametrize("method", [None, "draft_model"])
+def test_mixed_graphs_with_prefix_hits_and_chunked_prompts_equal_eager(method):
+    """Mixed graphs over prompt chunks that start past a prefix-cache hit (positions and slots offset by the cached
+    tokens) and over long prompts cut into chunks: fp32 greedy outputs equal the eager engine's, token for token."""
+    shared = load_prompts(1)[0][:48]
+    prompts = [shared + p[: 10 + 7 * i] for i, p in enumerate(load_prompts(5))]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 19, 11, 25, 8)]
+    kwargs = dict(
+        device="cpu",
+        dtype="float32",
+        **{**CONFIG, "num_kv_blocks": 64},
+        long_prefill_token_threshold=24,
+        **(spec_kwargs(method, 3) if method else {}),
+    )
+    eager = LLM(str(TARGET_MODEL), **kwargs)
+    ref = [eager.generate(prompts[:1], params[:1]), eager.generate(prompts, params)]
+    llm = LLM(str(TARGET_MODEL), **kwargs)
+    graphs = _install_stand_ins(llm.engine.engine_core.runner)
+    got = [llm.generate(prompts[:1], params[:1]), llm.generate(prompts, params)]  # the second wave hits the cache
+    for r, g in zip(ref, got, strict=True):
+        assert_same_outputs(r, g, "mixed stand-in graphs")
+    stats = llm.stats()
+    assert stats["prefix_cache_hits"] >= 4 * 48, stats["prefix_cache_hits"]
+    assert graphs[0].num_mixed_replays >= 4 and all(g.num_eager == 0 for g in graphs)
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
 @pytest.mark.parametrize(
     ("method", "mixed"),
     [(None, True), ("ngram", True), ("draft_model", True), ("draft_model", False)],
