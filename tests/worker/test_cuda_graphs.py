@@ -20,6 +20,7 @@ from asyncspec.layers.attention_metadata import StaticInputs
 from asyncspec.worker.cuda_graphs import CudaGraphForward, batch_size_buckets, capturing, mixed_graph_sizes
 from asyncspec.worker.model_runner import GRAPH_STEP_INPUTS_ENV, GREEDY_DRAFT_STEP_GRAPH_ENV, ModelRunner
 from tests.conftest import TARGET_MODEL, load_prompts
+from tests.hf_tiny_models import save_tiny_family_model
 from tests.spec.spec_helpers import assert_same_outputs, spec_kwargs
 
 # Six requests of different lengths in a batch of at most 8: the batch shrinks as they finish
@@ -157,6 +158,25 @@ def test_mixed_graphs_with_prefix_hits_and_chunked_prompts_equal_eager(method):
     assert stats["prefix_cache_hits"] >= 4 * 48, stats["prefix_cache_hits"]
     assert graphs[0].num_mixed_replays >= 4 and all(g.num_eager == 0 for g in graphs)
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides"),
+    [("mistral", {"sliding_window": 24}), ("qwen2", {}), ("qwen3", {})],
+    ids=["mistral-sliding-window", "qwen2-bias", "qwen3-qk-norm"],
+)
+def test_mixed_graphs_equal_eager_for_every_family(family, overrides, tmp_path):
+    """The padded static replays (mixed and uniform) against the eager engine for the other families: a sliding
+    window shorter than the prompts, biased projections, per-head query/key norms."""
+    save_tiny_family_model(family, tmp_path, torch.float32, **overrides)
+    prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(30 + 11 * i)] for i in range(5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (9, 17, 5, 21, 12)]
+    kwargs = dict(device="cpu", dtype="float32", skip_tokenizer_init=True, **CONFIG)
+    ref = LLM(str(tmp_path), **kwargs).generate(prompts, params)
+    llm = LLM(str(tmp_path), **kwargs)
+    graphs = _install_stand_ins(llm.engine.engine_core.runner)
+    assert_same_outputs(ref, llm.generate(prompts, params), f"{family} stand-in graphs")
+    assert graphs[0].num_mixed_replays >= 2 and graphs[0].num_eager == 0
 
 
 @pytest.mark.parametrize(
