@@ -45,6 +45,20 @@ class VerifyInputs:
 
 
 @dataclass
+class ParkedDrafts:
+    """A preempted request's drafts, on the device (see SpeculativeDecoder.park_drafts)."""
+
+    token_ids: Tensor
+    """[k] int64: the drafts."""
+    count: Tensor
+    """[] int64: how many are valid."""
+    probs: Tensor | None
+    """[k, V] float32: the draft's distributions q they were sampled from (None: no sampled proposal yet)."""
+    base: Tensor
+    """[] int64: the request's token count they follow."""
+
+
+@dataclass
 class VerifyResult:
     """Per sampling request: the emitted run (accepted drafts + one token; -1 after it)."""
 
@@ -78,6 +92,10 @@ class SpeculativeDecoder:
         # The draft model's sampling distributions q, per row and draft position: allocated with
         # the first sampled (non-greedy) proposal.
         self.draft_probs: Tensor | None = None
+        # Per row, the token count its sampled drafts follow (set with sampled proposals): a preempted
+        # seeded request's drafts are parked, and restored only where they still follow its tokens.
+        self.draft_base = torch.zeros(max_num_reqs + 1, dtype=torch.int64, device=device)
+        self._parked: dict[str, ParkedDrafts] = {}
         # Seeded rows draw randomness for k positions whatever the step's widest row: their
         # streams must not depend on their neighbours.
         self.rejection_sampler = RejectionSampler(device, num_speculative_tokens=num_speculative_tokens)
@@ -100,6 +118,36 @@ class SpeculativeDecoder:
     def reset_rows(self, rows: Sequence[int]) -> None:
         if rows:
             self.num_draft_tokens.index_fill_(0, host_list_to_device(rows, self.device), 0)
+
+    # -- 2. a preempted seeded request keeps its drafts ------------------------------------------
+    def park_drafts(self, request_id: str, row: int) -> None:
+        """Keeps a row's sampled drafts for its request, preempted now (device copies, ordered after the step
+        in flight that may still be proposing them). Its seeded stream has drawn their randomness already:
+        when it resumes, `restore_drafts` gives the decode after its recompute the drafts the interrupted step
+        would have verified, so that its stream is the same as an uninterrupted run's."""
+        probs = self.draft_probs[row].clone() if self.draft_probs is not None else None
+        self._parked[request_id] = ParkedDrafts(
+            self.draft_token_ids[row].clone(), self.num_draft_tokens[row].clone(), probs, self.draft_base[row].clone()
+        )
+
+    def has_parked_drafts(self, request_id: str) -> bool:
+        return request_id in self._parked
+
+    def drop_parked_drafts(self, request_id: str) -> None:
+        """Forgets a request's parked drafts (it finished or was aborted while preempted)."""
+        self._parked.pop(request_id, None)
+
+    def restore_drafts(self, request_id: str, row: int, num_tokens: int, token_ids: Tensor) -> None:
+        """Puts a resumed request's parked drafts in its new row and after its `num_tokens` known tokens in the
+        token buffer. They count only if they were proposed after exactly those tokens (checked on the device:
+        otherwise the row has no drafts)."""
+        parked = self._parked.pop(request_id)
+        self.draft_token_ids[row].copy_(parked.token_ids)
+        count = torch.where(parked.base == num_tokens, parked.count, 0)
+        self.num_draft_tokens[row].copy_(count)
+        if parked.probs is not None and self.draft_probs is not None:
+            self.draft_probs[row].copy_(parked.probs)
+        token_ids[row, num_tokens : num_tokens + self.k] = parked.token_ids
 
     # -- 3. verification ----------------------------------------------------------------------
     def verify(
@@ -149,6 +197,7 @@ class SpeculativeDecoder:
                     shape = (self.max_num_reqs, self.k, q.shape[-1])
                     self.draft_probs = torch.zeros(shape, dtype=torch.float32, device=self.device)
                 self.draft_probs[:, :n].index_copy_(0, rows, q)
+                self.draft_base.index_copy_(0, rows, num_tokens)
             if n > 0:
                 self.draft_token_ids[:, :n].index_copy_(0, rows, drafts)
                 self._place_drafts(token_ids, rows, num_tokens, drafts)

@@ -826,9 +826,17 @@ class ModelRunner:
         batch = self.input_batch
         # Sorted: freed rows are reused last-in first-out, and tensor-parallel ranks (processes with
         # their own string hashing) must give each request the same row.
+        parks = self.spec is not None and self.spec.uses_draft_model
         for request_id in sorted(so.finished_req_ids):
             batch.remove_request(request_id)
+            if parks:
+                self.spec.drop_parked_drafts(request_id)  # type: ignore[union-attr]
         for request_id in sorted(so.preempted_req_ids):
+            state = batch.rows.get(request_id)
+            if parks and state is not None and state.generator is not None and not state.sampling_params.is_greedy:
+                # Its seeded stream has drawn the randomness of its drafts: the decode after its recompute
+                # verifies these, as the interrupted step would have.
+                self.spec.park_drafts(request_id, state.row)  # type: ignore[union-attr]
             batch.remove_request(request_id, preempted=True)
         failed: dict[str, str] = {}
         admitted: set[str] = set()
@@ -1007,8 +1015,11 @@ class ModelRunner:
         step = self._prepare_inputs(states, num_scheduled, sampling_rows, num_draft_positions, admitted)
         hidden_states = self._forward(step)
         # Only a chunk that does not sample can stop short of its request's tokens.
-        if self.spec is not None and not self.spec.uses_draft_model and len(sampling_rows) < len(states):
-            self._propose_after_recompute(states, num_scheduled, so.num_proposals)
+        if self.spec is not None and len(sampling_rows) < len(states):
+            if self.spec.uses_draft_model:
+                self._restore_after_recompute(states, num_scheduled)
+            else:
+                self._propose_after_recompute(states, num_scheduled, so.num_proposals)
         # The draft model's catch-up starts from the device's computed counts before this step (a view: only
         # speculation reads it, and indexing costs microseconds of host time).
         computed_before = self._meta_dev[1, : len(states)] if self.spec is not None else self._meta_dev[1]
@@ -1227,6 +1238,19 @@ class ModelRunner:
         num_tokens = host_list_to_device([n for _, n in resumed], self.device)
         bound = min(max(n for _, n in resumed), self.input_batch.token_ids.shape[1])
         self.spec.propose(self.input_batch.token_ids, rows, num_tokens, bound, None, num_proposals)
+
+    def _restore_after_recompute(self, states: list[RowState], num_scheduled: list[int]) -> None:
+        """A resumed seeded request whose recompute chunk ends one token short of its known tokens gets back
+        the drafts parked at its preemption: the decode of that token verifies them, as the interrupted step
+        would have (the draft model's proposals drew from its stream; proposing again would draw anew)."""
+        assert self.spec is not None
+        for s, n in zip(states, num_scheduled, strict=True):
+            if (
+                s.output_token_ids
+                and s.num_computed_tokens + n == s.num_tokens - 1
+                and self.spec.has_parked_drafts(s.request_id)
+            ):
+                self.spec.restore_drafts(s.request_id, s.row, s.num_tokens, self.input_batch.token_ids)
 
     def _samples_plainly(self, so: SchedulerOutput, num_draft_positions: list[int]) -> bool:
         """With speculation on, a step that verifies nothing (the policy chose k = 0) samples as a plain

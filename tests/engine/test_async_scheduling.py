@@ -294,27 +294,19 @@ def test_random_arrivals_aborts_and_finishes_leave_the_pool_whole(stress_setup, 
 
 @pytest.mark.parametrize(
     "method",
-    [
-        "ngram",
-        pytest.param(
-            "draft_model",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="known limitation: the draft model's proposals of the interrupted step, and the "
-                "draws they took from the stream, are lost at preemption",
-            ),
-        ),
-    ],
+    ["ngram", "draft_model"],
 )
-def test_seeded_stream_survives_preemption_under_speculation(one_thread, method):
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_seeded_stream_survives_preemption_under_speculation(one_thread, method, async_scheduling):
     """A seeded request preempted several times (a pool of 16 blocks shared with four others) emits
     the tokens of its uninterrupted run: its recompute stops one token short, and the decode of that
-    token verifies the drafts the interrupted step would have verified."""
+    token verifies the drafts the interrupted step would have verified (the n-gram proposer drafts them
+    again; the draft model's, whose sampling drew from the stream, were parked at preemption)."""
     prompts = [p[:48] for p in load_prompts(3)]
-    llm = _llm(method, True, num_kv_blocks=16, max_num_batched_tokens=64)
+    llm = _llm(method, async_scheduling, num_kv_blocks=16, max_num_batched_tokens=64)
     preempted = _record_preemptions(llm)
     engine = llm.engine
-    plan = [(0, 1), (0, 1), (0, 20), (1, 22), (0, 13)]
+    plan = [(0, 1), (0, 1), (0, 40), (1, 44), (0, 26)]
     for i, (prompt, max_tokens) in enumerate(plan):
         params = SamplingParams(temperature=0.0, seed=prompt, max_tokens=max_tokens, ignore_eos=True)
         engine.add_request(engine.make_request(prompts[prompt], params, f"g{i}"), stream_deltas=False)
@@ -330,3 +322,4 @@ def test_seeded_stream_survives_preemption_under_speculation(one_thread, method)
     alone = _llm(method, False, num_kv_blocks=64).generate([prompts[2]], seeded)[0].token_ids
     assert outputs["s"].token_ids == alone
     assert_kv_free(llm.stats())
+    assert not llm.engine.engine_core.runner.spec._parked  # every parked draft was restored or dropped
