@@ -92,6 +92,6 @@ def initial_scheduler_steps(config: EngineConfig) -> int:
     only in plans at k = 0, which its policy takes when speculating does not pay (a large batch, low acceptance),
     comparing each k by its measured time per token. Started at 1, its rare k = 0 plans were measured one step
     a plan and charged a whole plan's host work per token, so k = 0 never looked better (an H200 host: 1.24 ms
-    a k = 0 token against 0.53 ms a k = 4 token) and never ran long enough to raise the count. From the ceiling,
-    the tuner comes down once it has measured the device as the slower side."""
+    of host work a k = 0 token against 0.53 ms a k = 4 token) and never ran long enough to raise the count.
+    From the ceiling, the tuner comes down once it has measured the device as the slower side."""
     return config.max_scheduler_steps if config.num_lookahead_tokens > 0 else 1

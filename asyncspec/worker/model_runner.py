@@ -1227,11 +1227,7 @@ class ModelRunner:
         the n-gram proposer drafts them now from the known tokens, as it did after the step that
         the preemption interrupted. Before the step's counts advance."""
         assert self.spec is not None
-        resumed = [
-            (s.row, s.num_tokens)
-            for s, n in zip(states, num_scheduled, strict=True)
-            if s.output_token_ids and s.num_computed_tokens + n == s.num_tokens - 1
-        ]
+        resumed = [(s.row, s.num_tokens) for s, n in zip(states, num_scheduled, strict=True) if _stops_one_short(s, n)]
         if not resumed:
             return
         rows = host_list_to_device([row for row, _ in resumed], self.device)
@@ -1245,11 +1241,7 @@ class ModelRunner:
         would have (the draft model's proposals drew from its stream; proposing again would draw anew)."""
         assert self.spec is not None
         for s, n in zip(states, num_scheduled, strict=True):
-            if (
-                s.output_token_ids
-                and s.num_computed_tokens + n == s.num_tokens - 1
-                and self.spec.has_parked_drafts(s.request_id)
-            ):
+            if _stops_one_short(s, n) and self.spec.has_parked_drafts(s.request_id):
                 self.spec.restore_drafts(s.request_id, s.row, s.num_tokens, self.input_batch.token_ids)
 
     def _samples_plainly(self, so: SchedulerOutput, num_draft_positions: list[int]) -> bool:
@@ -1724,6 +1716,12 @@ class ModelRunner:
     @staticmethod
     def _penalty_rows(table: torch.Tensor | None, batch_rows: torch.Tensor, used: bool) -> torch.Tensor | None:
         return table.index_select(0, batch_rows) if used and table is not None else None
+
+
+def _stops_one_short(state: RowState, num_scheduled: int) -> bool:
+    """Whether this step's chunk is a resumed request's recompute that ends one token short of its known tokens
+    (the scheduler stops a resumed seeded stream there, so that the decode of that token verifies drafts)."""
+    return bool(state.output_token_ids) and state.num_computed_tokens + num_scheduled == state.num_tokens - 1
 
 
 def _logprob_tensors(out: SamplerOutput) -> list[torch.Tensor]:
