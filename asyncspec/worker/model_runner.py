@@ -1030,7 +1030,7 @@ class ModelRunner:
             if self.spec is not None:
                 self._defer_draft(so, states, num_scheduled, computed_before)
             return self._launch_decode_steps(req_ids, states, step, hidden_states, num_steps, failed)
-        if self.spec is not None and not self._samples_plainly(so, num_draft_positions):
+        if self.spec is not None and not self._samples_plainly(num_draft_positions):
             return self._verify_and_propose(
                 req_ids,
                 states,
@@ -1244,16 +1244,13 @@ class ModelRunner:
             if _stops_one_short(s, n) and self.spec.has_parked_drafts(s.request_id):
                 self.spec.restore_drafts(s.request_id, s.row, s.num_tokens, self.input_batch.token_ids)
 
-    def _samples_plainly(self, so: SchedulerOutput, num_draft_positions: list[int]) -> bool:
-        """With speculation on, a step that verifies nothing (the policy chose k = 0) samples as a plain
-        step does (the decode tail, or the plain sampler) instead of the verification path, at the plain
-        step's cost. Not while a seeded request runs: its stream must draw the same randomness whatever k
-        its steps have."""
-        return (
-            so.num_speculative_tokens == 0
-            and not any(num_draft_positions)
-            and self.input_batch.feature_counts["seeded"] == 0
-        )
+    def _samples_plainly(self, num_draft_positions: list[int]) -> bool:
+        """With speculation on, a step that verifies no draft samples as a plain step does (the decode tail,
+        or the plain sampler) instead of the verification path, at the plain step's cost: a step at k = 0,
+        and a step whose sampling requests all complete their prompts (the policy's k applies to decodes
+        only). Not while a seeded request runs: its stream must draw the same randomness whatever k its
+        steps have."""
+        return not any(num_draft_positions) and self.input_batch.feature_counts["seeded"] == 0
 
     def _propose_without_drafts(
         self,

@@ -323,7 +323,7 @@ def test_each_step_verifies_what_the_previous_one_proposed(method):
     runner = llm.engine.engine_core.runner
     plain_steps = []
     samples_plainly = runner._samples_plainly
-    runner._samples_plainly = lambda so, drafts: plain_steps.append(samples_plainly(so, drafts)) or plain_steps[-1]
+    runner._samples_plainly = lambda drafts: plain_steps.append(samples_plainly(drafts)) or plain_steps[-1]
     got = llm.generate(prompts, params)
     assert_same_outputs(ref, got, f"{method}, k alternating 0 / 4")
     assert sum(plain_steps) > 3, "the k = 0 steps should sample plainly"
@@ -331,6 +331,30 @@ def test_each_step_verifies_what_the_previous_one_proposed(method):
     assert stats.get("spec_steps_with_k_4", 0) > 3
     # Every step at k = 4 verifies the 4 drafts the step before proposed (n-gram may find fewer).
     assert stats["spec_num_draft_tokens"] >= (2 if method == "ngram" else 4) * stats["spec_steps_with_k_4"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_steps_that_verify_no_draft_sample_plainly(method):
+    """A step whose sampling requests verify no draft (prompts completing, whatever the planned k) takes the
+    plain sampling path, not verification; steps with drafts are verified; output stays the plain engine's."""
+    prompts = [p[: 40 + 9 * i] for i, p in enumerate(load_prompts(6))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ref = make_llm(**CONFIG).generate(prompts, params)
+    llm = make_llm(method=method, k=4, adaptive_speculation=False, **dict(CONFIG, max_num_seqs=3))
+    runner = llm.engine.engine_core.runner
+    decisions: list[tuple[bool, bool]] = []  # (any draft verified, sampled plainly)
+    samples_plainly = runner._samples_plainly
+
+    def record(drafts: list[int]) -> bool:
+        decisions.append((any(drafts), samples_plainly(drafts)))
+        return decisions[-1][1]
+
+    runner._samples_plainly = record
+    got = llm.generate(prompts, params)
+    assert_same_outputs(ref, got, f"{method}, k = 4 fixed")
+    assert (False, True) in decisions, "a step completing prompts only should sample plainly"
+    assert (True, False) in decisions, "steps with drafts should verify them"
+    assert all(plain != verified for verified, plain in decisions), decisions
 
 
 def _recording(decide, decisions: list[bool]):
