@@ -126,7 +126,7 @@ def main() -> int:
         max_num_seqs=128,
         max_num_batched_tokens=4096,
         enable_prefix_caching=False,
-        gpu_memory_utilization=0.5,
+        gpu_memory_utilization=0.4,
         skip_tokenizer_init=True,
         async_scheduling=True,
     )
@@ -136,24 +136,31 @@ def main() -> int:
         base.pop("gpu_memory_utilization")
     draft = dict(speculative_method="draft_model", num_speculative_tokens=4, draft_model=str(DRAFT))
     results: dict[str, Any] = {"command": " ".join(sys.argv), "note": args.note, "configs": {}}
-    for name, extra in (("plain", {}), ("draft", draft)):
-        llm = asyncspec.LLM(str(TARGET), **base, **extra)
-        rows: dict[str, Any] = {}
-        for c in streams:
-            prompts = load_prompts(c)
-            if args.smoke:
-                prompts = [p[:32] for p in prompts]
-            warm = asyncspec.SamplingParams(temperature=0.0, max_tokens=min(16, args.new_tokens), ignore_eos=True)
+    # Both engines live side by side and their trials alternate, so that a drift of the host's speed falls on
+    # both alike.
+    llms = {name: asyncspec.LLM(str(TARGET), **base, **extra) for name, extra in (("plain", {}), ("draft", draft))}
+    rows: dict[str, dict[str, Any]] = {name: {} for name in llms}
+    for c in streams:
+        prompts = load_prompts(c)
+        if args.smoke:
+            prompts = [p[:32] for p in prompts]
+        warm = asyncspec.SamplingParams(temperature=0.0, max_tokens=min(16, args.new_tokens), ignore_eos=True)
+        full = asyncspec.SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+        for llm in llms.values():
             llm.generate(prompts, warm)  # untimed: this batch's shapes compiled
-            full = asyncspec.SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
-            rows[str(c)] = [trace(llm, prompts, full, args.policy and name == "draft") for _ in range(args.trials)]
+        for name in llms:
+            rows[name][str(c)] = []
+        for _ in range(args.trials):
+            for name, llm in llms.items():
+                rows[name][str(c)].append(trace(llm, prompts, full, args.policy and name == "draft"))
+    for name, llm in llms.items():
         stats = llm.stats()
         results["configs"][name] = {
-            "streams": rows,
+            "streams": rows[name],
             "steps_per_k": {k: v for k, v in stats.items() if k.startswith("spec_steps_with_k_")},
         }
-        del llm
-        gc.collect()
+    del llms
+    gc.collect()
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(results, indent=1))
