@@ -376,28 +376,39 @@ class Scheduler:
         """How many decode steps the next plan may run back to back (1: just one). Every running request must
         be a decode (one token to compute, its last) whose sampling a greedy decode step does whole: greedy,
         no penalties, logprobs or min_tokens (the worker samples these steps inside the decode graph, with
-        no host work between them). No step may pass a request's max_tokens or max_model_len: the slots
-        after them could not be kept. With a draft model, at most max_draft_lag + 1 steps (its lag bound)."""
+        no host work between them). No step may pass max_model_len: a request's slots end there. A run may
+        pass a request's max_tokens, as it may pass an EOS it samples: the tokens after its end are dropped
+        when the run is reconciled. So requests that finish at different steps keep the runs long (a run
+        cut to the nearest end would leave one step a plan for the whole tail of a batch), and only a run
+        longer than every request's remaining tokens is cut. With a draft model, at most max_draft_lag + 1
+        steps (its lag bound). A request that the steps in flight already end is not planned: it sets no
+        bound."""
         max_model_len = self.config.max_model_len
         num_steps = self.steps_per_plan
         if self.config.max_draft_lag:
             num_steps = min(num_steps, self.config.max_draft_lag + 1)
+        most_left = 0
         for request in self.running:
             params = request.sampling_params
             if not params.multi_step_decodable:
                 return 1
             placeholders = request.num_output_placeholders
             num_tokens = len(request.all_token_ids) + placeholders
+            max_tokens = params.max_tokens
+            left = max_model_len - num_tokens
+            if max_tokens is not None:
+                left = min(left, max_tokens - len(request.output_token_ids) - placeholders)
+            if placeholders and left <= 0:
+                continue  # ended by the steps in flight (Scheduler.schedule skips it)
             if num_tokens - request.num_computed_tokens != 1:
                 return 1
             room = max_model_len - num_tokens
-            if params.max_tokens is not None:
-                room = min(room, params.max_tokens - len(request.output_token_ids) - placeholders)
             if room < num_steps:
                 num_steps = room
                 if num_steps <= 1:
                     return 1
-        return num_steps
+            most_left = max(most_left, left)
+        return max(1, min(num_steps, most_left))
 
     def _resumes_seeded_stream(self, request: Request) -> bool:
         """A seeded sampling request recomputing its tokens under speculation (it was preempted): its

@@ -1,5 +1,6 @@
 """Multi-step plans (SchedulerConfig.num_scheduler_steps): several greedy decode steps per plan, only while every
-running request may take them, never past a request's limits; the same tokens as one step per plan."""
+running request may take them, never past max_model_len (past a request's max_tokens or EOS, the tokens after its
+end are dropped); the same tokens as one step per plan."""
 
 from __future__ import annotations
 
@@ -75,6 +76,30 @@ def test_plans_take_several_steps_only_when_every_request_can_and_never_past_a_l
     assert plans[1][1] == {"a": 4, "b": 4} and plans[2][1] == {"a": 4, "b": 4}
     assert sum(out.get("a", 0) for _, out in plans) == 10
     assert sum(out.get("b", 0) for _, out in plans) == 10
+
+
+def test_runs_pass_a_requests_max_tokens_and_drop_the_tokens_after_it():
+    """Requests that end at different steps keep the runs at full length until the longest one ends: a request's
+    tokens after its max_tokens are dropped, the output is that of one-step plans, every block comes back."""
+    limits = {"a": 6, "b": 11, "c": 17}
+    results, plans = [], []
+    for steps in (1, 4):
+        for collect in (run_to_completion, _plans):
+            s = make_scheduler(num_blocks=64, block_size=4, max_model_len=64, num_scheduler_steps=steps)
+            runner = FakeRunner(s)
+            for rid, m in limits.items():
+                s.add_request(_greedy(rid, 5, max_tokens=m))
+            (results if collect is run_to_completion else plans).append(collect(s, runner))
+            assert s.kv_cache_manager.num_free_blocks == s.kv_cache_manager.num_blocks
+    assert results[1] == results[0]
+    assert {rid: (len(tokens), reason) for rid, (tokens, reason) in results[1].items()} == {
+        rid: (m, "length") for rid, m in limits.items()
+    }
+    multi = plans[1]
+    # After the admission plan: 5, 10 and 16 tokens left; four runs of 4 steps, the last ones past a and b's end.
+    assert [n for n, _ in multi] == [1, 4, 4, 4, 4]
+    assert [out.get("a", 0) for _, out in multi] == [1, 4, 1, 0, 0]
+    assert [out.get("b", 0) for _, out in multi] == [1, 4, 4, 2, 0]
 
 
 @pytest.mark.parametrize(
