@@ -155,13 +155,15 @@ class DraftModelProposer:
         )
         """The draft's step inputs, built in place by one kernel; its CUDA graphs read them."""
         self._pass_meta = torch.zeros((3, max_num_seqs), dtype=torch.int64, device=device)
-        # A step's host facts go through one of two pinned buffers (a non-blocking copy reads its
+        # A pass's host facts go through one of four pinned buffers (a non-blocking copy reads its
         # buffer whenever the GPU gets to it: a buffer is refilled only after its last copy's event)
-        # into one device buffer (the copies and the step's kernels are ordered on the stream).
+        # into one device buffer (the copies and the passes' kernels are ordered on the stream). Four: a
+        # step with catch-up passes of the draft's own makes several passes, and a buffer reused within
+        # one step would wait for the GPU to reach that step.
         pin = device.type == "cuda"
         meta_size = 9 * max_num_seqs  # catch-up meta [4, bucket <= max_num_seqs], 5 per sampling request
-        self._host_meta = [torch.zeros(meta_size, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self._copy_done = [torch.cuda.Event() for _ in range(2)] if pin else None
+        self._host_meta = [torch.zeros(meta_size, dtype=torch.int64, pin_memory=pin) for _ in range(4)]
+        self._copy_done = [torch.cuda.Event() for _ in range(4)] if pin else None
         self._host_index = 0
         self._meta_dev = torch.zeros(meta_size, dtype=torch.int64, device=device)
         # The greedy proposal loop's fixed inputs and results (its graphs read and write them).
@@ -193,7 +195,7 @@ class DraftModelProposer:
 
     def _next_host_meta(self) -> Tensor:
         """The pinned host buffer for this step's facts, once its previous copy has landed."""
-        self._host_index ^= 1
+        self._host_index = (self._host_index + 1) % len(self._host_meta)
         if self._copy_done is not None:
             self._copy_done[self._host_index].synchronize()
         return self._host_meta[self._host_index]

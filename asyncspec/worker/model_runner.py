@@ -41,6 +41,7 @@ from asyncspec.models.loader import load_model
 from asyncspec.models.model_config import ModelConfig
 from asyncspec.outputs import TokenLogprobs
 from asyncspec.sampling_params import MAX_LOGPROBS, SAMPLING_EPS, SamplingParams
+from asyncspec.spec.draft_kv_validity import DraftKVValidity
 from asyncspec.spec.draft_model_proposer import DraftModelProposer, DraftStep
 from asyncspec.spec.factory import make_speculative_decoder
 from asyncspec.spec.greedy_verify import GreedyVerification, GreedyVerifyResult
@@ -306,6 +307,10 @@ class ModelRunner:
         """(bucket, query length) -> the draft's whole step after that verification graph's greedy
         tail (catch-up and proposals), captured when the draft model proposes."""
         self.num_greedy_draft_steps = 0
+        self.draft_kv_validity: DraftKVValidity | None = None
+        """Which blocks hold the draft's KV throughout (prefix caching with a draft model; set with the KV cache)."""
+        self.num_draft_catch_up_passes = 0
+        """Passes of the draft alone over missed tokens beyond its lag bound (tests and benchmarks read it)."""
         """Steps whose draft work replayed one of `_greedy_draft_steps`."""
         self._greedy_verification: GreedyVerification | None = None
         """Greedy verification over the step's device buffers (a graph tail, or run eagerly)."""
@@ -487,6 +492,8 @@ class ModelRunner:
         )
         if self.spec is not None:
             self.spec.initialize_kv_cache(num_blocks)
+            if self.spec.uses_draft_model and self.config.enable_prefix_caching:
+                self.draft_kv_validity = DraftKVValidity(num_blocks, self.block_size)
         if self.uses_cuda_graphs:
             with self._device_context():
                 self._capture_cuda_graphs()
@@ -854,6 +861,8 @@ class ModelRunner:
             else:
                 admitted.add(data.request_id)
                 admitted_rows.append(state.row)
+                if self.draft_kv_validity is not None:
+                    self._admit_draft_kv(state)
         if admitted_rows:
             batch.write_admitted()
             if self.spec is not None:
@@ -870,8 +879,21 @@ class ModelRunner:
                 continue
             if new_blocks:  # most decode steps add none: no call
                 batch.append_blocks(row_state, new_blocks)
+                if self.draft_kv_validity is not None:
+                    self.draft_kv_validity.allocated(new_blocks, row_state.draft_lag == 0)
             row_state.num_computed_tokens = num_computed
         return failed, admitted
+
+    def _admit_draft_kv(self, state: RowState) -> None:
+        """A request admitted with computed tokens (a prefix-cache hit) has the draft's KV only up to the hit's
+        first block without it: its draft lags by the rest and recomputes it when it next runs. Its other
+        blocks are new."""
+        validity = self.draft_kv_validity
+        assert validity is not None
+        computed = state.num_computed_tokens
+        if computed:
+            state.draft_lag = computed - validity.valid_prefix(state.block_ids, computed)
+        validity.allocated(state.block_ids[computed // self.block_size :], state.draft_lag == 0)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """One step, synchronously: launch, then collect."""
@@ -1044,7 +1066,8 @@ class ModelRunner:
                 step,
             )
         if not sampling_rows:
-            if self.spec is not None:  # the draft's KV follows every prefill chunk
+            # The draft's KV follows every prefill chunk, unless the draft is left alone for now.
+            if self.spec is not None and not self._skip_draft_step(so, states, num_scheduled):
                 no_rows = torch.empty(0, dtype=torch.int64, device=self.device)
                 self._propose_without_drafts(states, num_scheduled, [], no_rows, no_rows, None, so, computed_before)
             output = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids], failed_requests=failed)
@@ -1057,7 +1080,7 @@ class ModelRunner:
             sampled = self.cuda_graphs.replay_tail(step.graph_bucket, 1)[:num_sampling]
             if self.input_batch.records_sampled:
                 self.input_batch.record_sampled(self._meta_dev[0, :num_sampling], sampled)
-            if self.spec is not None and not self._skip_draft_step(so, states, num_sampling):
+            if self.spec is not None and not self._skip_draft_step(so, states, num_scheduled):
                 # A speculating engine's step at k = 0: every request samples, so its new token went to
                 # column seq_len of its row.
                 batch_rows = self._meta_dev[7, :num_sampling]
@@ -1081,7 +1104,7 @@ class ModelRunner:
             sampled = out.sampled_token_ids
             self.input_batch.write_sampled_tokens(batch_rows, token_cols, sampled)
             self.input_batch.record_sampled(batch_rows, sampled)
-            if self.spec is not None and not self._skip_draft_step(so, states, num_sampling):
+            if self.spec is not None and not self._skip_draft_step(so, states, num_scheduled):
                 self._propose_without_drafts(
                     states, num_scheduled, sampling_rows, batch_rows, token_cols + 1, metadata, so, computed_before
                 )
@@ -1189,26 +1212,13 @@ class ModelRunner:
     ) -> None:
         """A multi-step plan of a speculating engine verifies nothing and proposes nothing (the policy chose
         k = 0 for it and the next plan), so it leaves the draft model alone: each request's draft falls the
-        plan's steps behind and its next pass catches up on them. Where that would pass the proposer's bound,
-        the draft first catches up through the plan's first step (whose input tokens are known), and falls
-        behind by the other steps only."""
+        plan's steps behind, and catches up when it next runs."""
         assert self.spec is not None
         if so.num_speculative_tokens or so.num_proposals:
             raise RuntimeError("a multi-step plan must verify and propose no drafts (Scheduler.schedule)")
         if not self.spec.uses_draft_model:
             return  # the n-gram proposer keeps no per-step state: it drafts from the token buffer when asked
-        num_steps = so.num_steps
-        max_lag = self.spec.proposer.max_lag  # type: ignore[union-attr]
-        if num_steps - 1 > max_lag:
-            raise RuntimeError(
-                f"a multi-step plan of {num_steps} steps passes the draft's lag bound {max_lag} "
-                "(SchedulerConfig.max_draft_lag)"
-            )
-        if max(state.draft_lag for state in states) + num_steps > max_lag:
-            self._catch_up_draft(states, num_scheduled, computed_before)
-            num_steps -= 1
-        for state in states:
-            state.draft_lag += num_steps
+        self._fall_behind(states, [n * so.num_steps for n in num_scheduled])
 
     def _catch_up_draft(self, states: list[RowState], num_scheduled: list[int], computed_before: torch.Tensor) -> None:
         """The draft model's pass over this step's tokens and each request's lag, proposing nothing."""
@@ -1295,27 +1305,81 @@ class ModelRunner:
         known = max((states[i].num_computed_tokens for i in sampling_rows), default=0) + 1
         return min(known, self.input_batch.token_ids.shape[1])
 
-    def _skip_draft_step(self, so: SchedulerOutput, states: list[RowState], num_sampling: int) -> bool:
+    def _skip_draft_step(self, so: SchedulerOutput, states: list[RowState], num_scheduled: list[int]) -> bool:
         """Whether this plainly sampled step leaves the draft model alone (`_skips_draft`); if so, every
-        request's draft falls one token further behind."""
-        if not self._skips_draft(so, states, num_sampling):
+        request's draft falls its scheduled tokens behind."""
+        if not self._skips_draft(so):
             return False
-        for state in states:
-            state.draft_lag += 1
+        self._fall_behind(states, num_scheduled)
         return True
 
-    def _skips_draft(self, so: SchedulerOutput, states: list[RowState], num_sampling: int) -> bool:
-        """A decode step that verifies nothing and proposes nothing (the policy chose k = 0 for this
-        step and the next) leaves the draft model alone: it costs what a step without speculation
-        costs, and the draft catches up on these tokens in its next pass. Only while every lag stays
-        within the proposer's bound (its input buffers hold the catch-up)."""
+    def _skips_draft(self, so: SchedulerOutput) -> bool:
+        """A step that verifies no draft and proposes none (the policy chose k = 0 for the next step: decodes,
+        prompt chunks, or both) leaves the draft model alone: it costs what a step without speculation costs,
+        and the draft catches up on these tokens when it next runs (`_catch_up_lag`). Not while a seeded
+        request runs (its steps verify the full k)."""
         assert self.spec is not None
-        if not self.spec.uses_draft_model or so.num_proposals or num_sampling != len(states):
-            return False
-        if so.num_speculative_tokens or so.total_num_scheduled_tokens != len(states):
-            return False
+        return self.spec.uses_draft_model and not so.num_proposals and self.input_batch.feature_counts["seeded"] == 0
+
+    def _fall_behind(self, states: list[RowState], num_skipped: list[int]) -> None:
+        """Each request's draft misses its last `num_skipped` computed tokens (already counted in its
+        num_computed_tokens); with prefix caching their blocks lose the draft's KV."""
+        for state, n in zip(states, num_skipped, strict=True):
+            state.draft_lag += n
+        validity = self.draft_kv_validity
+        if validity is not None:
+            rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+            end = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
+            # The host's counts are the plan's: the device's may be up to k lower (drafts in flight rejected).
+            start = np.maximum(end - np.asarray(num_skipped, dtype=np.int64) - self._max_k, 0)
+            validity.skipped(self.input_batch.block_table, rows, start, end)
+
+    @property
+    def _max_k(self) -> int:
+        return self.spec.k if self.spec is not None else 0
+
+    def _catch_up_lag(self, states: list[RowState], num_scheduled: list[int], computed_before: torch.Tensor) -> None:
+        """Passes of the draft alone over the oldest tokens it missed, at most max_num_batched_tokens a pass,
+        until no request lags by more than the proposer's bound (the draft's input buffers hold one step's
+        tokens plus that bound a request). A long stretch at k = 0 (prompts included) costs the draft nothing
+        until speculation resumes; then about what following every step would have cost, in fewer passes."""
+        assert self.spec is not None
         max_lag = self.spec.proposer.max_lag  # type: ignore[union-attr]
-        return max(state.draft_lag for state in states) < max_lag
+        no_rows = torch.empty(0, dtype=torch.int64, device=self.device)
+        while True:
+            excess = [max(s.draft_lag - max_lag, 0) for s in states]
+            if not any(excess):
+                return
+            budget = self.config.max_num_batched_tokens
+            chunk = []
+            for e in excess:
+                chunk.append(min(e, budget))
+                budget -= chunk[-1]
+            step = self._new_draft_step(states, [-s.draft_lag for s in states], chunk, computed_before)
+            self.spec.propose(self.input_batch.token_ids, no_rows, no_rows, 0, step, 0)
+            self.num_draft_catch_up_passes += 1
+            self._draft_computed(states, num_scheduled, chunk, in_sync=False)
+            for state, n in zip(states, chunk, strict=True):
+                state.draft_lag -= n
+
+    def _draft_computed(
+        self, states: list[RowState], num_scheduled: list[int], num_tokens: list[int], in_sync: bool
+    ) -> None:
+        """With prefix caching: the draft computes `num_tokens` of each request's missed tokens from the oldest
+        (`in_sync`: all of them, and this step's)."""
+        validity = self.draft_kv_validity
+        if validity is None:
+            return
+        picked = [i for i, n in enumerate(num_tokens) if n]
+        if not picked:
+            return
+        rows = np.asarray([states[i].row for i in picked], dtype=np.int64)
+        # Host counts after this step, minus this step's tokens and the lag: where the draft's KV stops.
+        start = np.asarray([states[i].num_computed_tokens - num_scheduled[i] - states[i].draft_lag for i in picked])
+        end = start + np.asarray([num_tokens[i] for i in picked])
+        if in_sync:
+            end = np.asarray([states[i].num_computed_tokens for i in picked])
+        validity.computed(self.input_batch.block_table, rows, np.maximum(start, 0), end, in_sync)
 
     def _verify_and_propose(
         self,
@@ -1532,21 +1596,53 @@ class ModelRunner:
             metadata = SamplingMetadata.from_params([], device=self.device)
         # The draft's KV trails the target's by each row's lag; the counts themselves are the device's.
         lag = [s.draft_lag for s in states]
-        draft_scheduled = [n + s.draft_lag for s, n in zip(states, num_scheduled, strict=True)]
-        for s in states:
-            s.draft_lag = 0
+        if any(lag):
+            self._catch_up_lag(states, num_scheduled, computed_before)
+            lag = [s.draft_lag for s in states]
+            self._draft_computed(states, num_scheduled, lag, in_sync=True)
+            for s in states:
+                s.draft_lag = 0
+        draft_scheduled = [n + x for n, x in zip(num_scheduled, lag, strict=True)]
+        return self._new_draft_step(
+            states,
+            [-x for x in lag],
+            draft_scheduled,
+            computed_before,
+            sampling_rows,
+            num_draft_positions,
+            num_accepted,
+            metadata,
+            num_proposals,
+        )
+
+    def _new_draft_step(
+        self,
+        states: list[RowState],
+        num_computed: list[int],
+        num_tokens: list[int],
+        computed_before: torch.Tensor,
+        sampling_rows: list[int] | None = None,
+        num_draft_positions: list[int] | None = None,
+        num_accepted: torch.Tensor | None = None,
+        metadata: SamplingMetadata | None = None,
+        num_proposals: int = 0,
+    ) -> DraftStep:
+        """A draft pass over `num_tokens` of each request from `num_computed` (relative to the device's computed
+        counts before this step); without the sampling arguments it only catches up."""
         return DraftStep(
-            num_computed=[-x for x in lag],
+            num_computed=num_computed,
             computed_base=computed_before,
-            num_scheduled=draft_scheduled,
-            sampling_index=sampling_rows,
-            num_draft_positions=num_draft_positions,
+            num_scheduled=num_tokens,
+            sampling_index=sampling_rows or [],
+            num_draft_positions=num_draft_positions or [],
             rows=[s.row for s in states],
             token_ids=self.input_batch.token_ids,
             block_tables=self._block_table_dev[: len(states)],
             num_slots=[min(len(s.block_ids) * self.block_size, self.max_model_len) for s in states],
-            num_accepted=num_accepted,
-            metadata=metadata,
+            num_accepted=num_accepted
+            if num_accepted is not None
+            else torch.empty(0, dtype=torch.int64, device=self.device),
+            metadata=metadata if metadata is not None else SamplingMetadata.from_params([], device=self.device),
             default_generator=self.default_generator,
             num_proposals=num_proposals,
         )

@@ -1,0 +1,104 @@
+"""The draft's KV in prefix-cached blocks: which blocks hold it (DraftKVValidity), and an engine whose draft was
+left alone at k = 0 recomputing it for a later request that hits those blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from asyncspec import SamplingParams
+from asyncspec.spec.draft_kv_validity import DraftKVValidity
+from tests.conftest import load_prompts
+from tests.engine.engine_helpers import assert_kv_free
+from tests.spec.spec_helpers import assert_same_outputs, make_llm, script_k, stats_delta
+
+BS = 4
+
+
+def _table() -> np.ndarray:
+    # Row 0 holds blocks 10..15, row 1 blocks 20..25.
+    return np.array([list(range(10, 16)), list(range(20, 26))], dtype=np.int32)
+
+
+def test_allocated_blocks_follow_the_drafts_sync():
+    v = DraftKVValidity(32, BS)
+    v.allocated([10, 11], in_sync=True)
+    v.allocated([12], in_sync=False)
+    assert v.valid[[10, 11, 12]].tolist() == [True, True, False]
+    v.valid[20] = True
+    v.allocated([20], in_sync=False)  # a reused block's old flag means nothing
+    assert not v.valid[20]
+
+
+def test_skipped_positions_clear_their_blocks():
+    v = DraftKVValidity(32, BS)
+    v.valid[:] = True
+    table = _table()
+    # Row 0 skips positions 3..5 (blocks 0 and 1), row 1 skips position 9 (block 2).
+    v.skipped(table, np.array([0, 1]), np.array([3, 9]), np.array([6, 10]))
+    assert np.flatnonzero(~v.valid).tolist() == [10, 11, 22]
+    # One position a row (a decode step): one block each.
+    v.valid[:] = True
+    v.skipped(table, np.array([0, 1]), np.array([7, 16]), np.array([8, 17]))
+    assert np.flatnonzero(~v.valid).tolist() == [11, 24]
+
+
+def test_computed_positions_mark_the_blocks_they_complete():
+    v = DraftKVValidity(32, BS)
+    table = _table()
+    # Row 0: the draft computed positions 2..9 with lag left: blocks 0 and 1 complete, block 2 not.
+    v.computed(table, np.array([0]), np.array([2]), np.array([10]), in_sync=False)
+    assert np.flatnonzero(v.valid).tolist() == [10, 11]
+    # In sync: the partly written block is filled in step with the target from now on.
+    v.computed(table, np.array([1]), np.array([0]), np.array([6]), in_sync=True)
+    assert np.flatnonzero(v.valid).tolist() == [10, 11, 20, 21]
+
+
+def test_valid_prefix_stops_at_the_first_block_without_the_drafts_kv():
+    v = DraftKVValidity(32, BS)
+    v.valid[[10, 11, 13]] = True
+    blocks = list(range(10, 16))
+    assert v.valid_prefix(blocks, 16) == 8  # block 12 lacks it
+    assert v.valid_prefix(blocks, 8) == 8
+    assert v.valid_prefix(blocks, 4) == 4
+    assert v.valid_prefix(blocks, 0) == 0
+    v.valid[12] = True
+    assert v.valid_prefix(blocks, 16) == 16
+
+
+CONFIG = dict(block_size=16, max_model_len=256, num_kv_blocks=96, max_num_batched_tokens=128, max_num_seqs=8)
+
+
+def _run(llm, prompt: list[int], params: SamplingParams, k: int):
+    script_k(llm, [k])
+    before = llm.stats()
+    out = llm.generate([prompt], params)
+    return out, stats_delta(before, llm.stats())
+
+
+@pytest.mark.parametrize("first_k", [0, 4])
+def test_a_prefix_hit_recomputes_the_drafts_kv_only_where_it_is_missing(first_k):
+    """Request A runs at k = `first_k`; B shares its prompt and runs at k = 4 on the same engine (prefix caching).
+    After A at k = 0 the draft never saw the prompt: B's hit lands on blocks without the draft's KV, which the
+    draft recomputes (passes of its own, the hit being past its lag bound). After A at k = 4 nothing is
+    recomputed. Either way B's drafts, hence its accepted counts, and its output are those of B alone on a fresh
+    engine."""
+    prompt = load_prompts(2)[1][:120]
+    a_params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    b_params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    fresh = make_llm(method="draft_model", k=4, **CONFIG)
+    alone, alone_delta = _run(fresh, prompt, b_params, 4)
+
+    llm = make_llm(method="draft_model", k=4, **CONFIG)
+    runner = llm.engine.engine_core.runner
+    assert runner.draft_kv_validity is not None
+    _run(llm, prompt, a_params, first_k)
+    passes = runner.num_draft_catch_up_passes
+    got, delta = _run(llm, prompt, b_params, 4)
+    assert got[0].num_cached_tokens >= 96, "B should hit A's prompt blocks"
+    assert_same_outputs(alone, got, f"B after A at k = {first_k}")
+    assert delta["spec_num_draft_tokens"] == alone_delta["spec_num_draft_tokens"]
+    assert delta["spec_num_accepted_tokens"] == alone_delta["spec_num_accepted_tokens"] > 0
+    recomputed = runner.num_draft_catch_up_passes - passes
+    assert recomputed > 0 if first_k == 0 else recomputed == 0
+    assert_kv_free(llm.stats())
