@@ -253,14 +253,13 @@ def test_tail_serves_only_greedy_batches(async_scheduling, method):
     llm = LLM(str(TARGET_MODEL), async_scheduling=async_scheduling, **kwargs)
     runner = llm.engine.engine_core.runner
     target = _install_stand_ins(runner)[0]
-    used: list[bool] = []
+    used: list[int] = []  # the query length of each tail replayed
     replay_tail = target.replay_tail
 
     def recording(bucket: int, query_len: int) -> torch.Tensor:
-        assert (query_len == 1) == (method is None)
         counts = runner.input_batch.feature_counts
         assert not (counts["random"] or counts["penalties"] or counts["logprobs"] or counts["min_tokens"]), counts
-        used.append(True)
+        used.append(query_len)
         return replay_tail(bucket, query_len)
 
     target.replay_tail = recording  # type: ignore[method-assign]
@@ -270,6 +269,9 @@ def test_tail_serves_only_greedy_batches(async_scheduling, method):
     # Decode steps replay the forward every time, the tail only once requests 0, 2, 4 and 5 are
     # done (the small pool's preemptions and recomputes stretch their share of the steps).
     assert 5 <= len(used) < target.num_replays - 10, (len(used), target.num_replays)
+    # Greedy sampling without speculation; with it, greedy verification (a step that verifies no draft, as
+    # near every request's end, samples plainly with the decode tail).
+    assert set(used) == {1} if method is None else max(used) > 1, used
 
 
 def test_decode_tail_leaves_requests_mid_prompt_to_the_eager_path():
