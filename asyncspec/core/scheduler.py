@@ -48,9 +48,9 @@ class SchedulerConfig:
     (see `_multi_step_count`; `Scheduler.set_steps_per_plan` lowers the cap); 1: one step per plan. With
     speculation only plans at k = 0 that propose nothing."""
     max_draft_lag: int = 0
-    """The draft model's lag bound (EngineConfig.max_draft_lag; 0: no draft model): a run takes at most
-    max_draft_lag + 1 steps, so that one run's missed tokens fit the draft's next pass without a catch-up pass of
-    its own."""
+    """Most decode steps a request's draft model may fall behind (EngineConfig.max_draft_lag; 0: no draft model).
+    The worker feeds the draft the first step of a run when the lag would pass it, so a run takes at most
+    max_draft_lag + 1 steps."""
 
 
 @dataclass
@@ -381,7 +381,7 @@ class Scheduler:
         when the run is reconciled. So requests that finish at different steps keep the runs long (a run
         cut to the nearest end would leave one step a plan for the whole tail of a batch), and only a run
         longer than every request's remaining tokens is cut. With a draft model, at most max_draft_lag + 1
-        steps (SchedulerConfig.max_draft_lag). A request that the steps in flight already end is not planned:
+        steps (its lag bound). A request that the steps in flight already end is not planned:
         it sets no bound."""
         max_model_len = self.config.max_model_len
         num_steps = self.steps_per_plan

@@ -307,11 +307,11 @@ class ModelRunner:
         """(bucket, query length) -> the draft's whole step after that verification graph's greedy
         tail (catch-up and proposals), captured when the draft model proposes."""
         self.num_greedy_draft_steps = 0
+        """Steps whose draft work replayed one of `_greedy_draft_steps`."""
         self.draft_kv_validity: DraftKVValidity | None = None
         """Which blocks hold the draft's KV throughout (prefix caching with a draft model; set with the KV cache)."""
         self.num_draft_catch_up_passes = 0
-        """Passes of the draft alone over missed tokens beyond its lag bound (tests and benchmarks read it)."""
-        """Steps whose draft work replayed one of `_greedy_draft_steps`."""
+        """Passes of the draft alone over tokens it lacks beyond its lag bound (tests and benchmarks read it)."""
         self._greedy_verification: GreedyVerification | None = None
         """Greedy verification over the step's device buffers (a graph tail, or run eagerly)."""
         if self.spec is not None:
@@ -1066,8 +1066,7 @@ class ModelRunner:
                 step,
             )
         if not sampling_rows:
-            # The draft's KV follows every prefill chunk, unless the draft is left alone for now.
-            if self.spec is not None and not self._skip_draft_step(so, states, num_scheduled):
+            if self.spec is not None:  # the draft's KV follows every prefill chunk
                 no_rows = torch.empty(0, dtype=torch.int64, device=self.device)
                 self._propose_without_drafts(states, num_scheduled, [], no_rows, no_rows, None, so, computed_before)
             output = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids], failed_requests=failed)
@@ -1080,7 +1079,7 @@ class ModelRunner:
             sampled = self.cuda_graphs.replay_tail(step.graph_bucket, 1)[:num_sampling]
             if self.input_batch.records_sampled:
                 self.input_batch.record_sampled(self._meta_dev[0, :num_sampling], sampled)
-            if self.spec is not None and not self._skip_draft_step(so, states, num_scheduled):
+            if self.spec is not None and not self._skip_draft_step(so, states, num_sampling):
                 # A speculating engine's step at k = 0: every request samples, so its new token went to
                 # column seq_len of its row.
                 batch_rows = self._meta_dev[7, :num_sampling]
@@ -1104,7 +1103,7 @@ class ModelRunner:
             sampled = out.sampled_token_ids
             self.input_batch.write_sampled_tokens(batch_rows, token_cols, sampled)
             self.input_batch.record_sampled(batch_rows, sampled)
-            if self.spec is not None and not self._skip_draft_step(so, states, num_scheduled):
+            if self.spec is not None and not self._skip_draft_step(so, states, num_sampling):
                 self._propose_without_drafts(
                     states, num_scheduled, sampling_rows, batch_rows, token_cols + 1, metadata, so, computed_before
                 )
@@ -1212,13 +1211,25 @@ class ModelRunner:
     ) -> None:
         """A multi-step plan of a speculating engine verifies nothing and proposes nothing (the policy chose
         k = 0 for it and the next plan), so it leaves the draft model alone: each request's draft falls the
-        plan's steps behind, and catches up when it next runs."""
+        plan's steps behind and its next pass catches up on them. Where that would pass the proposer's bound,
+        the draft first catches up through the plan's first step (whose input tokens are known), and falls
+        behind by the other steps only."""
         assert self.spec is not None
         if so.num_speculative_tokens or so.num_proposals:
             raise RuntimeError("a multi-step plan must verify and propose no drafts (Scheduler.schedule)")
         if not self.spec.uses_draft_model:
             return  # the n-gram proposer keeps no per-step state: it drafts from the token buffer when asked
-        self._fall_behind(states, [n * so.num_steps for n in num_scheduled])
+        num_steps = so.num_steps
+        max_lag = self.spec.proposer.max_lag  # type: ignore[union-attr]
+        if num_steps - 1 > max_lag:
+            raise RuntimeError(
+                f"a multi-step plan of {num_steps} steps passes the draft's lag bound {max_lag} "
+                "(SchedulerConfig.max_draft_lag)"
+            )
+        if max(state.draft_lag for state in states) + num_steps > max_lag:
+            self._catch_up_draft(states, num_scheduled, computed_before)
+            num_steps -= 1
+        self._fall_behind(states, [num_steps] * len(states))
 
     def _catch_up_draft(self, states: list[RowState], num_scheduled: list[int], computed_before: torch.Tensor) -> None:
         """The draft model's pass over this step's tokens and each request's lag, proposing nothing."""
@@ -1305,21 +1316,26 @@ class ModelRunner:
         known = max((states[i].num_computed_tokens for i in sampling_rows), default=0) + 1
         return min(known, self.input_batch.token_ids.shape[1])
 
-    def _skip_draft_step(self, so: SchedulerOutput, states: list[RowState], num_scheduled: list[int]) -> bool:
+    def _skip_draft_step(self, so: SchedulerOutput, states: list[RowState], num_sampling: int) -> bool:
         """Whether this plainly sampled step leaves the draft model alone (`_skips_draft`); if so, every
-        request's draft falls its scheduled tokens behind."""
-        if not self._skips_draft(so):
+        request's draft falls one token further behind."""
+        if not self._skips_draft(so, states, num_sampling):
             return False
-        self._fall_behind(states, num_scheduled)
+        self._fall_behind(states, [1] * len(states))
         return True
 
-    def _skips_draft(self, so: SchedulerOutput) -> bool:
-        """A step that verifies no draft and proposes none (the policy chose k = 0 for the next step: decodes,
-        prompt chunks, or both) leaves the draft model alone: it costs what a step without speculation costs,
-        and the draft catches up on these tokens when it next runs (`_catch_up_lag`). Not while a seeded
-        request runs (its steps verify the full k)."""
+    def _skips_draft(self, so: SchedulerOutput, states: list[RowState], num_sampling: int) -> bool:
+        """A decode step that verifies nothing and proposes nothing (the policy chose k = 0 for this
+        step and the next) leaves the draft model alone: it costs what a step without speculation
+        costs, and the draft catches up on these tokens in its next pass. Only while every lag stays
+        within the proposer's bound (its input buffers hold the catch-up)."""
         assert self.spec is not None
-        return self.spec.uses_draft_model and not so.num_proposals and self.input_batch.feature_counts["seeded"] == 0
+        if not self.spec.uses_draft_model or so.num_proposals or num_sampling != len(states):
+            return False
+        if so.num_speculative_tokens or so.total_num_scheduled_tokens != len(states):
+            return False
+        max_lag = self.spec.proposer.max_lag  # type: ignore[union-attr]
+        return max(state.draft_lag for state in states) < max_lag
 
     def _fall_behind(self, states: list[RowState], num_skipped: list[int]) -> None:
         """Each request's draft misses its last `num_skipped` computed tokens (already counted in its
@@ -1339,10 +1355,10 @@ class ModelRunner:
         return self.spec.k if self.spec is not None else 0
 
     def _catch_up_lag(self, states: list[RowState], num_scheduled: list[int], computed_before: torch.Tensor) -> None:
-        """Passes of the draft alone over the oldest tokens it missed, at most max_num_batched_tokens a pass,
+        """Passes of the draft alone over the oldest tokens it lacks, at most max_num_batched_tokens a pass,
         until no request lags by more than the proposer's bound (the draft's input buffers hold one step's
-        tokens plus that bound a request). A long stretch at k = 0 (prompts included) costs the draft nothing
-        until speculation resumes; then about what following every step would have cost, in fewer passes."""
+        tokens plus that bound a request): a prefix-cache hit on blocks without the draft's KV
+        (`_admit_draft_kv`) lags by the hit's tokens from the first such block."""
         assert self.spec is not None
         max_lag = self.spec.proposer.max_lag  # type: ignore[union-attr]
         no_rows = torch.empty(0, dtype=torch.int64, device=self.device)

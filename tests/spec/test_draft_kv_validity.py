@@ -66,7 +66,8 @@ def test_valid_prefix_stops_at_the_first_block_without_the_drafts_kv():
     assert v.valid_prefix(blocks, 16) == 16
 
 
-CONFIG = dict(block_size=16, max_model_len=256, num_kv_blocks=96, max_num_batched_tokens=128, max_num_seqs=8)
+# max_lag = 128 // 2 = 64: a request's decode steps at k = 0 may all skip the draft.
+CONFIG = dict(block_size=16, max_model_len=256, num_kv_blocks=96, max_num_batched_tokens=128, max_num_seqs=2)
 
 
 def _run(llm, prompt: list[int], params: SamplingParams, k: int):
@@ -78,27 +79,26 @@ def _run(llm, prompt: list[int], params: SamplingParams, k: int):
 
 @pytest.mark.parametrize("first_k", [0, 4])
 def test_a_prefix_hit_recomputes_the_drafts_kv_only_where_it_is_missing(first_k):
-    """Request A runs at k = `first_k`; B shares its prompt and runs at k = 4 on the same engine (prefix caching).
-    After A at k = 0 the draft never saw the prompt: B's hit lands on blocks without the draft's KV, which the
-    draft recomputes (passes of its own, the hit being past its lag bound). After A at k = 4 nothing is
-    recomputed. Either way B's drafts, hence its accepted counts, and its output are those of B alone on a fresh
-    engine."""
-    prompt = load_prompts(2)[1][:120]
-    a_params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    """Request A runs at k = `first_k`. B's prompt is A's prompt and output (a second turn) and runs at k = 4 on
+    the same engine, with prefix caching. After A at k = 0 its decode steps skipped the draft: B's hit lands on
+    blocks without the draft's KV from A's first generated token on, which the draft recomputes (in passes of its
+    own: the lag bound is lowered to 8 for B). After A at k = 4 nothing is recomputed. Either way B's drafts, hence
+    its accepted counts, and its output are those of B alone on a fresh engine."""
+    prompt = load_prompts(2)[1][:32]  # two blocks; the third, allocated with them, is all decodes
+    a_params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     b_params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    fresh = make_llm(method="draft_model", k=4, **CONFIG)
-    alone, alone_delta = _run(fresh, prompt, b_params, 4)
-
     llm = make_llm(method="draft_model", k=4, **CONFIG)
     runner = llm.engine.engine_core.runner
-    assert runner.draft_kv_validity is not None
-    _run(llm, prompt, a_params, first_k)
-    passes = runner.num_draft_catch_up_passes
-    got, delta = _run(llm, prompt, b_params, 4)
-    assert got[0].num_cached_tokens >= 96, "B should hit A's prompt blocks"
+    assert runner.draft_kv_validity is not None and runner.spec.proposer.max_lag == 64
+    (a_out,), _ = _run(llm, prompt, a_params, first_k)
+    second_turn = prompt + list(a_out.token_ids)
+    runner.spec.proposer.max_lag = 8
+    got, delta = _run(llm, second_turn, b_params, 4)
+    alone, alone_delta = _run(make_llm(method="draft_model", k=4, **CONFIG), second_turn, b_params, 4)
+    assert got[0].num_cached_tokens == (len(second_turn) - 1) // 16 * 16, "B should hit A's full blocks"
     assert_same_outputs(alone, got, f"B after A at k = {first_k}")
     assert delta["spec_num_draft_tokens"] == alone_delta["spec_num_draft_tokens"]
     assert delta["spec_num_accepted_tokens"] == alone_delta["spec_num_accepted_tokens"] > 0
-    recomputed = runner.num_draft_catch_up_passes - passes
-    assert recomputed > 0 if first_k == 0 else recomputed == 0
+    # A's prompt blocks (positions below 32) hold the draft's KV either way; after k = 0 the rest is recomputed.
+    assert runner.num_draft_catch_up_passes > 0 if first_k == 0 else runner.num_draft_catch_up_passes == 0
     assert_kv_free(llm.stats())
