@@ -28,17 +28,22 @@ class DraftKVValidity:
 
     def skipped(self, block_table: np.ndarray, rows: np.ndarray, start: np.ndarray, end: np.ndarray) -> None:
         """The target computed positions [start, end) of each row (its block-table row) without the draft."""
-        self._mark(block_table, rows, start // self.block_size, (end - 1) // self.block_size + 1, False)
+        first = start // self.block_size
+        self._mark(block_table, rows, first, np.where(end > start, (end - 1) // self.block_size + 1, first), False)
 
-    def computed(
-        self, block_table: np.ndarray, rows: np.ndarray, start: np.ndarray, end: np.ndarray, in_sync: bool
-    ) -> None:
+    def computed(self, block_table: np.ndarray, rows: np.ndarray, start: np.ndarray, end: np.ndarray) -> None:
         """The draft caught up on positions [start, end) of each row, every position before `start` holding its
-        KV already: the blocks it completed hold the draft's KV throughout. `in_sync`: no lag is left, so it
-        fills the partly written block in step with the target from now on."""
-        bs = self.block_size
-        stop = -(-end // bs) if in_sync else end // bs
-        self._mark(block_table, rows, start // bs, stop, True)
+        KV already (a catch-up pass that leaves some lag): the blocks it completed hold the draft's KV throughout."""
+        self._mark(block_table, rows, start // self.block_size, end // self.block_size, True)
+
+    def synced(self, block_table: np.ndarray, rows: np.ndarray, num_blocks: np.ndarray) -> None:
+        """Each row's draft no longer lags: it holds every position its request computed and fills the rest in
+        step with the target (a later skip clears what it misses), so all `num_blocks` blocks of the row hold the
+        draft's KV, those given to it while it lagged included."""
+        width = int(num_blocks.max(initial=0))
+        if width:
+            held = np.arange(width) < num_blocks[:, None]
+            self.valid[block_table[rows, :width][held]] = True
 
     def valid_prefix(self, block_ids: list[int], num_tokens: int) -> int:
         """How many of a request's first `num_tokens` positions (whole blocks of a prefix-cache hit) hold the
@@ -53,8 +58,12 @@ class DraftKVValidity:
         span = stop - first
         if not span.size or span.max() <= 0:
             return
-        if span.max() == 1 and span.min() == 1:  # a decode step: one block a row, one scatter
-            self.valid[block_table[rows, first]] = value
+        if span.max() <= 2:  # decode steps: one or two blocks a row, two scatters
+            some = span > 0
+            self.valid[block_table[rows[some], first[some]]] = value
+            two = span == 2
+            if two.any():
+                self.valid[block_table[rows[two], first[two] + 1]] = value
             return
         for row, a, b in zip(rows.tolist(), first.tolist(), stop.tolist(), strict=True):
             if b > a:

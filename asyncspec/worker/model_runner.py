@@ -311,6 +311,7 @@ class ModelRunner:
         self.draft_kv_validity: DraftKVValidity | None = None
         """Which blocks hold the draft's KV throughout (prefix caching with a draft model; set with the KV cache)."""
         self.num_draft_catch_up_passes = 0
+        self._drafts_in_flight = False
         """Passes of the draft alone over tokens it lacks beyond its lag bound (tests and benchmarks read it)."""
         self._greedy_verification: GreedyVerification | None = None
         """Greedy verification over the step's device buffers (a graph tail, or run eagerly)."""
@@ -1002,6 +1003,8 @@ class ModelRunner:
 
     def _launch(self, so: SchedulerOutput) -> StepHandle:
         handle = self._launch_step(so)
+        # The next step's plan counts this step's drafts as accepted until it is retired (asynchronous loop).
+        self._drafts_in_flight = bool(so.num_draft_positions) and self.config.use_async_scheduling
         if self.debug_invariants:
             rows = self.input_batch.rows
             handle.debug_rows = {r: rows[r].row for r in so.num_scheduled_tokens if r in rows}
@@ -1346,8 +1349,9 @@ class ModelRunner:
         if validity is not None:
             rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
             end = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
-            # The host's counts are the plan's: the device's may be up to k lower (drafts in flight rejected).
-            start = np.maximum(end - np.asarray(num_skipped, dtype=np.int64) - self._max_k, 0)
+            # The host's counts are the plan's: with drafts in flight the device's may be up to k lower.
+            slack = self._max_k if self._drafts_in_flight else 0
+            start = np.maximum(end - np.asarray(num_skipped, dtype=np.int64) - slack, 0)
             validity.skipped(self.input_batch.block_table, rows, start, end)
 
     @property
@@ -1381,8 +1385,8 @@ class ModelRunner:
     def _draft_computed(
         self, states: list[RowState], num_scheduled: list[int], num_tokens: list[int], in_sync: bool
     ) -> None:
-        """With prefix caching: the draft computes `num_tokens` of each request's missed tokens from the oldest
-        (`in_sync`: all of them, and this step's)."""
+        """With prefix caching: the draft computes the oldest `num_tokens` of each request's missed tokens
+        (`in_sync`: all of them, and this step's, after which the request's draft no longer lags)."""
         validity = self.draft_kv_validity
         if validity is None:
             return
@@ -1390,12 +1394,14 @@ class ModelRunner:
         if not picked:
             return
         rows = np.asarray([states[i].row for i in picked], dtype=np.int64)
+        if in_sync:
+            num_blocks = np.asarray([len(states[i].block_ids) for i in picked], dtype=np.int64)
+            validity.synced(self.input_batch.block_table, rows, num_blocks)
+            return
         # Host counts after this step, minus this step's tokens and the lag: where the draft's KV stops.
         start = np.asarray([states[i].num_computed_tokens - num_scheduled[i] - states[i].draft_lag for i in picked])
         end = start + np.asarray([num_tokens[i] for i in picked])
-        if in_sync:
-            end = np.asarray([states[i].num_computed_tokens for i in picked])
-        validity.computed(self.input_batch.block_table, rows, np.maximum(start, 0), end, in_sync)
+        validity.computed(self.input_batch.block_table, rows, np.maximum(start, 0), end)
 
     def _verify_and_propose(
         self,

@@ -43,15 +43,38 @@ def test_skipped_positions_clear_their_blocks():
     assert np.flatnonzero(~v.valid).tolist() == [11, 24]
 
 
+def test_skips_of_one_or_two_blocks_a_row_equal_marking_row_by_row():
+    """The vectorized path (each row's span at most two blocks) against a per-row reference."""
+    rng = np.random.default_rng(0)
+    table = rng.permutation(64 * 8).reshape(64, 8).astype(np.int32)
+    for _ in range(50):
+        rows = rng.choice(64, size=20, replace=False)
+        start = rng.integers(0, 20, size=20)
+        end = start + rng.integers(0, 6, size=20)
+        v = DraftKVValidity(64 * 8, BS)
+        v.valid[:] = True
+        v.skipped(table, rows, start, end)
+        expected = np.ones(64 * 8, dtype=bool)
+        for row, a, b in zip(rows, start, end, strict=True):
+            if b > a:
+                expected[table[row, a // BS : (b - 1) // BS + 1]] = False
+        assert (v.valid == expected).all()
+
+
 def test_computed_positions_mark_the_blocks_they_complete():
     v = DraftKVValidity(32, BS)
     table = _table()
-    # Row 0: the draft computed positions 2..9 with lag left: blocks 0 and 1 complete, block 2 not.
-    v.computed(table, np.array([0]), np.array([2]), np.array([10]), in_sync=False)
+    # Row 0: a pass over positions 2..9 that leaves lag: blocks 0 and 1 complete, block 2 not.
+    v.computed(table, np.array([0]), np.array([2]), np.array([10]))
     assert np.flatnonzero(v.valid).tolist() == [10, 11]
-    # In sync: the partly written block is filled in step with the target from now on.
-    v.computed(table, np.array([1]), np.array([0]), np.array([6]), in_sync=True)
-    assert np.flatnonzero(v.valid).tolist() == [10, 11, 20, 21]
+
+
+def test_a_draft_back_in_sync_holds_all_of_its_rows_blocks():
+    """Blocks cleared by skips (or given while the draft lagged) hold the draft's KV once it no longer lags."""
+    v = DraftKVValidity(32, BS)
+    table = _table()
+    v.synced(table, np.array([0, 1]), np.array([3, 1]))
+    assert np.flatnonzero(v.valid).tolist() == [10, 11, 12, 20]
 
 
 def test_valid_prefix_stops_at_the_first_block_without_the_drafts_kv():
@@ -70,35 +93,48 @@ def test_valid_prefix_stops_at_the_first_block_without_the_drafts_kv():
 CONFIG = dict(block_size=16, max_model_len=256, num_kv_blocks=96, max_num_batched_tokens=128, max_num_seqs=2)
 
 
-def _run(llm, prompt: list[int], params: SamplingParams, k: int):
-    script_k(llm, [k])
+def _run(llm, prompt: list[int], params: SamplingParams, pattern: list[int]):
+    script_k(llm, pattern)
     before = llm.stats()
     out = llm.generate([prompt], params)
     return out, stats_delta(before, llm.stats())
 
 
-@pytest.mark.parametrize("first_k", [0, 4])
-def test_a_prefix_hit_recomputes_the_drafts_kv_only_where_it_is_missing(first_k):
-    """Request A runs at k = `first_k`. B's prompt is A's prompt and output (a second turn) and runs at k = 4 on
-    the same engine, with prefix caching. After A at k = 0 its decode steps skipped the draft: B's hit lands on
-    blocks without the draft's KV from A's first generated token on, which the draft recomputes (in passes of its
-    own: the lag bound is lowered to 8 for B). After A at k = 4 nothing is recomputed. Either way B's drafts, hence
-    its accepted counts, and its output are those of B alone on a fresh engine."""
+PATTERNS = {
+    "k = 0": [0],
+    "k = 4": [4],
+    "k = 0 early, then 4": [4, 0, 0, 0, 0, *[4] * 200],
+}
+
+
+@pytest.mark.parametrize("first", list(PATTERNS))
+def test_a_prefix_hit_recomputes_the_drafts_kv_only_where_it_is_missing(first):
+    """Request A runs with the policy's k following `first`. B's prompt is A's prompt and output (a second turn)
+    and runs at k = 4 on the same engine, with prefix caching. After A at k = 0 its decode steps skipped the draft:
+    B's hit lands on blocks without the draft's KV from A's first generated token on, which the draft recomputes
+    (in passes of its own: the lag bound is lowered to 8 for B). After A at k = 4, or after a few skipped steps
+    that the draft caught up on, nothing is recomputed. Either way B's drafts, hence its accepted counts, and its
+    output are those of B alone on a fresh engine."""
     prompt = load_prompts(2)[1][:32]  # two blocks; the third, allocated with them, is all decodes
     a_params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     b_params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     llm = make_llm(method="draft_model", k=4, **CONFIG)
     runner = llm.engine.engine_core.runner
     assert runner.draft_kv_validity is not None and runner.spec.proposer.max_lag == 64
-    (a_out,), _ = _run(llm, prompt, a_params, first_k)
+    (a_out,), _ = _run(llm, prompt, a_params, PATTERNS[first])
     second_turn = prompt + list(a_out.token_ids)
     runner.spec.proposer.max_lag = 8
-    got, delta = _run(llm, second_turn, b_params, 4)
-    alone, alone_delta = _run(make_llm(method="draft_model", k=4, **CONFIG), second_turn, b_params, 4)
+    admitted_lags = []
+    admit = runner._admit_draft_kv
+    runner._admit_draft_kv = lambda state: (admit(state), admitted_lags.append(state.draft_lag))
+    got, delta = _run(llm, second_turn, b_params, [4])
+    alone, alone_delta = _run(make_llm(method="draft_model", k=4, **CONFIG), second_turn, b_params, [4])
     assert got[0].num_cached_tokens == (len(second_turn) - 1) // 16 * 16, "B should hit A's full blocks"
-    assert_same_outputs(alone, got, f"B after A at k = {first_k}")
+    assert_same_outputs(alone, got, f"B after A at {first}")
     assert delta["spec_num_draft_tokens"] == alone_delta["spec_num_draft_tokens"]
     assert delta["spec_num_accepted_tokens"] == alone_delta["spec_num_accepted_tokens"] > 0
-    # A's prompt blocks (positions below 32) hold the draft's KV either way; after k = 0 the rest is recomputed.
-    assert runner.num_draft_catch_up_passes > 0 if first_k == 0 else runner.num_draft_catch_up_passes == 0
+    if first == "k = 0":  # A's prompt blocks (positions below 32) hold the draft's KV; the rest is recomputed
+        assert admitted_lags == [got[0].num_cached_tokens - 32] and runner.num_draft_catch_up_passes > 0
+    else:
+        assert admitted_lags == [0] and runner.num_draft_catch_up_passes == 0
     assert_kv_free(llm.stats())
