@@ -311,8 +311,10 @@ class ModelRunner:
         self.draft_kv_validity: DraftKVValidity | None = None
         """Which blocks hold the draft's KV throughout (prefix caching with a draft model; set with the KV cache)."""
         self.num_draft_catch_up_passes = 0
-        self._drafts_in_flight = False
         """Passes of the draft alone over tokens it lacks beyond its lag bound (tests and benchmarks read it)."""
+        self._drafts_in_flight = False
+        """Whether the step launched last verifies drafts (asynchronous loop): the next plan's counts are then
+        optimistic."""
         self._greedy_verification: GreedyVerification | None = None
         """Greedy verification over the step's device buffers (a graph tail, or run eagerly)."""
         if self.spec is not None:
