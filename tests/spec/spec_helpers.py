@@ -60,7 +60,7 @@ def script_k(llm, pattern: Sequence[int]) -> None:
     def cost(num_decodes: int, k: int) -> float:
         if k == 0:
             state["k"] = next(ks)
-        # Other k cost far more than any host time the policy adds (a loaded CI host may take a second a step).
+        # Other k cost far more than any host time the policy adds to them: no measured step can flip the script.
         return 1e3 if k != state["k"] else 1e-6
 
     policy = llm.engine.engine_core.scheduler.spec_policy
