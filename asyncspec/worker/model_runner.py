@@ -1349,16 +1349,13 @@ class ModelRunner:
             state.draft_lag += n
         validity = self.draft_kv_validity
         if validity is not None:
+            assert self.spec is not None  # the flags exist only with a draft model
             rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
             end = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
             # The host's counts are the plan's: with drafts in flight the device's may be up to k lower.
-            slack = self._max_k if self._drafts_in_flight else 0
+            slack = self.spec.k if self._drafts_in_flight else 0
             start = np.maximum(end - np.asarray(num_skipped, dtype=np.int64) - slack, 0)
             validity.skipped(self.input_batch.block_table, rows, start, end)
-
-    @property
-    def _max_k(self) -> int:
-        return self.spec.k if self.spec is not None else 0
 
     def _catch_up_lag(self, states: list[RowState], num_scheduled: list[int], computed_before: torch.Tensor) -> None:
         """Passes of the draft alone over the oldest tokens it lacks, at most max_num_batched_tokens a pass,
