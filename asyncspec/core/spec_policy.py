@@ -21,6 +21,12 @@ can never lock speculation off, or on, for good. Host time is a low quantile of 
 only ever add time), so outliers do not move it, and samples from before a gap are dropped when a
 probe brings a fresh one.
 
+Probes and switches cost more than their steps: at 128 streams a speculating step's host work is several
+times a plain one's, a switch from k = 0 makes the draft catch up and breaks multi-step runs, and the
+estimates of the k not running go stale as the host's speed drifts. So the policy leaves the k it runs only
+for an estimated gain of `switch_margin`, and a probe that finds its k far behind the best (below
+`probe_threshold` of its rate) waits the longest interval before the next one.
+
 Tokens per verified run are what runs at that k really emitted, once enough were seen: requests differ
 (a repetitive file accepts everything, prose little), and the geometric model of one pooled acceptance
 rate overestimates a mixed batch.
@@ -62,6 +68,11 @@ class SpeculationPolicy:
     """Consecutive choices of a probed k: 2 for the synchronous loop, 4 for the asynchronous one."""
     emitted_decay: float = 0.995
     """Weight of the past in the tokens-per-run means (per verified run)."""
+    switch_margin: float = 0.1
+    """The k running is left only for one whose estimated tokens per second beat its own by this fraction."""
+    probe_threshold: float = 0.75
+    """A probe that finds its k below this fraction of the best's rate sets that k's interval to the
+    longest (16 probe intervals) at once, instead of doubling it."""
     choices: list[int] = field(default_factory=list)
     """Candidate k values; speculation_choices(max_k) by default."""
     step_cost: StepCost | None = None
@@ -81,6 +92,7 @@ class SpeculationPolicy:
     _runs: dict[int, float] = field(default_factory=dict)
     _num_choices: int = 0
     _last_chosen: dict[int, int] = field(default_factory=dict)
+    _current: int | None = None  # the last k chosen for itself (not as a probe)
 
     def __post_init__(self) -> None:
         if not self.choices:
@@ -95,12 +107,21 @@ class SpeculationPolicy:
         if not self.adaptive or self.step_cost is None or self.max_k == 0 or num_decodes == 0:
             return self.max_k
         self._num_choices += 1
-        k = self._best(num_decodes, self.step_cost)
+        rates = self._rates(num_decodes, self.step_cost)
+        k = _fastest(rates)
+        current = self._current
+        if current in rates and rates[k] < rates[current] * (1.0 + self.switch_margin):
+            k = current
+        self._current = k
         if self._probed is not None:
-            # A probe that changed nothing makes the next one of that k rarer; one that did, sooner.
-            interval = self._intervals.get(self._probed, self.probe_interval)
-            grown = min(2 * interval, 16 * self.probe_interval)
-            self._intervals[self._probed] = self.probe_interval if k == self._probed else grown
+            # A probe that changed nothing makes the next one of that k rarer (at once the rarest when it
+            # found that k far behind); one that did, sooner.
+            probed = self._probed
+            longest = 16 * self.probe_interval
+            grown = min(2 * self._intervals.get(probed, self.probe_interval), longest)
+            if rates[probed] < self.probe_threshold * rates[k]:
+                grown = longest
+            self._intervals[probed] = self.probe_interval if k == probed else grown
             self._probed = None
         if self._probe is not None:
             k = self._probe
@@ -120,15 +141,17 @@ class SpeculationPolicy:
 
     def _best(self, num_decodes: int, step_cost: StepCost) -> int:
         """The k of the highest expected tokens per second under the current estimates."""
+        return _fastest(self._rates(num_decodes, step_cost))
+
+    def _rates(self, num_decodes: int, step_cost: StepCost) -> dict[int, float]:
+        """Expected tokens per second of each k under the current estimates."""
         alpha = min(self.acceptance_rate, 0.999)
         rates = {}
         for k in self.choices:
             expected_tokens = num_decodes * self.tokens_per_run(k, alpha)
             seconds = step_cost(num_decodes, k) + self.host_seconds(k)
             rates[k] = expected_tokens / max(seconds, 1e-9)
-        best = max(rates.values())
-        # Near-ties go to the smaller k: the same rate for less work (and less over-allocation).
-        return min(k for k, rate in rates.items() if rate >= best / 1.0001)
+        return rates
 
     def observe_run(self, num_drafts: int, num_accepted: int) -> None:
         """One request's verification: `num_accepted` of its `num_drafts` drafts kept in a row."""
@@ -194,6 +217,13 @@ class SpeculationPolicy:
             samples.clear()
         self._last_observed[key] = self._num_observed
         samples.append(host)
+
+
+def _fastest(rates: dict[int, float]) -> int:
+    """The k of the highest rate; near-ties go to the smaller k: the same rate for less work (and less
+    over-allocation)."""
+    best = max(rates.values())
+    return min(k for k, rate in rates.items() if rate >= best / 1.0001)
 
 
 def _low_quantile(samples: deque[float]) -> float:

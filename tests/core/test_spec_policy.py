@@ -165,7 +165,31 @@ def test_speculation_backs_off_under_load_and_returns():
     assert policy.choose(1) == 4  # nearly free to verify at batch 1
     assert policy.choose(256) == 0  # 5x the tokens for 2.3 expected: not worth it
     _feed(policy, 0.95, 400, seed=1)  # the drafts became very good
-    assert policy.choose(256) > 0
+    rates = policy._rates(256, compute_bound)
+    assert 1.0 < rates[2] / rates[0] < 1.0 + policy.switch_margin
+    assert policy.choose(256) == 0  # a gain within the switch margin: not worth a switch
+    rates = policy._rates(96, compute_bound)
+    assert max(rates.values()) > (1.0 + policy.switch_margin) * rates[0]
+    assert policy.choose(96) > 0
+
+
+def test_the_running_k_is_left_only_for_a_clear_gain():
+    """Estimates are noisy and a switch costs more than its steps: the k running stays until another beats
+    it by switch_margin; a fresh policy takes the best at once."""
+    policy = SpeculationPolicy(4, step_cost=memory_bound, choices=[0, 4], probe_interval=0)
+    for _ in range(20):
+        policy.observe_emitted(4, 2)  # runs at k = 4 emit 2 tokens
+        policy.observe_step(8, 0, 1e-3)  # no host time at k = 0
+    # k = 4: 2 tokens in 1 ms + host; k = 0: 1 token in 1 ms. Fresh: the best (1.08x); k = 0 1.02x better:
+    # stays; 1.15x: switches.
+    for host, expected in ((0.85e-3, 4), (1.05e-3, 4), (1.3e-3, 0)):
+        policy._host_samples.pop((4, 4), None)
+        policy.observe_step(8, 4, 1e-3 + host)
+        assert policy.choose(8) == expected
+    for host, expected in ((0.85e-3, 0), (0.75e-3, 4)):  # 1.08x: stays at 0; 1.14x: switches
+        policy._host_samples.pop((4, 4), None)
+        policy.observe_step(8, 4, 1e-3 + host)
+        assert policy.choose(8) == expected
 
 
 def test_one_slow_step_does_not_move_the_host_estimate():
@@ -214,18 +238,40 @@ def test_host_time_is_charged_to_the_steady_pair():
     assert policy._best(8, memory_bound) == 0  # 1 token / 1.1 ms beats 1.94 / 5 ms
 
 
+def _probe_starts(chosen: list[int], k: int) -> list[int]:
+    return [i for i, j in enumerate(chosen) if j == k and (i == 0 or chosen[i - 1] != k)]
+
+
 def test_probes_that_change_nothing_back_off():
-    """Drafts that are never accepted: k = 0 stays best, and each probe of k = 1, 2, 4 that confirms
-    it doubles that k's interval (up to 16x), so the probes' cost fades."""
+    """Drafts that are never accepted: k = 0 stays best, and a probe of k = 1, 2, 4 that finds its k far
+    behind makes that k wait the longest interval (16x) at once, so the probes' cost fades."""
     policy = SpeculationPolicy(4, step_cost=compute_bound, probe_interval=10)
     for _ in range(300):
         policy.observe_run(4, 0)
     chosen = [policy.choose(32) for _ in range(2000)]
-    probes_early = sum(k != 0 for k in chosen[:200])
+    for k in (1, 2, 4):
+        rates = policy._rates(32, compute_bound)
+        assert rates[k] < policy.probe_threshold * rates[0]
+        starts = _probe_starts(chosen, k)
+        assert starts[0] <= 10 + 2 * len(policy.choices)  # the first probe at the base interval
+        assert len(starts) >= 5 and all(b - a > 160 for a, b in itertools.pairwise(starts))
     probes_late = sum(k != 0 for k in chosen[-500:])
-    assert probes_early >= 6  # three k, twice each, at the base interval
     assert probes_late <= 3 * 2 * (500 // 160 + 1)  # at most one probe per k per 160 steps late on
-    assert probes_late < probes_early
+
+
+def test_a_probe_close_to_the_best_doubles_its_interval():
+    """A probed k within probe_threshold of the best is probed again sooner: its interval doubles."""
+    policy = SpeculationPolicy(4, step_cost=memory_bound, choices=[0, 4], probe_interval=10)
+    for _ in range(20):
+        policy.observe_emitted(4, 2)
+        policy.observe_step(8, 0, 1e-3)
+        policy.observe_step(8, 4, 1e-3 + 1.35e-3)  # k = 4: 2 tokens in 2.35 ms, 0.85 of k = 0's rate
+    policy._current = 0
+    chosen = [policy.choose(8) for _ in range(400)]
+    rates = policy._rates(8, memory_bound)
+    assert policy.probe_threshold < rates[4] / rates[0] < 1.0
+    gaps = [b - a for a, b in itertools.pairwise(_probe_starts(chosen, 4))]
+    assert gaps[:4] == [20 + 2, 40 + 2, 80 + 2, 160 + 2]  # the doubled interval and the probe's two choices
 
 
 def test_probing_off_keeps_the_best():
