@@ -46,7 +46,10 @@ class SchedulerConfig:
     num_scheduler_steps: int = 1
     """The most greedy decode steps one plan may run back to back when every running request may take them
     (see `_multi_step_count`; `Scheduler.set_steps_per_plan` lowers the cap); 1: one step per plan. With
-    speculation only plans at k = 0 that propose nothing."""
+    speculation: plans at k = 0 that propose nothing, and with multi_step_speculation plans at a steady k."""
+    multi_step_speculation: bool = False
+    """A plan that verifies k > 0 drafts and proposes k again may run several greedy verification steps back
+    to back, each one's drafts proposed by the step before on the device (the worker's draft-model path)."""
     max_draft_lag: int = 0
     """Most decode steps a request's draft model may fall behind (EngineConfig.max_draft_lag; 0: no draft model).
     The worker feeds the draft the first step of a run when the lag would pass it, so a run takes at most
@@ -200,13 +203,15 @@ class Scheduler:
         # policy's choice before the run: a run admits no request, so the batch it saw is the run's).
         num_steps = 1
         next_k: int | None = None
-        if self.steps_per_plan > 1 and spec_k == 0 and (not self.waiting or len(running) >= cfg.max_num_seqs):
-            if cfg.num_speculative_tokens:
-                next_k = self._plan_next_k()
-            if not next_k:
-                num_steps = self._multi_step_count()
+        if self.steps_per_plan > 1 and (spec_k == 0 or cfg.multi_step_speculation):
+            if not self.waiting or len(running) >= cfg.max_num_seqs:
+                if cfg.num_speculative_tokens:
+                    next_k = self._plan_next_k()
+                if (next_k or 0) == spec_k:  # a steady k: this plan verifies it and proposes it again
+                    num_steps = self._multi_step_count(spec_k)
         if num_steps > 1:
-            lookahead_k = num_steps - 1
+            # Each step computes 1 + k tokens a request; the last one's k proposals need slots too.
+            lookahead_k = (num_steps - 1) * (spec_k + 1) + spec_k
         index = 0
         while index < len(running) and token_budget > 0:
             request = running[index]
@@ -286,7 +291,7 @@ class Scheduler:
             # this step is reset by _preempt; reconciliation corrects both).
             request.num_computed_tokens = computed + num_new * num_steps
             if computed + num_new >= num_tokens:
-                request.num_output_placeholders = placeholders + num_steps + num_drafts
+                request.num_output_placeholders = placeholders + num_steps * (1 + num_drafts)
                 if num_drafts:
                     draft_positions[request_id] = num_drafts
             token_budget -= num_new
@@ -372,7 +377,7 @@ class Scheduler:
             return 0
         return self._plan_next_k() if next_k is None else next_k
 
-    def _multi_step_count(self) -> int:
+    def _multi_step_count(self, k: int = 0) -> int:
         """How many decode steps the next plan may run back to back (1: just one). Every running request must
         be a decode (one token to compute, its last) whose sampling a greedy decode step does whole: greedy,
         no penalties, logprobs or min_tokens (the worker samples these steps inside the decode graph, with
@@ -380,12 +385,16 @@ class Scheduler:
         pass a request's max_tokens, as it may pass an EOS it samples: the tokens after its end are dropped
         when the run is reconciled. So requests that finish at different steps keep the runs long (a run
         cut to the nearest end would leave one step a plan for the whole tail of a batch), and only a run
-        longer than every request's remaining tokens is cut. With a draft model, at most max_draft_lag + 1
-        steps (its lag bound). A request that the steps in flight already end is not planned:
-        it sets no bound."""
+        longer than every request's remaining tokens is cut. At k = 0 with a draft model, at most
+        max_draft_lag + 1 steps (its lag bound). A request that the steps in flight already end is not planned:
+        it sets no bound.
+
+        At k > 0 (multi_step_speculation) every step verifies k drafts a request: each planned request must have
+        room for k drafts before its max_tokens (`_num_drafts_for`), and for every step's 1 + k tokens and the
+        last step's k proposals before max_model_len."""
         max_model_len = self.config.max_model_len
         num_steps = self.steps_per_plan
-        if self.config.max_draft_lag:
+        if self.config.max_draft_lag and not k:
             num_steps = min(num_steps, self.config.max_draft_lag + 1)
         most_left = 0
         for request in self.running:
@@ -402,7 +411,15 @@ class Scheduler:
                 continue  # ended by the steps in flight (Scheduler.schedule skips it)
             if num_tokens - request.num_computed_tokens != 1:
                 return 1
-            room = max_model_len - num_tokens
+            if k:
+                if left <= k:
+                    return 1  # fewer than k drafts could be kept: this step verifies fewer (not uniform)
+                if params.stop:
+                    return 1  # a stop string cuts one step's run (the output processor uncounts its drafts)
+                # Steps that fit: n (1 + k) tokens and k proposal slots after them, below max_model_len.
+                room = (max_model_len - num_tokens - k - 1) // (k + 1)
+            else:
+                room = max_model_len - num_tokens
             if room < num_steps:
                 num_steps = room
                 if num_steps <= 1:
@@ -500,6 +517,7 @@ class Scheduler:
             outputs.extend(self._fail_requests(failed))
         logprobs = runner_output.logprobs
         num_drafts = runner_output.num_draft_tokens
+        step_runs = runner_output.step_runs
         num_scheduled_map = scheduler_output.num_scheduled_tokens
         kv = self.kv_cache_manager
         cache_blocks = kv.cache_blocks if kv.enable_prefix_caching else None
@@ -552,7 +570,7 @@ class Scheduler:
             # computed (a later step already planned keeps its own optimistic share). A run cut by a
             # stop ends the request, so its cut tail needs no correction.
             if not preempted:  # preemption reset both counts
-                planned = num_steps + num_drafts_planned  # tokens the plan counted on
+                planned = num_steps * (1 + num_drafts_planned)  # tokens the plan counted on
                 request.num_output_placeholders -= planned
                 if planned != num_sampled:
                     request.num_computed_tokens -= planned - num_sampled
@@ -591,7 +609,10 @@ class Scheduler:
                         break
             num_generated += num_new
             if spec_k and start >= num_prompt and num_sched == spec_k + 1:
-                emitted.append(num_sampled)
+                if step_runs is None:
+                    emitted.append(num_sampled)
+                else:  # the steps that began before the request's end
+                    emitted.extend(length for _, length in step_runs[i][: _steps_begun(step_runs[i], num_new)])
             # Every kept token but the newest has its KV in the cache. Only verified tokens reach
             # the prefix cache, and with stop strings only those that precede this step's run: the
             # output processor may still cut the run at a stop string (the next step registers the
@@ -612,7 +633,17 @@ class Scheduler:
             )
             if num_drafts is not None:
                 num_accepted = 0
-                if n_drafts := num_drafts[i]:
+                if step_runs is not None:
+                    # Several steps' runs: each one's drafts among the kept tokens, the steps after a stop none.
+                    left, n_drafts = num_new, 0
+                    for valid, length in step_runs[i][: _steps_begun(step_runs[i], num_new)]:
+                        kept = min(left, length - 1)
+                        left = max(left - length, 0)
+                        num_accepted += kept
+                        n_drafts += valid
+                        if valid:
+                            draft_runs.append((valid, kept, length - 1))
+                elif n_drafts := num_drafts[i]:
                     num_accepted = min(num_new, num_sampled - 1)  # drafts among the kept tokens
                     draft_runs.append((n_drafts, num_accepted, num_sampled - 1))
                 output.num_draft_tokens = n_drafts
@@ -699,3 +730,14 @@ class Scheduler:
         if request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def _steps_begun(runs: list[tuple[int, int]], num_kept: int) -> int:
+    """Of a multi-step plan's runs (valid drafts, tokens emitted), how many began before the request's end: the
+    steps after the one that emitted its last kept token verified drafts for nothing."""
+    emitted = 0
+    for j, (_, length) in enumerate(runs):
+        if emitted >= num_kept:
+            return j
+        emitted += length
+    return len(runs)

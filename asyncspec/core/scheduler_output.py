@@ -55,8 +55,8 @@ class SchedulerOutput:
     cannot derive them while an earlier step's accepted counts are still on their way)."""
     num_steps: int = 1
     """Greedy decode steps run back to back (EngineConfig.num_scheduler_steps): every request computes its
-    num_scheduled_tokens (one) in each, from the tokens the step before sampled on the device, and emits
-    num_steps tokens."""
+    num_scheduled_tokens (one, or 1 + k with speculation) in each, from the tokens and drafts the step before
+    left on the device, and emits one token a step plus the drafts each step accepts."""
 
     @property
     def is_empty(self) -> bool:
@@ -75,6 +75,10 @@ class ModelRunnerOutput:
     num_draft_tokens: list[int] | None = None
     """Per request, the valid draft tokens verified this step (the emitted run is the accepted
     drafts plus one token); None when no request had drafts."""
+    step_runs: list[list[tuple[int, int]]] | None = None
+    """A plan of several verification steps: per request, per step, (valid drafts verified, tokens emitted: the
+    accepted drafts plus one); `sampled_token_ids` holds the runs one after the other and `num_draft_tokens`
+    their drafts in all. None for a plan of one step."""
     failed_requests: dict[str, str] = field(default_factory=dict)
     """Requests that failed alone this step (id -> reason): not admitted to the worker, or no
     valid token to sample. The scheduler ends them with finish_reason "error"."""

@@ -132,6 +132,7 @@ class EngineCore:
                 adaptive_speculation=config.adaptive_speculation,
                 num_scheduler_steps=config.max_scheduler_steps,
                 max_draft_lag=config.max_draft_lag,
+                multi_step_speculation=config.speculative_method == "draft_model",
             ),
             self.kv_cache_manager,
         )

@@ -1054,6 +1054,8 @@ class ModelRunner:
         for state, n in zip(states, num_scheduled, strict=True):
             state.num_computed_tokens += n * num_steps
         if num_steps > 1:
+            if self.spec is not None and so.num_speculative_tokens:
+                return self._launch_speculative_steps(req_ids, states, step, hidden_states, so, failed)
             if self.spec is not None:
                 self._defer_draft(so, states, num_scheduled, computed_before)
             return self._launch_decode_steps(req_ids, states, step, hidden_states, num_steps, failed)
@@ -1208,6 +1210,100 @@ class ModelRunner:
                 state.output_token_ids.extend(sampled)
                 sampled_per_req.append(sampled)
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_per_req, failed_requests=failed)
+
+        return StepHandle(finish=finish, host=host, ready=ready)
+
+    def _launch_speculative_steps(
+        self,
+        req_ids: list[str],
+        states: list[RowState],
+        step: StepInputs,
+        hidden_states: torch.Tensor,
+        so: SchedulerOutput,
+        failed: dict[str, str],
+    ) -> StepHandle:
+        """A plan of num_steps greedy verification steps at k (SchedulerConfig.multi_step_speculation): this
+        step's forward pass ran; each step verifies its k drafts greedily and the draft model, caught up on the
+        emitted run, proposes the next step's k; the next step's inputs are built on the device from the
+        device's counts (the head), so nothing but launches happens on the host between the steps. Every
+        step's runs come back in the plan's one copy."""
+        assert self.spec is not None
+        num_reqs, num_steps, k = len(states), so.num_steps, so.num_speculative_tokens
+        query_len = k + 1
+        if (
+            not self.spec.uses_draft_model
+            or not self._only_greedy(num_reqs, num_reqs)
+            or step.query_len != query_len
+            or so.num_proposals != k
+            or any(s.draft_lag for s in states)
+        ):
+            raise RuntimeError(
+                "a multi-step speculative plan needs a draft model, greedy requests that all verify k drafts and "
+                "propose k, and no draft lagging (Scheduler._multi_step_count)"
+            )
+        proposer = self.spec.proposer
+        assert isinstance(proposer, DraftModelProposer)
+        graphs, bucket = self.cuda_graphs, step.graph_bucket
+        tokens = torch.empty((num_steps, num_reqs, query_len), dtype=torch.int64, device=self.device)
+        accepted = torch.empty((num_steps, num_reqs), dtype=torch.int64, device=self.device)
+        valid = torch.empty((num_steps, num_reqs), dtype=torch.int64, device=self.device)
+        rows = self._meta_dev[7, :num_reqs]
+        for j in range(num_steps):
+            if j:
+                if bucket is not None and graphs is not None and graphs.has_head(bucket, query_len):
+                    graphs.replay_head(bucket, query_len)
+                else:
+                    padded = bucket if bucket is not None else num_reqs
+                    step.inputs.fill(
+                        self._prepare_kernel,
+                        self._meta_dev,
+                        padded,
+                        padded * query_len,
+                        self.input_batch.token_ids,
+                        self.block_size,
+                        resolve=(num_reqs, self.input_batch.num_computed_dev),
+                    )
+                hidden_states = self._forward(step)
+            greedy = self._verify_greedily(hidden_states, step, num_reqs, query_len)
+            tokens[j] = greedy.output_token_ids[:num_reqs, :query_len]
+            accepted[j] = greedy.num_accepted[:num_reqs]
+            valid[j] = greedy.num_valid_drafts[:num_reqs]
+            if self.input_batch.records_sampled:
+                out = tokens[j]
+                self.input_batch.record_sampled(rows.unsqueeze(1).expand_as(out).reshape(-1), out.reshape(-1))
+            if not self._replay_greedy_draft_step(step, states, k):
+                # The same function as the graph, eagerly, over the rows the verification covered.
+                self._greedy_draft_step(proposer, greedy.num_accepted.shape[0], query_len, greedy)
+        host, ready = self._copy_to_host([tokens, accepted, valid])
+
+        def finish(values: np.ndarray) -> ModelRunnerOutput:
+            width = num_steps * num_reqs * query_len
+            runs_by_step = values[:width].reshape(num_steps, num_reqs, query_len).transpose(1, 0, 2).tolist()
+            lengths = (values[width : width + num_steps * num_reqs].reshape(num_steps, num_reqs).T + 1).tolist()
+            verified = values[width + num_steps * num_reqs : width + 2 * num_steps * num_reqs]
+            verified = verified.reshape(num_steps, num_reqs).T.tolist()
+            sampled_per_req: list[list[int]] = []
+            num_drafts_per_req: list[int] = []
+            step_runs: list[list[tuple[int, int]]] = []
+            for state, runs, lens, drafts in zip(states, runs_by_step, lengths, verified, strict=True):
+                emitted = [t for run, n in zip(runs, lens, strict=True) for t in run[:n]]
+                if min(emitted) < 0:
+                    failed[state.request_id] = (
+                        "the sampler found no valid token: the logits were NaN, or every token was masked"
+                    )
+                    emitted, lens, drafts = [], [], []
+                state.num_tokens += len(emitted)
+                state.output_token_ids.extend(emitted)
+                sampled_per_req.append(emitted)
+                num_drafts_per_req.append(sum(drafts))
+                step_runs.append(list(zip(drafts, lens, strict=True)))
+            return ModelRunnerOutput(
+                req_ids=req_ids,
+                sampled_token_ids=sampled_per_req,
+                num_draft_tokens=num_drafts_per_req,
+                step_runs=step_runs,
+                failed_requests=failed,
+            )
 
         return StepHandle(finish=finish, host=host, ready=ready)
 
@@ -1696,7 +1792,7 @@ class ModelRunner:
         computed = [s.num_computed_tokens for s in states]
         writable = (
             [min(len(s.block_ids) * self.block_size, self.max_model_len) for s in states]
-            if self._greedy_draft_steps
+            if self._greedy_draft_steps or (self.spec is not None and self.spec.uses_draft_model)
             else None
         )
         if self._pending_start is not None:

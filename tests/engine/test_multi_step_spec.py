@@ -1,8 +1,9 @@
 """Multi-step plans in a speculating engine: a plan at k = 0 that proposes nothing (the policy's choice for it
 and the next plan) runs several decode steps, the draft model falls behind by them and catches up in its next
-pass. Greedy output equals the engine without speculation, in both loops; the drafts after a run are exactly
-those of a draft that caught up at every run; the debug mode (on in tests) checks the host's reconciled
-counts against the device's after every plan."""
+pass. With a draft model, a plan at a steady k > 0 (verifying k and proposing k) runs several verification
+steps, each one's drafts proposed on the device by the step before. Greedy output equals the engine without
+speculation, in both loops; the drafts after a run are exactly those of a draft that caught up at every run;
+the debug mode (on in tests) checks the host's reconciled counts against the device's after every plan."""
 
 from __future__ import annotations
 
@@ -38,8 +39,10 @@ def test_multi_step_plans_at_k0_keep_greedy_output(method, async_scheduling):
     got = llm.generate(prompts, params)
     assert_same_outputs(ref, got, f"{method}, multi-step plans at k = 0")
     stats = llm.stats()
-    assert any(steps > 1 for _, _, steps in plans), "no plan took several steps"
-    assert all(k == 0 and proposed == 0 for k, proposed, steps in plans if steps > 1), plans
+    assert any(steps > 1 and k == 0 for k, _, steps in plans), "no plan at k = 0 took several steps"
+    # Runs at k > 0 only with the draft model, and only at a steady k.
+    steady = 0 if method == "ngram" else 4
+    assert all(k == proposed in (0, steady) for k, proposed, steps in plans if steps > 1), plans
     assert stats["num_device_steps"] > stats["num_steps"]
     assert stats.get("spec_steps_with_k_4", 0) > 0 and stats["spec_num_accepted_tokens"] > 0
     assert_kv_free(stats)
@@ -99,3 +102,57 @@ def test_plans_follow_the_draft_lag_bound():
     assert_same_outputs(ref, got, "draft lag bound 2")
     assert max(steps for _, _, steps in plans) == 3
     assert_kv_free(llm.stats())
+
+
+def _speculative_runs(plans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    return [p for p in plans if p[2] > 1 and p[0] > 0]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("k", [4, 2])
+def test_multi_step_speculative_plans_keep_greedy_output(k, async_scheduling):
+    """At a steady k every plan that may take several steps does: the output equals the engine without
+    speculation's, token for token (EOS may end a request inside a run), the statistics count the drafts of the
+    steps before each request's end, and no KV block is left behind."""
+    prompts = [p[:60] for p in load_prompts(6)]
+    params = [SamplingParams(temperature=0.0, max_tokens=30 + 9 * i, ignore_eos=i % 2 == 0) for i in range(6)]
+    ref = make_llm(**CONFIG).generate(prompts, params)
+    single = make_llm(method="draft_model", k=k, num_scheduler_steps=1, **CONFIG)
+    script_k(single, [k])
+    single_out = single.generate(prompts, params)
+    llm = make_llm(method="draft_model", k=k, num_scheduler_steps=4, async_scheduling=async_scheduling, **CONFIG)
+    script_k(llm, [k])
+    plans = record_plans(llm)
+    got = llm.generate(prompts, params)
+    assert_same_outputs(ref, got, f"multi-step plans at k = {k}")
+    runs = _speculative_runs(plans)
+    assert len(runs) > 5 and all(p == (k, k, p[2]) for p in runs), plans
+    stats, single_stats = llm.stats(), single.stats()
+    assert stats["num_device_steps"] > stats["num_steps"]
+    # The same drafts at the same positions: the steps of the runs accept what single steps accepted, but the
+    # single steps verify fewer drafts near max_tokens (a run verifies k to the end).
+    accepted, single_accepted = stats["spec_num_accepted_tokens"], single_stats["spec_num_accepted_tokens"]
+    assert 0 < single_accepted <= accepted <= single_accepted + len(prompts) * k
+    assert single_stats["spec_num_draft_tokens"] <= stats["spec_num_draft_tokens"]
+    assert stats["num_generation_tokens"] == sum(len(o.token_ids) for o in got)
+    for a, b in zip(got, single_out, strict=True):
+        assert a.token_ids == b.token_ids
+    assert_kv_free(stats)
+
+
+def test_multi_step_speculative_plans_under_preemption():
+    """A pool too small for every request's runs: preemptions happen between and inside runs' plans (the
+    asynchronous loop), and the output still equals the engine without speculation's."""
+    prompts = [p[:60] for p in load_prompts(8)]
+    params = [SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True) for _ in prompts]
+    config = dict(CONFIG, num_kv_blocks=40)
+    ref = make_llm(**config).generate(prompts, params)
+    llm = make_llm(method="draft_model", k=4, num_scheduler_steps=4, async_scheduling=True, **config)
+    script_k(llm, [4])
+    plans = record_plans(llm)
+    got = llm.generate(prompts, params)
+    assert_same_outputs(ref, got, "multi-step plans at k = 4 under preemption")
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    assert _speculative_runs(plans)
+    assert_kv_free(stats)
