@@ -59,3 +59,43 @@ def test_multi_step_plans_at_k0_make_no_host_sync(async_scheduling, monkeypatch)
     step_without_host_sync(engine)
     assert sum(steps > 1 for _, _, steps in plans) > 5, plans
     assert llm.stats()["num_free_kv_blocks"] == llm.stats()["num_kv_blocks"]
+
+
+def _speculative_runs(plans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    return [p for p in plans if p[2] > 1 and p[0] > 0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_multi_step_speculative_plans_equal_the_plain_engine_on_gpu(async_scheduling):
+    """fp32 greedy with CUDA graphs, the draft model at a steady k = 4 and at k changing between plans: runs of
+    verification steps (head, forward and verification tail, the draft's step graph, back to back) give the
+    output of the engine without speculation, through joins, finishes and preemption."""
+    ref = _llm(None, "float32", num_scheduler_steps=1).generate(_prompts(), _params())
+    for pattern in ([4], [4, 4, 4, 2, 2, 2, 0, 4, 4]):
+        llm = _llm("draft_model", "float32", num_scheduler_steps=4, async_scheduling=async_scheduling)
+        script_k(llm, pattern)
+        plans = record_plans(llm)
+        got = llm.generate(_prompts(), _params())
+        assert_same_outputs(ref, got, f"multi-step plans at k = {pattern}")
+        stats = llm.stats()
+        assert len(_speculative_runs(plans)) > 3, plans
+        assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+        assert stats["cuda_graph_verify_tail_replays"] > 10 and stats["cuda_graph_draft_step_replays"] > 10, stats
+        assert stats["spec_num_accepted_tokens"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_multi_step_speculative_plans_make_no_host_sync(async_scheduling, monkeypatch):
+    """bf16 draft model at a steady k = 4, runs of four verification steps, under set_sync_debug_mode("error")."""
+    monkeypatch.setenv("ASYNCSPEC_DEBUG_INVARIANTS", "0")  # the debug checks read the device
+    llm = _llm("draft_model", "bfloat16", num_scheduler_steps=4, async_scheduling=async_scheduling)
+    script_k(llm, [4])
+    plans = record_plans(llm)
+    engine = llm.engine
+    for i, (prompt, params) in enumerate(zip(_prompts(), _params(), strict=True)):
+        engine.add_request(engine.make_request(prompt, params, f"r{i}"), stream_deltas=False)
+    step_without_host_sync(engine)
+    assert len(_speculative_runs(plans)) > 3, plans
+    assert llm.stats()["num_free_kv_blocks"] == llm.stats()["num_kv_blocks"]
