@@ -237,8 +237,12 @@ class Scheduler:
             if threshold > 0 and num_new > 1:
                 num_new = min(num_new, threshold)
             elif num_new == 1 and spec_k and (placeholders or request.output_token_ids):
-                # A decode after a sampling step: the worker holds up to k drafts to verify.
-                num_drafts = self._num_drafts_for(request, computed, spec_k, max_model_len)
+                # A decode after a sampling step: the worker holds up to k drafts to verify. A run's steps verify
+                # k whatever max_tokens keeps (its tokens past it are dropped, as at k = 0).
+                if num_steps > 1:
+                    num_drafts = spec_k
+                else:
+                    num_drafts = self._num_drafts_for(request, computed, spec_k, max_model_len)
                 if num_drafts < spec_k and placeholders and request.sampling_params.seed is not None:
                     # Near its end the drafts a request verifies depend on what the step in flight
                     # accepts; a seeded stream's draws depend on them: plan it once that is known.
@@ -389,9 +393,9 @@ class Scheduler:
         max_draft_lag + 1 steps (its lag bound). A request that the steps in flight already end is not planned:
         it sets no bound.
 
-        At k > 0 (multi_step_speculation) every step verifies k drafts a request: each planned request must have
-        room for k drafts before its max_tokens (`_num_drafts_for`), and for every step's 1 + k tokens and the
-        last step's k proposals before max_model_len."""
+        At k > 0 (multi_step_speculation) every step verifies k drafts a request, also past its max_tokens (where
+        a single step verifies fewer, `_num_drafts_for`): each planned request needs room for every step's 1 + k
+        tokens and the last step's k proposals before max_model_len, and no stop string."""
         max_model_len = self.config.max_model_len
         num_steps = self.steps_per_plan
         if self.config.max_draft_lag and not k:
@@ -412,8 +416,6 @@ class Scheduler:
             if num_tokens - request.num_computed_tokens != 1:
                 return 1
             if k:
-                if left <= k:
-                    return 1  # fewer than k drafts could be kept: this step verifies fewer (not uniform)
                 if params.stop:
                     return 1  # a stop string cuts one step's run (the output processor uncounts its drafts)
                 # Steps that fit: n (1 + k) tokens and k proposal slots after them, below max_model_len.
