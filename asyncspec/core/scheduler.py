@@ -203,6 +203,7 @@ class Scheduler:
         # policy's choice before the run: a run admits no request, so the batch it saw is the run's).
         num_steps = 1
         next_k: int | None = None
+        prompts_pending = False  # a prompt (or a recompute) this plan leaves unfinished
         if self.steps_per_plan > 1 and (spec_k == 0 or cfg.multi_step_speculation):
             if not self.waiting or len(running) >= cfg.max_num_seqs:
                 if cfg.num_speculative_tokens:
@@ -256,6 +257,8 @@ class Scheduler:
                 index += 1
                 continue
             end = computed + num_new
+            if end < num_tokens:
+                prompts_pending = True
             # Draft slots as _lookahead_for (inlined: hot loop).
             if end < num_tokens or not lookahead_k:
                 lookahead = 0
@@ -349,6 +352,8 @@ class Scheduler:
                 request.num_computed_tokens += num_new  # optimistic, as above
                 if request.num_computed_tokens >= request.num_tokens:
                     request.num_output_placeholders = 1
+                else:
+                    prompts_pending = True
                 token_budget -= num_new
 
         self._step_id += 1
@@ -361,7 +366,7 @@ class Scheduler:
             finished_req_ids=self._finished_since_last_step,
             preempted_req_ids=preempted_ids,
             num_speculative_tokens=spec_k,
-            num_proposals=self._next_proposals(next_k),
+            num_proposals=self._next_proposals(next_k, prompts_pending or self._admissions_pending()),
             num_draft_positions=draft_positions,
             num_steps=num_steps,
         )
@@ -373,13 +378,17 @@ class Scheduler:
         self._finished_since_last_step = set()
         return output
 
-    def _next_proposals(self, next_k: int | None) -> int:
+    def _next_proposals(self, next_k: int | None, prompts_pending: bool = False) -> int:
         """The drafts the worker proposes after this plan (the next plan's k): the choice already made when the
         plan could take several steps (no admission possible), else the policy's now that the admissions are
-        known."""
+        known; 0 when the next plan computes prompt chunks (`_plan_next_k`)."""
         if not self.config.num_speculative_tokens:
             return 0
-        return self._plan_next_k() if next_k is None else next_k
+        return self._plan_next_k(prompts_pending) if next_k is None else next_k
+
+    def _admissions_pending(self) -> bool:
+        """Requests wait that the next plan may admit (the batch has room)."""
+        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs
 
     def _multi_step_count(self, k: int = 0) -> int:
         """How many decode steps the next plan may run back to back (1: just one). Every running request must
@@ -442,14 +451,20 @@ class Scheduler:
             and not params.is_greedy
         )
 
-    def _plan_next_k(self) -> int:
+    def _plan_next_k(self, prompts_pending: bool = False) -> int:
         """Commits to the k of the next step, once this step's admissions are known: the worker
         proposes that many drafts now, and the next step verifies exactly them. The policy's k,
         except the full k while a seeded sampling request runs: how much randomness a seeded stream
         draws depends on k, and its tokens must depend neither on its neighbours (the batch size
-        steers the policy) nor on timing (the policy measures it)."""
+        steers the policy) nor on timing (the policy measures it). With adaptive speculation, 0 when the
+        next plan computes prompt chunks (`prompts_pending`: a prompt left unfinished, or admissions
+        waiting): such a plan runs eagerly or from a mixed graph, where verification is host work the
+        policy's measurements of decode steps do not see, and the prompts keep the GPU busy anyway."""
         max_k = self.config.num_speculative_tokens
-        k = self.spec_policy.choose(len(self.running))
+        if prompts_pending and self.config.adaptive_speculation:
+            k = 0
+        else:
+            k = self.spec_policy.choose(len(self.running))
         if k < max_k and any(
             r.sampling_params.seed is not None and not r.sampling_params.is_greedy for r in self.running
         ):
