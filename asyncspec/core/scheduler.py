@@ -456,12 +456,13 @@ class Scheduler:
         proposes that many drafts now, and the next step verifies exactly them. The policy's k,
         except the full k while a seeded sampling request runs: how much randomness a seeded stream
         draws depends on k, and its tokens must depend neither on its neighbours (the batch size
-        steers the policy) nor on timing (the policy measures it). With adaptive speculation, 0 when the
-        next plan computes prompt chunks (`prompts_pending`: a prompt left unfinished, or admissions
-        waiting): such a plan runs eagerly or from a mixed graph, where verification is host work the
-        policy's measurements of decode steps do not see, and the prompts keep the GPU busy anyway."""
+        steers the policy) nor on timing (the policy measures it). With adaptive speculation and
+        measured costs (as the policy: on the CPU it keeps max k), 0 when the next plan computes
+        prompt chunks (`prompts_pending`: a prompt left unfinished, or admissions waiting): such a
+        plan runs eagerly or from a mixed graph, where verification is host work that the policy's
+        measurements of decode steps do not see, and the prompts keep the GPU busy anyway."""
         max_k = self.config.num_speculative_tokens
-        if prompts_pending and self.config.adaptive_speculation:
+        if prompts_pending and self.config.adaptive_speculation and self.spec_policy.step_cost is not None:
             k = 0
         else:
             k = self.spec_policy.choose(len(self.running))
