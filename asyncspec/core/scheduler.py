@@ -427,6 +427,8 @@ class Scheduler:
             if k:
                 if params.stop:
                     return 1  # a stop string cuts one step's run (the output processor uncounts its drafts)
+                if not placeholders and not request.output_token_ids:
+                    return 1  # its prompt's last token: it samples its first token, with no drafts to verify
                 # Steps that fit: n (1 + k) tokens and k proposal slots after them, below max_model_len.
                 room = (max_model_len - num_tokens - k - 1) // (k + 1)
             else:

@@ -268,7 +268,7 @@ def check_ranks_agree(outputs: list[ModelRunnerOutput]) -> None:
     would compute a different batch each, silently: this is the invariant that rules it out."""
     first = outputs[0]
     for rank, other in enumerate(outputs[1:], start=1):
-        for field in ("req_ids", "sampled_token_ids", "num_draft_tokens", "device_num_computed_tokens"):
+        for field in ("req_ids", "sampled_token_ids", "num_draft_tokens", "step_runs", "device_num_computed_tokens"):
             if getattr(other, field) != getattr(first, field):
                 raise AssertionError(
                     f"tensor-parallel rank {rank} parted from rank 0 in {field}: "

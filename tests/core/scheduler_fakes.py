@@ -86,8 +86,12 @@ class FakeRunner:
         for rid in req_ids:
             n = so.num_scheduled_tokens[rid]
             row = self.rows[rid]
-            if num_steps > 1:  # a multi-step plan: decodes only, one token a step
-                assert n == 1 and row.num_computed_tokens + 1 >= row.num_tokens, (rid, n, row)
+            if num_steps > 1:  # a multi-step plan: decodes only, one token a step (1 + k with speculation)
+                assert n == 1 + so.num_speculative_tokens and row.num_computed_tokens + 1 >= row.num_tokens, (
+                    rid,
+                    n,
+                    row,
+                )
             if self.check and rid in self.scheduler.requests:  # (not aborted since schedule())
                 assert n > 0
                 # The block table the worker built from diffs is the manager's, and covers the step.
@@ -98,8 +102,20 @@ class FakeRunner:
                 if row.num_computed_tokens + n >= row.num_tokens:
                     out.append(self.token_fn(rid, row.num_tokens))
                     row.num_tokens += 1
-                row.num_computed_tokens += n
+                    # Every draft is rejected: the step computes the last known token only.
+                    row.num_computed_tokens = row.num_tokens - 1
+                else:
+                    row.num_computed_tokens += n
             sampled.append(out)
+        k = so.num_speculative_tokens
+        if num_steps > 1 and k:
+            # A multi-step speculative plan: each step verified k drafts and emitted one token.
+            return ModelRunnerOutput(
+                req_ids=req_ids,
+                sampled_token_ids=sampled,
+                num_draft_tokens=[k * num_steps] * len(req_ids),
+                step_runs=[[(k, 1)] * num_steps for _ in req_ids],
+            )
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
 
 

@@ -258,3 +258,67 @@ def test_a_plan_before_speculation_resumes_takes_one_step():
     assert plans == [(4, 0, 1), (0, 0, 4), (0, 2, 1)]
     so = s.schedule()
     assert so.num_speculative_tokens == 2 and so.num_scheduled_tokens["a"] == 3  # 1 + its 2 drafts
+
+
+def test_steady_speculation_runs_several_verification_steps():
+    """With multi_step_speculation a plan at a steady k (it verifies k, the next verifies k) takes several steps:
+    every request is scheduled 1 + k tokens a step, with slots for every step and the last one's k proposals;
+    runs may pass max_tokens, never max_model_len; a request with a stop string, or one about to sample its first
+    token, keeps plans to one step. The tokens equal those of one step a plan (the fake worker rejects every
+    draft), and the blocks all come back."""
+    prompt_len = {"a": 6, "b": 9, "c": 5, "d": 7}
+    token_fn = _eos_after({"c": 10}, prompt_len)
+    results, all_plans = [], []
+    for multi in (False, True):
+        s = _speculating_scheduler(multi_step_speculation=multi)
+        s.spec_policy.choose = lambda num_decodes: 4  # type: ignore[method-assign]
+        runner = FakeRunner(s, token_fn)
+        for r in (
+            _greedy("a", 6, max_tokens=13),
+            _greedy("b", 9, max_tokens=30),
+            _greedy("c", 5, max_tokens=None, eos=frozenset({EOS})),
+            _greedy("d", 7, max_tokens=None),  # up to max_model_len (64)
+        ):
+            s.add_request(r)
+        tokens: dict[str, list[int]] = {}
+        reasons: dict[str, str | None] = {}
+        plans = []
+        kv = s.kv_cache_manager
+        while s.has_unfinished_requests():
+            so = s.schedule()
+            plans.append((so.num_speculative_tokens, so.num_proposals, so.num_steps))
+            if so.num_steps > 1:
+                assert so.num_speculative_tokens == so.num_proposals == 4
+                for rid, n in so.num_scheduled_tokens.items():
+                    assert n == 5 and so.num_draft_positions[rid] == 4
+                    request = s.requests[rid]
+                    # Slots for every step's 1 + k tokens and the last step's k proposals, below max_model_len.
+                    held = len(kv.get_block_ids(rid)) * kv.block_size
+                    start = request.num_computed_tokens - 5 * so.num_steps
+                    assert held >= start + 5 * so.num_steps + 4 and start + 5 * so.num_steps + 4 <= 64
+            for o in s.update_from_output(so, runner.execute(so)):
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                reasons[o.request_id] = o.finish_reason
+        assert kv.num_free_blocks == kv.num_blocks
+        results.append((tokens, reasons))
+        all_plans.append(plans)
+    assert results[1] == results[0]
+    single, multi = all_plans
+    assert all(steps == 1 for _, _, steps in single)
+    assert sum(steps > 1 for _, _, steps in multi) >= 3, multi
+    assert len(multi) < len(single)
+    assert len(results[1][0]["d"]) == 64 - 7  # to max_model_len, the last plans one step each
+    assert len(results[1][0]["a"]) == 13 and results[1][1]["c"] == "stop"
+
+
+def test_steady_speculation_keeps_one_step_for_a_stop_string():
+    s = _speculating_scheduler(multi_step_speculation=True)
+    s.spec_policy.choose = lambda num_decodes: 4  # type: ignore[method-assign]
+    runner = FakeRunner(s)
+    s.add_request(_greedy("a", 6, max_tokens=30))
+    s.add_request(_greedy("b", 5, max_tokens=30, stop=["x"]))
+    steps = []
+    for _ in range(8):
+        so, _ = step(s, runner)
+        steps.append(so.num_steps)
+    assert steps == [1] * 8
