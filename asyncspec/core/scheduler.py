@@ -206,10 +206,14 @@ class Scheduler:
         prompts_pending = False  # a prompt (or a recompute) this plan leaves unfinished
         if self.steps_per_plan > 1 and (spec_k == 0 or cfg.multi_step_speculation):
             if not self.waiting or len(running) >= cfg.max_num_seqs:
-                if cfg.num_speculative_tokens:
-                    next_k = self._plan_next_k()
-                if (next_k or 0) == spec_k:  # a steady k: this plan verifies it and proposes it again
-                    num_steps = self._multi_step_count(spec_k)
+                # Every request a decode and no admission possible: no prompt chunk in this plan or the next, so
+                # the policy may choose the next k now (its only choice for this plan).
+                count = self._multi_step_count(spec_k)
+                if count > 1:
+                    if cfg.num_speculative_tokens:
+                        next_k = self._plan_next_k()
+                    if (next_k or 0) == spec_k:  # a steady k: this plan verifies it and proposes it again
+                        num_steps = count
         if num_steps > 1:
             # Each step computes 1 + k tokens a request; the last one's k proposals need slots too.
             lookahead_k = (num_steps - 1) * (spec_k + 1) + spec_k
@@ -305,6 +309,7 @@ class Scheduler:
             index += 1
 
         # 2. Waiting requests, unless memory was short this step.
+        memory_short = bool(preempted_ids)
         if not preempted_ids:
             while self.waiting and token_budget > 0 and len(self.running) < cfg.max_num_seqs:
                 request = self.waiting.peek()
@@ -328,6 +333,7 @@ class Scheduler:
                     request, num_new, lookahead, new_computed_blocks=computed_blocks, num_new_computed_tokens=num_hit
                 )
                 if new_block_ids is None:
+                    memory_short = True
                     break
                 self.waiting.pop()
                 if request.num_computed_tokens == 0 and cfg.enable_prefix_caching:
@@ -366,7 +372,9 @@ class Scheduler:
             finished_req_ids=self._finished_since_last_step,
             preempted_req_ids=preempted_ids,
             num_speculative_tokens=spec_k,
-            num_proposals=self._next_proposals(next_k, prompts_pending or self._admissions_pending()),
+            num_proposals=self._next_proposals(
+                next_k, prompts_pending or (not memory_short and self._admissions_pending())
+            ),
             num_draft_positions=draft_positions,
             num_steps=num_steps,
         )
@@ -387,7 +395,8 @@ class Scheduler:
         return self._plan_next_k(prompts_pending) if next_k is None else next_k
 
     def _admissions_pending(self) -> bool:
-        """Requests wait that the next plan may admit (the batch has room)."""
+        """Requests wait that the next plan may admit: the batch has room (the caller rules out a wait for KV
+        memory, which would otherwise keep speculation off for as long as the pool is full)."""
         return bool(self.waiting) and len(self.running) < self.config.max_num_seqs
 
     def _multi_step_count(self, k: int = 0) -> int:

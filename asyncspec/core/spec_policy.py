@@ -119,7 +119,7 @@ class SpeculationPolicy:
             probed = self._probed
             longest = 16 * self.probe_interval
             grown = min(2 * self._intervals.get(probed, self.probe_interval), longest)
-            if rates[probed] < self.probe_threshold * rates[k]:
+            if rates[probed] < self.probe_threshold * max(rates.values()):
                 grown = longest
             self._intervals[probed] = self.probe_interval if k == probed else grown
             self._probed = None

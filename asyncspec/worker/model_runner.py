@@ -1234,6 +1234,7 @@ class ModelRunner:
             not self.spec.uses_draft_model
             or not self._only_greedy(num_reqs, num_reqs)
             or step.query_len != query_len
+            or step.num_tokens != num_reqs * query_len
             or so.num_proposals != k
             or any(s.draft_lag for s in states)
         ):

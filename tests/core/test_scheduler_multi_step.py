@@ -322,3 +322,38 @@ def test_steady_speculation_keeps_one_step_for_a_stop_string():
         so, _ = step(s, runner)
         steps.append(so.num_steps)
     assert steps == [1] * 8
+
+
+def test_a_request_waiting_for_memory_keeps_speculation_on():
+    """With measured costs a plan proposes no drafts while admissions are pending (the next plan computes prompt
+    chunks), but a request that waits for KV memory is no admission: the plans that admit nothing go on
+    speculating."""
+    s = make_scheduler(
+        num_blocks=40,
+        block_size=4,
+        max_model_len=256,
+        num_scheduler_steps=4,
+        num_speculative_tokens=4,
+        num_lookahead_tokens=4,
+        max_num_batched_tokens=80,
+        max_num_seqs=16,
+        multi_step_speculation=True,
+    )
+    s.spec_policy.step_cost = lambda num_decodes, k: 1e-3
+    s.spec_policy.choose = lambda num_decodes: 4  # type: ignore[method-assign]
+    runner = FakeRunner(s)
+    for i in range(4):
+        s.add_request(_greedy(f"r{i}", 20, max_tokens=40))
+    blocked = []  # drafts proposed by each plan that left every waiting request waiting (no memory for them)
+    for j in range(40):
+        if j == 3:
+            s.add_request(_greedy("w", 60, max_tokens=40))  # no room for it until a request ends
+        waiting_before = len(s.waiting)
+        so = s.schedule()
+        if waiting_before and not so.scheduled_new_reqs and len(s.waiting) >= waiting_before:
+            blocked.append(so.num_proposals)
+        s.update_from_output(so, runner.execute(so))
+        if not s.has_unfinished_requests():
+            break
+    assert len(blocked) > 10, blocked
+    assert blocked.count(4) >= 0.9 * len(blocked), blocked

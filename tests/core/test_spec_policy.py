@@ -403,8 +403,9 @@ def test_steps_that_verify_no_draft_sample_plainly(method):
     assert all(plain != verified for verified, plain in decisions), decisions
 
 
+@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
 @pytest.mark.parametrize("method", METHODS)
-def test_no_drafts_for_plans_that_compute_prompts(method):
+def test_no_drafts_for_plans_that_compute_prompts(method, num_scheduler_steps):
     """With measured costs, a plan that leaves a prompt unfinished, or requests waiting with room in the batch,
     proposes no drafts: the next plan computes prompt chunks and verifies nothing. Once prompts are done the
     policy's k (scripted: 4) comes back; output stays the plain engine's."""
@@ -412,7 +413,7 @@ def test_no_drafts_for_plans_that_compute_prompts(method):
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     config = dict(CONFIG, max_num_batched_tokens=48, max_num_seqs=4)
     ref = make_llm(**config).generate(prompts, params)
-    llm = make_llm(method=method, k=4, **config)
+    llm = make_llm(method=method, k=4, num_scheduler_steps=num_scheduler_steps, **config)
     script_k(llm, [4])
     scheduler = llm.engine.engine_core.scheduler
     schedule = scheduler.schedule
