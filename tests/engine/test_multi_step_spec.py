@@ -141,18 +141,30 @@ def test_multi_step_speculative_plans_keep_greedy_output(k, async_scheduling):
 
 
 def test_multi_step_speculative_plans_under_preemption():
-    """A pool too small for every request's runs: preemptions happen between and inside runs' plans (the
-    asynchronous loop), and the output still equals the engine without speculation's."""
+    """A pool too small for every request's runs (the asynchronous loop): a run's plan preempts requests to get
+    its slots while the plan before it is in flight, and the output still equals the engine without
+    speculation's."""
     prompts = [p[:60] for p in load_prompts(8)]
     params = [SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True) for _ in prompts]
     config = dict(CONFIG, num_kv_blocks=40)
     ref = make_llm(**config).generate(prompts, params)
     llm = make_llm(method="draft_model", k=4, num_scheduler_steps=4, async_scheduling=True, **config)
     script_k(llm, [4])
-    plans = record_plans(llm)
+    scheduler = llm.engine.engine_core.scheduler
+    schedule = scheduler.schedule
+    plans: list[tuple[int, int, int, int]] = []  # (k, proposals, steps, requests preempted)
+
+    def recording():
+        so = schedule()
+        plans.append((so.num_speculative_tokens, so.num_proposals, so.num_steps, len(so.preempted_req_ids)))
+        return so
+
+    scheduler.schedule = recording
     got = llm.generate(prompts, params)
     assert_same_outputs(ref, got, "multi-step plans at k = 4 under preemption")
     stats = llm.stats()
     assert stats["num_preemptions"] > 0
-    assert _speculative_runs(plans)
+    assert _speculative_runs([p[:3] for p in plans])
+    # A run's own plan preempted requests for its slots, with the plan before it still in flight.
+    assert any(k > 0 and steps > 1 and preempted for k, _, steps, preempted in plans), plans
     assert_kv_free(stats)
