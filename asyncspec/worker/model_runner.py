@@ -1175,19 +1175,7 @@ class ModelRunner:
         tokens = torch.empty((num_steps, num_reqs), dtype=torch.int64, device=self.device)
         for j in range(num_steps):
             if j:
-                if bucket is not None and graphs is not None and graphs.has_head(bucket, 1):
-                    graphs.replay_head(bucket, 1)
-                else:
-                    padded = bucket if bucket is not None else num_reqs
-                    step.inputs.fill(
-                        self._prepare_kernel,
-                        self._meta_dev,
-                        padded,
-                        padded,
-                        self.input_batch.token_ids,
-                        self.block_size,
-                        resolve=(num_reqs, self.input_batch.num_computed_dev),
-                    )
+                self._next_step_inputs(step, num_reqs, 1)
                 hidden_states = self._forward(step)
             if in_graph:
                 assert graphs is not None and bucket is not None
@@ -1212,6 +1200,24 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_per_req, failed_requests=failed)
 
         return StepHandle(finish=finish, host=host, ready=ready)
+
+    def _next_step_inputs(self, step: StepInputs, num_reqs: int, query_len: int) -> None:
+        """A run's next step's inputs, built on the device from the device's counts (which the step before
+        advanced): the bucket's head graph, or its kernel launched directly."""
+        graphs, bucket = self.cuda_graphs, step.graph_bucket
+        if bucket is not None and graphs is not None and graphs.has_head(bucket, query_len):
+            graphs.replay_head(bucket, query_len)
+            return
+        padded = bucket if bucket is not None else num_reqs
+        step.inputs.fill(
+            self._prepare_kernel,
+            self._meta_dev,
+            padded,
+            padded * query_len,
+            self.input_batch.token_ids,
+            self.block_size,
+            resolve=(num_reqs, self.input_batch.num_computed_dev),
+        )
 
     def _launch_speculative_steps(
         self,
@@ -1244,26 +1250,13 @@ class ModelRunner:
             )
         proposer = self.spec.proposer
         assert isinstance(proposer, DraftModelProposer)
-        graphs, bucket = self.cuda_graphs, step.graph_bucket
         tokens = torch.empty((num_steps, num_reqs, query_len), dtype=torch.int64, device=self.device)
         accepted = torch.empty((num_steps, num_reqs), dtype=torch.int64, device=self.device)
         valid = torch.empty((num_steps, num_reqs), dtype=torch.int64, device=self.device)
         rows = self._meta_dev[7, :num_reqs]
         for j in range(num_steps):
             if j:
-                if bucket is not None and graphs is not None and graphs.has_head(bucket, query_len):
-                    graphs.replay_head(bucket, query_len)
-                else:
-                    padded = bucket if bucket is not None else num_reqs
-                    step.inputs.fill(
-                        self._prepare_kernel,
-                        self._meta_dev,
-                        padded,
-                        padded * query_len,
-                        self.input_batch.token_ids,
-                        self.block_size,
-                        resolve=(num_reqs, self.input_batch.num_computed_dev),
-                    )
+                self._next_step_inputs(step, num_reqs, query_len)
                 hidden_states = self._forward(step)
             greedy = self._verify_greedily(hidden_states, step, num_reqs, query_len)
             tokens[j] = greedy.output_token_ids[:num_reqs, :query_len]
