@@ -22,7 +22,7 @@ from torch import Tensor
 
 from asyncspec.errors import ConfigError
 from asyncspec.layers.attention import select_backend
-from asyncspec.layers.attention_metadata import StaticInputs
+from asyncspec.layers.attention_metadata import AttentionMetadata, StaticInputs
 from asyncspec.layers.sampler import (
     SamplingMetadata,
     check_token_ids,
@@ -287,6 +287,13 @@ class DraftModelProposer:
             token = self.model.compute_logits(hidden).argmax(dim=-1)
             self._loop_tokens[:bucket, j] = token
         return self._loop_tokens[:bucket, :num_proposals]
+
+    def forward_on(self, input_ids: Tensor, positions: Tensor, metadata: AttentionMetadata) -> None:
+        """The draft's forward pass over a step's inputs built for the target (same block tables): its KV at
+        the step's slots, and nothing proposed."""
+        if self.debug_invariants:
+            check_token_ids(input_ids, self.model_config.vocab_size, "the draft's embedding")
+        self.model(input_ids, positions, self.kv_caches, metadata)
 
     def propose(self, step: DraftStep) -> tuple[Tensor, Tensor | None]:
         """Catches up on the step, then proposes step.num_proposals tokens per sampling request.

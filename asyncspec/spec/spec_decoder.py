@@ -119,6 +119,10 @@ class SpeculativeDecoder:
         if rows:
             self.num_draft_tokens.index_fill_(0, host_list_to_device(rows, self.device), 0)
 
+    def clear_drafts(self, rows: Tensor) -> None:
+        """The rows (device) have no drafts for their next step (it verifies nothing)."""
+        self.num_draft_tokens.index_fill_(0, rows, 0)
+
     # -- 2. a preempted seeded request keeps its drafts ------------------------------------------
     def park_drafts(self, request_id: str, row: int) -> None:
         """Keeps a row's sampled drafts for its request, preempted now (device copies, ordered after the step

@@ -135,6 +135,7 @@ class CudaGraphForward:
         tail_query_lens: Iterable[int] = (),
         head: StepHead | None = None,
         mixed_sizes: Iterable[tuple[int, int]] = (),
+        pool: Any = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -145,8 +146,9 @@ class CudaGraphForward:
         self.device = device
         self.mixed_sizes = sorted(set(mixed_sizes))
         """(request bucket, token bucket) of the mixed graphs (see `mixed_graph_sizes`)."""
-        max_reqs = max([self.batch_sizes[-1], *(r for r, _ in self.mixed_sizes)])
-        max_tokens = max([self.batch_sizes[-1] * self.query_lens[-1], *(t for _, t in self.mixed_sizes)])
+        largest = [b * q for b in self.batch_sizes[-1:] for q in self.query_lens[-1:]]
+        max_reqs = max([*self.batch_sizes[-1:], *(r for r, _ in self.mixed_sizes)], default=0)
+        max_tokens = max([*largest, *(t for _, t in self.mixed_sizes)], default=0)
         if static.query_start_loc.shape[0] <= max_reqs or static.input_ids.shape[0] < max_tokens:
             raise ValueError("the static inputs are smaller than the largest graph")
         self._mixed: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -162,7 +164,9 @@ class CudaGraphForward:
         self.head = head
         self._heads: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         """(bucket, q) -> the head's graph: the step's inputs built for that bucket."""
-        self._pool: Any = None  # the first graph's private memory pool handle
+        self._pool: Any = pool
+        """The graphs' private memory pool: another object's (`pool`, graphs that never run at the same time), or
+        the first graph's."""
         self.num_replays = 0
         """Forward passes served by a graph (tests and benchmarks read it)."""
         self.num_eager = 0
@@ -175,6 +179,11 @@ class CudaGraphForward:
         """Speculative steps whose greedy verification was replayed from a tail graph."""
         self.replay_seconds: dict[tuple[int, int], float] = {}
         """Device time of one replay per (batch size, query length), measured at capture."""
+
+    @property
+    def pool(self) -> Any:
+        """The private memory pool of these graphs (None before the first capture)."""
+        return self._pool
 
     # -- capture -----------------------------------------------------------------------------
     def _run_static(self, num_reqs: int, num_tokens: int, max_query_len: int) -> torch.Tensor:

@@ -162,6 +162,11 @@ GREEDY_DRAFT_STEP_GRAPH_ENV = "ASYNCSPEC_GREEDY_DRAFT_STEP_GRAPH"
 proposal-loop graph with host work between them, instead of one graph (docs/benchmarks.md: the
 bundled pair's synchronous step 1.64 -> 1.24 ms of wall time with the one graph)."""
 
+DRAFT_ON_TARGET_INPUTS_ENV = "ASYNCSPEC_DRAFT_ON_TARGET_INPUTS"
+"""Set to 0 to make the draft's catch-up over a step that proposes nothing (a plan of prompt chunks) build inputs of
+its own, as a step that proposes does, instead of running on the target's step inputs (a graph per mixed graph of
+the target: no host work of the draft's own)."""
+
 GRAPH_STATS = (
     "cuda_graph_replays",
     "cuda_graph_decode_tail_replays",
@@ -173,13 +178,15 @@ GRAPH_STATS = (
     "cuda_graph_input_replays",
     "step_meta_copies",
     "step_block_table_copies",
+    "draft_on_target_inputs_steps",
 )
 """The counters of `ModelRunner.graph_stats` (a tensor-parallel executor starts from them at 0);
 `cuda_graph_mixed_replays` counts the forward passes of mixed steps (prompt chunks) replayed from a graph (they
 are in `cuda_graph_replays` too); `cuda_graph_input_replays` counts the graphed steps whose inputs were built by
 a graph too; the last two
 count the steps that copied their per-request meta and their block tables to the device (a steady decode
-batch copies neither)."""
+batch copies neither); `draft_on_target_inputs_steps` counts the draft's catch-ups run on the target's step inputs
+(`ModelRunner._draft_on_target_inputs`)."""
 
 
 class GreedyDecodeTail:
@@ -299,6 +306,11 @@ class ModelRunner:
         self.cuda_graphs: CudaGraphForward | None = None
         """The target's graphs (captured with the KV cache); None runs every step eagerly."""
         self.draft_cuda_graphs: CudaGraphForward | None = None
+        self.draft_on_target_graphs: CudaGraphForward | None = None
+        """The draft model's graphs over the target's step inputs, one per mixed graph of the target
+        (`_draft_on_target_inputs`)."""
+        self.num_draft_on_target_steps = 0
+        """Steps whose draft catch-up ran on the target's step inputs."""
         self.debug_invariants = False
         """Check at each boundary that no placeholder or out-of-vocabulary id is fed to a model, and
         report the device's computed counts with each step (tests; synchronizes the device)."""
@@ -673,6 +685,10 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         self._forget_device_inputs()
+        # The draft's graphs over the target's mixed steps share the draft's pool; their outputs stay allocated.
+        if self.spec is not None and isinstance(self.spec.proposer, DraftModelProposer):
+            hidden_bytes = self.spec.proposer.model_config.hidden_size * self.dtype.itemsize
+            total += sum(t for _, t in self._draft_on_target_mixed_sizes()) * hidden_bytes
         # Each smaller graph adds a little (kernel parameters, allocator rounding).
         return int(total * 1.1)
 
@@ -750,7 +766,46 @@ class ModelRunner:
                 )
                 if os.environ.get(GREEDY_DRAFT_STEP_GRAPH_ENV, "1") != "0":
                     self._capture_greedy_draft_steps(graphs)
+                self._capture_draft_on_target_graphs(graphs)
         self._forget_device_inputs()
+
+    def _draft_on_target_mixed_sizes(self) -> list[tuple[int, int]]:
+        """The mixed graphs of the target that get a draft graph over the same inputs (none when the switch is off)."""
+        if self.spec is None or not self.spec.uses_draft_model or not self._draft_on_target_enabled():
+            return []
+        return self._mixed_graph_sizes(self._inputs)
+
+    @staticmethod
+    def _draft_on_target_enabled() -> bool:
+        return os.environ.get(DRAFT_ON_TARGET_INPUTS_ENV, "1") != "0"
+
+    def _capture_draft_on_target_graphs(self, draft_graphs: CudaGraphForward) -> None:
+        """For each mixed graph of the target: the draft's forward pass over the same step inputs, in the draft
+        graphs' pool (they never run at the same time)."""
+        assert self.spec is not None and isinstance(self.spec.proposer, DraftModelProposer)
+        mixed = self._draft_on_target_mixed_sizes()
+        if not mixed:
+            return
+        proposer = self.spec.proposer
+        graphs = CudaGraphForward(
+            proposer.model,
+            proposer.kv_caches,
+            self.block_size,
+            self._inputs,
+            [],
+            [],
+            self.device,
+            mixed_sizes=mixed,
+            pool=draft_graphs.pool,
+        )
+        stats = graphs.capture()
+        self.draft_on_target_graphs = graphs
+        logger.info(
+            "captured %d CUDA graphs of the draft over the target's mixed steps in %.2f s, %.1f MiB",
+            stats.num_graphs,
+            stats.seconds,
+            stats.memory_bytes / 2**20,
+        )
 
     def _capture_greedy_draft_steps(self, draft_graphs: CudaGraphForward) -> None:
         """For each verification graph with a greedy tail: the draft's whole step after it (catch-up,
@@ -785,7 +840,7 @@ class ModelRunner:
     def graph_stats(self) -> dict[str, int]:
         """Forward passes replayed from a CUDA graph and run eagerly, target and draft together, and
         the decode steps whose greedy sampling replayed the decode tail."""
-        graphs = [g for g in (self.cuda_graphs, self.draft_cuda_graphs) if g is not None]
+        graphs = [g for g in (self.cuda_graphs, self.draft_cuda_graphs, self.draft_on_target_graphs) if g is not None]
         counts = (
             sum(g.num_replays for g in graphs),
             sum(g.num_decode_tail_replays for g in graphs),
@@ -797,6 +852,7 @@ class ModelRunner:
             sum(g.num_head_replays for g in graphs),
             self.num_meta_copies,
             self.num_block_table_copies,
+            self.num_draft_on_target_steps,
         )
         return dict(zip(GRAPH_STATS, counts, strict=True))
 
@@ -1073,7 +1129,8 @@ class ModelRunner:
                 step,
             )
         if not sampling_rows:
-            if self.spec is not None:  # the draft's KV follows every prefill chunk
+            # The draft's KV follows every prefill chunk.
+            if self.spec is not None and not self._draft_on_target_inputs(so, states, step, None):
                 no_rows = torch.empty(0, dtype=torch.int64, device=self.device)
                 self._propose_without_drafts(states, num_scheduled, [], no_rows, no_rows, None, so, computed_before)
             output = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids], failed_requests=failed)
@@ -1110,7 +1167,11 @@ class ModelRunner:
             sampled = out.sampled_token_ids
             self.input_batch.write_sampled_tokens(batch_rows, token_cols, sampled)
             self.input_batch.record_sampled(batch_rows, sampled)
-            if self.spec is not None and not self._skip_draft_step(so, states, num_sampling):
+            if (
+                self.spec is not None
+                and not self._skip_draft_step(so, states, num_sampling)
+                and not self._draft_on_target_inputs(so, states, step, batch_rows)
+            ):
                 self._propose_without_drafts(
                     states, num_scheduled, sampling_rows, batch_rows, token_cols + 1, metadata, so, computed_before
                 )
@@ -1404,6 +1465,38 @@ class ModelRunner:
             draft_step,
             so.num_proposals,
         )
+
+    def _draft_on_target_inputs(
+        self, so: SchedulerOutput, states: list[RowState], step: StepInputs, sampling_rows: torch.Tensor | None
+    ) -> bool:
+        """The draft's catch-up over a step that proposes nothing (`so.num_proposals` = 0: a plan of prompt chunks),
+        when no request's draft lags: its KV then needs exactly the target's tokens of this step, at the same slots,
+        so it runs on the target's step inputs, with no inputs of its own to build. A sampling request's new token
+        is the first input of its next step for both models (a step that proposes feeds it to the draft at once,
+        to propose from its hidden state, and the next step computes its KV again). The draft graph of the
+        target's mixed graph replays it; a step the target ran eagerly runs it eagerly. Returns whether it ran."""
+        assert self.spec is not None
+        if not self.spec.uses_draft_model or so.num_proposals or not self._draft_on_target_enabled():
+            return False
+        graphs = self.draft_on_target_graphs
+        graphed = step.mixed_graph is not None and graphs is not None
+        if not graphed and (step.graph_bucket is not None or step.mixed_graph is not None):
+            return False  # a graphed target step with no twin: the draft's own graphs serve it
+        if any(s.draft_lag for s in states):
+            return False
+        proposer = self.spec.proposer
+        assert isinstance(proposer, DraftModelProposer)
+        if graphed:
+            assert graphs is not None and step.mixed_graph is not None
+            graphs.replay_mixed(step.mixed_graph, step.num_tokens)
+        else:
+            if graphs is not None:
+                graphs.num_eager += 1
+            proposer.forward_on(step.input_ids, step.positions, step.metadata)
+        if sampling_rows is not None:
+            self.spec.clear_drafts(sampling_rows)
+        self.num_draft_on_target_steps += 1
+        return True
 
     def _token_bound(self, states: list[RowState], sampling_rows: list[int]) -> int:
         """An upper bound of the sampling rows' token counts after this step (seq_len + 1 with the
