@@ -48,7 +48,9 @@ def policy_estimates(policy: Any, num_decodes: int) -> dict[str, list[float]] | 
     }
 
 
-def trace(llm: Any, prompts: list[list[int]], params: Any, record_policy: bool = False) -> dict[str, Any]:
+def trace(
+    llm: Any, prompts: list[list[int]], params: Any, record_policy: bool = False, sequence: bool = False
+) -> dict[str, Any]:
     """Runs one generate, recording every plan (and with record_policy every choice of the speculation policy);
     returns the wall time, the time per plan kind and the choices."""
     scheduler = llm.engine.engine_core.scheduler
@@ -103,6 +105,13 @@ def trace(llm: Any, prompts: list[list[int]], params: Any, record_policy: bool =
     result = {"wall_ms": (end - start) * 1e3, "plans": len(records), "kinds": dict(kinds)}
     if record_policy:
         result["choices"] = choices
+    if sequence:
+        # Per plan: start and period (ms from the generate's start), then the plan's record.
+        result["sequence"] = [
+            [round((t - start) * 1e3, 3), round(((records[i + 1][0] if i + 1 < len(records) else end) - t) * 1e3, 3)]
+            + list(record)
+            for i, (t, record) in enumerate(records)
+        ]
     return result
 
 
@@ -113,6 +122,11 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny settings: checks the script")
     ap.add_argument("--policy", action="store_true", help="record the speculation policy's estimates at every choice")
+    ap.add_argument(
+        "--sequence",
+        action="store_true",
+        help="keep every plan (start, period, requests, k, proposed, steps, tokens, new) and print the last ones",
+    )
     ap.add_argument("--note", default="")
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
@@ -152,7 +166,7 @@ def main() -> int:
             rows[name][str(c)] = []
         for _ in range(args.trials):
             for name, llm in llms.items():
-                rows[name][str(c)].append(trace(llm, prompts, full, args.policy and name == "draft"))
+                rows[name][str(c)].append(trace(llm, prompts, full, args.policy and name == "draft", args.sequence))
     for name, llm in llms.items():
         stats = llm.stats()
         results["configs"][name] = {
@@ -170,6 +184,10 @@ def main() -> int:
             print(f"{name} @{c}: {[round(r['wall_ms'], 1) for r in trials]} ms, fastest {best['plans']} plans")
             for kind, e in sorted(best["kinds"].items(), key=lambda x: -x[1]["ms"]):
                 print(f"   {kind:22s} plans {e['plans']:4d} steps {e['steps']:4d} {e['ms']:8.2f} ms")
+            if best.get("sequence"):
+                print("   last plans [start ms, period ms, requests, k, proposed, steps, tokens, new]:")
+                for plan in best["sequence"][-24:]:
+                    print(f"     {plan}")
             if best.get("choices"):
                 last = best["choices"][-1]
                 print(f"   last choice: {last['decodes']} decodes, k {last['k']}; per k [tokens, host us, device us]:")
