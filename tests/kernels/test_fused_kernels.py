@@ -136,8 +136,6 @@ def test_silu_reference_rounds_twice_in_half_precision() -> None:
 triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from tests.kernels.interpreter import run_interpreted_suite  # noqa: E402  (after the triton import guard)
-
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1" and isinstance(triton.language.zeros, InterpretedFunction)
 MIN_INTERPRETED_TESTS = 60
 
@@ -153,8 +151,8 @@ def kernels() -> SimpleNamespace:
 
 
 @pytest.mark.skipif(INTERPRETING, reason="TestInterpreted runs in this process")
-def test_interpreter_suite() -> None:
-    run_interpreted_suite(__file__, MIN_INTERPRETED_TESTS, ())
+def test_interpreter_suite(interpreted_suites) -> None:
+    interpreted_suites.check(__file__, MIN_INTERPRETED_TESTS, ())
 
 
 def check_norm(norm, x, residual, weight, *, strided_out: bool = False) -> None:

@@ -155,7 +155,6 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from asyncspec.kernels import greedy_argmax_triton  # noqa: E402  (after the triton import guard)
 from asyncspec.kernels.greedy_argmax_triton import choose_block, greedy_argmax, greedy_argmax_supported  # noqa: E402
-from tests.kernels.interpreter import run_interpreted_suite  # noqa: E402
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1" and isinstance(triton.language.zeros, InterpretedFunction)
 MIN_INTERPRETED_TESTS = 24
@@ -171,8 +170,8 @@ def kernel():
 
 
 @pytest.mark.skipif(INTERPRETING, reason="TestInterpreted runs in this process")
-def test_interpreter_suite() -> None:
-    run_interpreted_suite(__file__, MIN_INTERPRETED_TESTS, (BACKEND_ENV,))
+def test_interpreter_suite(interpreted_suites) -> None:
+    interpreted_suites.check(__file__, MIN_INTERPRETED_TESTS, (BACKEND_ENV,))
 
 
 def test_cpu_tensors_need_the_interpreter() -> None:

@@ -15,8 +15,6 @@ from asyncspec.kernels.prepare_inputs import prepare_inputs_ref, resolve_compute
 triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from tests.kernels.interpreter import run_interpreted_suite  # noqa: E402
-
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1" and isinstance(triton.language.zeros, InterpretedFunction)
 BLOCK_SIZE = 4
 
@@ -188,8 +186,8 @@ def test_reference_resolving_the_padding_too_changes_nothing(name):
 
 
 @pytest.mark.skipif(INTERPRETING, reason="TestInterpreted runs in this process")
-def test_interpreter_suite() -> None:
-    run_interpreted_suite(__file__, 2 * len(CASES) + len(RESOLVE_CASES) + 2)
+def test_interpreter_suite(interpreted_suites) -> None:
+    interpreted_suites.check(__file__, 2 * len(CASES) + len(RESOLVE_CASES) + 2)
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="needs TRITON_INTERPRET=1 before triton is imported")

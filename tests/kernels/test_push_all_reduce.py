@@ -17,15 +17,13 @@ import torch
 triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from tests.kernels.interpreter import run_interpreted_suite  # noqa: E402  (after the triton import guard)
-
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1" and isinstance(triton.language.zeros, InterpretedFunction)
 MIN_INTERPRETED_TESTS = 5
 
 
 @pytest.mark.skipif(INTERPRETING, reason="TestInterpreted runs in this process")
-def test_interpreter_suite() -> None:
-    run_interpreted_suite(__file__, MIN_INTERPRETED_TESTS)
+def test_interpreter_suite(interpreted_suites) -> None:
+    interpreted_suites.check(__file__, MIN_INTERPRETED_TESTS)
 
 
 class Ranks:

@@ -14,8 +14,6 @@ from asyncspec.kernels.prepare_inputs import resolve_computed_ref
 triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from tests.kernels.interpreter import run_interpreted_suite  # noqa: E402
-
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1" and isinstance(triton.language.zeros, InterpretedFunction)
 CASES = {"one": 1, "few": 5, "many": 70, "padded_bucket": 16}
 NUM_PADDING = {"padded_bucket": 5}
@@ -72,8 +70,8 @@ def test_reference_matches_the_loop(name):
 
 
 @pytest.mark.skipif(INTERPRETING, reason="TestInterpreted runs in this process")
-def test_interpreter_suite() -> None:
-    run_interpreted_suite(__file__, len(CASES))
+def test_interpreter_suite(interpreted_suites) -> None:
+    interpreted_suites.check(__file__, len(CASES))
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="needs TRITON_INTERPRET=1 before triton is imported")

@@ -20,7 +20,6 @@ triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from asyncspec.kernels.paged_attention_triton import choose_num_splits  # noqa: E402
-from tests.kernels.interpreter import run_interpreted_suite  # noqa: E402
 from tests.kernels.test_triton_kernels import Batch, fill_cache, make_batch  # noqa: E402
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1" and isinstance(triton.language.zeros, InterpretedFunction)
@@ -44,8 +43,8 @@ def attention() -> Callable[..., torch.Tensor]:
 
 
 @pytest.mark.skipif(INTERPRETING, reason="TestInterpreted runs in this process")
-def test_interpreter_suite() -> None:
-    run_interpreted_suite(__file__, 19)
+def test_interpreter_suite(interpreted_suites) -> None:
+    interpreted_suites.check(__file__, 19)
 
 
 def check_split(

@@ -31,8 +31,6 @@ from asyncspec.kernels.slot_mapping import compute_slot_mapping_ref
 triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from tests.kernels.interpreter import run_interpreted_suite  # noqa: E402  (after the triton import guard)
-
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1" and isinstance(triton.language.zeros, InterpretedFunction)
 
 
@@ -55,8 +53,8 @@ def interpreted():
 
 
 @pytest.mark.skipif(INTERPRETING, reason="TestInterpreted runs in this process")
-def test_interpreter_suite() -> None:
-    run_interpreted_suite(__file__, 10, ("ASYNCSPEC_ATTENTION_BACKEND",))
+def test_interpreter_suite(interpreted_suites) -> None:
+    interpreted_suites.check(__file__, 10, ("ASYNCSPEC_ATTENTION_BACKEND",))
 
 
 # --------------------------------------------------------------------------------------------- batches
