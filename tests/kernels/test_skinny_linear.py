@@ -235,7 +235,7 @@ class TestInterpreted:
         [None, FORCED[0], FORCED[1], SkinnyConfig(block_n=4, block_k=32, split_k=2), FORCED[2], FORCED[3]],
         ids=str,
     )
-    @pytest.mark.parametrize("m", [1, 5])  # one row (decode), and rows the tile does not hold in one pass
+    @pytest.mark.parametrize("m", [1, 5])  # one row (decode), and five: every row branch of the FMA tile (> 1, 2, 4)
     @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # exp(100) -> inf: fine
     def test_gated_matches_reference(self, kernels, dtype: torch.dtype, config: SkinnyConfig | None, m: int) -> None:
         from asyncspec.kernels import silu_and_mul_triton
