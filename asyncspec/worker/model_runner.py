@@ -311,6 +311,8 @@ class ModelRunner:
         (`_draft_on_target_inputs`)."""
         self.num_draft_on_target_steps = 0
         """Steps whose draft catch-up ran on the target's step inputs."""
+        self._draft_on_target = os.environ.get(DRAFT_ON_TARGET_INPUTS_ENV, "1") != "0"
+        """Whether a plan that proposes nothing runs the draft on the target's step inputs (read once, at start)."""
         self.debug_invariants = False
         """Check at each boundary that no placeholder or out-of-vocabulary id is fed to a model, and
         report the device's computed counts with each step (tests; synchronizes the device)."""
@@ -771,13 +773,9 @@ class ModelRunner:
 
     def _draft_on_target_mixed_sizes(self) -> list[tuple[int, int]]:
         """The mixed graphs of the target that get a draft graph over the same inputs (none when the switch is off)."""
-        if self.spec is None or not self.spec.uses_draft_model or not self._draft_on_target_enabled():
+        if self.spec is None or not self.spec.uses_draft_model or not self._draft_on_target:
             return []
         return self._mixed_graph_sizes(self._inputs)
-
-    @staticmethod
-    def _draft_on_target_enabled() -> bool:
-        return os.environ.get(DRAFT_ON_TARGET_INPUTS_ENV, "1") != "0"
 
     def _capture_draft_on_target_graphs(self, draft_graphs: CudaGraphForward) -> None:
         """For each mixed graph of the target: the draft's forward pass over the same step inputs, in the draft
@@ -1476,7 +1474,7 @@ class ModelRunner:
         to propose from its hidden state, and the next step computes its KV again). The draft graph of the
         target's mixed graph replays it; a step the target ran eagerly runs it eagerly. Returns whether it ran."""
         assert self.spec is not None
-        if not self.spec.uses_draft_model or so.num_proposals or not self._draft_on_target_enabled():
+        if not self.spec.uses_draft_model or so.num_proposals or not self._draft_on_target:
             return False
         graphs = self.draft_on_target_graphs
         graphed = step.mixed_graph is not None and graphs is not None
