@@ -31,6 +31,7 @@ from asyncspec.layers.sampler import (
 )
 from asyncspec.models.loader import load_model
 from asyncspec.models.model_config import ModelConfig
+from asyncspec.spec.step_glue import select_step_glue
 from asyncspec.spec.verification import expand_rows
 
 
@@ -144,6 +145,7 @@ class DraftModelProposer:
         self.device = device
         self.model = load_model(draft_path, self.model_config, dtype, device, load_format, seed)
         self._prepare = select_backend(device).prepare_inputs
+        self._glue = select_step_glue(device)
         self.kv_caches: list[tuple[Tensor, Tensor]] = []
         max_blocks_per_req = -(-max_model_len // block_size)
         self.max_lag = max_lag
@@ -178,7 +180,6 @@ class DraftModelProposer:
         """(pass bucket, proposals) -> the captured greedy proposal loop."""
         self._step_meta = torch.zeros((4, max_num_seqs), dtype=torch.int64, device=device)
         """The catch-up meta of `greedy_step`, built on the device."""
-        self._loop_token_ids: Tensor | None = None
         self.num_loop_replays = 0
         """Proposal steps served by a captured greedy loop (tests and benchmarks read it)."""
         self.graphs: GraphReplayer | None = None
@@ -200,16 +201,14 @@ class DraftModelProposer:
             self._copy_done[self._host_index].synchronize()
         return self._host_meta[self._host_index]
 
-    def capture_proposal_loops(self, token_ids: Tensor, batch_sizes: list[int], proposal_counts: list[int]) -> int:
+    def capture_proposal_loops(self, batch_sizes: list[int], proposal_counts: list[int]) -> int:
         """Captures the greedy proposal loop for each pass bucket and each count of proposals above 1
-        (one proposal needs no pass), over the target's token buffer `token_ids` (every step's
-        DraftStep.token_ids). Needs the draft's graphs; returns the number of graphs."""
+        (one proposal needs no pass). Needs the draft's graphs; returns the number of graphs."""
         assert self.graphs is not None
-        self._loop_token_ids = token_ids
         for bucket in batch_sizes:
             for n in proposal_counts:
                 if 1 < n <= self.k:
-                    loop = functools.partial(self._greedy_proposal_loop, token_ids, bucket, n)
+                    loop = functools.partial(self._greedy_proposal_loop, bucket, n)
                     self._loops[(bucket, n)] = self.graphs.capture_function(loop)
         return len(self._loops)
 
@@ -229,18 +228,9 @@ class DraftModelProposer:
         step's meta: rows 0 (token-buffer row), 1 (computed tokens before the step), 2 (scheduled;
         0 for padding), 5 (planned draft positions), 6 (writable KV slots). Returns the drafts [B, n]."""
         b = bucket
-        scheduled = step_meta[2, :b]
-        real = scheduled > 0
-        planned = torch.where(real, step_meta[5, :b], 0)
-        lengths = torch.where(real, scheduled + 1, 0)  # each request also feeds its newest token
-        computed = step_meta[1, :b]
-        meta = self._step_meta
-        meta[0, :b] = step_meta[0, :b]
-        meta[1, :b] = computed
-        meta[2, :b] = lengths
-        meta[3, :b] = step_meta[6, :b]
-        inputs = self.inputs
-        inputs.block_tables[:b].copy_(block_tables[:b])
+        meta, inputs = self._step_meta, self.inputs
+        # Each request also feeds its newest token.
+        self._glue.draft_step_meta(step_meta, block_tables, meta, inputs.block_tables, b)
         catch_up_len = query_len + 1
         num_tokens = b * catch_up_len
         inputs.fill(self._prepare, meta, b, num_tokens, token_ids, self.block_size, meta[3])
@@ -248,44 +238,48 @@ class DraftModelProposer:
         hidden = self.model(inputs.input_ids[:num_tokens], inputs.positions[:num_tokens], self.kv_caches, metadata)
         # The newest token's row in the catch-up and its position: after the committed tokens and
         # the accepted drafts.
-        committed = scheduled - planned
-        accepted = num_accepted[:b]
-        starts = torch.cumsum(lengths, dim=0) - lengths
-        last_index = (starts + committed + accepted).clamp(0, num_tokens - 1)
-        torch.index_select(hidden, 0, last_index, out=self._loop_hidden[:b])
-        self._loop_position[:b] = computed + committed + accepted
-        self._loop_capacity[:b] = meta[3, :b].clamp_max(self.max_model_len - 1)
-        self._pass_meta[0, :b] = meta[0, :b]
-        self._pass_meta[2, :b] = real.to(torch.int64)
-        return self._greedy_proposal_loop(token_ids, b, query_len - 1)
+        self._glue.draft_loop_start(
+            step_meta,
+            num_accepted,
+            hidden,
+            self.max_model_len,
+            self._loop_hidden,
+            self._loop_position,
+            self._loop_capacity,
+            self._pass_meta,
+            b,
+        )
+        return self._greedy_proposal_loop(b, query_len - 1)
 
-    def _greedy_proposal_loop(self, token_ids: Tensor, bucket: int, num_proposals: int) -> Tensor:
+    def _greedy_proposal_loop(self, bucket: int, num_proposals: int) -> Tensor:
         """n greedy proposals for `bucket` requests, from the hidden state of each one's newest token
         (`_loop_hidden`) at `_loop_position`: argmax, then n - 1 passes of one token per request over
-        the static inputs (`_pass_meta` rows 0 and 2 hold the rows and token counts, 0 for padding).
+        the static inputs (`_pass_meta` row 2 holds the token counts: 1, or 0 for padding).
         Every shape is fixed by (bucket, n): the body of a CUDA graph."""
         inputs = self.inputs
-        live = self._pass_meta[2, :bucket] > 0
         token = self.model.compute_logits(self._loop_hidden[:bucket]).argmax(dim=-1)
-        self._loop_tokens[:bucket, 0] = token
-        position = self._loop_position[:bucket]
         for j in range(1, num_proposals):
-            position = position + 1
-            self._pass_meta[1, :bucket] = torch.where(live, position.clamp_max(self.max_model_len - 1), 0)
-            inputs.fill(
-                self._prepare,
+            # Pass j's inputs; the previous pass's proposals go into column j - 1 of the results.
+            self._glue.draft_pass_inputs(
+                token,
+                j,
+                self._loop_position,
                 self._pass_meta,
-                bucket,
-                bucket,
-                token_ids,  # its gathered ids are replaced by `token` below
-                self.block_size,
                 self._loop_capacity,
+                inputs.block_tables,
+                self.block_size,
+                self.max_model_len,
+                inputs.input_ids,
+                inputs.positions,
+                inputs.slot_mapping,
+                inputs.query_start_loc,
+                inputs.seq_lens,
+                self._loop_tokens,
             )
-            inputs.input_ids[:bucket].copy_(token)
             metadata = inputs.metadata(bucket, bucket, 1, self.block_size)
             hidden = self.model(inputs.input_ids[:bucket], inputs.positions[:bucket], self.kv_caches, metadata)
             token = self.model.compute_logits(hidden).argmax(dim=-1)
-            self._loop_tokens[:bucket, j] = token
+        self._loop_tokens[:bucket, num_proposals - 1] = token
         return self._loop_tokens[:bucket, :num_proposals]
 
     def forward_on(self, input_ids: Tensor, positions: Tensor, metadata: AttentionMetadata) -> None:
@@ -369,7 +363,7 @@ class DraftModelProposer:
             pass_meta[0, :num_sampling] = token_rows
             pass_meta[2, :num_sampling] = 1
         loop = None
-        if step.metadata.all_greedy and step.token_ids is self._loop_token_ids:
+        if step.metadata.all_greedy:
             loop = self._loops.get((pass_padded, num_proposals))
         if loop is not None:  # the whole greedy loop in one replay
             torch.index_select(hidden, 0, last_index, out=self._loop_hidden[:num_sampling])

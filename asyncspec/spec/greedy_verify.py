@@ -56,7 +56,6 @@ class GreedyVerification:
         self.token_ids = token_ids
         self.num_computed = num_computed
         self.spec = spec
-        self._positions = torch.arange(spec.k + 1, dtype=torch.int64, device=meta.device)
         max_reqs = meta.shape[1]
         self._is_greedy = torch.ones(max_reqs, dtype=torch.bool, device=meta.device)
 
@@ -65,31 +64,28 @@ class GreedyVerification:
         requests have sequence length 0), each with at most query_len tokens, the last
         `planned` of which are its drafts."""
         b, q, k = num_reqs, query_len, query_len - 1
-        real = static.seq_lens[:b] > 0
-        planned = torch.where(real, self.meta[5, :b], 0)
-        j = self._positions[:q]
-        # Hidden row of each request's last known token and of each draft position; padding repeats
-        # the last row (its verdict is never read).
-        last_known = static.query_start_loc[1 : b + 1].to(torch.int64) - 1 - planned
-        index = (last_known.unsqueeze(1) + torch.minimum(j, planned.unsqueeze(1))).clamp_min(0)
-        logits = self.compute_logits(hidden.index_select(0, index.view(-1)))
-        probs = logits.softmax(dim=-1).view(b, q, -1)
-        rows = self.meta[0, :b]
-        drafts = self.spec.draft_token_ids.index_select(0, rows)[:, :k]
-        num_valid = torch.minimum(self.spec.num_draft_tokens.index_select(0, rows), planned)
+        spec, glue = self.spec, self.spec.glue
+        # The hidden row of each request's last known token and of each draft position (padding repeats
+        # the last row: its verdict is never read), the drafts of each request's row and how many are valid.
+        rows, drafts, num_valid = glue.verify_gather(
+            hidden,
+            static.query_start_loc,
+            static.seq_lens,
+            self.meta,
+            spec.draft_token_ids,
+            spec.num_draft_tokens,
+            b,
+            q,
+        )
+        probs = self.compute_logits(rows).softmax(dim=-1).view(b, q, -1)
         # Greedy rows read neither the uniforms nor the exponentials: left unfilled.
         uniform = torch.empty((b, k), dtype=torch.float32, device=probs.device)
         exponential = torch.empty((b, probs.shape[-1]), dtype=torch.float32, device=probs.device)
-        out, num_accepted = self.spec.rejection_sampler.kernel(
+        out, num_accepted = spec.rejection_sampler.kernel(
             probs, drafts, None, num_valid, self._is_greedy[:b], uniform, exponential
         )
-        # The emitted run goes at positions num_tokens + j (num_tokens = seq_len - planned). Padding
-        # requests (row 0) write row 0's column 0 back to itself: a real request writes columns >= 1,
-        # so no element is written twice with different values.
-        base = static.seq_lens[:b].to(torch.int64) - planned
-        cols = torch.where(real.unsqueeze(1), base.unsqueeze(1) + j, 0)
-        grid = rows.unsqueeze(1).expand_as(cols)
-        keep = (out >= 0) & real.unsqueeze(1)
-        self.token_ids[grid, cols] = torch.where(keep, out, self.token_ids[grid, cols])
-        self.num_computed.index_add_(0, rows, torch.where(real, num_accepted - planned, 0))
-        return GreedyVerifyResult(out, num_accepted, num_valid, base + num_accepted + 1)
+        # The emitted run goes at positions num_tokens + j (num_tokens = seq_len - planned).
+        new_num_tokens = glue.verify_commit(
+            out, num_accepted, static.seq_lens, self.meta, self.token_ids, self.num_computed, b
+        )
+        return GreedyVerifyResult(out, num_accepted, num_valid, new_num_tokens)

@@ -21,6 +21,7 @@ from asyncspec.layers.sampler import SamplingMetadata, host_list_to_device
 from asyncspec.spec.draft_model_proposer import DraftModelProposer, DraftStep
 from asyncspec.spec.ngram_proposer import NgramProposer
 from asyncspec.spec.rejection_sampler import RejectionSampler
+from asyncspec.spec.step_glue import select_step_glue
 from asyncspec.spec.verification import verification_probs
 
 
@@ -100,6 +101,8 @@ class SpeculativeDecoder:
         # streams must not depend on their neighbours.
         self.rejection_sampler = RejectionSampler(device, num_speculative_tokens=num_speculative_tokens)
         self._slots = torch.arange(max(num_speculative_tokens, 1), dtype=torch.int64, device=device)
+        self.glue = select_step_glue(device)
+        """The greedy step's glue ops (one Triton launch each on a GPU): the runner's verification and draft use it."""
 
     @property
     def uses_draft_model(self) -> bool:
@@ -219,20 +222,12 @@ class SpeculativeDecoder:
         self.num_draft_tokens.index_copy_(0, rows, counts)
         self._place_drafts(token_ids, rows, num_tokens, drafts)
 
-    def record_greedy_drafts(
-        self, token_ids: Tensor, rows: Tensor, real: Tensor, num_tokens: Tensor, drafts: Tensor
-    ) -> None:
-        """The drafts [B, n] of a graphed step's padded batch (`real` marks the requests; padding
-        has row 0): kept per row and placed in the token buffer, as `propose` does. Shapes are fixed
-        by the batch bucket: padding writes into the spare row, and back into row 0's first column
-        what is there (a real request writes only past its known tokens, never column 0)."""
-        n = drafts.shape[1]
-        kept_rows = torch.where(real, rows, self.max_num_reqs)
-        self.draft_token_ids[:, :n].index_copy_(0, kept_rows, drafts)
-        self.num_draft_tokens.index_fill_(0, kept_rows, n)
-        cols = torch.where(real.unsqueeze(1), num_tokens.unsqueeze(1) + self._slots[:n], 0)
-        grid = rows.unsqueeze(1).expand_as(cols)
-        token_ids[grid, cols] = torch.where(real.unsqueeze(1), drafts, token_ids[grid, cols])
+    def record_greedy_drafts(self, token_ids: Tensor, meta: Tensor, num_tokens: Tensor, drafts: Tensor) -> None:
+        """The drafts [B, n] of a graphed step's padded batch (the step meta's row 0 holds each request's row,
+        row 2 its scheduled tokens, 0 for padding): kept per row and placed in the token buffer at positions
+        num_tokens + j, as `propose` does. Shapes are fixed by the batch bucket; padding writes at most into
+        the spare row (`glue.record_drafts`)."""
+        self.glue.record_drafts(drafts, meta, num_tokens, token_ids, self.draft_token_ids, self.num_draft_tokens)
 
     def _place_drafts(self, token_ids: Tensor, rows: Tensor, num_tokens: Tensor, drafts: Tensor) -> None:
         """Writes the drafts [S, n] at positions num_tokens + j of each row of the token buffer (its

@@ -759,7 +759,7 @@ class ModelRunner:
                 proposer.graphs = graphs
                 start = time.perf_counter()
                 choices = self._speculation_choices()
-                num_loops = proposer.capture_proposal_loops(self.input_batch.token_ids, batch_sizes, choices)
+                num_loops = proposer.capture_proposal_loops(batch_sizes, choices)
                 logger.info(
                     "captured %d CUDA graphs of the draft's greedy proposal loop (%s proposals) in %.2f s",
                     num_loops,
@@ -832,8 +832,7 @@ class ModelRunner:
         token_ids = self.input_batch.token_ids
         meta = self._meta_dev
         drafts = proposer.greedy_step(meta, self._block_table_dev, token_ids, verified.num_accepted, bucket, query_len)
-        real = meta[2, :bucket] > 0
-        self.spec.record_greedy_drafts(token_ids, meta[0, :bucket], real, verified.new_num_tokens[:bucket], drafts)
+        self.spec.record_greedy_drafts(token_ids, meta, verified.new_num_tokens[:bucket], drafts)
 
     def graph_stats(self) -> dict[str, int]:
         """Forward passes replayed from a CUDA graph and run eagerly, target and draft together, and
