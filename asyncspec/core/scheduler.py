@@ -315,6 +315,10 @@ class Scheduler:
                 request = self.waiting.peek()
                 if request.num_computed_tokens == 0 and cfg.enable_prefix_caching:
                     computed_blocks, num_hit = kv.get_computed_blocks(request)
+                    if num_hit and request.num_tokens - num_hit < 2 and self._resumes_seeded_stream(request):
+                        # Its recompute must stop one token short (_resumes_seeded_stream): a hit that leaves it
+                        # only its last token would skip the drafts the interrupted step verified there.
+                        computed_blocks, num_hit = computed_blocks[:-1], num_hit - kv.block_size
                 else:
                     computed_blocks, num_hit = [], 0
                 num_new = request.num_tokens - request.num_computed_tokens - num_hit

@@ -151,6 +151,29 @@ def test_decode_registers_each_full_block_as_it_fills(stop):
     assert preempted and kv.num_free_blocks == 64
 
 
+@pytest.mark.parametrize("seed", [3, None])
+def test_resumed_seeded_stream_recomputes_past_a_hit_of_all_but_its_last_token(seed):
+    """A seeded request preempted under speculation recomputes up to one token short of its end, so that its last
+    token's decode verifies the drafts the interrupted step would have verified (its draws stay in place). When
+    the prefix cache holds every full block before that last token, the hit gives one block back: otherwise the
+    recompute would be that token alone, verifying nothing. Other requests keep the whole hit."""
+    s = make_scheduler(num_blocks=64, block_size=4, num_speculative_tokens=3, num_lookahead_tokens=3)
+    runner = FakeRunner(s)
+    s.add_request(make_request("a", 8, max_tokens=12, temperature=0.8, seed=seed))
+    step(s, runner)  # the prompt: two full blocks, registered, and the first sampled token
+    a = s.requests["a"]
+    assert a.num_tokens == 9 and len(a.output_token_ids) == 1
+    s._preempt(a)  # as the scheduler does when memory runs short
+    runner.rows.pop("a")  # the worker drops its row (the step's preempted_req_ids)
+    so, _ = step(s, runner)
+    if seed is None:
+        assert so.num_scheduled_tokens["a"] == 1  # the hit covers the prompt: its last token alone
+    else:
+        assert so.num_scheduled_tokens["a"] == 4  # from the hit's end (one block) to one token short
+    run_to_completion(s, runner)
+    assert s.kv_cache_manager.num_free_blocks == 64
+
+
 def test_prefix_caching_off_no_hit():
     s = make_scheduler(num_blocks=64, enable_prefix_caching=False)
     runner = FakeRunner(s)
