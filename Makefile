@@ -8,6 +8,8 @@ TORCH_VERSION ?= 2.13.0
 # Triton runs its kernels in interpreter mode on CI's CPU; 3.6 is the GPU machine's version.
 TRITON_VERSION ?= 3.6.0
 PYTEST_ARGS ?=
+# Test workers (pytest-xdist): CI has two cores. PYTEST_WORKERS=0 runs in one process (pdb, -s, timing one test).
+PYTEST_WORKERS ?= 2
 
 .PHONY: venv test test-slow test-fast lint lint-tree lint-mypy lint-imports generate serve proto bench clean
 
@@ -22,7 +24,7 @@ venv: $(VENV)/.installed
 
 # CI runs everything but the long settings marked slow (make test-slow runs those).
 test: venv
-	$(PY) -m pytest -q -p no:cacheprovider --timeout=900 -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=900 -n $(PYTEST_WORKERS) --dist worksteal -m "not slow" $(PYTEST_ARGS)
 
 test-slow: venv
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=1800 -m slow $(PYTEST_ARGS)

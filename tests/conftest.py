@@ -33,6 +33,12 @@ def code_prompts() -> list[list[int]]:
     return load_prompts(16)
 
 
+# Under pytest-xdist each worker gets one core: torch's default of one thread per core would oversubscribe
+# the machine (two workers, two threads each, on CI's two cores) and its threads would spin against each other.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

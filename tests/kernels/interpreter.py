@@ -5,10 +5,11 @@ child for every file collected in the session: each child pays seconds of import
 from __future__ import annotations
 
 import collections
+import fcntl
 import os
 import subprocess
 import sys
-import tempfile
+import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,27 +38,69 @@ class InterpretedSuites:
         assert ok, f"{Path(test_file).name}: {dict(counts)}\n{self.report}"
 
 
-def run_interpreted_suites(test_files: list[Path], root: Path) -> InterpretedSuites:
-    """One child pytest over `test_files`' TestInterpreted classes, in the interpreter."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    for name in UNSET_ENV:
-        env.pop(name, None)
-    with tempfile.TemporaryDirectory() as tmp:
-        junit = Path(tmp) / "interpreted.xml"
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", *(f"{f}::TestInterpreted" for f in test_files), "-q"]
-            + ["-p", "no:cacheprovider", "-rfEs", f"--junitxml={junit}"],
-            cwd=root,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
-        report = proc.stdout[-8000:] + proc.stderr[-2000:]
+_CHILD = """
+import subprocess, sys, os
+rc = subprocess.run(sys.argv[2:], stdout=open(sys.argv[1] + ".log", "w"), stderr=subprocess.STDOUT).returncode
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(str(rc))
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+"""
+"""Runs the child pytest, then writes its exit status to the done file in one rename: a reader never sees it
+half-written."""
+
+
+@dataclass(frozen=True)
+class InterpretedRun:
+    """The child pytest of a test session, shared by every xdist worker through files in `folder`."""
+
+    folder: Path
+    process: subprocess.Popen | None
+    """The child, in the process that started it (None in the others)."""
+
+    @property
+    def done(self) -> Path:
+        return self.folder / "interpreted.done"
+
+    def wait(self, timeout: float = 1800.0) -> InterpretedSuites:
+        """The outcomes, once the child has finished (it runs beside the session's other tests)."""
+        deadline = time.monotonic() + timeout
+        while not self.done.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the interpreted Triton suites did not finish within {timeout:.0f} s")
+            time.sleep(0.5)
+        log = Path(str(self.done) + ".log")
+        report = log.read_text()[-10000:] if log.exists() else ""
         counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        junit = self.folder / "interpreted.xml"
         if junit.exists():
             for case in ET.parse(junit).getroot().iter("testcase"):
                 stem = case.get("classname", "").split(".")[-2:-1]
                 outcome = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
                 counts[stem[0] if stem else ""][{"failure": "failed"}.get(outcome, outcome)] += 1
-    return InterpretedSuites(dict(counts), report)
+        return InterpretedSuites(dict(counts), report)
+
+    def stop(self) -> None:
+        """Ends the child if this process started it and it still runs (an interrupted session)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+
+
+def start_interpreted_suites(test_files: list[Path], root: Path, folder: Path) -> InterpretedRun:
+    """Starts one child pytest over `test_files`' TestInterpreted classes, in the interpreter, in the background,
+    unless a process of the same session already did: `folder` is shared by the session's xdist workers, and a
+    lock in it makes the first caller start the child and the others find it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "interpreted.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        started = folder / "interpreted.started"
+        if started.exists():
+            return InterpretedRun(folder, None)
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        for name in UNSET_ENV:
+            env.pop(name, None)
+        command = [sys.executable, "-m", "pytest", *(f"{f}::TestInterpreted" for f in test_files), "-q"]
+        command += ["-p", "no:cacheprovider", "-rfEs", f"--junitxml={folder / 'interpreted.xml'}"]
+        run = InterpretedRun(folder, None)
+        process = subprocess.Popen([sys.executable, "-c", _CHILD, str(run.done), *command], cwd=root, env=env)
+        started.touch()
+        return InterpretedRun(folder, process)
