@@ -1,6 +1,8 @@
 """Runs the test files' TestInterpreted classes in one child pytest with TRITON_INTERPRET=1: triton fixes
 interpreter mode when it is first imported, so the parent process cannot switch it on (not a test module). One
-child for every file collected in the session: each child pays seconds of imports and collection."""
+child for every file collected in the session (each child pays seconds of imports and collection), started in
+the background as soon as the session's tests are known and shared by its xdist workers through files in the
+session's basetemp; each file's `test_interpreter_suite` waits for it and reads its results."""
 
 from __future__ import annotations
 
@@ -40,7 +42,11 @@ class InterpretedSuites:
 
 _CHILD = """
 import subprocess, sys, os
-rc = subprocess.run(sys.argv[2:], stdout=open(sys.argv[1] + ".log", "w"), stderr=subprocess.STDOUT).returncode
+with open(sys.argv[1] + ".log", "w") as log:
+    try:
+        rc = subprocess.run(sys.argv[2:], stdout=log, stderr=subprocess.STDOUT, timeout=1800).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timed out after 1800 s"
 with open(sys.argv[1] + ".tmp", "w") as f:
     f.write(str(rc))
 os.replace(sys.argv[1] + ".tmp", sys.argv[1])
