@@ -202,11 +202,14 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] after the final norm."""
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits [N, vocab] in float32 (gathered from every rank's vocabulary shard)."""
+    def compute_logits(self, hidden_states: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Logits [N, vocab] (gathered from every rank's vocabulary shard) in float32, or in the weights' dtype with
+        float32=False: an argmax needs no more (the conversion is exact), and it saves a kernel and a pass."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = linear(hidden_states, weight, None, self.skinny_linear)
-        return self.tp.all_gather_rows(logits, self.config.vocab_size).float()
+        logits = self.tp.all_gather_rows(
+            linear(hidden_states, weight, None, self.skinny_linear), self.config.vocab_size
+        )
+        return logits.float() if float32 else logits
 
     def checkpoint_tensors(self) -> dict[str, WeightTarget]:
         """HF checkpoint tensor name -> where it goes on this rank (the parameter, or a slice of a fused

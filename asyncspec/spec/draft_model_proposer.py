@@ -257,7 +257,7 @@ class DraftModelProposer:
         the static inputs (`_pass_meta` row 2 holds the token counts: 1, or 0 for padding).
         Every shape is fixed by (bucket, n): the body of a CUDA graph."""
         inputs = self.inputs
-        token = self.model.compute_logits(self._loop_hidden[:bucket]).argmax(dim=-1)
+        token = self.model.compute_logits(self._loop_hidden[:bucket], float32=False).argmax(dim=-1)
         for j in range(1, num_proposals):
             # Pass j's inputs; the previous pass's proposals go into column j - 1 of the results.
             self._glue.draft_pass_inputs(
@@ -278,7 +278,7 @@ class DraftModelProposer:
             )
             metadata = inputs.metadata(bucket, bucket, 1, self.block_size)
             hidden = self.model(inputs.input_ids[:bucket], inputs.positions[:bucket], self.kv_caches, metadata)
-            token = self.model.compute_logits(hidden).argmax(dim=-1)
+            token = self.model.compute_logits(hidden, float32=False).argmax(dim=-1)
         self._loop_tokens[:bucket, num_proposals - 1] = token
         return self._loop_tokens[:bucket, :num_proposals]
 

@@ -199,7 +199,7 @@ class GreedyDecodeTail:
         self.model, self.meta, self.input_batch = model, meta, input_batch
 
     def __call__(self, hidden: torch.Tensor, static: StaticInputs, num_reqs: int, query_len: int = 1) -> torch.Tensor:
-        sampled = greedy_sample(self.model.compute_logits(hidden[:num_reqs]))  # type: ignore[operator]
+        sampled = greedy_sample(self.model.compute_logits(hidden[:num_reqs], float32=False))  # type: ignore[operator]
         rows = self.meta[0, :num_reqs]
         cols = static.seq_lens[:num_reqs].to(torch.int64)
         self.input_batch.write_sampled_tokens(rows, cols, sampled, padded=True)

@@ -296,8 +296,8 @@ def test_greedy_decode_tail_writes_each_token_at_its_sequence_length():
     from asyncspec.worker.model_runner import GreedyDecodeTail
 
     class Logits(torch.nn.Module):
-        def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-            return hidden.float()
+        def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+            return hidden.float() if float32 else hidden
 
     static = StaticInputs.allocate(4, 8, 2, torch.device("cpu"))
     meta = torch.zeros((6, 4), dtype=torch.int64)
