@@ -1,0 +1,64 @@
+"""The trace arithmetic of benchmarks/gpu_idle.py (the GPU runs are the device's): busy time as the union of
+overlapping events clipped to a window, idle gaps charged to the event that ended last before them, and per-plan
+windows."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_idle.py"
+_spec = importlib.util.spec_from_file_location("gpu_idle", SCRIPT)
+assert _spec is not None and _spec.loader is not None
+gpu_idle = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_idle"] = gpu_idle
+_spec.loader.exec_module(gpu_idle)
+
+
+def ev(name: str, ts: float, dur: float, cat: str = "kernel") -> dict:
+    return {"name": name, "ts": ts, "dur": dur, "cat": cat, "ph": "X"}
+
+
+# A [0, 10), B [12, 20) after a 2 µs gap, C [15, 30) overlapping B, a copy D [35, 40) after a 5 µs gap that follows
+# C (which ended last), E [40, 41) right after D.
+EVENTS = [ev("A", 0, 10), ev("B", 12, 8), ev("C", 15, 15), ev("D", 35, 5, "gpu_memcpy"), ev("E", 40, 1)]
+
+
+def test_device_events_keeps_kernels_and_copies_in_start_order() -> None:
+    trace = [EVENTS[3], ev("cpu op", 1, 50, "cpu_op"), EVENTS[0], ev("plan 0", 0, 3, "user_annotation"), EVENTS[1]]
+    assert [e["name"] for e in gpu_idle.device_events(trace)] == ["A", "B", "D"]
+
+
+def test_busy_is_the_union_of_events_clipped_to_the_window() -> None:
+    assert gpu_idle.busy_us(EVENTS, 0, 41) == 10 + 18 + 6  # [0,10) + [12,30) + [35,41)
+    assert gpu_idle.busy_us(EVENTS, 5, 16) == 5 + 4  # [5,10) + [12,16)
+    assert gpu_idle.busy_us(EVENTS, 30, 35) == 0
+    assert gpu_idle.busy_us([], 0, 100) == 0
+
+
+def test_gaps_are_charged_to_the_event_that_ended_last() -> None:
+    result = gpu_idle.kernel_gaps(EVENTS)
+    assert result["span_us"] == 41 and result["idle_us"] == 7 and result["events"] == 5
+    assert result["pairs"] == [
+        {"before": "C", "after": "D", "count": 1, "us": 5},
+        {"before": "A", "after": "B", "count": 1, "us": 2},
+    ]
+    repeated = gpu_idle.kernel_gaps([ev("A", 0, 1), ev("B", 3, 1), ev("A", 6, 1), ev("B", 9, 1)])
+    assert repeated["pairs"][0] == {"before": "A", "after": "B", "count": 2, "us": 4}
+    assert repeated["pairs"][1] == {"before": "B", "after": "A", "count": 1, "us": 2}
+    assert gpu_idle.kernel_gaps([])["idle_us"] == 0
+
+
+def test_plan_windows_split_the_trace_at_each_plan() -> None:
+    rows = gpu_idle.plan_windows(EVENTS, [0, 14, 33], 45)
+    assert [r["window_us"] for r in rows] == [14, 19, 12]
+    assert [r["events"] for r in rows] == [2, 1, 2]  # A, B | C | D, E: by their start
+    assert [r["busy_us"] for r in rows] == [12, 16, 6]
+
+
+def test_help_names_both_modes() -> None:
+    """The modes need CUDA (the device tool runs them); --help runs anywhere."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "--mode gaps" in proc.stdout and "--mode plans" in proc.stdout
