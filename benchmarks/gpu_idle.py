@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import os
 import sys
@@ -141,6 +142,7 @@ def mode_gaps(model: str) -> dict[str, Any]:
 
 
 def mode_plans(streams: int) -> dict[str, Any]:
+    import torch
     from gpu_step_speed import DRAFT, TARGET, load_prompts
 
     import asyncspec
@@ -173,8 +175,6 @@ def mode_plans(streams: int) -> dict[str, Any]:
         shapes: list[dict[str, int]] = []
 
         def recording(schedule=schedule, shapes=shapes):
-            import torch
-
             with torch.profiler.record_function(f"plan {len(shapes)}"):
                 so = schedule()
             shapes.append(
@@ -203,7 +203,9 @@ def mode_plans(streams: int) -> dict[str, Any]:
         for row, shape in zip(rows, shapes, strict=False):
             row.update(shape)
         result["configs"][name] = {"unprofiled_wall_ms": walls, "plans": rows}
-        del llm
+        del llm, trace, events
+        gc.collect()  # the next engine sizes its KV pool from the memory this one frees
+        torch.cuda.empty_cache()
     return result
 
 
