@@ -31,6 +31,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: asyncspec without an install
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from plan_trace import DRAFT_SETTINGS, ENGINE_SETTINGS  # noqa: E402  (after the path setup)
+
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
@@ -116,16 +118,8 @@ def mode_gaps(model: str) -> dict[str, Any]:
 
     import asyncspec
 
-    kwargs: dict[str, Any] = dict(
-        device="cuda",
-        dtype="bfloat16",
-        max_model_len=2048,
-        max_num_seqs=1,
-        max_num_batched_tokens=4096,
-        enable_prefix_caching=False,
-        gpu_memory_utilization=0.5,
-        skip_tokenizer_init=True,
-    )
+    # The closed batch's engine at batch 1 (the asynchronous loop is the CUDA default anyway).
+    kwargs: dict[str, Any] = dict(ENGINE_SETTINGS, max_num_seqs=1, gpu_memory_utilization=0.5)
     if gss.MODELS[model]["dummy"]:
         kwargs["load_format"] = "dummy"
     llm = asyncspec.LLM(gss.model_dir(model), **kwargs)
@@ -143,27 +137,15 @@ def mode_gaps(model: str) -> dict[str, Any]:
 
 def mode_plans(streams: int) -> dict[str, Any]:
     import torch
-    from gpu_step_speed import DRAFT, TARGET, load_prompts
+    from gpu_step_speed import TARGET, load_prompts
 
     import asyncspec
 
-    base: dict[str, Any] = dict(
-        device="cuda",
-        dtype="bfloat16",
-        max_model_len=2048,
-        max_num_seqs=128,
-        max_num_batched_tokens=4096,
-        enable_prefix_caching=False,
-        gpu_memory_utilization=0.4,
-        skip_tokenizer_init=True,
-        async_scheduling=True,
-    )
-    draft = dict(speculative_method="draft_model", num_speculative_tokens=4, draft_model=str(DRAFT))
     prompts = load_prompts(streams)
     full = asyncspec.SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     result: dict[str, Any] = {"streams": streams, "configs": {}}
-    for name, extra in (("draft", draft), ("plain", {})):
-        llm = asyncspec.LLM(str(TARGET), **base, **extra)
+    for name, extra in (("draft", DRAFT_SETTINGS), ("plain", {})):
+        llm = asyncspec.LLM(str(TARGET), **ENGINE_SETTINGS, **extra)
         llm.generate(prompts, asyncspec.SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
         walls = []
         for _ in range(2):

@@ -25,6 +25,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_step_speed import DRAFT, TARGET, load_prompts  # noqa: E402
 
+ENGINE_SETTINGS: dict[str, Any] = dict(
+    device="cuda",
+    dtype="bfloat16",
+    max_model_len=2048,
+    max_num_seqs=128,
+    max_num_batched_tokens=4096,
+    enable_prefix_caching=False,
+    gpu_memory_utilization=0.4,
+    skip_tokenizer_init=True,
+    async_scheduling=True,
+)
+"""The closed batch's engine (the throughput run of `gpu_step_speed.py`); benchmarks/gpu_idle.py profiles the same."""
+DRAFT_SETTINGS: dict[str, Any] = dict(
+    speculative_method="draft_model", num_speculative_tokens=4, draft_model=str(DRAFT)
+)
+"""The speculating engine's additions: the bundled draft, k = 4 (the policy adapts it)."""
+
 
 def plan_kind(record: tuple[int, int, int, int, int, int], streams: int) -> str:
     num_reqs, k, proposed, steps, tokens, new = record
@@ -133,22 +150,12 @@ def main() -> int:
     import asyncspec
 
     streams = [int(s) for s in args.streams.split(",")]
-    base: dict[str, Any] = dict(
-        device="cuda",
-        dtype="bfloat16",
-        max_model_len=2048,
-        max_num_seqs=128,
-        max_num_batched_tokens=4096,
-        enable_prefix_caching=False,
-        gpu_memory_utilization=0.4,
-        skip_tokenizer_init=True,
-        async_scheduling=True,
-    )
+    base: dict[str, Any] = dict(ENGINE_SETTINGS)
     if args.smoke:
         streams, args.trials, args.new_tokens = [4], 1, 6
         base.update(device="cpu", dtype="float32", max_num_seqs=8, num_kv_blocks=256, max_model_len=512)
         base.pop("gpu_memory_utilization")
-    draft = dict(speculative_method="draft_model", num_speculative_tokens=4, draft_model=str(DRAFT))
+    draft = DRAFT_SETTINGS
     results: dict[str, Any] = {"command": " ".join(sys.argv), "note": args.note, "configs": {}}
     # Both engines live side by side and their trials alternate, so that a drift of the host's speed falls on
     # both alike.
