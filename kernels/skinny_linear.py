@@ -59,3 +59,41 @@ def skinny_linear_gated_ref(
     layer writes it, before the activation's two roundings. Returns [M, I].
     """
     return silu_and_mul_ref(skinny_linear_ref(x, weight, bias), out=out)
+
+
+def rms_scale_ref(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm's factor of each row of x [M, K]: 1 / sqrt(mean(x^2) + eps) in fp32, [M, 1]."""
+    h = x.float()
+    return torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def skinny_linear_rms_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A linear layer of RMSNorm(x) * norm_weight, with the norm folded into the sum: in fp32,
+    ((x * norm_weight) @ weight^T) * rsqrt(mean(x^2) + eps) (+ bias), rounded once to x.dtype.
+
+    The contract of `skinny_linear(..., norm_weight=...)`. It differs from the unfused layer (the norm rounded to
+    x.dtype, then times its weight rounded again, then the linear layer) only by those two roundings of the normed
+    row, which it skips: the same function, at least as exact (tests bound both against float64).
+    """
+    result = ((x.float() * norm_weight.float()) @ weight.float().t()) * rms_scale_ref(x, eps)
+    if bias is not None:
+        result = result + bias.float()
+    result = result.to(x.dtype)
+    return result if out is None else out.copy_(result)
+
+
+def skinny_linear_add_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
+) -> torch.Tensor:
+    """residual + skinny_linear_ref(x, weight, bias), summed in fp32 and rounded to x.dtype: the layer's output as
+    it is written, then the residual add as `fused_add_rms_norm_ref` takes it (written into `residual`)."""
+    summed = (skinny_linear_ref(x, weight, bias).float() + residual.float()).to(residual.dtype)
+    return residual.copy_(summed)
