@@ -43,7 +43,6 @@ PDL) the activation kernel then `skinny_linear` made the Llama-1B / 8B step 7 % 
 from __future__ import annotations
 
 import functools
-import math
 import os
 from dataclasses import dataclass
 
@@ -65,7 +64,6 @@ _MAX_FMA_M = 8  # the FMA kernel keeps one accumulator per row of x
 # projections: the FMA kernel evaluates it once per W row a thread holds, and the tensor-core kernel's x loads
 # then miss the shared-memory pipeline).
 _MAX_FUSED_SILU_M = 1
-_MAX_NORM_M = 2  # RMSNorm in the prologue keeps the squares of rows 0 and 1 (the decode of one or two requests)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _DEFAULT_SMS = 132  # an H100 SXM; used where no CUDA device is asked (the interpreter on CPU)
 _REDUCE_BLOCK = 1024
@@ -157,26 +155,10 @@ def _fma_chunk(
     EVEN_K: tl.constexpr,
     SILU: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    g_ptr,
-    sq0,
-    sq1,
-    NORM: tl.constexpr,
 ):
-    """The FMA kernel's step over one chunk of K: every row's accumulator += the W tile * that row of x. With
-    NORM, the W tile is scaled by the norm's weight first (W * g, once for every row) and rows 0 and 1 of x add
-    their squares to sq0 and sq1 ([BLOCK_K] each, summed once after the loop)."""
+    """The FMA kernel's step over one chunk of K: every row's accumulator += the W tile * that row of x."""
     offs_k = (k0 + arange_k)[None, :]
     w = w_tile.to(tl.float32)
-    if NORM:
-        # Loaded through a pointer tile constant along N, like x (see _fma_row): L1 serves the repeats.
-        g_tile = offs_k + tl.zeros_like(w).to(tl.int32)
-        if EVEN_K:
-            w = w * tl.load(g_ptr + g_tile).to(tl.float32)
-        else:
-            w = w * tl.load(g_ptr + g_tile, mask=g_tile < K, other=0.0).to(tl.float32)
-        sq0 += _x_squares(x_ptr, row0 + 0, M, stride_xm, k0 + arange_k, K, EVEN_K)
-        if BLOCK_M > 1:
-            sq1 += _x_squares(x_ptr, row0 + 1, M, stride_xm, k0 + arange_k, K, EVEN_K)
     acc0 = _fma_row(acc0, w, x_ptr, row0 + 0, M, stride_xm, offs_k, K, EVEN_K, SILU)
     if BLOCK_M > 1:
         acc1 = _fma_row(acc1, w, x_ptr, row0 + 1, M, stride_xm, offs_k, K, EVEN_K, SILU)
@@ -188,30 +170,7 @@ def _fma_chunk(
         acc5 = _fma_row(acc5, w, x_ptr, row0 + 5, M, stride_xm, offs_k, K, EVEN_K, SILU)
         acc6 = _fma_row(acc6, w, x_ptr, row0 + 6, M, stride_xm, offs_k, K, EVEN_K, SILU)
         acc7 = _fma_row(acc7, w, x_ptr, row0 + 7, M, stride_xm, offs_k, K, EVEN_K, SILU)
-    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, sq0, sq1
-
-
-@triton.jit
-def _x_squares(x_ptr, row, M, stride_xm, offs_k, K, EVEN_K: tl.constexpr):
-    """x[row, offs_k]^2 in fp32 ([BLOCK_K], x's own 1-D layout: summed once after the loop, no per-chunk
-    reduction); row clamped to M - 1 like the accumulators' rows, and columns past K give 0."""
-    ptrs = x_ptr + tl.minimum(row, M - 1).to(tl.int64) * stride_xm + offs_k
-    if EVEN_K:
-        x = tl.load(ptrs).to(tl.float32)
-    else:
-        x = tl.load(ptrs, mask=offs_k < K, other=0.0).to(tl.float32)
-    return x * x
-
-
-@triton.jit
-def _rms_scale(acc, sq0, sq1, K, eps, BLOCK_M: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] times each row's 1 / sqrt(mean(x^2) + eps), RMSNorm's factor (rows 0 and 1)."""
-    r0 = tl.math.rsqrt(tl.sum(sq0, axis=0) / K + eps)
-    if BLOCK_M > 1:
-        r1 = tl.math.rsqrt(tl.sum(sq1, axis=0) / K + eps)
-        scale = tl.where(tl.arange(0, BLOCK_M) == 0, r0, r1)
-        return acc * scale[:, None]
-    return acc * r0
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
 
 @triton.jit
@@ -221,19 +180,12 @@ def _row_sum(acc, rows, i: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _store_rows(
-    acc, bias_ptr, out_ptr, rows_n, offs_m, offs_n, stride_om, mask, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr
-):
-    """out[offs_m, offs_n] = acc (+ bias), rounded once to out's dtype; with ACCUMULATE, that rounded value is
-    added to out's own (the residual add: the sum in fp32, rounded again)."""
+def _store_rows(acc, bias_ptr, out_ptr, rows_n, offs_m, offs_n, stride_om, mask, HAS_BIAS: tl.constexpr):
+    """out[offs_m, offs_n] = acc (+ bias), rounded once to out's dtype."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows_n).to(tl.float32)[None, :]
-    dtype = out_ptr.dtype.element_ty
-    result = round_to_dtype(acc, dtype)
-    ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    if ACCUMULATE:
-        result = round_to_dtype(result.to(tl.float32) + tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), dtype)
-    tl.store(ptrs, result, mask=mask)
+    result = round_to_dtype(acc, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], result, mask=mask)
 
 
 @triton.jit
@@ -281,13 +233,12 @@ def _store(
     GATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
 ):
-    """The kernel's output: the rows as they are (ACCUMULATE: added to out's), or (GATED) their activation."""
+    """The kernel's output: the rows as they are, or (GATED) their activation."""
     if GATED:
         _store_gated(acc, bias_ptr, out_ptr, rows_n, offs_m, pid_n, N, M, stride_om, HAS_BIAS, BLOCK_M, BLOCK_N)
     else:
-        _store_rows(acc, bias_ptr, out_ptr, rows_n, offs_m, offs_n, stride_om, mask, HAS_BIAS, ACCUMULATE)
+        _store_rows(acc, bias_ptr, out_ptr, rows_n, offs_m, offs_n, stride_om, mask, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile serves every M of a BLOCK_M (M = 1 would get its own)
@@ -317,10 +268,6 @@ def _skinny_linear_kernel(
     USE_PDL: tl.constexpr = False,
     GATED: tl.constexpr = False,
     PRELOAD: tl.constexpr = 0,
-    g_ptr=None,
-    eps=0.0,
-    NORM: tl.constexpr = False,
-    ACCUMULATE: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -376,11 +323,9 @@ def _skinny_linear_kernel(
         acc5 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc6 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc7 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        sq0 = tl.zeros([BLOCK_K], dtype=tl.float32)
-        sq1 = tl.zeros([BLOCK_K], dtype=tl.float32)
         loop_begin = k_begin
         if PRELOAD > 0:
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, sq0, sq1 = _fma_chunk(
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _fma_chunk(
                 acc0,
                 acc1,
                 acc2,
@@ -400,15 +345,11 @@ def _skinny_linear_kernel(
                 EVEN_K,
                 SILU,
                 BLOCK_M,
-                g_ptr,
-                sq0,
-                sq1,
-                NORM,
             )
             loop_begin += BLOCK_K
         if PRELOAD > 1:
             if loop_begin < k_end:
-                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, sq0, sq1 = _fma_chunk(
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _fma_chunk(
                     acc0,
                     acc1,
                     acc2,
@@ -428,17 +369,13 @@ def _skinny_linear_kernel(
                     EVEN_K,
                     SILU,
                     BLOCK_M,
-                    g_ptr,
-                    sq0,
-                    sq1,
-                    NORM,
                 )
             loop_begin += BLOCK_K
         # Unrolling lets the next chunk's loads issue before this chunk's FMAs (no shared-memory pipeline here).
         # The unrolled loop's trip count goes wrong for a start past its end, which the preloaded chunks can give.
         loop_begin = tl.minimum(loop_begin, k_end)
         for k0 in tl.range(loop_begin, k_end, BLOCK_K, loop_unroll_factor=UNROLL):
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, sq0, sq1 = _fma_chunk(
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _fma_chunk(
                 acc0,
                 acc1,
                 acc2,
@@ -458,10 +395,6 @@ def _skinny_linear_kernel(
                 EVEN_K,
                 SILU,
                 BLOCK_M,
-                g_ptr,
-                sq0,
-                sq1,
-                NORM,
             )
         acc = _row_sum(acc0, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), 0, BLOCK_M)
         if BLOCK_M > 1:
@@ -474,8 +407,6 @@ def _skinny_linear_kernel(
             acc = _row_sum(acc5, acc, 5, BLOCK_M)
             acc = _row_sum(acc6, acc, 6, BLOCK_M)
             acc = _row_sum(acc7, acc, 7, BLOCK_M)
-        if NORM:
-            acc = _rms_scale(acc, sq0, sq1, K, eps, BLOCK_M)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if SPLIT == 0:
         _store(
@@ -494,7 +425,6 @@ def _skinny_linear_kernel(
             GATED,
             BLOCK_M,
             BLOCK_N,
-            ACCUMULATE,
         )
     else:
         # fp32 partial into the workspace [SPLIT_K, M, N], summed in split order (deterministic) either by
@@ -529,7 +459,6 @@ def _skinny_linear_kernel(
                     GATED,
                     BLOCK_M,
                     BLOCK_N,
-                    ACCUMULATE,
                 )
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
 
@@ -665,41 +594,6 @@ def skinny_linear_supported(x: torch.Tensor, weight: torch.Tensor, *, gated: boo
     return x.stride(-1) == 1 and weight.stride(-1) == 1
 
 
-def _split_of(k: int, cfg: SkinnyConfig) -> tuple[int, int]:
-    """(K per split, number of splits) of a config: a requested split larger than K's chunks shrinks."""
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    return k_per_split, triton.cdiv(k, k_per_split)
-
-
-def fuses_norm(m: int, n: int, k: int, config: SkinnyConfig) -> bool:
-    """Whether a launch of this shape and config can take RMSNorm in its prologue (`norm_weight`): the FMA kernel
-    of one row block of at most 2 rows whose programs walk all of K (the norm needs the whole row's squares)."""
-    return not config.use_dot and m <= _MAX_NORM_M and _split_of(k, config)[1] == 1
-
-
-@functools.cache
-def _fuses_norm_at(m: int, n: int, k: int, sms: int) -> bool:
-    return fuses_norm(m, n, k, choose_config(m, n, k, sms))
-
-
-def norm_fusion_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `skinny_linear(x, weight, norm_weight=...)` (and the gated kernel's) takes these operands with its
-    own config: host-side shape checks only (cached per shape), so a graph capture or an eager step may ask."""
-    if x.dim() != 2 or x.shape[0] > _MAX_NORM_M or not skinny_linear_supported(x, weight):
-        return False
-    return _fuses_norm_at(x.shape[0], weight.shape[0], weight.shape[1], num_sms(x.device))
-
-
-def _check_norm_weight(norm_weight: torch.Tensor, x: torch.Tensor, eps: float) -> None:
-    k = x.shape[1]
-    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or norm_weight.stride(0) != 1:
-        raise ValueError(
-            f"norm_weight must be a dense [{k}] {x.dtype} tensor, got {tuple(norm_weight.shape)} {norm_weight.dtype}"
-        )
-    if not (eps >= 0.0 and math.isfinite(eps)):
-        raise ValueError(f"eps must be finite and non-negative, got {eps}")
-
-
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -709,9 +603,6 @@ def _launch(
     silu: bool,
     counters: torch.Tensor | None,
     gated: bool = False,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
-    accumulate: bool = False,
 ) -> torch.Tensor:
     if not skinny_linear_supported(x, weight, gated=silu):
         raise ValueError(
@@ -724,22 +615,14 @@ def _launch(
     if gated and n % 2:
         raise ValueError(f"a gate|up weight has an even number of rows, got {n}")
     out_n = n // 2 if gated else n
-    if accumulate and out is None:
-        raise ValueError("accumulate adds the result to `out`: pass the tensor to add to (the residual stream)")
     if out is None:
         out = torch.empty((m, out_n), dtype=x.dtype, device=x.device)
     elif out.shape != (m, out_n) or out.dtype != x.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be [{m}, {out_n}] {x.dtype} with a dense last dim, got {tuple(out.shape)}")
     cfg = config or choose_config(m, n, k, num_sms(x.device))
-    if norm_weight is not None:
-        _check_norm_weight(norm_weight, x, eps)
-        if silu or not fuses_norm(m, n, k, cfg):
-            raise ValueError(
-                f"RMSNorm in the prologue needs the FMA kernel over all of K for at most {_MAX_NORM_M} rows "
-                f"(see fuses_norm); got {m} rows with {cfg}"
-            )
     block_m = max(16, triton.next_power_of_2(m)) if cfg.use_dot else min(triton.next_power_of_2(m), _MAX_FMA_M)
-    k_per_split, split = _split_of(k, cfg)
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)  # a requested split larger than K's chunks shrinks
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m))
     if counters is not None and (
         counters.shape != (_COUNTER_SLOTS,) or counters.dtype != torch.int32 or counters.device != x.device
@@ -748,16 +631,9 @@ def _launch(
     if not (split > 1 and cfg.serial_split and grid[0] * grid[2] <= _COUNTER_SLOTS):
         counters = None
     mode = 0 if split == 1 else 2 if counters is not None else 1
-    if gated and accumulate:
-        raise ValueError("the gated projection's activation cannot be accumulated into out")
     if gated and (cfg.use_dot or cfg.block_n % 2 or mode == 1):
         # The epilogue needs (gate, up) lane pairs of the FMA kernel and the partials summed in-kernel.
-        projection = _launch(x, weight, bias, None, cfg, False, counters, norm_weight=norm_weight, eps=eps)
-        return silu_and_mul(projection, out=out)
-    if accumulate and mode == 1:
-        # The second kernel's sum has no accumulating epilogue: the same two roundings through torch's add
-        # (fp32 arithmetic on half-precision operands, rounded once).
-        return out.add_(_launch(x, weight, bias, None, cfg, silu, counters))
+        return silu_and_mul(_launch(x, weight, bias, None, cfg, False, counters), out=out)
     ws = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     bias_arg = bias if bias is not None else x  # never read without HAS_BIAS
     pdl = pdl_enabled(x.device)
@@ -788,10 +664,6 @@ def _launch(
         USE_PDL=pdl,
         GATED=gated,
         PRELOAD=preload,
-        g_ptr=norm_weight if norm_weight is not None else x,  # never read without NORM
-        eps=float(eps),
-        NORM=norm_weight is not None,
-        ACCUMULATE=accumulate,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_launch_options(pdl),
@@ -822,25 +694,14 @@ def skinny_linear(
     out: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
     counters: torch.Tensor | None = None,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    accumulate: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x.dtype; see `skinny_linear_ref` for the contract.
 
     Raises ValueError for operands `skinny_linear_supported` refuses (never computes a wrong result). Rows of
     x, weight and out may be strided. `config` overrides `choose_config` (benchmarks and tests); `counters`
     (`make_split_counters`) lets a split-K launch sum its partials without a second kernel.
-
-    Two fusions for a decoder layer's residual stream x (the layer's norm kernels then never run):
-    - `norm_weight` [K]: RMSNorm(x) * norm_weight is the input, computed in the prologue (see
-      `skinny_linear_rms_ref` for its roundings); only where `fuses_norm` holds for the config, else ValueError.
-    - `accumulate`: the result is added to `out` (the residual stream, updated in place) as
-      `skinny_linear_add_ref` says: the projection rounded, then the sum rounded, exactly the unfused add.
     """
-    return _launch(
-        x, weight, bias, out, config, False, counters, norm_weight=norm_weight, eps=eps, accumulate=accumulate
-    )
+    return _launch(x, weight, bias, out, config, silu=False, counters=counters)
 
 
 def skinny_linear_gated(
@@ -851,15 +712,12 @@ def skinny_linear_gated(
     out: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
     counters: torch.Tensor | None = None,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
 ) -> torch.Tensor:
     """silu_and_mul(x @ weight^T (+ bias)) -> [M, N / 2] for the MLP's fused gate|up weight [N, K] (gate rows,
     then up rows); see `skinny_linear_gated_ref`. One kernel: the FMA kernel's lanes pair each gate row with its
     up row and the epilogue applies the activation, so gate|up never reaches memory (a tensor-core config, or a
-    K split without `counters`, runs the plain kernel and then `silu_and_mul`: the same numbers). `norm_weight`
-    normalises x first, as `skinny_linear`'s."""
-    return _launch(x, weight, bias, out, config, False, counters, gated=True, norm_weight=norm_weight, eps=eps)
+    K split without `counters`, runs the plain kernel and then `silu_and_mul`: the same numbers)."""
+    return _launch(x, weight, bias, out, config, silu=False, counters=counters, gated=True)
 
 
 def skinny_linear_silu(

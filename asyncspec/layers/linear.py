@@ -15,7 +15,6 @@ with every size the kernel takes and runs eager steps with calls of at most 2 ro
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,17 +38,6 @@ class SkinnyLinear:
     gated_kernel: Callable[..., torch.Tensor] | None = None
     """skinny_linear_gated(x, weight, bias, counters=...): the MLP's gate|up projection with the activation
     in its epilogue, [M, I] out (None: the projection, then the activation kernel)."""
-    fuses_norm: Callable[[torch.Tensor, torch.Tensor], bool] | None = None
-    """fuses_norm(x, weight): whether the kernel takes this call with RMSNorm in its prologue (`norm_weight`), so
-    that a decoder layer's norm kernels need not run (None: they always run; see `LlamaModel.fuses_norms`)."""
-
-
-NORM_IN_LINEAR_ENV = "ASYNCSPEC_NORM_IN_LINEAR"
-"""0: the decode-sized steps keep their residual-add + RMSNorm kernels (an A/B of the fusion; read when the
-kernel is made, once at start)."""
-
-RowNorm = tuple[torch.Tensor, float]
-"""An RMSNorm to apply to x before a projection: (its weight [K], its eps)."""
 
 
 def linear(
@@ -61,43 +49,16 @@ def linear(
     return F.linear(x, weight, bias)
 
 
-def linear_normed(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, skinny: SkinnyLinear, norm: RowNorm
-) -> torch.Tensor:
-    """RMSNorm(x) * norm weight, then x @ weight^T (+ bias), in one launch of the skinny kernel: the caller
-    checked `skinny.fuses_norm` (skinny_linear_rms_ref is the contract)."""
-    return skinny.kernel(x, weight, bias, counters=skinny.counters, norm_weight=norm[0], eps=norm[1])
-
-
-def linear_add(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    skinny: SkinnyLinear | None,
-    residual: torch.Tensor,
-) -> torch.Tensor:
-    """residual += x @ weight^T (+ bias), in place (the projection rounded, then the sum rounded: the unfused
-    add's numbers); in the skinny kernel's epilogue where it takes the call, else F.linear then torch's add."""
-    if skinny is not None and x.dim() == 2 and x.shape[0] <= skinny.max_rows and skinny.supported(x, weight):
-        return skinny.kernel(x, weight, bias, counters=skinny.counters, out=residual, accumulate=True)
-    return residual.add_(F.linear(x, weight, bias))
-
-
 def linear_silu_and_mul(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     skinny: SkinnyLinear | None,
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
-    norm: RowNorm | None = None,
 ) -> torch.Tensor:
     """silu_and_mul(x @ weight^T (+ bias)) for the MLP's fused gate|up weight: one kernel for a decode-sized x
     the gated kernel takes (gate|up never written), else `linear` then the activation. The same numbers either
-    way where the kernel serves both (the epilogue rounds the projection as the kernel's output would be).
-    With `norm`, x is normalised in the kernel's prologue (the caller checked `skinny.fuses_norm`)."""
-    if norm is not None:
-        assert skinny is not None and skinny.gated_kernel is not None
-        return skinny.gated_kernel(x, weight, bias, counters=skinny.counters, norm_weight=norm[0], eps=norm[1])
+    way where the kernel serves both (the epilogue rounds the projection as the kernel's output would be)."""
     if (
         skinny is not None
         and skinny.gated_kernel is not None
@@ -126,7 +87,6 @@ def make_skinny_linear(device: torch.device, max_rows: int | None = None) -> Ski
     from asyncspec.kernels.skinny_linear_triton import (
         MAX_M,
         make_split_counters,
-        norm_fusion_supported,
         skinny_linear,
         skinny_linear_gated,
         skinny_linear_supported,
@@ -138,7 +98,6 @@ def make_skinny_linear(device: torch.device, max_rows: int | None = None) -> Ski
         skinny_linear,
         skinny_linear_supported,
         skinny_linear_gated,
-        norm_fusion_supported if os.environ.get(NORM_IN_LINEAR_ENV, "1") != "0" else None,
     )
 
 

@@ -12,15 +12,7 @@ from torch import nn
 from asyncspec.layers.activation import select_silu_and_mul
 from asyncspec.layers.attention import Attention
 from asyncspec.layers.attention_metadata import AttentionMetadata
-from asyncspec.layers.linear import (
-    DecodeLinear,
-    RowNorm,
-    SkinnyLinear,
-    linear,
-    linear_add,
-    linear_normed,
-    linear_silu_and_mul,
-)
+from asyncspec.layers.linear import DecodeLinear, SkinnyLinear, linear, linear_silu_and_mul
 from asyncspec.layers.norm import RMSNorm
 from asyncspec.layers.rotary import RotaryEmbedding, RotaryInputs, apply_rotary, select_fused_rotary
 from asyncspec.layers.tensor_parallel import TensorParallel
@@ -61,19 +53,9 @@ class LlamaAttention(nn.Module):
         rope: RotaryInputs,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn_metadata: AttentionMetadata,
-        norm: RowNorm | None = None,
-        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The block's output; with `norm` and `residual` (`LlamaModel.fuses_norms`), x is the residual stream,
-        normalised inside the qkv projection, and the output is added to `residual` in o_proj's epilogue."""
         T = x.shape[0]
-        qkv_proj = self.qkv_proj
-        if norm is not None:
-            assert qkv_proj.skinny_linear is not None
-            qkv = linear_normed(x, qkv_proj.weight, qkv_proj.bias, qkv_proj.skinny_linear, norm)
-        else:
-            qkv = qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # Strided views of the fused output: the fused kernel reads them as they are.
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
@@ -88,11 +70,7 @@ class LlamaAttention(nn.Module):
         else:
             q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
             o = self.attn(q, k, v, kv_cache, attn_metadata)
-        o = o.reshape(T, self.q_size)
-        if residual is not None:
-            o_proj = self.o_proj
-            return linear_add(o, o_proj.weight, o_proj.bias, o_proj.skinny_linear, residual)
-        return self.tp.all_reduce(self.o_proj(o))
+        return self.tp.all_reduce(self.o_proj(o.reshape(T, self.q_size)))
 
 
 class LlamaMLP(nn.Module):
@@ -109,18 +87,11 @@ class LlamaMLP(nn.Module):
 
         self._silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def forward(
-        self, x: torch.Tensor, norm: RowNorm | None = None, residual: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The MLP's output; with `norm` and `residual`, as `LlamaAttention.forward`'s (gate|up normalises x, and
-        down_proj adds its output to `residual`)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._silu_and_mul is None:
             self._silu_and_mul = select_silu_and_mul(x.device)
         gate_up = self.gate_up_proj
-        act = linear_silu_and_mul(x, gate_up.weight, gate_up.bias, gate_up.skinny_linear, self._silu_and_mul, norm)
-        if residual is not None:
-            down = self.down_proj
-            return linear_add(act, down.weight, down.bias, down.skinny_linear, residual)
+        act = linear_silu_and_mul(x, gate_up.weight, gate_up.bias, gate_up.skinny_linear, self._silu_and_mul)
         return self.tp.all_reduce(self.down_proj(act))
 
 
@@ -147,20 +118,6 @@ class LlamaDecoderLayer(nn.Module):
         x = self.self_attn(x, rope, kv_cache, attn_metadata)
         x, residual = self.post_attention_layernorm.forward_residual(x, residual)
         return self.mlp(x), residual
-
-    def forward_norms_in_linears(
-        self,
-        residual: torch.Tensor,
-        rope: RotaryInputs,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """The block on the residual stream in place, with no norm kernel of its own: each norm runs in the
-        prologue of the projection after it (qkv, gate|up) and each residual add in the epilogue of the projection
-        before it (o, down). Returns the updated residual stream."""
-        ln, post = self.input_layernorm, self.post_attention_layernorm
-        self.self_attn(residual, rope, kv_cache, attn_metadata, norm=(ln.weight, ln.eps), residual=residual)
-        return self.mlp(residual, norm=(post.weight, post.eps), residual=residual)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -196,25 +153,6 @@ class LlamaModel(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self._fused_rotary: bool | None = None
-        self.tp = tp
-        self.skinny_linear: SkinnyLinear | None = None
-        """The decode-shaped kernel the layers use (set with theirs by `use_skinny_linear`): where it takes the
-        norms into its projections, decode-sized steps run no norm kernel but the last (see `fuses_norms`)."""
-
-    def fuses_norms(self, x: torch.Tensor) -> bool:
-        """Whether a step over hidden states x runs its layers with the norms inside the projections: the kernel
-        fuses them (ASYNCSPEC_NORM_IN_LINEAR not 0) for x's rows on both norm-side projections (qkv, gate|up; the
-        decode of one or two requests), the MLP's gated kernel is there, and one rank holds the whole layer (the
-        residual adds would otherwise come before the all-reduce)."""
-        skinny = self.skinny_linear
-        if skinny is None or skinny.fuses_norm is None or skinny.gated_kernel is None or self.tp.enabled:
-            return False
-        if x.shape[0] > skinny.max_rows or not self.layers:
-            return False
-        first = next(iter(self.decoder_layers))
-        return skinny.fuses_norm(x, first.self_attn.qkv_proj.weight) and skinny.fuses_norm(
-            x, first.mlp.gate_up_proj.weight
-        )
 
     @property
     def decoder_layers(self) -> Iterable[LlamaDecoderLayer]:
@@ -232,11 +170,6 @@ class LlamaModel(nn.Module):
         if self._fused_rotary is None:
             self._fused_rotary = select_fused_rotary(h.device)
         rope = self.rotary_emb.step_inputs(positions, h.dtype, fused=self._fused_rotary)
-        if self.fuses_norms(h):
-            # h (the embedding's fresh output) becomes the residual stream, updated in place layer by layer.
-            for fused_layer, kv_cache in zip(self.decoder_layers, kv_caches, strict=True):
-                h = fused_layer.forward_norms_in_linears(h, rope, kv_cache, attn_metadata)
-            return self.norm.forward_residual(h, None)[0]
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h, residual = layer(h, residual, rope, kv_cache, attn_metadata)

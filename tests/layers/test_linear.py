@@ -12,57 +12,31 @@ import torch.nn.functional as F
 
 from asyncspec import LLM, SamplingParams
 from asyncspec.kernels.silu_and_mul import silu_and_mul_ref
-from asyncspec.kernels.skinny_linear import (
-    skinny_linear_add_ref,
-    skinny_linear_gated_ref,
-    skinny_linear_ref,
-    skinny_linear_rms_ref,
-)
-from asyncspec.layers.linear import (
-    NORM_IN_LINEAR_ENV,
-    DecodeLinear,
-    SkinnyLinear,
-    linear,
-    linear_add,
-    linear_silu_and_mul,
-    make_skinny_linear,
-    use_skinny_linear,
-)
+from asyncspec.kernels.skinny_linear import skinny_linear_gated_ref, skinny_linear_ref
+from asyncspec.layers.linear import DecodeLinear, SkinnyLinear, linear, linear_silu_and_mul, use_skinny_linear
 from asyncspec.worker.model_runner import SKINNY_LINEAR_ENV
 from tests.conftest import DRAFT_MODEL, TARGET_MODEL, load_prompts
 from tests.spec.spec_helpers import assert_same_outputs
 
 
 class _Recording:
-    """The kernel's reference, counting the rows of every call it serves (and which fusion each call took:
-    "norm" with a norm in its prologue, "add" accumulating into the residual stream, "" plain)."""
+    """The kernel's reference, counting the rows of every call it serves."""
 
-    def __init__(self, reference=skinny_linear_ref, gated: bool = False) -> None:
+    def __init__(self, reference=skinny_linear_ref) -> None:
         self.rows: list[int] = []
-        self.fusions: list[str] = []
         self.reference = reference
-        self.gated = gated
 
-    def __call__(self, x, weight, bias, *, counters, norm_weight=None, eps=1e-6, out=None, accumulate=False):
+    def __call__(self, x, weight, bias, *, counters):
         assert counters is not None
         self.rows.append(x.shape[0])
-        self.fusions.append("norm" if norm_weight is not None else "add" if accumulate else "")
-        if accumulate:
-            assert out is not None and not self.gated
-            return skinny_linear_add_ref(x, weight, bias, out)
-        if norm_weight is not None:
-            result = skinny_linear_rms_ref(x, weight, norm_weight, eps, bias)
-            return silu_and_mul_ref(result) if self.gated else result
         return self.reference(x, weight, bias)
 
 
-def _stand_in(
-    max_rows: int = 2, supported=lambda x, w: True, fuses_norm=None
-) -> tuple[SkinnyLinear, _Recording, _Recording]:
+def _stand_in(max_rows: int = 2, supported=lambda x, w: True) -> tuple[SkinnyLinear, _Recording, _Recording]:
     """A SkinnyLinear of recording references: (it, its plain kernel, its gated kernel)."""
-    kernel, gated = _Recording(), _Recording(skinny_linear_gated_ref, gated=True)
+    kernel, gated = _Recording(), _Recording(skinny_linear_gated_ref)
     counters = torch.zeros(8, dtype=torch.int32)
-    return SkinnyLinear(max_rows, counters, kernel, supported, gated, fuses_norm), kernel, gated
+    return SkinnyLinear(max_rows, counters, kernel, supported, gated), kernel, gated
 
 
 def test_linear_sends_only_decode_sized_calls_the_kernel_takes() -> None:
@@ -113,7 +87,7 @@ def test_switched_model_generates_the_same_tokens(spec: bool) -> None:
     runner = llm.engine.engine_core.runner
     skinny, kernel, gated = _stand_in()
     num_layers = runner.model_config.num_hidden_layers
-    assert use_skinny_linear(runner.model, skinny) == 4 * num_layers + 2  # projections, the logits, the stack
+    assert use_skinny_linear(runner.model, skinny) == 4 * num_layers + 1  # projections, and the logits
     if spec:
         use_skinny_linear(runner.spec.proposer.model, skinny)
     assert_same_outputs(ref, llm.generate(prompts, params), "the decode-shaped kernel")
@@ -122,79 +96,7 @@ def test_switched_model_generates_the_same_tokens(spec: bool) -> None:
     # its activation through the gated kernel.
     assert kernel.rows.count(2) >= 3 * num_layers and gated.rows.count(2) >= num_layers
     assert gated.rows and max(gated.rows) <= 2
-    assert use_skinny_linear(runner.model, None) == 4 * num_layers + 2
-
-
-def test_linear_add_accumulates_into_the_residual_with_the_unfused_roundings() -> None:
-    gen = torch.Generator().manual_seed(2)
-    weight, bias = torch.randn(24, 16, generator=gen).bfloat16(), torch.randn(24, generator=gen).bfloat16()
-    skinny, kernel, _ = _stand_in()
-    for rows in (1, 2, 3):  # the kernel's epilogue, then F.linear and torch's add past its rows
-        x, residual = torch.randn(rows, 16, generator=gen).bfloat16(), torch.randn(rows, 24, generator=gen).bfloat16()
-        expected = (F.linear(x, weight, bias).float() + residual.float()).bfloat16()
-        got = linear_add(x, weight, bias, skinny, residual)
-        assert got.data_ptr() == residual.data_ptr() and torch.equal(got, expected)
-    assert kernel.rows == [1, 2] and kernel.fusions == ["add", "add"]
-
-
-@pytest.mark.parametrize("spec", [False, True], ids=["plain", "draft"])
-def test_norms_in_the_projections_generate_the_same_tokens(spec: bool) -> None:
-    """Where the kernel fuses the norms (decode steps of one or two requests), every layer's qkv and gate|up
-    projection normalises the residual stream in its prologue and o and down add to it in their epilogue, so no
-    norm runs but the last; greedy fp32 tokens are those of the unfused layers."""
-    kwargs = dict(device="cpu", dtype="float32", max_model_len=256, max_num_seqs=2, num_kv_blocks=64)
-    if spec:
-        kwargs.update(speculative_method="draft_model", draft_model=str(DRAFT_MODEL), num_speculative_tokens=3)
-    prompts = [p[:40] for p in load_prompts(2)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    ref = LLM(str(TARGET_MODEL), **kwargs).generate(prompts, params)
-    llm = LLM(str(TARGET_MODEL), **kwargs)
-    runner = llm.engine.engine_core.runner
-    skinny, kernel, gated = _stand_in(fuses_norm=lambda x, w: x.shape[0] <= 2)
-    use_skinny_linear(runner.model, skinny)
-    if spec:
-        use_skinny_linear(runner.spec.proposer.model, skinny)
-    norms: list[int] = []
-    for layer in runner.model.model.decoder_layers:
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            fused = norm.forward_residual
-
-            def counting(x, residual, fused=fused):
-                norms.append(x.shape[0])
-                return fused(x, residual)
-
-            norm.forward_residual = counting
-    assert_same_outputs(ref, llm.generate(prompts, params), "the norms in the projections")
-    num_layers = runner.model_config.num_hidden_layers
-    fused_calls = sum(1 for rows, f in zip(kernel.rows, kernel.fusions, strict=True) if f == "norm" and rows == 2)
-    assert fused_calls >= num_layers  # qkv of every layer, two requests decoding
-    assert kernel.fusions.count("add") >= 2 * num_layers  # o and down
-    assert gated.fusions.count("norm") >= num_layers and "" not in gated.fusions  # gate|up: every decode fused
-    assert norms and min(norms) > 2  # the layers' norm kernels ran for the prompts only
-    assert not runner.model.model.fuses_norms(torch.zeros(3, 1))  # past the kernel's rows: the unfused layers
-
-
-def test_model_fuses_norms_only_where_every_condition_holds() -> None:
-    kwargs = dict(device="cpu", dtype="float32", max_model_len=256, max_num_seqs=2, num_kv_blocks=64)
-    model = LLM(str(TARGET_MODEL), **kwargs).engine.engine_core.runner.model.model
-    x = torch.zeros(1, model.norm.weight.shape[0])
-    assert not model.fuses_norms(x)  # no kernel
-    model.skinny_linear, _, _ = _stand_in()
-    assert not model.fuses_norms(x)  # a kernel without the fusion (ASYNCSPEC_NORM_IN_LINEAR=0)
-    model.skinny_linear, _, _ = _stand_in(
-        fuses_norm=lambda x, w: w.shape[0] != model.layers[0].mlp.gate_up_proj.weight.shape[0]
-    )
-    assert not model.fuses_norms(x)  # the gate|up projection would not take it
-    model.skinny_linear, _, _ = _stand_in(fuses_norm=lambda x, w: True)
-    assert model.fuses_norms(x) and not model.fuses_norms(torch.zeros(3, x.shape[1]))
-
-
-def test_norm_fusion_switch_is_read_when_the_kernel_is_made(monkeypatch) -> None:
-    pytest.importorskip("triton")
-    monkeypatch.setenv(NORM_IN_LINEAR_ENV, "0")
-    assert make_skinny_linear(torch.device("cpu")).fuses_norm is None
-    monkeypatch.delenv(NORM_IN_LINEAR_ENV)
-    assert make_skinny_linear(torch.device("cpu")).fuses_norm is not None
+    assert use_skinny_linear(runner.model, None) == 4 * num_layers + 1
 
 
 @pytest.mark.gpu
