@@ -16,3 +16,20 @@ def greedy_argmax_ref(logits: torch.Tensor, invalid_id: int) -> torch.Tensor:
     """
     values, ids = logits.max(dim=-1)
     return torch.where(values > float("-inf"), ids, invalid_id)
+
+
+def greedy_argmax_into_tokens_ref(
+    logits: torch.Tensor,
+    invalid_id: int,
+    token_ids: torch.Tensor,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+) -> torch.Tensor:
+    """greedy_argmax_ref(logits), and each row's token written into token_ids at (rows[i], cols[i]): clamped to 0
+    (an invalid id never reaches the buffer as a placeholder), and not at all where cols[i] == 0 (a graph bucket's
+    padding request, whose entry keeps the value already there). Returns the argmax, invalid ids included."""
+    sampled = greedy_argmax_ref(logits, invalid_id)
+    rows, cols = rows.to(torch.int64), cols.to(torch.int64)
+    kept = token_ids[rows, cols]
+    token_ids[rows, cols] = torch.where(cols > 0, sampled.clamp_min(0), kept)
+    return sampled

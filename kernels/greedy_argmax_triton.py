@@ -39,6 +39,12 @@ which programmatic dependent launch (kernels/pdl.py) already mostly hides: both 
 first thing, so the combine launches and ramps up while stage 1 drains. No atomics, so results are deterministic.
 Only shapes are read on the host (the workspace is a torch.empty), so the launch never syncs with the device and
 can be captured in a CUDA graph.
+
+`greedy_argmax_into_tokens` is a decode step's greedy tail in the same launches: the program that writes a row's
+result also writes the token into the device token buffer at (batch row, sequence length), where the next step
+reads its input id (InputBatch.write_sampled_tokens' contract). In torch that write took six more kernels (a cast
+of the lengths, the clamp, a gather, a comparison, a select and the scatter); the row and column are loaded right
+after the PDL wait, so their latency hides under the row's reduction.
 """
 
 from __future__ import annotations
@@ -64,6 +70,25 @@ _MAX_VOCAB = 2**30  # columns (and the last block's padding past V) are int32 in
 
 
 @triton.jit
+def _token_slot(tokens_ptr, token_stride, rows_ptr, cols_ptr, row, WRITE_TOKENS: tl.constexpr):
+    """The token buffer's address for `row`'s sampled token (batch row rows[row], column cols[row]) and whether to
+    write it: a column of 0 is a graph bucket's padding request, which leaves the buffer alone."""
+    if WRITE_TOKENS:
+        col = tl.load(cols_ptr + row).to(tl.int64)
+        return tokens_ptr + tl.load(rows_ptr + row).to(tl.int64) * token_stride + col, col > 0
+    return tokens_ptr, False
+
+
+@triton.jit
+def _store_result(out_ptr, out_stride, row, value, slot, write, WRITE_TOKENS: tl.constexpr):
+    """out[row] = value; with WRITE_TOKENS the token too, never a placeholder (an invalid id is written as 0: its
+    request fails, and a step already planned behind this one feeds the value to the model)."""
+    tl.store(out_ptr + row * out_stride, value)
+    if WRITE_TOKENS:
+        tl.store(slot, tl.maximum(value, 0), mask=write)
+
+
+@triton.jit
 def _chunk_max_kernel(
     x_ptr,
     row_stride,
@@ -73,12 +98,19 @@ def _chunk_max_kernel(
     out_ptr,
     out_stride,
     invalid_id,
+    tokens_ptr,
+    token_stride,
+    rows_ptr,
+    cols_ptr,
     BLOCK: tl.constexpr,
     ONE_CHUNK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    WRITE_TOKENS: tl.constexpr = False,
 ):
     pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
+    if ONE_CHUNK:
+        slot, write = _token_slot(tokens_ptr, token_stride, rows_ptr, cols_ptr, row, WRITE_TOKENS)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * row_stride + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
@@ -90,7 +122,8 @@ def _chunk_max_kernel(
     first = tl.min(tl.where(nan, -1, tl.where(x == best, cols, V)), axis=0)
     if ONE_CHUNK:
         valid = (best > float("-inf")) & (first >= 0)
-        tl.store(out_ptr + row * out_stride, tl.where(valid, first.to(tl.int64), invalid_id))
+        value = tl.where(valid, first.to(tl.int64), invalid_id)
+        _store_result(out_ptr, out_stride, row, value, slot, write, WRITE_TOKENS)
     else:
         slot = ws_ptr + row * (2 * num_chunks) + chunk
         tl.store(slot, best.to(tl.int32, bitcast=True))
@@ -99,10 +132,22 @@ def _chunk_max_kernel(
 
 @triton.jit
 def _combine_kernel(
-    ws_ptr, num_chunks, out_ptr, out_stride, invalid_id, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr = False
+    ws_ptr,
+    num_chunks,
+    out_ptr,
+    out_stride,
+    invalid_id,
+    tokens_ptr,
+    token_stride,
+    rows_ptr,
+    cols_ptr,
+    BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+    WRITE_TOKENS: tl.constexpr = False,
 ):
     pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
+    slot, write = _token_slot(tokens_ptr, token_stride, rows_ptr, cols_ptr, row, WRITE_TOKENS)
     values_ptr = ws_ptr + row * (2 * num_chunks)
     firsts_ptr = values_ptr + num_chunks
     offs = tl.arange(0, BLOCK_C)
@@ -123,7 +168,9 @@ def _combine_kernel(
         best_col = tl.where(later_wins, tile_col, best_col)
         lowest = tl.minimum(lowest, tl.min(first, axis=0))
     valid = (best > float("-inf")) & (lowest >= 0)
-    tl.store(out_ptr + row * out_stride, tl.where(valid, best_col.to(tl.int64), invalid_id))
+    _store_result(
+        out_ptr, out_stride, row, tl.where(valid, best_col.to(tl.int64), invalid_id), slot, write, WRITE_TOKENS
+    )
 
 
 def _unsupported(logits: torch.Tensor) -> str | None:
@@ -164,6 +211,46 @@ def greedy_argmax(
     int64 [N] tensor on the logits' device) and is returned. `block` (a power of two) overrides `choose_block`
     (tests and benchmarks). Raises ValueError for inputs it does not take (see `greedy_argmax_supported`).
     """
+    return _greedy_argmax(logits, invalid_id, out, block, None)
+
+
+def greedy_argmax_into_tokens(
+    logits: torch.Tensor,
+    invalid_id: int,
+    token_ids: torch.Tensor,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    block: int | None = None,
+) -> torch.Tensor:
+    """`greedy_argmax`, and each row's token written into token_ids [R, L] at (rows[i], cols[i]) in the same
+    launches, as `greedy_argmax_into_tokens_ref` says: never below 0 (an invalid id writes 0), and nothing where
+    cols[i] == 0 (a graph bucket's padding request). rows and cols are [N] integer tensors on the device (cols may be
+    int32: the sequence lengths as the attention reads them); every written (row, col) must lie inside token_ids,
+    which the caller guarantees (a sequence length is always below max_model_len)."""
+    if token_ids.dim() != 2 or token_ids.dtype != torch.int64 or token_ids.stride(1) != 1:
+        raise ValueError(
+            f"token_ids must be an int64 [rows, len] tensor with dense rows, got {token_ids.dtype} "
+            f"{tuple(token_ids.shape)}"
+        )
+    n = logits.shape[0] if logits.dim() == 2 else -1
+    for name, t in (("rows", rows), ("cols", cols)):
+        if t.shape != (n,) or t.dtype not in (torch.int32, torch.int64) or t.device != token_ids.device:
+            raise ValueError(
+                f"{name} must be an int32 or int64 [{n}] tensor on {token_ids.device}, got {t.dtype} "
+                f"{tuple(t.shape)} on {t.device}"
+            )
+    return _greedy_argmax(logits, invalid_id, out, block, (token_ids, rows, cols))
+
+
+def _greedy_argmax(
+    logits: torch.Tensor,
+    invalid_id: int,
+    out: torch.Tensor | None,
+    block: int | None,
+    tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
     reason = _unsupported(logits)
     if reason is not None:
         raise ValueError(f"greedy_argmax: {reason}; greedy_argmax_ref takes any float logits")
@@ -191,6 +278,9 @@ def greedy_argmax(
     one_chunk = num_chunks == 1
     ws = out if one_chunk else torch.empty((num_rows, 2, num_chunks), dtype=torch.int32, device=logits.device)
     pdl = pdl_enabled(logits.device)
+    # Never read without WRITE_TOKENS: any tensors stand in for the token buffer's arguments.
+    token_ids, rows, cols = tokens if tokens is not None else (out, out, out)
+    token_args = (token_ids, token_ids.stride(0) if tokens is not None else 0, rows, cols)
     _chunk_max_kernel[(num_rows, num_chunks)](
         logits,
         logits.stride(0),
@@ -200,9 +290,11 @@ def greedy_argmax(
         out,
         out.stride(0),
         invalid_id,
+        *token_args,
         BLOCK=block,
         ONE_CHUNK=one_chunk,
         USE_PDL=pdl,
+        WRITE_TOKENS=tokens is not None and one_chunk,
         num_warps=max(1, min(8, block // 512)),
         **pdl_launch_options(pdl),
     )
@@ -214,8 +306,10 @@ def greedy_argmax(
             out,
             out.stride(0),
             invalid_id,
+            *token_args,
             BLOCK_C=block_c,
             USE_PDL=pdl,
+            WRITE_TOKENS=tokens is not None,
             num_warps=1,
             **pdl_launch_options(pdl),
         )

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from asyncspec.kernels.greedy_argmax import greedy_argmax_ref
+from asyncspec.kernels.greedy_argmax import greedy_argmax_into_tokens_ref, greedy_argmax_ref
 from asyncspec.layers.attention import select_backend
 from asyncspec.sampling_params import SAMPLING_EPS, SamplingParams
 
@@ -358,6 +358,20 @@ def greedy_sample(logits: Tensor) -> Tensor:
         if greedy_argmax_triton.greedy_argmax_supported(logits):
             return greedy_argmax_triton.greedy_argmax(logits, INVALID_TOKEN_ID)
     return greedy_argmax_ref(logits, INVALID_TOKEN_ID)
+
+
+def greedy_sample_into_tokens(logits: Tensor, token_ids: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+    """`greedy_sample`, and each row's token written into the device token buffer token_ids at (rows[i], cols[i])
+    as `InputBatch.write_sampled_tokens(rows, cols, sampled, padded=True)` writes it (never below 0; nothing where
+    cols[i] == 0, a graph bucket's padding request). With the Triton backend the write happens inside the argmax's
+    last launch (`greedy_argmax_into_tokens`), which saves a decode step's six small torch kernels of the write;
+    elsewhere the reference. Returns the sampled ids, INVALID_TOKEN_ID included."""
+    if select_backend(logits.device).name == "triton":
+        from asyncspec.kernels import greedy_argmax_triton
+
+        if greedy_argmax_triton.greedy_argmax_supported(logits):
+            return greedy_argmax_triton.greedy_argmax_into_tokens(logits, INVALID_TOKEN_ID, token_ids, rows, cols)
+    return greedy_argmax_into_tokens_ref(logits, INVALID_TOKEN_ID, token_ids, rows, cols)
 
 
 def invalid_rows(scores: Tensor) -> Tensor:

@@ -33,6 +33,7 @@ from asyncspec.layers.sampler import (
     SamplingMetadata,
     check_token_ids,
     greedy_sample,
+    greedy_sample_into_tokens,
     host_list_to_device,
     make_generator,
 )
@@ -162,6 +163,10 @@ GREEDY_DRAFT_STEP_GRAPH_ENV = "ASYNCSPEC_GREEDY_DRAFT_STEP_GRAPH"
 proposal-loop graph with host work between them, instead of one graph (docs/benchmarks.md: the
 bundled pair's synchronous step 1.64 -> 1.24 ms of wall time with the one graph)."""
 
+FUSED_TOKEN_WRITE_ENV = "ASYNCSPEC_FUSED_TOKEN_WRITE"
+"""Set to 0 to write a greedy decode step's tokens into the device token buffer with torch's indexing (six small
+kernels after the argmax) instead of inside the argmax's last launch (`greedy_sample_into_tokens`)."""
+
 DRAFT_ON_TARGET_INPUTS_ENV = "ASYNCSPEC_DRAFT_ON_TARGET_INPUTS"
 """Set to 0 to make the draft's catch-up over a step that proposes nothing (a plan of prompt chunks) build inputs of
 its own, as a step that proposes does, instead of running on the target's step inputs (a graph per mixed graph of
@@ -192,15 +197,22 @@ batch copies neither); `draft_on_target_inputs_steps` counts the draft's catch-u
 class GreedyDecodeTail:
     """Greedy sampling of a decode step, graphed after its forward pass: logits, argmax, and each
     new token into the device token buffer (`InputBatch.write_sampled_tokens`, as the eager path;
-    padding requests leave it alone). It holds what it needs, not the runner: the graphs that keep
+    padding requests leave it alone), in the argmax's own launches (`greedy_sample_into_tokens`)
+    unless `fused_token_write` is off. It holds what it needs, not the runner: the graphs that keep
     it must not keep the runner (and its KV cache) alive in a reference cycle."""
 
-    def __init__(self, model: torch.nn.Module, meta: torch.Tensor, input_batch: InputBatch) -> None:
+    def __init__(
+        self, model: torch.nn.Module, meta: torch.Tensor, input_batch: InputBatch, fused_token_write: bool = True
+    ) -> None:
         self.model, self.meta, self.input_batch = model, meta, input_batch
+        self.fused_token_write = fused_token_write
 
     def __call__(self, hidden: torch.Tensor, static: StaticInputs, num_reqs: int, query_len: int = 1) -> torch.Tensor:
-        sampled = greedy_sample(self.model.compute_logits(hidden[:num_reqs], float32=False))  # type: ignore[operator]
+        logits = self.model.compute_logits(hidden[:num_reqs], float32=False)  # type: ignore[operator]
         rows = self.meta[0, :num_reqs]
+        if self.fused_token_write:
+            return greedy_sample_into_tokens(logits, self.input_batch.token_ids, rows, static.seq_lens[:num_reqs])
+        sampled = greedy_sample(logits)
         cols = static.seq_lens[:num_reqs].to(torch.int64)
         self.input_batch.write_sampled_tokens(rows, cols, sampled, padded=True)
         return sampled
@@ -311,6 +323,8 @@ class ModelRunner:
         (`_draft_on_target_inputs`)."""
         self.num_draft_on_target_steps = 0
         """Steps whose draft catch-up ran on the target's step inputs."""
+        self._fused_token_write = os.environ.get(FUSED_TOKEN_WRITE_ENV, "1") != "0"
+        """Whether the greedy decode tail writes its tokens inside the argmax's launches (read once, at start)."""
         self._draft_on_target = os.environ.get(DRAFT_ON_TARGET_INPUTS_ENV, "1") != "0"
         """Whether a plan that proposes nothing runs the draft on the target's step inputs (read once, at start)."""
         self.debug_invariants = False
@@ -621,7 +635,7 @@ class ModelRunner:
         tail: GreedyDecodeTail | GreedyStepTail | None = None
         tail_query_lens: list[int] = []
         if model is self.model:
-            decode_tail = GreedyDecodeTail(self.model, self._meta_dev, self.input_batch)
+            decode_tail = GreedyDecodeTail(self.model, self._meta_dev, self.input_batch, self._fused_token_write)
             if self._greedy_verification is None:
                 tail, tail_query_lens = decode_tail, [1]
             else:
@@ -1393,7 +1407,8 @@ class ModelRunner:
 
     def _eager_decode_tail(self, hidden_states: torch.Tensor, inputs: StaticInputs, num_reqs: int) -> torch.Tensor:
         """The decode graph's greedy tail, run eagerly (a step with no graph)."""
-        return GreedyDecodeTail(self.model, self._meta_dev, self.input_batch)(hidden_states, inputs, num_reqs)
+        tail = GreedyDecodeTail(self.model, self._meta_dev, self.input_batch, self._fused_token_write)
+        return tail(hidden_states, inputs, num_reqs)
 
     def _propose_after_recompute(self, states: list[RowState], num_scheduled: list[int], num_proposals: int) -> None:
         """A recompute chunk that ends one token short of a request's known tokens (the scheduler

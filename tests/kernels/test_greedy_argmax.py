@@ -22,7 +22,7 @@ try:
 except ImportError:  # a bare GPU box may lack hypothesis; only the fuzz tests need it
     given = None
 
-from asyncspec.kernels.greedy_argmax import greedy_argmax_ref
+from asyncspec.kernels.greedy_argmax import greedy_argmax_into_tokens_ref, greedy_argmax_ref
 from asyncspec.layers.attention import BACKEND_ENV
 from asyncspec.layers.sampler import INVALID_TOKEN_ID, greedy_sample
 
@@ -148,16 +148,50 @@ if given is not None:
         assert torch.equal(greedy_argmax_ref(logits, INVALID_TOKEN_ID), expected_ids(logits))
 
 
+def token_write_case(
+    gen: torch.Generator, n: int, v: int, dtype: torch.dtype, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits, token buffer, rows, cols) of a padded decode batch: distinct rows in a shuffled order, the last two
+    requests a bucket's padding (row 0, column 0), row 3's logits holding a NaN (an invalid id, written as 0); the
+    buffer filled with POISON so that every write shows."""
+    logits = make_logits(gen, n, v, dtype).to(device)
+    logits[min(3, n - 1), v // 2] = NAN
+    tokens = torch.full((n + 3, 64), POISON, dtype=torch.int64, device=device)
+    rows = torch.randperm(n + 3, generator=gen)[:n].to(device)
+    cols = torch.randint(1, 64, (n,), generator=gen, dtype=torch.int32).to(device)
+    if n > 2:
+        rows[-2:], cols[-2:] = 0, 0
+    return logits, tokens, rows, cols
+
+
+def test_token_write_reference_is_write_sampled_tokens() -> None:
+    """The reference writes what greedy sampling then `InputBatch.write_sampled_tokens(padded=True)` wrote."""
+    logits, tokens, rows, cols = token_write_case(torch.Generator().manual_seed(20), 9, 300, torch.bfloat16)
+    expected_tokens = tokens.clone()
+    sampled = greedy_argmax_ref(logits, INVALID_TOKEN_ID)
+    values = torch.where(cols > 0, sampled.clamp_min(0), expected_tokens[rows, cols.long()])
+    expected_tokens[rows, cols.long()] = values
+    got = greedy_argmax_into_tokens_ref(logits, INVALID_TOKEN_ID, tokens, rows, cols)
+    assert torch.equal(got, sampled) and torch.equal(tokens, expected_tokens)
+    assert sampled[3] == INVALID_TOKEN_ID and tokens[rows[3], cols[3]] == 0
+    assert tokens[0, 0] == POISON  # the padding requests wrote nothing
+
+
 # -------------------------------------------------------------------------------------------- triton
 
 triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from asyncspec.kernels import greedy_argmax_triton  # noqa: E402  (after the triton import guard)
-from asyncspec.kernels.greedy_argmax_triton import choose_block, greedy_argmax, greedy_argmax_supported  # noqa: E402
+from asyncspec.kernels.greedy_argmax_triton import (  # noqa: E402
+    choose_block,
+    greedy_argmax,
+    greedy_argmax_into_tokens,
+    greedy_argmax_supported,
+)
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1" and isinstance(triton.language.zeros, InterpretedFunction)
-MIN_INTERPRETED_TESTS = 24
+MIN_INTERPRETED_TESTS = 30
 POISON = 777  # an output row the kernel did not write keeps it
 
 
@@ -246,6 +280,35 @@ class TestInterpreted:
             assert torch.equal(kernel(logits, invalid_id, block=block), greedy_argmax_ref(logits, invalid_id))
         out = torch.empty(0, dtype=torch.int64)
         assert kernel(torch.zeros(0, 50), INVALID_TOKEN_ID, out=out) is out
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("n,v,block", [(1, 100, None), (7, 300, None), (7, 300, 32), (5, 8193, None)])
+    def test_into_tokens_matches_reference(self, kernel, n: int, v: int, block: int | None, dtype) -> None:
+        """The argmax and the token write in the argmax's launches (one chunk, or the combine), int32 and int64
+        columns: bit for bit the reference's result and buffer."""
+        for cols_dtype in (torch.int32, torch.int64):
+            logits, tokens, rows, cols = token_write_case(torch.Generator().manual_seed(n + v), n, v, dtype)
+            cols = cols.to(cols_dtype)
+            expected_tokens = tokens.clone()
+            expected = greedy_argmax_into_tokens_ref(logits, INVALID_TOKEN_ID, expected_tokens, rows, cols)
+            out = torch.full((n,), POISON, dtype=torch.int64)
+            got = greedy_argmax_into_tokens(logits, INVALID_TOKEN_ID, tokens, rows, cols, out=out, block=block)
+            assert got is out and torch.equal(out, expected) and torch.equal(tokens, expected_tokens)
+            assert (tokens != POISON).sum() == (cols > 0).sum()  # one write per real request, none for padding
+
+    def test_into_tokens_rejects_with_value_error(self, kernel) -> None:
+        logits, tokens, rows, cols = token_write_case(torch.Generator().manual_seed(21), 4, 50, torch.float32)
+        before = tokens.clone()
+        bad = [
+            ("token_ids must be an int64", (tokens.int(), rows, cols)),
+            ("token_ids must be an int64", (tokens.t(), rows, cols)),
+            ("rows must be an int32 or int64 \\[4\\]", (tokens, rows[:3], cols)),
+            ("cols must be an int32 or int64", (tokens, rows, cols.float())),
+        ]
+        for match, args in bad:
+            with pytest.raises(ValueError, match=match):
+                greedy_argmax_into_tokens(logits, INVALID_TOKEN_ID, *args)
+        assert torch.equal(tokens, before)  # a refused call writes nothing
 
     def test_rejects_with_value_error(self, kernel) -> None:
         x = torch.zeros(3, 40)
@@ -378,6 +441,40 @@ def test_gpu_no_sync_and_graph_capture(pdl: str, monkeypatch) -> None:
             torch.cuda.synchronize()
             expected = greedy_argmax_ref(fresh, INVALID_TOKEN_ID)
             assert torch.equal(out.cpu(), expected) and torch.equal(sampled.cpu(), expected), (n, v, round_)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", [8192, 128256])
+def test_gpu_into_tokens_in_a_graph(v: int) -> None:
+    """The decode tail's argmax with its token write, compiled (one launch at 8192 columns, two at 128256): equal to
+    the reference eagerly and replayed from a CUDA graph on new logits and columns, with no host sync."""
+    from asyncspec.layers.sampler import greedy_sample_into_tokens
+
+    gen = torch.Generator().manual_seed(v)
+    logits, tokens, rows, cols = token_write_case(gen, 12, v, torch.bfloat16, "cuda")
+    start = tokens.clone()
+    expected_tokens = tokens.clone()
+    expected = greedy_argmax_into_tokens_ref(logits, INVALID_TOKEN_ID, expected_tokens, rows, cols)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = greedy_sample_into_tokens(logits, tokens, rows, cols)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(got, expected) and torch.equal(tokens, expected_tokens)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sampled = greedy_sample_into_tokens(logits, tokens, rows, cols)
+    for _ in range(3):
+        fresh, _, _, fresh_cols = token_write_case(gen, 12, v, torch.bfloat16, "cuda")
+        logits.copy_(fresh)
+        cols.copy_(fresh_cols)
+        tokens.copy_(start)
+        expected_tokens = start.clone()
+        expected = greedy_argmax_into_tokens_ref(fresh, INVALID_TOKEN_ID, expected_tokens, rows, cols)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(sampled, expected) and torch.equal(tokens, expected_tokens)
 
 
 @pytest.mark.gpu
