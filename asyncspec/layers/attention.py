@@ -37,32 +37,6 @@ class AttentionBackend:
     slot_mapping, query_start_loc, seq_lens, capacity=None, resolve=None): a step's model inputs from
     per-request counts; resolve=(n, device_counts) first takes the first n requests' computed counts from the
     device's own (resolve_computed_ref), in the same launch where it can."""
-    attend_rotary: Callable[..., torch.Tensor]
-    """attend_rotary(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping, query_start_loc,
-    seq_lens, block_tables, scale, sliding_window) -> out: rotary_kv_write then attend, q and k not yet rotated
-    (q may be rotated in place); the Triton kernel does both in its split pass's launch."""
-
-
-def _attend_rotary_ref(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    q = rotary_kv_write_ref(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping, q_out=q)
-    return paged_attention_ref(
-        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, None, sliding_window
-    )
 
 
 TORCH_REFERENCE = AttentionBackend(
@@ -72,7 +46,6 @@ TORCH_REFERENCE = AttentionBackend(
     compute_slot_mapping_ref,
     rotary_kv_write_ref,
     prepare_inputs_ref,
-    _attend_rotary_ref,
 )
 
 
@@ -108,29 +81,6 @@ def _triton_rotary_kv_write(*args, **kwargs) -> torch.Tensor:
     return rotary_kv_write_triton.rotary_kv_write(*args, **kwargs)
 
 
-def _triton_attend_rotary(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    from asyncspec.kernels import paged_attention_triton as attention
-
-    rotary = attention.RotaryKV(k, v, positions, cos_cache, sin_cache, slot_mapping)
-    args = (q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, None, sliding_window)
-    return attention.paged_attention(*args, rotary=rotary)
-
-
 TRITON = AttentionBackend(
     "triton",
     _triton_write_kv,
@@ -138,12 +88,7 @@ TRITON = AttentionBackend(
     _triton_slot_mapping,
     _triton_rotary_kv_write,
     _triton_prepare_inputs,
-    _triton_attend_rotary,
 )
-
-ROTARY_IN_ATTENTION_ENV = "ASYNCSPEC_ROTARY_IN_ATTENTION"
-"""0: RoPE and the K/V write stay a kernel of their own before the attention's split pass (an A/B; read when a
-layer is built)."""
 
 BACKEND_ENV = "ASYNCSPEC_ATTENTION_BACKEND"
 """Environment override: "torch" or "triton" (e.g. triton on the CPU under TRITON_INTERPRET=1)."""
@@ -201,8 +146,6 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.backend: AttentionBackend | None = None
-        self.rotary_in_attention = os.environ.get(ROTARY_IN_ATTENTION_ENV, "1") != "0"
-        """Whether `forward_rotary` hands RoPE and the K/V write to the attention (its split pass fuses them)."""
 
     def compile_kernel_variants(self, kv_cache: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> int:
         """Compiles (or loads from Triton's disk cache) every tile variant of the attention kernel for this layer's
@@ -246,28 +189,9 @@ class Attention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """`forward` on q/k not yet rotated: RoPE at positions [T] from the fp32 cos/sin caches
-        [max_position, D // 2] and the K/V write (q may be rotated in place), then attention: inside the
-        attention's split pass (`rotary_in_attention`, the Triton backend), else one kernel before it."""
+        [max_position, D // 2] and the K/V write in one kernel (q is rotated in place), then attention."""
         k_cache, v_cache = kv_cache
         backend = self._backend(q.device)
-        if self.rotary_in_attention:
-            m = attn_metadata
-            return backend.attend_rotary(
-                q,
-                k,
-                v,
-                positions,
-                cos_cache,
-                sin_cache,
-                k_cache,
-                v_cache,
-                m.slot_mapping,
-                m.query_start_loc,
-                m.seq_lens,
-                m.block_tables,
-                self.scale,
-                self.sliding_window,
-            )
         q = backend.rotary_kv_write(
             q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, attn_metadata.slot_mapping, q_out=q
         )

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from asyncspec.kernels.paged_attention import paged_attention_ref
-from asyncspec.kernels.rotary_kv_write import rotary_kv_write_ref
 
 triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
@@ -45,7 +44,7 @@ def attention() -> Callable[..., torch.Tensor]:
 
 @pytest.mark.skipif(INTERPRETING, reason="TestInterpreted runs in this process")
 def test_interpreter_suite(interpreted_suites) -> None:
-    interpreted_suites.check(__file__, 27)
+    interpreted_suites.check(__file__, 19)
 
 
 def check_split(
@@ -75,56 +74,6 @@ def check_split(
     if check_fresh_out:
         fresh = paged_attention(*args, sliding_window=window, num_splits=num_splits)
         assert torch.equal(fresh, got)
-
-
-def check_rotary(
-    paged_attention: Callable[..., torch.Tensor],
-    batch: Batch,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    gen: torch.Generator,
-    num_heads: int,
-    window: int | None,
-    num_splits: int | None,
-    atol: float,
-    no_slot: int | None = None,
-) -> None:
-    """`rotary=`: unrotated q and the step's k/v against rotary_kv_write_ref then the reference attention. The
-    step's slots start as NaN (so a program reading one from the cache instead of its registers fails); the caches
-    after the call equal the reference's bit for bit. `no_slot`: that token's slot is -1 (written by nobody; its
-    position keeps the cache's value, which the reference reads too)."""
-    from asyncspec.kernels.paged_attention_triton import RotaryKV
-
-    num_tokens, kvh, d, dtype, dev = batch.num_tokens, k_cache.shape[2], k_cache.shape[3], k_cache.dtype, k_cache.device
-    total = num_tokens + batch.num_pad
-    query = torch.randn(total, num_heads, d, generator=gen).to(dev, dtype)
-    key = torch.randn(total, kvh, d, generator=gen).to(dev, dtype)
-    value = torch.randn(total, kvh, d, generator=gen).to(dev, dtype)
-    positions = batch.positions.clone()
-    positions[num_tokens:] = 0  # padding rows: the reference indexes the cos/sin cache with them
-    slots = torch.full((total,), -1, dtype=torch.int64, device=dev)
-    t = 0
-    for b, (s_len, q_len) in enumerate(zip(batch.seq_lens.tolist(), batch.q_lens, strict=True)):
-        for p in range(s_len - q_len, s_len):
-            slots[t] = batch.block_tables[b, p // k_cache.shape[1]].long() * k_cache.shape[1] + p % k_cache.shape[1]
-            t += 1
-    if no_slot is not None:
-        slots[no_slot] = -1
-    flat_k, flat_v = k_cache.view(-1, kvh, d), v_cache.view(-1, kvh, d)
-    written = slots[slots >= 0]
-    flat_k[written], flat_v[written] = float("nan"), float("nan")
-    cos = torch.randn(4096, d // 2, generator=gen).to(dev)
-    sin = torch.randn(4096, d // 2, generator=gen).to(dev)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    q_rot = rotary_kv_write_ref(query, key, value, positions, cos, sin, k_ref, v_ref, slots)
-    args = (batch.query_start_loc, batch.seq_lens, batch.block_tables, 1 / math.sqrt(d))
-    expected = paged_attention_ref(q_rot, k_ref, v_ref, *args, sliding_window=window)
-    rotary = RotaryKV(key, value, positions, cos, sin, slots)
-    got = paged_attention(query, k_cache, v_cache, *args, sliding_window=window, num_splits=num_splits, rotary=rotary)
-    assert not got[:num_tokens].isnan().any()
-    torch.testing.assert_close(got.float(), expected.float(), rtol=atol, atol=atol, equal_nan=False)
-    for got_cache, ref_cache in ((k_cache, k_ref), (v_cache, v_ref)):
-        assert torch.equal(got_cache.nan_to_num(nan=7.0), ref_cache.nan_to_num(nan=7.0))
 
 
 def _atol(dtype: torch.dtype) -> float:
@@ -254,30 +203,6 @@ class TestInterpreted:
         assert k_cache[~written].isnan().all() and (~written).sum() > 0
         check_split(attention, batch, k_cache, v_cache, gen, 2, None, 3, 2e-5)
 
-    @pytest.mark.parametrize(
-        "specs,block_size,heads,d,dtype,num_splits,window",
-        [
-            (DECODE, 16, (4, 1), 64, torch.float32, 7, None),  # the new key alone in its tile, or the last of many
-            (DECODE, 16, (8, 2), 64, torch.bfloat16, 3, None),
-            (VERIFY, 16, (4, 1), 64, torch.float32, 5, None),  # two query tiles per request, new keys across tiles
-            (VERIFY, 1, (8, 1), 80, torch.bfloat16, 9, None),  # one key per block; head_dim not a power of two
-            (WITH_IDLE, 16, (4, 2), 64, torch.bfloat16, 4, None),  # idle requests and a padding tail
-            (VERIFY, 16, (4, 1), 64, torch.float32, 6, 3),  # a window shorter than the new keys
-            (DECODE, 32, (2, 2), 96, torch.float32, 1, None),  # one split: the rotary kernel, then the single pass
-        ],
-    )
-    def test_rotary(self, attention, specs, block_size, heads, d, dtype, num_splits, window) -> None:
-        gen = torch.Generator().manual_seed(block_size + d + num_splits)
-        batch = make_batch(gen, specs, block_size, num_pad=2)
-        k_cache, v_cache = fill_cache(gen, batch, block_size, heads[1], d, dtype)
-        check_rotary(attention, batch, k_cache, v_cache, gen, heads[0], window, num_splits, _atol(dtype))
-
-    def test_rotary_token_without_a_slot(self, attention) -> None:
-        gen = torch.Generator().manual_seed(11)
-        batch = make_batch(gen, VERIFY, 16, num_pad=1)
-        k_cache, v_cache = fill_cache(gen, batch, 16, 2, 64, torch.float32)
-        check_rotary(attention, batch, k_cache, v_cache, gen, 4, None, 3, 2e-5, no_slot=7)
-
     def test_automatic_choice_splits(self, attention, monkeypatch) -> None:
         """With num_splits=None the heuristic picks > 1 split for a small decode batch, the result matches,
         and the choice depends on shapes only: other seq_lens / query_start_loc contents, same shapes, same
@@ -310,9 +235,7 @@ class TestInterpreted:
 # ------------------------------------------------------------------------------------- sm_90 compile
 
 
-def _compile_for_h100(
-    fn, dtype: str, ints_equal_one: tuple[str, ...], constexprs: Mapping[str, object], fp_fusion: bool = True
-):
+def _compile_for_h100(fn, dtype: str, ints_equal_one: tuple[str, ...], constexprs: Mapping[str, object]):
     """Compile `fn` for sm_90 on this host (no GPU needed): type errors between branches, returns inside
     ifs and the like only show when compiled. `ints_equal_one` are int arguments Triton specialises to the
     constant 1 at launch (num_reqs == 1 for a single request, sliding_window == 1, ...)."""
@@ -323,20 +246,17 @@ def _compile_for_h100(
     for name in fn.arg_names:
         if name in constexprs or name in ints_equal_one:
             signature[name] = "constexpr"
-        elif name.endswith("_part_ptr") or name in ("cos_ptr", "sin_ptr"):
+        elif name.endswith("_part_ptr"):
             signature[name] = "*fp32"
         elif name in ("qsl_ptr", "seq_lens_ptr", "block_tables_ptr"):
             signature[name] = "*i32"
-        elif name in ("positions_ptr", "slot_mapping_ptr"):
-            signature[name] = "*i64"
         elif name.endswith("_ptr"):
             signature[name] = f"*{dtype}"
         else:
             signature[name] = "fp32" if name == "qk_scale" else "i32"
     values = {**constexprs, **dict.fromkeys(ints_equal_one, 1)}
     source = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(n),): v for n, v in values.items()})
-    options = {"num_warps": 4, "num_stages": 2, "enable_fp_fusion": fp_fusion}
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
 
 
 @pytest.mark.skipif(INTERPRETING, reason="compiles the kernels: needs triton not in interpreter mode")
@@ -356,11 +276,6 @@ def test_kernels_compile_for_sm90(dtype: str, ints_equal_one: tuple[str, ...]) -
     for fn in (mod._paged_attention_kernel, mod._paged_attention_split_kernel):
         ones = tuple(n for n in ints_equal_one if n in fn.arg_names)
         assert "ld.global" in _compile_for_h100(fn, dtype, ones, tiles).asm["ptx"]
-    # The split pass with RoPE and the K/V write (the launch turns fp contraction off).
-    split = mod._paged_attention_split_kernel
-    ones = tuple(n for n in ints_equal_one if n in split.arg_names)
-    ptx = _compile_for_h100(split, dtype, ones, {**tiles, "ROTARY": True}, fp_fusion=False).asm["ptx"]
-    assert "st.global" in ptx and "ld.global" in ptx
     combine = {"BLOCK_S": 16, "BLOCK_D": 128}
     ones = tuple(n for n in ints_equal_one if n in mod._combine_splits_kernel.arg_names)
     assert "ex2.approx" in _compile_for_h100(mod._combine_splits_kernel, dtype, ones, combine).asm["ptx"]
@@ -448,43 +363,6 @@ def test_gpu_split_cuda_graph_replay() -> None:
         assert not out.isnan().any()
         torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
         assert (out[num_real:] == 0).all()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "num_reqs,q_len,heads,d,dtype",
-    [(1, 1, (32, 8), 64, torch.bfloat16), (8, 5, (32, 8), 128, torch.bfloat16), (3, 1, (6, 2), 64, torch.float32)],
-)
-def test_gpu_rotary_matches_reference(num_reqs, q_len, heads, d, dtype) -> None:
-    """RoPE and the K/V write in the split pass, compiled: the caches bit for bit the reference's, the output
-    close; the same from a CUDA graph with no host sync."""
-    from asyncspec.kernels.paged_attention_triton import paged_attention
-
-    gen = torch.Generator().manual_seed(num_reqs + q_len + d)
-    batch = _gpu_batch(gen, num_reqs, q_len, 3000, num_pad=3)
-    k_cache, v_cache = fill_cache(gen, batch, 16, heads[1], d, dtype, device="cuda")
-    atol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    check_rotary(paged_attention, batch, k_cache, v_cache, gen, heads[0], None, None, atol)
-
-    captured: dict[str, object] = {}
-
-    def capturing(*args, **kwargs):
-        graph = torch.cuda.CUDAGraph()
-        paged_attention(*args, **kwargs)  # compile outside the capture (it also writes what the replay rewrites)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            with torch.cuda.graph(graph):
-                out = paged_attention(*args, **kwargs)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        captured.update(graph=graph, out=out)
-        graph.replay()
-        torch.cuda.synchronize()
-        return out
-
-    k_cache, v_cache = fill_cache(gen, batch, 16, heads[1], d, dtype, device="cuda")
-    check_rotary(capturing, batch, k_cache, v_cache, gen, heads[0], None, None, atol)
 
 
 @pytest.mark.gpu
