@@ -52,7 +52,9 @@ per model, each in a fresh process, a failure recorded as {"error": ...} while t
     alternated runs of each, after one untimed 1-token call and `--warmup-runs` (3) untimed 128-token ones;
   - `windows`: steady-decode windows at batch B (1 and 64; for `graphed` the sweep 1, 2, 4, 8, 16, 32, 64):
     B requests are submitted and stepped until every one has its first token, 3 more steps, then 32 steps are
-    timed (wall, no profiler) and 32 more are profiled (torch.profiler, CUDA activity): GPU ms per step = sum
+    timed (wall, no profiler); on CUDA a second engine, built after torch.profiler starts, runs the same window
+    and profiles 32 more steps (CUDA activity: CUPTI slows every launch once attached, so nothing timed runs in
+    a process where it has started): GPU ms per step = sum
     of the CUDA ops' self device time / steps, kernels per step, GPU-busy fraction = GPU ms / wall ms per step,
     tokens per step (speculation), GPU and wall ms per generated token, the mean context for the KV roofline;
   - `throughput`: concurrency 1, 8, 32, 64, 128 (prompts submitted at once, cycled from the JSONL), 128 new
@@ -81,6 +83,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import gc
 import json
 import os
 import platform
@@ -450,9 +453,9 @@ def _step_timing_delta(before: dict[str, float], after: dict[str, float], steps:
     }
 
 
-def decode_window(llm: Any, asyncspec: Any, batch: int, s: dict[str, Any]) -> dict:
-    """Steady decode at `batch` requests: every prompt prefilled, then `window_steps` engine steps timed and as
-    many profiled (GPU time from the CUDA activity; null on the CPU)."""
+def decode_window(llm: Any, asyncspec: Any, batch: int, s: dict[str, Any], profiled: bool = True) -> dict:
+    """Steady decode at `batch` requests: every prompt prefilled, then `window_steps` engine steps timed and, with
+    `profiled`, as many profiled (GPU time from the CUDA activity; null on the CPU)."""
     from torch.profiler import ProfilerActivity, profile
 
     clock = Clock(s["device"])
@@ -492,10 +495,13 @@ def decode_window(llm: Any, asyncspec: Any, batch: int, s: dict[str, Any]) -> di
         s0 = llm.stats()
         wall, per_step, tokens, ctx = window()
         s1 = llm.stats()
-        cuda = s["device"].startswith("cuda")
-        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-            pwall, _, ptokens, _ = window()
-        totals = profile_totals(prof)  # on the CPU too (the code path), but only CUDA activity counts
+        cuda = s["device"].startswith("cuda") and profiled
+        if profiled:
+            with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+                pwall, _, ptokens, _ = window()
+            totals = profile_totals(prof)  # on the CPU too (the code path), but only CUDA activity counts
+        else:
+            pwall = None
         finished = sum(r.is_finished for r in reqs)
     finally:
         engine.abort_requests([r.request_id for r in reqs if not r.is_finished])
@@ -512,7 +518,7 @@ def decode_window(llm: Any, asyncspec: Any, batch: int, s: dict[str, Any]) -> di
         "decode_tok_s": tokens / wall if wall > 0 else None,
         "mean_context_tokens": ctx,
         "finished_during_windows": finished,
-        "profiled_wall_ms_per_step": pwall / steps * 1e3,
+        "profiled_wall_ms_per_step": pwall / steps * 1e3 if pwall is not None else None,
         "gpu_ms_per_step": None,
         "gpu_ms_per_token": None,
         "kernels_per_step": None,
@@ -545,16 +551,17 @@ def decode_window(llm: Any, asyncspec: Any, batch: int, s: dict[str, Any]) -> di
 
 
 def bench_asyncspec(model: str, part: str, s: dict[str, Any]) -> dict:
-    """One asyncspec configuration: batch-1 TPOT, decode windows, throughput per concurrency."""
+    """One asyncspec configuration: batch-1 TPOT, decode windows, throughput per concurrency.
+
+    Everything timed runs in an engine built before the profiler ever starts: once CUPTI is attached, every
+    later launch in the process pays for it (a batch-1 TPOT measured 3 % slower on the Llama-1B shape and 10-75 %
+    on the bundled target, H200, 2026-12-01). The windows' GPU times come from a second engine built after
+    the profiler's start (Kineto must start before any CUDA graph is captured, or replays show no kernels:
+    pytorch#100441), and their GPU-busy fraction is that GPU time over the first engine's wall time."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     asyncspec = _import_asyncspec()
     cuda = s["device"].startswith("cuda")
-    if cuda:
-        # Kineto must start before any CUDA graph is captured, or replays show no kernels (pytorch#100441).
-        with profile(activities=[ProfilerActivity.CUDA]):
-            pass
     kwargs = engine_kwargs(model, part, s, s["speed_gpu_memory_utilization"])
     clock = Clock(s["device"])
     llm, startup_s, since_process_start_s = construct(asyncspec, model, kwargs, clock)
@@ -634,11 +641,52 @@ def bench_asyncspec(model: str, part: str, s: dict[str, Any]) -> dict:
     row["windows"] = {}
     for b in sorted(set(batches)):
         try:
-            row["windows"][str(b)] = decode_window(llm, asyncspec, b, s)
+            row["windows"][str(b)] = decode_window(llm, asyncspec, b, s, profiled=False)
         except Exception as e:  # noqa: BLE001
             row["windows"][str(b)] = {"error": f"{type(e).__name__}: {e}"[-2000:]}
     row["stats_final"] = {k: v for k, v in llm.stats().items() if not k.startswith("spec_accepted_at")}
+    if row["windows"]:
+        del llm
+        gc.collect()  # the traced engine sizes its KV pool from the memory this one frees
+        if cuda:
+            torch.cuda.empty_cache()
+        profile_windows(asyncspec, model, kwargs, row["windows"], s)
     return row
+
+
+# The GPU-time fields of a window, taken from the traced engine's run of it.
+_TRACED_FIELDS = (
+    "profiled_wall_ms_per_step",
+    "gpu_ms_per_step",
+    "gpu_ms_per_token",
+    "kernels_per_step",
+    "gpu_ops_per_step",
+    "graph_launches_per_step",
+    "gpu_busy_fraction_profiled",
+    "profiler_warning",
+)
+
+
+def profile_windows(asyncspec: Any, model: str, kwargs: dict[str, Any], windows: dict[str, dict], s: dict) -> None:
+    """Fills the GPU-time fields of `windows` (timed in an untraced engine) from a second engine built after the
+    profiler's start; the busy fraction is its GPU ms per step over the untraced wall ms per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA if s["device"].startswith("cuda") else ProfilerActivity.CPU]):
+        pass
+    llm = asyncspec.LLM(model_dir(model), **kwargs)
+    for b, window in windows.items():
+        if "error" in window:
+            continue
+        try:
+            traced = decode_window(llm, asyncspec, int(b), s, profiled=True)
+        except Exception as e:  # noqa: BLE001
+            window["traced_error"] = f"{type(e).__name__}: {e}"[-2000:]
+            continue
+        window.update({key: traced[key] for key in _TRACED_FIELDS if key in traced})
+        gpu_ms, wall_ms = traced["gpu_ms_per_step"], window["wall_ms_per_step"]
+        window["gpu_busy_fraction"] = gpu_ms / wall_ms if gpu_ms is not None and wall_ms else None
+        window["traced_wall_ms_per_step"] = traced["wall_ms_per_step"]
 
 
 def bench_startup(model: str, s: dict[str, Any]) -> dict:

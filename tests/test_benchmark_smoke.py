@@ -102,6 +102,9 @@ def check_asyncspec_row(row: dict, s: dict, name: str) -> None:
         assert w["tokens"] >= w["steps"] * int(b)  # every running request gains at least one token per step
         assert w["finished_during_windows"] == 0
         assert w["gpu_ms_per_step"] is None and w["gpu_busy_fraction"] is None  # no CUDA activity on the CPU
+        # The profiled steps ran in a second engine, after the timed ones (whose engine never saw the profiler).
+        assert "traced_error" not in w and _positive(w["traced_wall_ms_per_step"])
+        assert _positive(w["profiled_wall_ms_per_step"])
         # the engine's step timing: the synchronous loop leaves the device idle between steps
         assert _positive(w["scheduling_ms_per_step"]) and _positive(w["device_idle_ms_per_step"])
         # The idle time is part of the launch gap. The gaps have no upper bound in wall time here: the window's
