@@ -479,3 +479,50 @@ def test_a_probe_is_probe_length_choices_in_a_row():
     chosen = [policy.choose(32) for _ in range(400)]
     runs = [len(list(group)) for k, group in itertools.groupby(chosen) if k != 0]
     assert runs and all(length == 4 for length in runs)
+
+
+def test_a_requests_evidence_starts_from_the_pooled_rate_and_decays():
+    """A request's first run is weighed against a prior of the pooled rate worth one rejected run; later runs
+    decay by request_decay, computed here by hand."""
+    policy = SpeculationPolicy(4, request_decay=0.8)
+    alpha = policy.acceptance_rate  # the pooled prior, 0.6
+    evidence = policy.request_evidence((0.0, 0.0), 4, 2)
+    assert evidence == pytest.approx((0.8 * alpha / (1 - alpha) + 2, 0.8 * 1.0 + 1.0))
+    runs = [(4, 4), (4, 0), (2, 2), (4, 1)]
+    expected = evidence
+    for n, a in runs:
+        evidence = policy.request_evidence(evidence, n, a)
+        expected = (0.8 * expected[0] + a, 0.8 * expected[1] + (a < n))
+        assert evidence == pytest.approx(expected)
+    # A request that rejects every draft ends near an acceptance of 0 whatever the pooled rate says.
+    for _ in range(60):
+        evidence = policy.request_evidence(evidence, 4, 0)
+    assert evidence[0] / sum(evidence) < 0.01
+
+
+def test_batch_tokens_are_the_mean_of_each_requests_geometric_sum():
+    policy = SpeculationPolicy(4)
+    rng = random.Random(5)
+    evidence = [(rng.uniform(0, 20), rng.uniform(0.1, 5)) for _ in range(37)] + [(0.0, 0.0)] * 3
+    got = policy.batch_tokens_per_run(evidence)
+    pooled = policy.acceptance_rate
+    rates = [min(a / (a + r), 0.999) for a, r in evidence[:37]] + [pooled] * 3
+    assert set(got) == set(policy.choices)
+    for k in policy.choices:
+        assert got[k] == pytest.approx(sum(sum(a**j for j in range(k + 1)) for a in rates) / len(rates))
+
+
+def test_the_running_requests_acceptance_caps_the_pooled_estimate():
+    """The pooled estimates come from a batch that accepted well, but the requests still running accept little
+    (the last of a batch that started together): with their evidence the policy stops speculating, without it
+    it goes on; evidence of requests that accept better than the pool changes nothing."""
+    cost = lambda num_decodes, k: 1e-4 * (1 + 0.2 * k)  # noqa: E731 - each draft position a fifth of the step
+    policy = SpeculationPolicy(4, step_cost=cost, choices=[0, 4], probe_interval=0, switch_margin=0.0)
+    _feed(policy, 0.9, 300)
+    assert policy.tokens_per_run(4) > 3.5
+    low = (0.5, 10.0)  # accepted 0.5 drafts in ten rejected runs: a rate near 0.05
+    assert policy.choose(3) == 4
+    assert policy.choose(3, [low, low, low]) == 0
+    high = (400.0, 1.0)
+    assert policy.choose(3, [high, high, high]) == 4
+    assert policy._rates(3, cost, [high] * 3) == policy._rates(3, cost)
