@@ -52,9 +52,6 @@ class Request:
     num_output_placeholders: int = 0
     """Tokens the steps in flight will emit if every draft is accepted (the scheduler's optimistic
     view): counted in scheduling, never stored as ids; reconciliation replaces them by real tokens."""
-    draft_evidence: tuple[float, float] = (0.0, 0.0)
-    """This request's own draft acceptance (SpeculationPolicy.request_evidence): drafts accepted and runs that
-    rejected one, decayed per run; (0, 0) until its first verification."""
     queued_seconds: float | None = None
     """From arrival to first scheduling (set once, at admission)."""
     num_preemptions: int = 0

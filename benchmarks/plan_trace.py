@@ -76,19 +76,10 @@ def trace(
     choose = policy.choose
     choices: list[dict[str, Any]] = []
 
-    def choosing(num_decodes: int, evidence: Any = None) -> int:
+    def choosing(num_decodes: int) -> int:
         estimates = policy_estimates(policy, num_decodes)
-        k = choose(num_decodes, evidence)
-        batch = {str(j): round(t, 3) for j, t in policy.batch_tokens_per_run(evidence).items()} if evidence else None
-        choices.append(
-            {
-                "decodes": num_decodes,
-                "k": k,
-                "probe": policy._probe is not None,
-                "estimates": estimates,
-                "batch_tokens": batch,
-            }
-        )
+        k = choose(num_decodes)
+        choices.append({"decodes": num_decodes, "k": k, "probe": policy._probe is not None, "estimates": estimates})
         return k
 
     records: list[tuple[float, tuple[int, int, int, int, int, int]]] = []

@@ -480,7 +480,7 @@ class Scheduler:
         if prompts_pending and self.config.adaptive_speculation and self.spec_policy.step_cost is not None:
             k = 0
         else:
-            k = self.spec_policy.choose(len(self.running), [r.draft_evidence for r in self.running])
+            k = self.spec_policy.choose(len(self.running))
         if k < max_k and any(
             r.sampling_params.seed is not None and not r.sampling_params.is_greedy for r in self.running
         ):
@@ -574,9 +574,6 @@ class Scheduler:
         # kept in its output, accepted by verification): the statistics and the policy take them once per step.
         emitted: list[int] = []
         draft_runs: list[tuple[int, int, int]] = []
-        # Each request's own acceptance, for the policy's choices (only where it prices k: measured costs).
-        track_evidence = self.config.adaptive_speculation and self.spec_policy.step_cost is not None
-        request_evidence = self.spec_policy.request_evidence
         for i, (request_id, sampled) in enumerate(
             zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
         ):
@@ -669,7 +666,6 @@ class Scheduler:
             )
             if num_drafts is not None:
                 num_accepted = 0
-                first_run = len(draft_runs)
                 if step_runs is not None:
                     # Several steps' runs: each one's drafts among the kept tokens, the steps after a stop none.
                     left, n_drafts = num_new, 0
@@ -683,11 +679,6 @@ class Scheduler:
                 elif n_drafts := num_drafts[i]:
                     num_accepted = min(num_new, num_sampled - 1)  # drafts among the kept tokens
                     draft_runs.append((n_drafts, num_accepted, num_sampled - 1))
-                if track_evidence:
-                    evidence = request.draft_evidence
-                    for n_verified, _, n_accepted in draft_runs[first_run:]:
-                        evidence = request_evidence(evidence, n_verified, n_accepted)
-                    request.draft_evidence = evidence
                 output.num_draft_tokens = n_drafts
                 output.num_accepted_tokens = num_accepted
             if logprobs is not None and (token_logprobs := logprobs[i]):

@@ -29,24 +29,17 @@ for an estimated gain of `switch_margin`, and a probe that finds its k far behin
 
 Tokens per verified run are what runs at that k really emitted, once enough were seen: requests differ
 (a repetitive file accepts everything, prose little), and the geometric model of one pooled acceptance
-rate overestimates a mixed batch. Those pooled means weigh runs, not the requests running now: once a batch
-has shrunk to the requests that accept least (the last ones of a batch that started together, because they
-accepted least), most of their weight is the finished requests' runs. So each request also keeps its own
-acceptance evidence (`request_evidence`), and where the scheduler passes the running requests' evidence, a
-k is charged no more tokens than the geometric model gives those requests on average.
+rate overestimates a mixed batch.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 StepCost = Callable[[int, int], float]
 """step_cost(num_decodes, k) -> seconds of device time of one step verifying k drafts per decode."""
-
-Evidence = tuple[float, float]
-"""A request's own acceptance evidence: (drafts accepted, runs that rejected one), both decayed per run."""
 
 
 def speculation_choices(max_k: int) -> list[int]:
@@ -80,8 +73,6 @@ class SpeculationPolicy:
     probe_threshold: float = 0.75
     """A probe that finds its k below this fraction of the best's rate sets that k's interval to the
     longest (16 probe intervals) at once, instead of doubling it."""
-    request_decay: float = 0.9
-    """Weight of a request's own past in its acceptance evidence (per verified run of that request)."""
     choices: list[int] = field(default_factory=list)
     """Candidate k values; speculation_choices(max_k) by default."""
     step_cost: StepCost | None = None
@@ -112,13 +103,11 @@ class SpeculationPolicy:
         """Estimated probability that a draft is accepted given that the ones before it were."""
         return self._accepted / (self._accepted + self._rejected)
 
-    def choose(self, num_decodes: int, evidence: Sequence[Evidence] | None = None) -> int:
-        """The k of the next step for `num_decodes` decodes; `evidence`: the running requests' own acceptance
-        evidence (`request_evidence`; (0, 0) for one with none yet), or None for the pooled estimates alone."""
+    def choose(self, num_decodes: int) -> int:
         if not self.adaptive or self.step_cost is None or self.max_k == 0 or num_decodes == 0:
             return self.max_k
         self._num_choices += 1
-        rates = self._rates(num_decodes, self.step_cost, evidence)
+        rates = self._rates(num_decodes, self.step_cost)
         k = _fastest(rates)
         current = self._current
         if current in rates and rates[k] < rates[current] * (1.0 + self.switch_margin):
@@ -154,52 +143,15 @@ class SpeculationPolicy:
         """The k of the highest expected tokens per second under the current estimates."""
         return _fastest(self._rates(num_decodes, step_cost))
 
-    def _rates(
-        self, num_decodes: int, step_cost: StepCost, evidence: Sequence[Evidence] | None = None
-    ) -> dict[int, float]:
+    def _rates(self, num_decodes: int, step_cost: StepCost) -> dict[int, float]:
         """Expected tokens per second of each k under the current estimates."""
         alpha = min(self.acceptance_rate, 0.999)
-        batch_tokens = self.batch_tokens_per_run(evidence) if evidence else None
         rates = {}
         for k in self.choices:
-            tokens = self.tokens_per_run(k, alpha)
-            if batch_tokens is not None:
-                tokens = min(tokens, batch_tokens[k])
+            expected_tokens = num_decodes * self.tokens_per_run(k, alpha)
             seconds = step_cost(num_decodes, k) + self.host_seconds(k)
-            rates[k] = num_decodes * tokens / max(seconds, 1e-9)
+            rates[k] = expected_tokens / max(seconds, 1e-9)
         return rates
-
-    def request_evidence(self, evidence: Evidence, num_drafts: int, num_accepted: int) -> Evidence:
-        """A request's evidence after one more of its runs (`num_accepted` of `num_drafts` drafts kept in a row).
-        Its first run starts from a prior of the pooled rate worth one run, so that a request seen once is
-        not judged by that run alone."""
-        accepted, rejected = evidence
-        if rejected == 0.0 and accepted == 0.0:
-            alpha = min(self.acceptance_rate, 0.99)
-            accepted, rejected = alpha / (1.0 - alpha), 1.0
-        d = self.request_decay
-        return d * accepted + num_accepted, d * rejected + (1.0 if num_accepted < num_drafts else 0.0)
-
-    def batch_tokens_per_run(self, evidence: Sequence[Evidence]) -> dict[int, float]:
-        """Per k of `choices`: the mean over the requests of 1 + a + ... + a^k for each one's own acceptance
-        rate a (the pooled rate where a request has no evidence). Sums of powers, one pass over the batch."""
-        pooled = min(self.acceptance_rate, 0.999)
-        top = max(self.choices)
-        sums = [0.0] * (top + 1)
-        for accepted, rejected in evidence:
-            total = accepted + rejected
-            a = min(accepted / total, 0.999) if total > 0.0 else pooled
-            power = 1.0
-            for j in range(top + 1):
-                sums[j] += power
-                power *= a
-        n = float(len(evidence))
-        out, running = {}, 0.0
-        for j in range(top + 1):
-            running += sums[j] / n
-            if j in self.choices:
-                out[j] = running
-        return out
 
     def observe_run(self, num_drafts: int, num_accepted: int) -> None:
         """One request's verification: `num_accepted` of its `num_drafts` drafts kept in a row."""

@@ -225,7 +225,7 @@ def test_a_speculating_scheduler_runs_several_steps_only_at_k0(max_draft_lag):
     runner = FakeRunner(s)
     asked = []
 
-    def choose(num_decodes: int, evidence: object = None) -> int:
+    def choose(num_decodes: int) -> int:
         asked.append(num_decodes)
         return 0
 
@@ -249,7 +249,7 @@ def test_a_plan_before_speculation_resumes_takes_one_step():
     s = _speculating_scheduler()
     runner = FakeRunner(s)
     script = iter([0, 0, 2, 0])
-    s.spec_policy.choose = lambda num_decodes, evidence=None: next(script)  # type: ignore[method-assign]
+    s.spec_policy.choose = lambda num_decodes: next(script)  # type: ignore[method-assign]
     s.add_request(_greedy("a", 6, max_tokens=40))
     plans = []
     for _ in range(3):
@@ -271,7 +271,7 @@ def test_steady_speculation_runs_several_verification_steps():
     results, all_plans = [], []
     for multi in (False, True):
         s = _speculating_scheduler(multi_step_speculation=multi)
-        s.spec_policy.choose = lambda num_decodes, evidence=None: 4  # type: ignore[method-assign]
+        s.spec_policy.choose = lambda num_decodes: 4  # type: ignore[method-assign]
         runner = FakeRunner(s, token_fn)
         for r in (
             _greedy("a", 6, max_tokens=13),
@@ -313,7 +313,7 @@ def test_steady_speculation_runs_several_verification_steps():
 
 def test_steady_speculation_keeps_one_step_for_a_stop_string():
     s = _speculating_scheduler(multi_step_speculation=True)
-    s.spec_policy.choose = lambda num_decodes, evidence=None: 4  # type: ignore[method-assign]
+    s.spec_policy.choose = lambda num_decodes: 4  # type: ignore[method-assign]
     runner = FakeRunner(s)
     s.add_request(_greedy("a", 6, max_tokens=30))
     s.add_request(_greedy("b", 5, max_tokens=30, stop=["x"]))
@@ -340,7 +340,7 @@ def test_a_request_waiting_for_memory_keeps_speculation_on():
         multi_step_speculation=True,
     )
     s.spec_policy.step_cost = lambda num_decodes, k: 1e-3
-    s.spec_policy.choose = lambda num_decodes, evidence=None: 4  # type: ignore[method-assign]
+    s.spec_policy.choose = lambda num_decodes: 4  # type: ignore[method-assign]
     runner = FakeRunner(s)
     for i in range(4):
         s.add_request(_greedy(f"r{i}", 20, max_tokens=40))
@@ -357,34 +357,3 @@ def test_a_request_waiting_for_memory_keeps_speculation_on():
             break
     assert len(blocked) > 10, blocked
     assert blocked.count(4) >= 0.9 * len(blocked), blocked
-
-
-def test_each_requests_acceptance_is_tracked_and_handed_to_the_policy():
-    """With measured costs the scheduler keeps every request's own acceptance evidence from its verifications
-    (the fake worker rejects every draft) and hands the running requests' evidence to each choice of k."""
-    s = _speculating_scheduler(multi_step_speculation=True)
-    s.spec_policy.step_cost = lambda num_decodes, k: 1e-3  # measured costs: the policy prices k
-    seen: list[list[tuple[float, float]]] = []
-
-    def choose(num_decodes: int, evidence: object = None) -> int:
-        assert evidence == [r.draft_evidence for r in s.running] and len(evidence) == num_decodes
-        seen.append(list(evidence))
-        return 4
-
-    s.spec_policy.choose = choose  # type: ignore[method-assign]
-    runner = FakeRunner(s)
-    s.add_request(_greedy("a", 6, max_tokens=40))
-    s.add_request(_greedy("b", 5, max_tokens=40))
-    for _ in range(6):
-        step(s, runner)
-    evidence = {rid: s.requests[rid].draft_evidence for rid in ("a", "b")}
-    assert seen[0] == [(0.0, 0.0)] * 2 and seen[-1] != seen[0]  # none before the first verification
-    for accepted, rejected in evidence.values():
-        assert rejected > 1.0 and accepted / (accepted + rejected) < s.spec_policy.acceptance_rate
-    # Without measured costs (the CPU engine: always max k) no evidence is kept.
-    plain = _speculating_scheduler(multi_step_speculation=True)
-    plain_runner = FakeRunner(plain)
-    plain.add_request(_greedy("a", 6, max_tokens=40))
-    for _ in range(4):
-        step(plain, plain_runner)
-    assert plain.requests["a"].draft_evidence == (0.0, 0.0)
