@@ -321,3 +321,23 @@ def test_plan_trace_smoke(tmp_path: Path) -> None:
         assert "prefill" in kinds and sum(e["plans"] for e in kinds.values()) == trial["plans"] > 1
         assert sum(e["ms"] for e in kinds.values()) <= trial["wall_ms"] + 1e-6
         assert any(kind.startswith("k4->") for kind in kinds) == (name == "draft"), kinds
+
+
+def test_profiler_overhead_smoke(tmp_path: Path) -> None:
+    """benchmarks/profiler_overhead.py --smoke: one process without the profiler and one with it, each a TPOT."""
+    out = tmp_path / "profiler.json"
+    _run(
+        str(REPO / "benchmarks" / "profiler_overhead.py"),
+        "--smoke",
+        "--models",
+        "bundled",
+        "--rounds",
+        "1",
+        "--output",
+        str(out),
+    )
+    results = json.loads(out.read_text())
+    assert [(r["model"], r["profiler"]) for r in results["rows"]] == [("bundled", False), ("bundled", True)]
+    assert all("error" not in r and r["tpot_ms"] > 0 for r in results["rows"]), results["rows"]
+    summary = results["per_model"]["bundled"]
+    assert summary["with_over_without"] == pytest.approx(summary["with_ms"] / summary["without_ms"])
