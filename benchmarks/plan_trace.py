@@ -7,7 +7,9 @@ prefills, or a decode plan by (k verified -> drafts proposed, steps, batch size)
     python3 benchmarks/plan_trace.py --smoke                                            # CPU: the script only
 
 `--policy` also records, at every choice of the speculation policy, the batch size, the k chosen, whether it
-was a probe, and the policy's estimate per k: tokens a run, host and device microseconds a step.
+was a probe, and the policy's estimate per k: tokens a run, host and device microseconds a step. `--fixed-k 1,2`
+adds a draft engine per k that verifies that k at every step (the policy off): a batch that only drains ends
+with its least-accepting request, and fewer drafts narrow the spread between the fastest and the slowest.
 """
 
 from __future__ import annotations
@@ -144,6 +146,11 @@ def main() -> int:
         action="store_true",
         help="keep every plan (start, period, requests, k, proposed, steps, tokens, new) and print the last ones",
     )
+    ap.add_argument(
+        "--fixed-k",
+        default="",
+        help="comma-separated k: also a draft engine per k that always verifies k (adaptive_speculation=False)",
+    )
     ap.add_argument("--note", default="")
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
@@ -157,9 +164,14 @@ def main() -> int:
         base.pop("gpu_memory_utilization")
     draft = DRAFT_SETTINGS
     results: dict[str, Any] = {"command": " ".join(sys.argv), "note": args.note, "configs": {}}
-    # Both engines live side by side and their trials alternate, so that a drift of the host's speed falls on
-    # both alike.
-    llms = {name: asyncspec.LLM(str(TARGET), **base, **extra) for name, extra in (("plain", {}), ("draft", draft))}
+    configs: list[tuple[str, dict[str, Any]]] = [("plain", {}), ("draft", draft)]
+    for k in (int(x) for x in args.fixed_k.split(",") if x):
+        configs.append((f"draft_k{k}", {**draft, "num_speculative_tokens": k, "adaptive_speculation": False}))
+    if len(configs) > 2 and "gpu_memory_utilization" in base:
+        base["gpu_memory_utilization"] = 0.8 / len(configs)  # the engines share the GPU
+    # The engines live side by side and their trials alternate, so that a drift of the host's speed falls on
+    # all alike.
+    llms = {name: asyncspec.LLM(str(TARGET), **base, **extra) for name, extra in configs}
     rows: dict[str, dict[str, Any]] = {name: {} for name in llms}
     for c in streams:
         prompts = load_prompts(c)

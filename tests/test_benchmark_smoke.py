@@ -308,9 +308,14 @@ def test_spec_policy_trace_smoke(tmp_path: Path) -> None:
 def test_plan_trace_smoke(tmp_path: Path) -> None:
     """benchmarks/plan_trace.py --smoke: both engines' plans are traced and their periods add up to the run."""
     out = tmp_path / "plan_trace.json"
-    _run(str(REPO / "benchmarks" / "plan_trace.py"), "--smoke", "--policy", "--output", str(out))
+    _run(str(REPO / "benchmarks" / "plan_trace.py"), "--smoke", "--policy", "--fixed-k", "2", "--output", str(out))
     results = json.loads(out.read_text())
-    assert set(results["configs"]) == {"plain", "draft"}
+    assert set(results["configs"]) == {"plain", "draft", "draft_k2"}
+    # The fixed-k engine verifies 2 drafts at every speculative step, whatever the policy would choose.
+    fixed = results["configs"].pop("draft_k2")
+    assert set(fixed["steps_per_k"]) == {"spec_steps_with_k_2"} and fixed["steps_per_k"]["spec_steps_with_k_2"] > 1
+    (fixed_trial,) = fixed["streams"]["4"]
+    assert any(kind.startswith("k2->") for kind in fixed_trial["kinds"]), fixed_trial["kinds"]
     for name, config in results["configs"].items():
         (trial,) = config["streams"]["4"]
         # The draft engine's policy is asked once per decode plan (no step costs on the CPU: no estimates, k fixed).
