@@ -52,7 +52,7 @@ per model, each in a fresh process, a failure recorded as {"error": ...} while t
     alternated runs of each, after one untimed 1-token call and `--warmup-runs` (3) untimed 128-token ones;
   - `windows`: steady-decode windows at batch B (1 and 64; for `graphed` the sweep 1, 2, 4, 8, 16, 32, 64):
     B requests are submitted and stepped until every one has its first token, 3 more steps, then 32 steps are
-    timed (wall, no profiler); on CUDA a second engine, built after torch.profiler starts, runs the same window
+    timed (wall, no profiler); then a second engine, built after torch.profiler starts, runs the same window
     and profiles 32 more steps (CUDA activity: CUPTI slows every launch once attached, so nothing timed runs in
     a process where it has started): GPU ms per step = sum
     of the CUDA ops' self device time / steps, kernels per step, GPU-busy fraction = GPU ms / wall ms per step,

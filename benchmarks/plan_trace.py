@@ -165,7 +165,10 @@ def main() -> int:
     draft = DRAFT_SETTINGS
     results: dict[str, Any] = {"command": " ".join(sys.argv), "note": args.note, "configs": {}}
     configs: list[tuple[str, dict[str, Any]]] = [("plain", {}), ("draft", draft)]
-    for k in (int(x) for x in args.fixed_k.split(",") if x):
+    fixed_ks = [int(x) for x in args.fixed_k.split(",") if x]
+    if any(k < 1 for k in fixed_ks):
+        ap.error(f"--fixed-k takes draft counts of at least 1 (the plain engine is k = 0), got {args.fixed_k}")
+    for k in fixed_ks:
         configs.append((f"draft_k{k}", {**draft, "num_speculative_tokens": k, "adaptive_speculation": False}))
     if len(configs) > 2 and "gpu_memory_utilization" in base:
         base["gpu_memory_utilization"] = 0.8 / len(configs)  # the engines share the GPU
