@@ -344,6 +344,19 @@ def profile_totals(prof: Any) -> dict[str, float]:
     return {"gpu_us": gpu_us, "gpu_ops": ops, "kernels": kernels, "graph_launches": graph_launches}
 
 
+def device_busy_seconds(prof: Any) -> float:
+    """The union of the profiled device events' intervals (asyncspec's own trace summary). Summed durations
+    overcount under programmatic dependent launch: a kernel's programs start early and wait inside its
+    predecessor's time, so the sum can pass the wall time; the union cannot."""
+    from asyncspec.worker.profiler import summarize_trace
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "window.json")
+        prof.export_chrome_trace(path)
+        trace = json.loads(Path(path).read_text())
+    return summarize_trace(trace, "engine", path).device_busy_seconds
+
+
 def _dtype_name(device: str, smoke: bool) -> str:
     return "float32" if smoke or not device.startswith("cuda") else "bfloat16"
 
@@ -500,6 +513,7 @@ def decode_window(llm: Any, asyncspec: Any, batch: int, s: dict[str, Any], profi
             with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
                 pwall, _, ptokens, _ = window()
             totals = profile_totals(prof)  # on the CPU too (the code path), but only CUDA activity counts
+            union_s = device_busy_seconds(prof)  # likewise: no device events on the CPU
         else:
             pwall = None
         finished = sum(r.is_finished for r in reqs)
@@ -526,6 +540,8 @@ def decode_window(llm: Any, asyncspec: Any, batch: int, s: dict[str, Any], profi
         "graph_launches_per_step": None,
         "gpu_busy_fraction": None,
         "gpu_busy_fraction_profiled": None,
+        "gpu_busy_union_ms_per_step": None,
+        "gpu_busy_fraction_union": None,
         **{f"timed_{k2}": v for k2, v in _spec_delta(s0, s1).items()},
         **_step_timing_delta(s0, s1, steps, wall),
     }
@@ -541,6 +557,12 @@ def decode_window(llm: Any, asyncspec: Any, batch: int, s: dict[str, Any], profi
             gpu_busy_fraction=gpu_ms / wall_ms if wall_ms else None,
             gpu_busy_fraction_profiled=gpu_ms / out["profiled_wall_ms_per_step"],
         )
+        if union_s > 0:
+            union_ms = union_s * 1e3 / steps
+            out.update(
+                gpu_busy_union_ms_per_step=union_ms,
+                gpu_busy_fraction_union=union_ms / out["profiled_wall_ms_per_step"],
+            )
         # A traced graph replay shows every layer's kernels (several each); far fewer means the profiler saw only
         # the launch, and the GPU time is an undercount.
         layers = llm.engine.model_config.num_hidden_layers
@@ -657,6 +679,8 @@ def bench_asyncspec(model: str, part: str, s: dict[str, Any]) -> dict:
 # The GPU-time fields of a window, taken from the traced engine's run of it.
 _TRACED_FIELDS = (
     "profiled_wall_ms_per_step",
+    "gpu_busy_union_ms_per_step",
+    "gpu_busy_fraction_union",
     "gpu_ms_per_step",
     "gpu_ms_per_token",
     "kernels_per_step",
@@ -1006,6 +1030,13 @@ def model_entry(model: str, s: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _busy_fraction(window: dict[str, Any]) -> float | None:
+    """A window's GPU-busy share of wall time: the union of its device events where the trace had them (summed
+    durations overcount under PDL), else the summed durations' share."""
+    union = window.get("gpu_busy_fraction_union")
+    return union if union is not None else window.get("gpu_busy_fraction")
+
+
 def _get(d: Any, *keys: Any) -> Any:
     """d[k0][k1]... or None where a level is missing or an error row."""
     for k in keys:
@@ -1068,8 +1099,8 @@ def derive(results: dict[str, Any]) -> None:
                 if c["wall_ms_per_step_b1"] is not None and c["gpu_ms_per_step_b1"] is not None
                 else None
             )
-            c["gpu_busy_b1"] = w1.get("gpu_busy_fraction")
-            c[f"gpu_busy_b{big}"] = _get(row, "windows", str(big), "gpu_busy_fraction")
+            c["gpu_busy_b1"] = _busy_fraction(w1)
+            c[f"gpu_busy_b{big}"] = _busy_fraction(_get(row, "windows", str(big)) or {})
             tr = _get(row, "throughput", str(ref)) or {}
             decode, prompt = tr.get("decode_tok_s"), tr.get("mean_prompt_tokens")
             rl_ref = None

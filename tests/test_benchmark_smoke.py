@@ -105,6 +105,7 @@ def check_asyncspec_row(row: dict, s: dict, name: str) -> None:
         # The profiled steps ran in a second engine, after the timed ones (whose engine never saw the profiler).
         assert "traced_error" not in w and _positive(w["traced_wall_ms_per_step"])
         assert _positive(w["profiled_wall_ms_per_step"])
+        assert w["gpu_busy_union_ms_per_step"] is None and w["gpu_busy_fraction_union"] is None  # no device events
         # the engine's step timing: the synchronous loop leaves the device idle between steps
         assert _positive(w["scheduling_ms_per_step"]) and _positive(w["device_idle_ms_per_step"])
         # The idle time is part of the launch gap. The gaps have no upper bound in wall time here: the window's

@@ -62,3 +62,22 @@ def test_help_names_both_modes() -> None:
     """The modes need CUDA (the device tool runs them); --help runs anywhere."""
     proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "--mode gaps" in proc.stdout and "--mode plans" in proc.stdout
+
+
+def test_a_windows_busy_time_is_the_union_of_its_device_events() -> None:
+    """gpu_step_speed.py's windows: under PDL a kernel's programs start inside its predecessor's time, so the
+    summed durations pass the wall time; the busy time it reports is the union of the trace's device events
+    (a CPU op on the host row counts for nothing)."""
+    import json
+
+    step_speed = sys.modules["gpu_step_speed"]  # imported by gpu_idle (through plan_trace)
+
+    class FakeProfile:
+        def export_chrome_trace(self, path: str) -> None:
+            host = {"name": "aten::mm", "ts": 0, "dur": 100, "cat": "cpu_op", "ph": "X"}
+            Path(path).write_text(json.dumps({"traceEvents": [*EVENTS, host]}))
+
+    assert step_speed.device_busy_seconds(FakeProfile()) * 1e6 == 10 + 18 + 6  # as gpu_idle.busy_us over [0, 41)
+    assert sum(e["dur"] for e in EVENTS) == 39  # what summing would have said
+    assert step_speed._busy_fraction({"gpu_busy_fraction_union": 0.93, "gpu_busy_fraction": 1.5}) == 0.93
+    assert step_speed._busy_fraction({"gpu_busy_fraction_union": None, "gpu_busy_fraction": 0.4}) == 0.4
