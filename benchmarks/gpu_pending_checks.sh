@@ -13,6 +13,9 @@
 #          them here first: `benchmarks/ab_commits.sh pack BASE NEW`, and carry .devdata). One process per run;
 #          the host's speed moves by up to 2x between processes on these machines, so read medians of rounds.
 #   serve  serve_vs_offline.py at 32 and 128 streams, both sides loaded, alternated rounds: ~4 min
+#   closed the 128-stream closed batch with the draft: the adaptive policy against a fixed k = 1 and k = 2 for the
+#          whole batch, beside the plain engine (plan_trace.py --fixed-k), and the windows' union busy time
+#          (gpu_step_speed.py, bundled and 1B, async, batches 1 and 64): ~5 min
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
 # their wheels; the device README says how).
 set -uo pipefail
@@ -43,6 +46,13 @@ if [[ " $parts " == *" step "* ]]; then
     OUT=$out bash .devdata/ab_commits.sh run 2 -- python3 benchmarks/gpu_step_speed.py --models bundled \
         --parts graphed,async,graphed-draft,async-draft --concurrency 1,32,128 --window-batches 1 \
         --sweep-batches 1 --trials 3 --output '$AB_OUT/step.json'
+fi
+
+if [[ " $parts " == *" closed "* ]]; then
+    taskset -c 2,3 timeout 300 python3 benchmarks/plan_trace.py --streams 32,128 --trials 5 --fixed-k 1,2 \
+        --output "$out/plan_trace_fixed_k.json" 2>&1 | grep -E "^(plain|draft)" | tail -8
+    taskset -c 2,3 timeout 240 python3 benchmarks/gpu_step_speed.py --models bundled,llama-1b --parts async \
+        --concurrency 1 --window-batches 1,64 --trials 3 --output "$out/step_speed_union_busy.json" 2>&1 | tail -12
 fi
 
 if [[ " $parts " == *" serve "* ]]; then
