@@ -5,6 +5,7 @@ windows."""
 from __future__ import annotations
 
 import importlib.util
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -77,7 +78,8 @@ def test_a_windows_busy_time_is_the_union_of_its_device_events() -> None:
             host = {"name": "aten::mm", "ts": 0, "dur": 100, "cat": "cpu_op", "ph": "X"}
             Path(path).write_text(json.dumps({"traceEvents": [*EVENTS, host]}))
 
-    assert step_speed.device_busy_seconds(FakeProfile()) * 1e6 == 10 + 18 + 6  # as gpu_idle.busy_us over [0, 41)
+    busy_us = step_speed.device_busy_seconds(FakeProfile()) * 1e6  # the summary's seconds, from the trace's µs
+    assert math.isclose(busy_us, 10 + 18 + 6, rel_tol=1e-12)  # as gpu_idle.busy_us over [0, 41)
     assert sum(e["dur"] for e in EVENTS) == 39  # what summing would have said
     assert step_speed._busy_fraction({"gpu_busy_fraction_union": 0.93, "gpu_busy_fraction": 1.5}) == 0.93
     assert step_speed._busy_fraction({"gpu_busy_fraction_union": None, "gpu_busy_fraction": 0.4}) == 0.4
