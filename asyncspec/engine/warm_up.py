@@ -103,13 +103,15 @@ def _run_wave(core: EngineCore, wave: list[tuple[int, list[Request]]]) -> int:
 
 def warm_up(core: EngineCore) -> WarmUpStats:
     """Runs the waves (with speculation: at the largest k, then again at k = 0, the plain steps of an engine
-    that speculates), then resets what they touched. Call on an idle engine."""
+    that adapts k), then resets what they touched. Call on an idle engine."""
     if core.has_unfinished_requests():
         raise RuntimeError("warm_up needs an idle engine: requests are running")
     start = time.perf_counter()
     num_requests = num_steps = 0
     max_k = core.config.num_speculative_tokens
-    forced_ks = [max_k, 0] if max_k else [0]
+    # Without adaptive speculation every step verifies max_k: the worker captured no k = 0 graphs, and a
+    # k = 0 step would take a path the engine never runs.
+    forced_ks = [max_k, 0] if max_k and core.config.adaptive_speculation else [max_k]
     if core.config.max_scheduler_steps > 1:
         # Plans of the most steps wherever they may run (the greedy waves' decodes): the multi-step launch
         # paths. An adaptive engine's tuner would shorten them; reset_after_warm_up makes a fresh one.

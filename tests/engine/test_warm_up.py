@@ -83,6 +83,27 @@ def test_warm_up_leaves_no_trace(method, async_scheduling, monkeypatch) -> None:
     assert _generate(llm) == reference
 
 
+def test_warm_up_without_adaptive_speculation_verifies_only_the_fixed_k(monkeypatch) -> None:
+    """A fixed-k engine never plans k = 0 (on CUDA it captures no k = 0 graphs): its warm-up must not either."""
+    llm = make_llm(method="draft_model", k=2, adaptive_speculation=False, **BASE)
+    core = llm.engine.engine_core
+    planned: list[tuple[int, int]] = []
+    schedule = core.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        if out.num_scheduled_tokens:
+            planned.append((out.num_speculative_tokens, out.num_proposals))
+        return out
+
+    monkeypatch.setattr(core.scheduler, "schedule", recording_schedule)
+    stats = core.warm_up()
+    monkeypatch.undo()
+    assert stats.num_steps > 0
+    assert {k for k, _ in planned} == {2} and {n for _, n in planned} == {2}
+    assert_kv_free(llm.stats())
+
+
 def test_warm_up_refuses_a_busy_engine() -> None:
     llm = _llm(None, False)
     core = llm.engine.engine_core
