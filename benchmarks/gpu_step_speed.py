@@ -475,11 +475,15 @@ def decode_window(llm: Any, asyncspec: Any, batch: int, s: dict[str, Any], profi
     engine = llm.engine
     k = (llm.config.num_speculative_tokens or 0) if llm.config.speculative_method else 0
     steps, warm = s["window_steps"], 3
-    # Enough tokens that no request finishes inside the windows, even if every draft is accepted.
-    max_tokens = 2 + (warm + 2 * steps + 2) * (k + 1)
+    # Enough tokens that no request finishes inside the windows (both run, when profiled), even if every draft
+    # is accepted and every engine step is a plan of the most decode steps; but within max_model_len.
+    per_step = (k + 1) * llm.config.max_scheduler_steps
+    prompts = load_prompts(batch)
+    room = engine.max_model_len - max(len(p) for p in prompts) - 1
+    max_tokens = min(2 + (warm + 2 * steps + 2) * per_step, room)
     params = asyncspec.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     tag = f"win{batch}-{time.monotonic_ns()}"
-    reqs = [engine.make_request(p, params, f"{tag}-{i}") for i, p in enumerate(load_prompts(batch))]
+    reqs = [engine.make_request(p, params, f"{tag}-{i}") for i, p in enumerate(prompts)]
     for r in reqs:
         engine.add_request(r, stream_deltas=False, enforce_queue_limit=False)
     try:
@@ -545,6 +549,8 @@ def decode_window(llm: Any, asyncspec: Any, batch: int, s: dict[str, Any], profi
         **{f"timed_{k2}": v for k2, v in _spec_delta(s0, s1).items()},
         **_step_timing_delta(s0, s1, steps, wall),
     }
+    if finished:
+        out["window_warning"] = f"{finished} of {batch} requests finished inside the windows: steps ran fewer rows"
     if cuda:
         gpu_ms = totals["gpu_us"] / 1e3 / steps
         pper_seq = ptokens / steps / batch
@@ -689,6 +695,7 @@ _TRACED_FIELDS = (
     "gpu_busy_fraction_profiled",
     "profiler_warning",
 )
+_TRACED_RENAMED = {"window_warning": "traced_window_warning"}
 
 
 def profile_windows(asyncspec: Any, model: str, kwargs: dict[str, Any], windows: dict[str, dict], s: dict) -> None:
@@ -708,6 +715,7 @@ def profile_windows(asyncspec: Any, model: str, kwargs: dict[str, Any], windows:
             window["traced_error"] = f"{type(e).__name__}: {e}"[-2000:]
             continue
         window.update({key: traced[key] for key in _TRACED_FIELDS if key in traced})
+        window.update({new: traced[old] for old, new in _TRACED_RENAMED.items() if old in traced})
         gpu_ms, wall_ms = traced["gpu_ms_per_step"], window["wall_ms_per_step"]
         window["gpu_busy_fraction"] = gpu_ms / wall_ms if gpu_ms is not None and wall_ms else None
         window["traced_wall_ms_per_step"] = traced["wall_ms_per_step"]
@@ -1225,6 +1233,11 @@ def print_tables(results: dict[str, Any]) -> None:
             )
         for note in entry.get("notes", []):
             print(f"  note: {note}")
+        for name, row in entry["rows"].items():
+            for b, window in (row.get("windows") or {}).items():
+                for key in ("window_warning", "traced_window_warning", "profiler_warning", "traced_error"):
+                    if window.get(key):
+                        print(f"  warning: {name} window at batch {b}: {key}: {window[key]}")
     print(
         "\nTPOT: batch-1 wall ms per token by subtraction; wall/GPU ms/st, kern/st, tok/st: steady decode at batch 1 "
         "(GPU from torch.profiler); GPU x RL: GPU ms per step / roofline; busy: GPU ms / wall ms per step; "
