@@ -37,6 +37,26 @@ def test_greedy_speculative_equals_plain_fp32(prompts, baseline_fp32, method, k)
 
 
 @pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_fixed_k_engine_starts_and_equals_plain_fp32(prompts, baseline_fp32, method):
+    """adaptive_speculation=False: graphs for k alone, and a warm-up that never plans k = 0 (it used to, and the
+    multi-step k = 0 plan found no graph of its shape: the engine failed at start-up)."""
+    llm = LLM(
+        str(TARGET_MODEL),
+        dtype="float32",
+        speculative_method=method,
+        num_speculative_tokens=2,
+        adaptive_speculation=False,
+        **CONFIG,
+    )
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == baseline_fp32
+    stats = llm.stats()
+    assert stats["spec_num_accepted_tokens"] > 0
+    assert {key for key, n in stats.items() if key.startswith("spec_steps_with_k_") and n} == {"spec_steps_with_k_2"}
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
 def test_bf16_speculative_runs_sampled_and_greedy(prompts, method):
     llm = LLM(str(TARGET_MODEL), dtype="bfloat16", speculative_method=method, num_speculative_tokens=4, **CONFIG)
     params = [
