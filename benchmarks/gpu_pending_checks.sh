@@ -50,7 +50,7 @@ fi
 
 if [[ " $parts " == *" closed "* ]]; then
     taskset -c 2,3 timeout 300 python3 benchmarks/plan_trace.py --streams 32,128 --trials 5 --fixed-k 1,2 \
-        --output "$out/plan_trace_fixed_k.json" 2>&1 | grep -E "^(plain|draft)" | tail -8
+        --output "$out/plan_trace_fixed_k.json" 2>&1 | grep -E "^(plain|draft)|Error|error:" | tail -12
     taskset -c 2,3 timeout 240 python3 benchmarks/gpu_step_speed.py --models bundled,llama-1b --parts async \
         --concurrency 1 --window-batches 1,64 --trials 3 --output "$out/step_speed_union_busy.json" 2>&1 | tail -12
 fi
