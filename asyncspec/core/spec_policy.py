@@ -19,9 +19,7 @@ needs three (k, k) steps in a row, four choices, and the engine keeps only such 
 outlier (a kernel compiled mid-run, a hiccup, a transition between two k) or a stale acceptance rate
 can never lock speculation off, or on, for good. Host time is a low quantile of recent steps (hiccups
 only ever add time), so outliers do not move it, and samples from before a gap are dropped when a
-probe brings a fresh one. It grows with the batch, so a step is charged what steps of batches near its size
-took, or for a batch far below any observed one a proportional share of the nearest above it: a closed batch's
-thinning tail gives no steady sample of its own.
+probe brings a fresh one.
 
 Probes and switches cost more than their steps: at 128 streams a speculating step's host work is several
 times a plain one's, a switch from k = 0 makes the draft catch up and breaks multi-step runs, and the
@@ -81,9 +79,8 @@ class SpeculationPolicy:
     """Device seconds per step, from the worker's start-up measurements; None: always max_k."""
     _accepted: float = 3.0  # a prior of 0.6 acceptance, worth five rejections
     _rejected: float = 2.0
-    # Host seconds of recent steps, with their batch sizes, by (k verified, drafts proposed): proposal passes cost
-    # host time, and so does each request.
-    _host_samples: dict[tuple[int, int], deque[tuple[int, float]]] = field(default_factory=dict)
+    # Host seconds of recent steps by (k verified, drafts proposed): proposal passes cost host time.
+    _host_samples: dict[tuple[int, int], deque[float]] = field(default_factory=dict)
     _probe: int | None = None  # a probed k, chosen again at the next step
     _probe_left: int = 0  # how many more times
     _probed: int | None = None  # the k whose probe just ended: is it the best now?
@@ -152,7 +149,7 @@ class SpeculationPolicy:
         rates = {}
         for k in self.choices:
             expected_tokens = num_decodes * self.tokens_per_run(k, alpha)
-            seconds = step_cost(num_decodes, k) + self.host_seconds(k, num_decodes)
+            seconds = step_cost(num_decodes, k) + self.host_seconds(k)
             rates[k] = expected_tokens / max(seconds, 1e-9)
         return rates
 
@@ -197,16 +194,13 @@ class SpeculationPolicy:
         seen_above = [self._emitted[j] / self._runs[j] for j in self._runs if j > k and self._runs[j] >= 8.0]
         return min([(1 - a ** (k + 1)) / (1 - a), *seen_above])
 
-    def host_seconds(self, k: int, num_decodes: int | None = None) -> float:
-        """Host time of a steady step at k (verifying k drafts, proposing k) for `num_decodes` requests (None:
-        any batch): the low quartile of its recent steps once observed; before that the largest observed at a
-        smaller steady k (host work grows with k), else 0. Only the steps of the batch sizes nearest
-        `num_decodes` count (`_near_batch`)."""
+    def host_seconds(self, k: int) -> float:
+        """Host time of a steady step at k (verifying k drafts, proposing k): the low quartile of its
+        recent steps once observed; before that the largest observed at a smaller steady k (host
+        work grows with k), else 0."""
         if (k, k) in self._host_samples:
-            return _low_quantile(_near_batch(self._host_samples[k, k], num_decodes))
-        smaller = [
-            _low_quantile(_near_batch(v, num_decodes)) for (j, n), v in self._host_samples.items() if j == n and j < k
-        ]
+            return _low_quantile(self._host_samples[k, k])
+        smaller = [_low_quantile(v) for (j, n), v in self._host_samples.items() if j == n and j < k]
         return max(smaller, default=0.0)
 
     def observe_step(self, num_decodes: int, k: int, seconds: float, num_proposals: int | None = None) -> None:
@@ -222,7 +216,7 @@ class SpeculationPolicy:
         if self.probe_interval > 0 and self._num_observed - self._last_observed.get(key, 0) > self.probe_interval:
             samples.clear()
         self._last_observed[key] = self._num_observed
-        samples.append((num_decodes, host))
+        samples.append(host)
 
 
 def _fastest(rates: dict[int, float]) -> int:
@@ -232,27 +226,7 @@ def _fastest(rates: dict[int, float]) -> int:
     return min(k for k, rate in rates.items() if rate >= best / 1.0001)
 
 
-def _near_batch(samples: deque[tuple[int, float]], num_decodes: int | None) -> list[float]:
-    """The host times of `samples` ((batch size, seconds)) that describe a step of `num_decodes` requests: those
-    of batches within a factor of two of it; else those of the nearest batch size above it, scaled down in
-    proportion (a batch far smaller than any observed one has less per-request work), or of the largest below it
-    as they are. Host time grows with the batch: a closed batch's steady steps are all at its full size, and its
-    tail, whose sizes change every plan, leaves no steady sample; charged the full batch's host time, its last
-    few requests would look cheaper to run without drafts than with them."""
-    if num_decodes is None:
-        return [h for _, h in samples]
-    near = [h for n, h in samples if n <= 2 * num_decodes and num_decodes <= 2 * n]
-    if near:
-        return near
-    above = [n for n, _ in samples if n > num_decodes]
-    if above:
-        nearest = min(above)
-        return [h * num_decodes / nearest for n, h in samples if n == nearest]
-    nearest = max(n for n, _ in samples)
-    return [h for n, h in samples if n == nearest]
-
-
-def _low_quantile(samples: list[float] | deque[float]) -> float:
+def _low_quantile(samples: deque[float]) -> float:
     """The first quartile: a typical step, robust to the slow ones (compilation, a GC pause) until
     they are three in four."""
     return sorted(samples)[len(samples) // 4]

@@ -159,44 +159,6 @@ def test_host_time_is_learned_per_k():
     assert policy.choose(8) == 2
 
 
-def test_host_time_follows_the_batch_size():
-    """Host work grows with the batch: a step is charged what steps of batches near its size took on the host,
-    and a batch far below every one observed a proportional share of the nearest one above it."""
-    policy = SpeculationPolicy(4, step_cost=memory_bound, probe_interval=0)
-    for _ in range(8):
-        policy.observe_step(128, 4, 1e-3 + 4e-4)
-        policy.observe_step(16, 4, 1e-3 + 1e-4)
-    assert policy.host_seconds(4, 128) == pytest.approx(4e-4)
-    assert policy.host_seconds(4, 64) == pytest.approx(4e-4)  # within a factor of two of 128
-    assert policy.host_seconds(4, 20) == pytest.approx(1e-4)
-    assert policy.host_seconds(4, 4) == pytest.approx(1e-4 * 4 / 16)  # below every batch seen
-    assert policy.host_seconds(4, 1024) == pytest.approx(4e-4)  # above: the largest seen, as it is
-    assert policy.host_seconds(4) == pytest.approx(1e-4)  # any batch: the low quartile of all
-    assert policy.host_seconds(2, 128) == pytest.approx(0.0)  # unseen, and nothing below it either
-
-
-def test_a_thinned_batch_is_not_charged_the_full_batchs_host_time():
-    """The tail of a closed batch: its sizes change every plan, so its steps give no steady sample, and only the
-    full batch's steps were observed. Charged their host time, the last two requests would drop their drafts
-    (a k = 0 plan at 1 / 150 us against 3.7 tokens in 316 + 376 us); a share in proportion keeps k = 4."""
-
-    def cost(num_decodes: int, k: int) -> float:
-        return (150e-6 if k == 0 else 316e-6) if num_decodes <= 2 else (300e-6 if k == 0 else 550e-6)
-
-    policy = SpeculationPolicy(4, step_cost=cost, choices=[0, 4], probe_interval=0)
-    for _ in range(16):
-        policy.observe_emitted_runs(4, [4, 4, 3])  # 3.67 tokens a run
-        policy.observe_step(128, 4, 550e-6 + 376e-6)
-    assert policy.choose(128) == 4
-    rates = policy._rates(2, cost)
-    assert rates[4] > 1.5 * rates[0]
-    assert policy.choose(2) == 4
-    # What the one pooled estimate gave (the old rule): k = 0 ahead by more than the switch margin.
-    old_k4 = 2 * policy.tokens_per_run(4) / (cost(2, 4) + policy.host_seconds(4))
-    old_k0 = 2 / cost(2, 0)
-    assert old_k0 > (1 + policy.switch_margin) * old_k4
-
-
 def test_speculation_backs_off_under_load_and_returns():
     policy = SpeculationPolicy(4, step_cost=compute_bound)
     _feed(policy, 0.6, 300)
