@@ -27,12 +27,16 @@ from skinny_linear import graph_us  # noqa: E402
 
 from asyncspec.kernels.paged_attention_triton import _num_sms, _tile_sizes, choose_num_splits, paged_attention  # noqa: E402
 
-SHAPES = {"llama-1b": (32, 8, 64), "llama-8b": (32, 8, 128)}  # query heads, KV heads, head dim
+SHAPES = {"llama-1b": (32, 8, 64), "llama-8b": (32, 8, 128), "bundled": (6, 2, 64)}  # query heads, KV heads, head dim
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 2048
 
 
-def make_inputs(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, gen: torch.Generator) -> dict:
+def make_inputs(
+    batch: int, context: int, heads: int, kv_heads: int, head_dim: int, gen: torch.Generator, query_len: int = 1
+) -> dict:
+    """A batch of `batch` requests of `query_len` queries each (1: decodes; k + 1: verifying k drafts) at
+    `context` tokens."""
     dev, dt = "cuda", torch.bfloat16
     blocks = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks
@@ -40,10 +44,10 @@ def make_inputs(batch: int, context: int, heads: int, kv_heads: int, head_dim: i
     table = torch.zeros(batch, MAX_MODEL_LEN // BLOCK_SIZE, dtype=torch.int32)
     table[:, :blocks] = perm.view(batch, blocks)
     return dict(
-        query=torch.randn(batch, heads, head_dim, device=dev, dtype=dt),
+        query=torch.randn(batch * query_len, heads, head_dim, device=dev, dtype=dt),
         k_cache=torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim, device=dev, dtype=dt),
         v_cache=torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim, device=dev, dtype=dt),
-        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev) * query_len,
         seq_lens=torch.full((batch,), context, dtype=torch.int32, device=dev),
         block_tables=table.to(dev),
         scale=1 / math.sqrt(head_dim),
@@ -55,6 +59,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8,32,64,128")
     ap.add_argument("--contexts", default="315,1000")
     ap.add_argument("--splits", default="1,2,4,8,16")
+    ap.add_argument("--shapes", default="llama-1b,llama-8b", help=f"of {', '.join(SHAPES)}")
+    ap.add_argument("--query-lens", default="1", help="queries per request: 1 decodes, k + 1 verifies k drafts")
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -63,36 +69,44 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}, {sms} SMs; us per call (auto = choose_num_splits)")
     split_list = [int(x) for x in args.splits.split(",")]
     print(f"{'shape':9} {'batch':>5} {'ctx':>5} {'auto':>4} " + " ".join(f"{'s=' + str(s):>7}" for s in split_list))
-    for shape, (heads, kv_heads, head_dim) in SHAPES.items():
-        for batch in [int(x) for x in args.batches.split(",")]:
-            for context in [int(x) for x in args.contexts.split(",")]:
-                inputs = make_inputs(batch, context, heads, kv_heads, head_dim, gen)
-                out = torch.empty_like(inputs["query"])
-                block_m = _tile_sizes(batch, batch, heads // kv_heads, head_dim, 2).block_m
-                auto = choose_num_splits(batch, batch, kv_heads, block_m // (heads // kv_heads), MAX_MODEL_LEN, sms)
-                times = {}
-                for s in split_list:
-                    call = functools.partial(paged_attention, **inputs, out=out, num_splits=s)
-                    times[s] = graph_us([call] * 20)
-                kv_bytes = 2 * batch * context * kv_heads * head_dim * 2
-                best = min(times, key=times.get)
-                rows.append(
-                    {
-                        "shape": shape,
-                        "batch": batch,
-                        "context": context,
-                        "auto_splits": auto,
-                        "us_by_splits": times,
-                        "best_splits": best,
-                        "kv_bytes": kv_bytes,
-                    }
-                )
-                print(
-                    f"{shape:9} {batch:5d} {context:5d} {auto:4d} "
-                    + " ".join(f"{times[s]:7.2f}" for s in split_list)
-                    + f"   best {best}, KV {kv_bytes / 1e6:.1f} MB",
-                    flush=True,
-                )
+    cases = [
+        (shape, batch, context, q)
+        for shape in args.shapes.split(",")
+        for q in [int(x) for x in args.query_lens.split(",")]
+        for batch in [int(x) for x in args.batches.split(",")]
+        for context in [int(x) for x in args.contexts.split(",")]
+    ]
+    for shape, batch, context, query_len in cases:
+        heads, kv_heads, head_dim = SHAPES[shape]
+        inputs = make_inputs(batch, context, heads, kv_heads, head_dim, gen, query_len)
+        out = torch.empty_like(inputs["query"])
+        tokens = batch * query_len
+        block_m = _tile_sizes(tokens, batch, heads // kv_heads, head_dim, 2).block_m
+        auto = choose_num_splits(batch, tokens, kv_heads, block_m // (heads // kv_heads), MAX_MODEL_LEN, sms)
+        times = {}
+        for s in split_list:
+            call = functools.partial(paged_attention, **inputs, out=out, num_splits=s)
+            times[s] = graph_us([call] * 20)
+        kv_bytes = 2 * batch * context * kv_heads * head_dim * 2
+        best = min(times, key=times.get)
+        rows.append(
+            {
+                "shape": shape,
+                "batch": batch,
+                "context": context,
+                "query_len": query_len,
+                "auto_splits": auto,
+                "us_by_splits": times,
+                "best_splits": best,
+                "kv_bytes": kv_bytes,
+            }
+        )
+        print(
+            f"{shape:9} {batch:5d}x{query_len} {context:5d} {auto:4d} "
+            + " ".join(f"{times[s]:7.2f}" for s in split_list)
+            + f"   best {best}, KV {kv_bytes / 1e6:.1f} MB",
+            flush=True,
+        )
     if args.output:
         args.output.write_text(json.dumps({"card": torch.cuda.get_device_name(), "sms": sms, "rows": rows}, indent=1))
     return 0
