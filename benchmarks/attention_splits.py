@@ -1,8 +1,10 @@
 """Decode attention time against the number of KV splits: the Triton paged attention (`paged_attention`) at
-decode shapes of the Llama-1B and 8B layers, timed inside a CUDA graph as the engine runs it (PDL on where the
-engine uses it), for each forced `num_splits` and for the one `choose_num_splits` picks.
+decode and verification shapes of the Llama-1B, Llama-8B and bundled models' layers, timed inside a CUDA graph as
+the engine runs it (PDL on where the engine uses it), for each forced `num_splits` and for the one
+`choose_num_splits` picks.
 
     python3 benchmarks/attention_splits.py --output $OUT/attention_splits.json     # GPU, ~1 min
+    python3 benchmarks/attention_splits.py --shapes bundled --batches 32,128 --query-lens 1,5   # k = 4 verification
 
 Each case is (model shape, batch of decodes, context per request); a row's time is the median over 10 replays of
 a graph of 20 calls, per call (skinny_linear.py's `graph_us`).
