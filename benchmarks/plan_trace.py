@@ -8,8 +8,9 @@ prefills, or a decode plan by (k verified -> drafts proposed, steps, batch size)
 
 `--policy` also records, at every choice of the speculation policy, the batch size, the k chosen, whether it
 was a probe, and the policy's estimate per k: tokens a run, host and device microseconds a step. `--fixed-k 1,2`
-adds a draft engine per k that verifies that k at every step (the policy off): a batch that only drains ends
-with its least-accepting request, and fewer drafts narrow the spread between the fastest and the slowest.
+adds a draft engine per k that verifies that k at every step (the policy off, so its prompt plans propose drafts
+too). On the H200, 2026-12-01, such engines lost end to end at 128 streams, but their decode phase at k = 2 was
+the fastest (docs/benchmarks.md, twelfth session).
 """
 
 from __future__ import annotations

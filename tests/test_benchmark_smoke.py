@@ -347,3 +347,25 @@ def test_profiler_overhead_smoke(tmp_path: Path) -> None:
     assert all("error" not in r and r["tpot_ms"] > 0 for r in results["rows"]), results["rows"]
     summary = results["per_model"]["bundled"]
     assert summary["with_over_without"] == pytest.approx(summary["with_ms"] / summary["without_ms"])
+
+
+def test_decode_windows_outlast_multi_step_plans() -> None:
+    """Under multi-step plans each engine step emits several tokens a request: a window's requests must still
+    outlast both its windows (timed and profiled), or the profiled steps run on finished requests."""
+    import asyncspec
+
+    llm = asyncspec.LLM(
+        str(gss.TARGET),
+        device="cpu",
+        dtype="float32",
+        max_model_len=2048,
+        max_num_seqs=2,
+        num_kv_blocks=512,
+        skip_tokenizer_init=True,
+        enable_prefix_caching=False,
+        num_scheduler_steps=4,
+    )
+    s = {"device": "cpu", "window_steps": 8}
+    window = gss.decode_window(llm, asyncspec, 2, s, profiled=True)
+    assert window["tokens_per_step_per_seq"] > 1  # multi-step plans ran
+    assert window["finished_during_windows"] == 0 and "window_warning" not in window
