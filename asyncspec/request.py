@@ -52,6 +52,9 @@ class Request:
     num_output_placeholders: int = 0
     """Tokens the steps in flight will emit if every draft is accepted (the scheduler's optimistic
     view): counted in scheduling, never stored as ids; reconciliation replaces them by real tokens."""
+    num_inflight_steps: int = 0
+    """Steps in flight that sample tokens for it, each at least one (the pessimistic view beside the
+    placeholders' optimistic one: every draft rejected)."""
     queued_seconds: float | None = None
     """From arrival to first scheduling (set once, at admission)."""
     num_preemptions: int = 0

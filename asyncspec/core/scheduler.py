@@ -223,13 +223,14 @@ class Scheduler:
             computed = request.num_computed_tokens
             placeholders = request.num_output_placeholders
             num_tokens = len(request.all_token_ids) + placeholders
-            # The steps in flight, if every draft is accepted, may end it (max_tokens, max_model_len), and a step
-            # past its end has no place to go: plan it once that is known.
+            # The steps in flight, if every draft is accepted, may end it: past max_model_len a step has no place
+            # to go, so plan it once that is known; past max_tokens only if they end it for sure (_ended_in_flight).
             if placeholders and (
                 num_tokens >= max_model_len
                 or (
                     (max_tokens := request.sampling_params.max_tokens) is not None
                     and len(request.output_token_ids) + placeholders >= max_tokens
+                    and self._ended_in_flight(request)
                 )
             ):
                 index += 1
@@ -303,6 +304,7 @@ class Scheduler:
             request.num_computed_tokens = computed + num_new * num_steps
             if computed + num_new >= num_tokens:
                 request.num_output_placeholders = placeholders + num_steps * (1 + num_drafts)
+                request.num_inflight_steps += num_steps
                 if num_drafts:
                     draft_positions[request_id] = num_drafts
             token_budget -= num_new
@@ -362,6 +364,7 @@ class Scheduler:
                 request.num_computed_tokens += num_new  # optimistic, as above
                 if request.num_computed_tokens >= request.num_tokens:
                     request.num_output_placeholders = 1
+                    request.num_inflight_steps = 1
                 else:
                     prompts_pending = True
                 token_budget -= num_new
@@ -413,7 +416,8 @@ class Scheduler:
         cut to the nearest end would leave one step a plan for the whole tail of a batch), and only a run
         longer than every request's remaining tokens is cut. At k = 0 with a draft model, at most
         max_draft_lag + 1 steps (its lag bound). A request that the steps in flight already end is not planned:
-        it sets no bound.
+        it sets no bound. One they end only if they accept every draft is planned (`_ended_in_flight`), with the
+        tokens they leave it if they reject every draft.
 
         At k > 0 (multi_step_speculation) every step verifies k drafts a request, also past its max_tokens (where
         a single step verifies fewer, `_num_drafts_for`): each planned request needs room for every step's 1 + k
@@ -434,7 +438,10 @@ class Scheduler:
             if max_tokens is not None:
                 left = min(left, max_tokens - len(request.output_token_ids) - placeholders)
             if placeholders and left <= 0:
-                continue  # ended by the steps in flight (Scheduler.schedule skips it)
+                if num_tokens >= max_model_len or self._ended_in_flight(request):
+                    continue  # ended by the steps in flight (Scheduler.schedule skips it)
+                # Planned although the steps in flight may end it: at most a token a step of them.
+                left = (max_tokens or 0) - len(request.output_token_ids) - request.num_inflight_steps
             if num_tokens - request.num_computed_tokens != 1:
                 return 1
             if k:
@@ -490,15 +497,29 @@ class Scheduler:
 
     @staticmethod
     def _num_drafts_for(request: Request, computed: int, k: int, max_model_len: int) -> int:
-        """Draft positions to verify: k, but none whose token could not be kept (past
-        max_model_len or max_tokens). With d drafts the run's last token lands at position
-        computed + d + 1, which must stay below max_model_len."""
+        """Draft positions to verify: k, but none whose token could not be kept (past max_model_len, or past
+        max_tokens even if the steps in flight reject every draft). With d drafts the run's last token lands at
+        position computed + d + 1, which must stay below max_model_len. A seeded stream counts the steps in
+        flight as if they accept every draft: its drafts near its end must be those of its exact count (the
+        caller plans it once that is known, when they could differ)."""
         num_drafts = min(k, max_model_len - computed - 2)
-        max_tokens = request.sampling_params.max_tokens
+        params = request.sampling_params
+        max_tokens = params.max_tokens
         if max_tokens is not None:
-            num_output = len(request.output_token_ids) + request.num_output_placeholders
-            num_drafts = min(num_drafts, max_tokens - num_output - 1)
+            in_flight = request.num_output_placeholders if params.seed is not None else request.num_inflight_steps
+            num_drafts = min(num_drafts, max_tokens - len(request.output_token_ids) - in_flight - 1)
         return max(num_drafts, 0)
+
+    def _ended_in_flight(self, request: Request) -> bool:
+        """For a request that the steps in flight end at its max_tokens if they accept every draft: whether the
+        plan leaves it out. It does if they end it even when they reject every draft (a token a step), or if it
+        is a seeded stream (`_num_drafts_for`). Otherwise it is planned, as in vLLM's asynchronous scheduler: if
+        the steps in flight do end it, its results in the new step are void (as after an EOS); if they do not,
+        it does not sit out a plan while the device runs the others (the tail of a speculating batch)."""
+        params = request.sampling_params
+        if params.seed is not None or params.max_tokens is None:
+            return True
+        return len(request.output_token_ids) + request.num_inflight_steps >= params.max_tokens
 
     @staticmethod
     def _lookahead_for(end: int, num_tokens: int, k: int, max_model_len: int) -> int:
@@ -521,6 +542,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # a step in flight for it is void (update_from_output)
+        request.num_inflight_steps = 0
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.prepend(request)
@@ -605,6 +627,7 @@ class Scheduler:
             if not preempted:  # preemption reset both counts
                 planned = num_steps * (1 + num_drafts_planned)  # tokens the plan counted on
                 request.num_output_placeholders -= planned
+                request.num_inflight_steps -= num_steps
                 if planned != num_sampled:
                     request.num_computed_tokens -= planned - num_sampled
             params = request.sampling_params

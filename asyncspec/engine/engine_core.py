@@ -375,8 +375,8 @@ class EngineCore:
                     f"{request_id}: the host reconciled {request.num_computed_tokens - ahead} computed tokens, "
                     f"the device holds {count}"
                 )
-            if not self._inflight and request.num_output_placeholders:
-                raise AssertionError(f"{request_id}: placeholders left with no step in flight")
+            if not self._inflight and (request.num_output_placeholders or request.num_inflight_steps):
+                raise AssertionError(f"{request_id}: placeholders or steps in flight left with no step in flight")
             if any(not 0 <= t < vocab for t in request.all_token_ids):
                 raise AssertionError(f"{request_id}: token ids outside [0, {vocab}) in the request")
 

@@ -148,7 +148,8 @@ class ScriptedProposer:
         drafts = torch.zeros((rows.shape[0], self.k), dtype=torch.int64)
         for i, (row, n) in enumerate(zip(rows.tolist(), num_tokens.tolist(), strict=True)):
             known = token_ids[row, :n].tolist()
-            full = next(r for r in self.references if r[:n] == known)
+            # A request may run past its reference (the tokens after its max_tokens, dropped on the host).
+            full = next(r for r in self.references if r[: min(n, len(r))] == known[: len(r)])
             for j in range(self.k):
                 right = full[n + j] if n + j < len(full) else 0
                 wrong = (right + 1) % self.vocab
