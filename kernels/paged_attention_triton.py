@@ -77,6 +77,11 @@ _MAX_SPLITS = 32  # more splits add scratch traffic and combine work for little 
 _MIN_KEYS_PER_SPLIT = 256  # a split should walk a few BLOCK_N tiles, or launching it costs more than it saves
 _WAVES = 2  # aim for ~2 programs per SM so a short program's SM does not idle
 _DEFAULT_SMS = 132  # an H100 SXM; used where no CUDA device is asked (the interpreter on CPU)
+# From this many requests a short tile walks 128 keys a step (`_tile_sizes`). On an H200, 128 decodes or k = 4
+# verifications of the 1B and bundled shapes took 0.83-0.93x the time of 64-key steps at 450-1,000 keys of context
+# and 1.00-1.04x at 315; at 64-96 requests 0.99-1.00x at 1,000 and up to 1.08x at 315; at 32 requests 0.88-1.06x
+# at 600, and one request 1.18x at 315 (H100). benchmarks/attention_tiles.py, twelfth and thirteenth sessions.
+_LONG_KEY_STEP_MIN_REQS = 64
 
 
 @triton.jit
@@ -499,13 +504,17 @@ class TileConfig(NamedTuple):
 
 
 def _tile_sizes(num_tokens: int, num_reqs: int, group: int, head_dim: int, elem_size: int) -> TileConfig:
-    """The tile from shapes only: tall tiles for prefill-heavy batches, short for decodes."""
+    """The tile from shapes only: tall tiles for prefill-heavy batches, short for decodes. A large batch of
+    decodes (or verifications) with heads of at most 64 walks 128 keys a step: each program's walk is latency-
+    bound, and twice the keys per load halve its steps (`_LONG_KEY_STEP_MIN_REQS`)."""
     avg_q = num_tokens / max(num_reqs, 1)
     rows = 128 if avg_q >= 64 else 64 if avg_q >= 16 else 16
     if elem_size * head_dim >= 512:
         rows = min(rows, 64)  # fp32 x 128 or bf16 x 256: a 128-row tile would not fit shared memory
     rows = max(rows, triton.next_power_of_2(group))
     block_n = 64 if head_dim <= 128 else 32
+    if rows == 16 and head_dim <= 64 and num_reqs >= _LONG_KEY_STEP_MIN_REQS:
+        block_n = 128
     num_warps = 8 if rows >= 128 else 4
     return TileConfig(rows, block_n, num_warps, 2)
 
@@ -710,15 +719,16 @@ def compile_tile_variants(
     head_dim, group = k_cache.shape[3], num_heads // k_cache.shape[2]
     elem_size = torch.empty((), dtype=dtype).element_size()
     calls, tiles = 0, set()
-    for q_len in (1, 16, 64):  # average query lengths of the short, medium and tall tiles
-        tile = _tile_sizes(q_len, 1, group, head_dim, elem_size)
+    # Average query lengths of the short, medium and tall tiles; the short one also for a large batch.
+    for q_len, num_reqs in ((1, 1), (1, _LONG_KEY_STEP_MIN_REQS), (16, 1), (64, 1)):
+        tile = _tile_sizes(q_len * num_reqs, num_reqs, group, head_dim, elem_size)
         if tile in tiles:
             continue
         tiles.add(tile)
-        query = torch.zeros((q_len, num_heads, head_dim), dtype=dtype, device=device)
-        query_start_loc = torch.tensor([0, q_len], dtype=torch.int32, device=device)
-        seq_lens = torch.tensor([q_len], dtype=torch.int32, device=device)
-        block_tables = torch.zeros((1, -(-q_len // block_size)), dtype=torch.int32, device=device)
+        query = torch.zeros((q_len * num_reqs, num_heads, head_dim), dtype=dtype, device=device)
+        query_start_loc = torch.arange(num_reqs + 1, dtype=torch.int32, device=device) * q_len
+        seq_lens = torch.full((num_reqs,), q_len, dtype=torch.int32, device=device)
+        block_tables = torch.zeros((num_reqs, -(-q_len // block_size)), dtype=torch.int32, device=device)
         for num_splits in (1, 2):
             paged_attention(
                 query,

@@ -106,6 +106,19 @@ def test_choose_num_splits_keeps_single_pass() -> None:
     assert choose_num_splits(4, 0, 8, 16, 8192, 132) == 1
 
 
+def test_large_decode_batches_take_long_key_steps() -> None:
+    """From 64 requests a short tile (decodes, verifications) of heads at most 64 wide walks 128 keys a step;
+    fewer requests, wider heads and taller tiles keep 64."""
+    from asyncspec.kernels.paged_attention_triton import _tile_sizes
+
+    assert _tile_sizes(64, 64, 3, 64, 2) == (16, 128, 4, 2)
+    assert _tile_sizes(128 * 5, 128, 4, 64, 2).block_n == 128  # k = 4 verifications
+    assert _tile_sizes(63, 63, 3, 64, 2).block_n == 64
+    assert _tile_sizes(64, 64, 4, 128, 2).block_n == 64
+    assert _tile_sizes(64 * 20, 64, 4, 64, 2) == (64, 64, 4, 2)  # medium tile
+    assert _tile_sizes(64, 64, 32, 64, 4).block_m == 32  # a group of 32 rows: not the short tile
+
+
 @pytest.mark.parametrize("num_splits", [0, 33])
 def test_forced_num_splits_outside_the_combines_range_is_refused(num_splits: int) -> None:
     from asyncspec.kernels.paged_attention_triton import paged_attention
@@ -302,6 +315,10 @@ def _gpu_batch(gen: torch.Generator, num_reqs: int, q_len: int, max_seq: int, nu
         (3, 1, (6, 2), 64, torch.bfloat16, 1000),
         (2, 5, (8, 8), 80, torch.float32, None),
         (5, 1, (12, 4), 96, torch.bfloat16, None),
+        # From 64 requests a short tile walks 128 keys a step (heads of at most 64): decodes and verifications.
+        (70, 1, (6, 2), 64, torch.bfloat16, None),
+        (66, 5, (32, 8), 64, torch.bfloat16, 300),
+        (64, 3, (8, 8), 32, torch.float32, None),
     ],
 )
 def test_gpu_split_matches_reference(num_reqs, q_len, heads, d, dtype, window, num_splits) -> None:
