@@ -56,6 +56,18 @@ def make_inputs(
     )
 
 
+def cases(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
+    """(shape, batch, context, queries per request) of every case the comma lists `shapes`, `query_lens`,
+    `batches` and `contexts` name (shared with attention_tiles.py)."""
+    return [
+        (shape, batch, context, q)
+        for shape in args.shapes.split(",")
+        for q in [int(x) for x in args.query_lens.split(",")]
+        for batch in [int(x) for x in args.batches.split(",")]
+        for context in [int(x) for x in args.contexts.split(",")]
+    ]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,8,32,64,128")
@@ -71,14 +83,7 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}, {sms} SMs; us per call (auto = choose_num_splits)")
     split_list = [int(x) for x in args.splits.split(",")]
     print(f"{'shape':9} {'batch':>5} {'ctx':>5} {'auto':>4} " + " ".join(f"{'s=' + str(s):>7}" for s in split_list))
-    cases = [
-        (shape, batch, context, q)
-        for shape in args.shapes.split(",")
-        for q in [int(x) for x in args.query_lens.split(",")]
-        for batch in [int(x) for x in args.batches.split(",")]
-        for context in [int(x) for x in args.contexts.split(",")]
-    ]
-    for shape, batch, context, query_len in cases:
+    for shape, batch, context, query_len in cases(args):
         heads, kv_heads, head_dim = SHAPES[shape]
         inputs = make_inputs(batch, context, heads, kv_heads, head_dim, gen, query_len)
         out = torch.empty_like(inputs["query"])

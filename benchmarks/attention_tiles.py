@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from attention_splits import SHAPES, make_inputs  # noqa: E402
+from attention_splits import SHAPES, cases, make_inputs  # noqa: E402
 from skinny_linear import graph_us  # noqa: E402
 
 import asyncspec.kernels.paged_attention_triton as attn  # noqa: E402
@@ -57,14 +57,7 @@ def main() -> int:
     rows = []
     print(f"{torch.cuda.get_device_name()}; us per call; shipped = _tile_sizes as committed")
     splits = [None if x == "auto" else int(x) for x in args.splits.split(",")]
-    cases = [
-        (shape, batch, context, q)
-        for shape in args.shapes.split(",")
-        for q in [int(x) for x in args.query_lens.split(",")]
-        for batch in [int(x) for x in args.batches.split(",")]
-        for context in [int(x) for x in args.contexts.split(",")]
-    ]
-    for shape, batch, context, query_len in cases:
+    for shape, batch, context, query_len in cases(args):
         heads, kv_heads, head_dim = SHAPES[shape]
         inputs = make_inputs(batch, context, heads, kv_heads, head_dim, gen, query_len)
         out = torch.empty_like(inputs["query"])
