@@ -154,9 +154,31 @@ def test_host_time_is_learned_per_k():
         policy.observe_step(8, 0, 1e-3 + 2e-4)
         policy.observe_step(8, 4, 1e-3 + 4e-3)  # four proposal passes: 4 ms more on the host
     assert policy.host_seconds(4) == pytest.approx(4e-3)
-    assert policy.host_seconds(2) == pytest.approx(2e-4)  # unseen: the largest seen below it
-    # k=4: 1.94 tokens / 5 ms; k=0: 1 token / 1.2 ms; k=2 (assumed 0.2 ms host): 1.75 / 1.2 ms.
+    assert policy.host_seconds(2) == pytest.approx(4e-3)  # unseen: the nearest speculating k seen
+    # k=4: 1.94 tokens / 5 ms; k=0: 1 token / 1.2 ms; k=2 (assumed 4 ms host): 1.75 / 5 ms.
+    assert policy.choose(8) == 0
+    for _ in range(20):
+        policy.observe_step(8, 2, 1e-3 + 2e-4)  # its own steps (a probe): 0.2 ms on the host
+    assert policy.host_seconds(2) == pytest.approx(2e-4)
+    assert policy.host_seconds(1) == pytest.approx(2e-4)  # unseen: the nearest speculating k below it
+    # k=2: 1.75 tokens / 1.2 ms, against k=0's 1 / 1.2 ms.
     assert policy.choose(8) == 2
+
+
+def test_an_unseen_k_is_not_priced_at_a_plain_steps_host_time():
+    """A plain step's host time (shared by a multi-step plan: about 0) says nothing of a speculating step's,
+    which is there at every k > 0: before its own steps, k = 1 and 2 are priced at what k = 4's cost, so
+    the policy does not switch to them on a host time of 0 (at 128 streams on an H200 it switched to k = 2,
+    then k = 1, each time for one plan until their own steps showed 650 and 587 us)."""
+    policy = SpeculationPolicy(4, step_cost=memory_bound, probe_interval=0)
+    _feed(policy, 0.6, 300)
+    for _ in range(20):
+        policy.observe_step(8, 0, 1e-3, num_proposals=0)  # no host time beyond the device's
+        policy.observe_step(8, 4, 1e-3 + 5e-4)
+    assert policy.host_seconds(1) == policy.host_seconds(2) == pytest.approx(5e-4)
+    assert policy.host_seconds(0) == 0.0
+    # At the same host time the most tokens per step win (the same device time at every k): k = 4.
+    assert policy.choose(8) == 4
 
 
 def test_speculation_backs_off_under_load_and_returns():
