@@ -77,7 +77,7 @@ class SchedulerStats:
     num_drafts: int = 0
     """Verification steps of a request that had at least one draft token."""
     num_draft_tokens: int = 0
-    """Draft tokens proposed and verified."""
+    """Draft tokens proposed and verified (a single step's: those at positions its max_tokens could keep)."""
     num_accepted_tokens: int = 0
     """Draft tokens accepted and kept (none past a stop condition)."""
     accepted_per_position: list[int] = field(default_factory=list)
@@ -592,10 +592,10 @@ class Scheduler:
         for new_req in scheduler_output.scheduled_new_reqs:
             starts[new_req.request_id] = new_req.num_computed_tokens
         draft_positions = scheduler_output.num_draft_positions
-        # Tokens emitted by each decode that verified the step's k, and per request with drafts (drafts verified,
-        # kept in its output, accepted by verification): the statistics and the policy take them once per step.
+        # Tokens emitted by each decode that verified the step's k, and per request with drafts (drafts counted, kept
+        # in its output, verified, accepted by verification): the statistics and the policy take them once per step.
         emitted: list[int] = []
-        draft_runs: list[tuple[int, int, int]] = []
+        draft_runs: list[tuple[int, int, int, int]] = []
         for i, (request_id, sampled) in enumerate(
             zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
         ):
@@ -698,10 +698,15 @@ class Scheduler:
                         num_accepted += kept
                         n_drafts += valid
                         if valid:
-                            draft_runs.append((valid, kept, length - 1))
-                elif n_drafts := num_drafts[i]:
+                            draft_runs.append((valid, kept, valid, length - 1))
+                elif verified := num_drafts[i]:
                     num_accepted = min(num_new, num_sampled - 1)  # drafts among the kept tokens
-                    draft_runs.append((n_drafts, num_accepted, num_sampled - 1))
+                    # Counted: the drafts at positions max_tokens could keep (the asynchronous loop plans them
+                    # for the count that rejects every draft in flight: more than the exact count keeps).
+                    n_drafts = verified if max_tokens is None else min(verified, max_tokens - len(output_ids) + num_new)
+                    draft_runs.append((n_drafts, num_accepted, verified, num_sampled - 1))
+                else:
+                    n_drafts = 0
                 output.num_draft_tokens = n_drafts
                 output.num_accepted_tokens = num_accepted
             if logprobs is not None and (token_logprobs := logprobs[i]):
@@ -721,20 +726,20 @@ class Scheduler:
             self.spec_policy.observe_emitted_runs(spec_k, emitted)
         if draft_runs:
             self._count_drafts(draft_runs)
-            self.spec_policy.observe_runs([(n, accepted) for n, _, accepted in draft_runs])
+            self.spec_policy.observe_runs([(verified, accepted) for _, _, verified, accepted in draft_runs])
         return outputs
 
     def planned_requests(self, step_id: int) -> dict[str, Request]:
         """The Request objects a step not yet reconciled planned (by id)."""
         return self._plans.get(step_id, {})
 
-    def _count_drafts(self, runs: list[tuple[int, int, int]]) -> None:
-        """Counts a step's verifications: per request (drafts verified, drafts kept, _)."""
+    def _count_drafts(self, runs: list[tuple[int, int, int, int]]) -> None:
+        """Counts a step's verifications: per request (drafts counted, drafts kept, _, _)."""
         stats = self.stats
         stats.num_drafts += len(runs)
         kept_counts: dict[int, int] = {}
         most = 0
-        for num_drafts, num_kept, _ in runs:
+        for num_drafts, num_kept, _, _ in runs:
             stats.num_draft_tokens += num_drafts
             stats.num_accepted_tokens += num_kept
             kept_counts[num_kept] = kept_counts.get(num_kept, 0) + 1
