@@ -55,6 +55,11 @@ class Request:
     num_inflight_steps: int = 0
     """Steps in flight that sample tokens for it, each at least one (the pessimistic view beside the
     placeholders' optimistic one: every draft rejected)."""
+    spec_accepted: float = 0.0
+    """Drafts its verifications accepted, decayed per verification (the speculation policy's own estimate of
+    this request's acceptance, `SpeculationPolicy.request_acceptance`)."""
+    spec_rejected: float = 0.0
+    """Its verifications that rejected a draft, decayed alike."""
     queued_seconds: float | None = None
     """From arrival to first scheduling (set once, at admission)."""
     num_preemptions: int = 0

@@ -54,13 +54,14 @@ def plan_kind(record: tuple[int, int, int, int, int, int], streams: int) -> str:
     return f"k{k}->{proposed} x{steps} {size}"
 
 
-def policy_estimates(policy: Any, num_decodes: int) -> dict[str, list[float]] | None:
-    """Per k: [tokens a run, host µs a step, device µs a step], as the policy prices k for this batch."""
+def policy_estimates(policy: Any, num_decodes: int, batch: Any = None) -> dict[str, list[float]] | None:
+    """Per k: [tokens a run, host µs a step, device µs a step], as the policy prices k for this batch (`batch`:
+    its requests' own acceptance, `SpeculationPolicy.batch_tokens`)."""
     if policy.step_cost is None:
         return None
     return {
         str(k): [
-            round(policy.tokens_per_run(k), 3),
+            round(policy.tokens_per_run(k, None, batch), 3),
             round(policy.host_seconds(k) * 1e6, 1),
             round(policy.step_cost(num_decodes, k) * 1e6, 1),
         ]
@@ -79,9 +80,10 @@ def trace(
     choose = policy.choose
     choices: list[dict[str, Any]] = []
 
-    def choosing(num_decodes: int) -> int:
-        estimates = policy_estimates(policy, num_decodes)
-        k = choose(num_decodes)
+    def choosing(num_decodes: int, accepted: Any = None, rejected: Any = None) -> int:
+        batch = policy.batch_tokens(accepted, rejected) if accepted is not None else None
+        estimates = policy_estimates(policy, num_decodes, batch)
+        k = choose(num_decodes, accepted, rejected)
         choices.append({"decodes": num_decodes, "k": k, "probe": policy._probe is not None, "estimates": estimates})
         return k
 

@@ -15,7 +15,7 @@ from asyncspec.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from asyncspec.core.spec_policy import SpeculationPolicy
+from asyncspec.core.spec_policy import SpeculationPolicy, expected_tokens
 from asyncspec.request import Request, RequestStatus
 
 
@@ -487,7 +487,10 @@ class Scheduler:
         if prompts_pending and self.config.adaptive_speculation and self.spec_policy.step_cost is not None:
             k = 0
         else:
-            k = self.spec_policy.choose(len(self.running))
+            running = self.running
+            k = self.spec_policy.choose(
+                len(running), [r.spec_accepted for r in running], [r.spec_rejected for r in running]
+            )
         if k < max_k and any(
             r.sampling_params.seed is not None and not r.sampling_params.is_greedy for r in self.running
         ):
@@ -596,6 +599,13 @@ class Scheduler:
         # in its output, verified, accepted by verification): the statistics and the policy take them once per step.
         emitted: list[int] = []
         draft_runs: list[tuple[int, int, int, int]] = []
+        # What each emitted run's request was expected to emit (its own acceptance before this step), and how
+        # its counts decay: `SpeculationPolicy.request_acceptance`, inlined (every decode, every step).
+        policy = self.spec_policy
+        prior = policy.request_prior
+        pooled_prior = prior * policy.acceptance_rate
+        request_decay = policy.request_decay
+        predicted: list[float] = []
         for i, (request_id, sampled) in enumerate(
             zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
         ):
@@ -665,10 +675,16 @@ class Scheduler:
                         break
             num_generated += num_new
             if spec_k and start >= num_prompt and num_sched == spec_k + 1:
+                spec_accepted = request.spec_accepted
+                alpha = min((spec_accepted + pooled_prior) / (spec_accepted + request.spec_rejected + prior), 0.999)
+                expected = expected_tokens(alpha, spec_k)
                 if step_runs is None:
                     emitted.append(num_sampled)
+                    predicted.append(expected)
                 else:  # the steps that began before the request's end
-                    emitted.extend(length for _, length in step_runs[i][: _steps_begun(step_runs[i], num_new)])
+                    begun = step_runs[i][: _steps_begun(step_runs[i], num_new)]
+                    emitted.extend(length for _, length in begun)
+                    predicted.extend([expected] * len(begun))
             # Every kept token but the newest has its KV in the cache. Only verified tokens reach
             # the prefix cache, and with stop strings only those that precede this step's run: the
             # output processor may still cut the run at a stop string (the next step registers the
@@ -699,12 +715,16 @@ class Scheduler:
                         n_drafts += valid
                         if valid:
                             draft_runs.append((valid, kept, valid, length - 1))
+                            request.spec_accepted = request_decay * request.spec_accepted + length - 1
+                            request.spec_rejected = request_decay * request.spec_rejected + (length - 1 < valid)
                 elif verified := num_drafts[i]:
                     num_accepted = min(num_new, num_sampled - 1)  # drafts among the kept tokens
                     # Counted: the drafts at positions max_tokens could keep (the asynchronous loop plans them
                     # for the count that rejects every draft in flight: more than the exact count keeps).
                     n_drafts = verified if max_tokens is None else min(verified, max_tokens - len(output_ids) + num_new)
                     draft_runs.append((n_drafts, num_accepted, verified, num_sampled - 1))
+                    request.spec_accepted = request_decay * request.spec_accepted + num_sampled - 1
+                    request.spec_rejected = request_decay * request.spec_rejected + (num_sampled - 1 < verified)
                 else:
                     n_drafts = 0
                 output.num_draft_tokens = n_drafts
@@ -723,10 +743,10 @@ class Scheduler:
         stats.num_prompt_tokens_computed += num_prompt_computed
         stats.num_generation_tokens += num_generated
         if emitted:
-            self.spec_policy.observe_emitted_runs(spec_k, emitted)
+            policy.observe_emitted_runs(spec_k, emitted, predicted)
         if draft_runs:
             self._count_drafts(draft_runs)
-            self.spec_policy.observe_runs([(verified, accepted) for _, _, verified, accepted in draft_runs])
+            policy.observe_runs([(verified, accepted) for _, _, verified, accepted in draft_runs])
         return outputs
 
     def planned_requests(self, step_id: int) -> dict[str, Request]:

@@ -29,14 +29,23 @@ for an estimated gain of `switch_margin`, and a probe that finds its k far behin
 
 Tokens per verified run are what runs at that k really emitted, once enough were seen: requests differ
 (a repetitive file accepts everything, prose little), and the geometric model of one pooled acceptance
-rate overestimates a mixed batch.
+rate overestimates a mixed batch. The batch being planned is not the batch those runs came from, though:
+the requests that accept most finish first, so a batch's tail is the requests that accept least, and there
+the pooled history promised 3.7 tokens a k = 4 run where the remaining requests gave about 2 (the bundled
+pair at 128 streams). So each request keeps its own acceptance estimate (`request_acceptance`, shrunk to
+the pooled rate while it has few runs), the scheduler hands the planned batch's estimates to `choose`,
+and a k's tokens per run are the batch's geometric model (`batch_tokens`) scaled by how far that model
+was off for the runs seen at k (what they emitted over what it predicted for them, which also absorbs
+proposers that find no draft).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 StepCost = Callable[[int, int], float]
 """step_cost(num_decodes, k) -> seconds of device time of one step verifying k drafts per decode."""
@@ -73,6 +82,12 @@ class SpeculationPolicy:
     probe_threshold: float = 0.75
     """A probe that finds its k below this fraction of the best's rate sets that k's interval to the
     longest (16 probe intervals) at once, instead of doubling it."""
+    request_prior: float = 4.0
+    """Verifications' worth of the pooled acceptance rate in each request's own estimate: a request's first
+    runs say little of it, and the pooled rate is the best guess before them."""
+    request_decay: float = 0.95
+    """Weight of the past in a request's own acceptance counts (per verification): a file's later lines
+    may accept more or less than its first."""
     choices: list[int] = field(default_factory=list)
     """Candidate k values; speculation_choices(max_k) by default."""
     step_cost: StepCost | None = None
@@ -90,6 +105,8 @@ class SpeculationPolicy:
     # Decayed sums of tokens emitted by, and number of, runs that verified exactly k drafts.
     _emitted: dict[int, float] = field(default_factory=dict)
     _runs: dict[int, float] = field(default_factory=dict)
+    # Decayed sums of the tokens the model predicted for those runs (from each request's own estimate).
+    _predicted: dict[int, float] = field(default_factory=dict)
     _num_choices: int = 0
     _last_chosen: dict[int, int] = field(default_factory=dict)
     _current: int | None = None  # the last k chosen for itself (not as a probe)
@@ -103,11 +120,47 @@ class SpeculationPolicy:
         """Estimated probability that a draft is accepted given that the ones before it were."""
         return self._accepted / (self._accepted + self._rejected)
 
-    def choose(self, num_decodes: int) -> int:
+    def request_acceptance(self, accepted: float, rejected: float) -> float:
+        """One request's acceptance rate from its own (decayed) counts of accepted drafts and of verifications
+        that rejected one, shrunk to the pooled rate by `request_prior` verifications' worth of it."""
+        prior = self.request_prior
+        return min((accepted + prior * self.acceptance_rate) / (accepted + rejected + prior), 0.999)
+
+    def batch_tokens(self, accepted: Sequence[float], rejected: Sequence[float]) -> dict[int, float]:
+        """Per k of `choices`, the geometric model of a run at k for a batch: the mean over its requests of
+        1 + a + ... + a^k, a each request's `request_acceptance` (from its counts, in the same order)."""
+        n = len(accepted)
+        if n == 0 or self.max_k == 0:
+            return {}
+        prior = self.request_prior
+        pooled = prior * self.acceptance_rate
+        sums = [0.0] * self.max_k  # sums[j]: the batch's sum of a^(j + 1)
+        if n <= 16:
+            for acc, rej in zip(accepted, rejected, strict=True):
+                a = min((acc + pooled) / (acc + rej + prior), 0.999)
+                p = 1.0
+                for j in range(self.max_k):
+                    p *= a
+                    sums[j] += p
+        else:  # one vectorised pass: this runs once a plan, and a full batch is 100+ requests
+            acc_arr = np.asarray(accepted, dtype=np.float64)
+            a_arr = np.minimum((acc_arr + pooled) / (acc_arr + np.asarray(rejected, dtype=np.float64) + prior), 0.999)
+            p_arr = np.ones_like(a_arr)
+            for j in range(self.max_k):
+                p_arr *= a_arr
+                sums[j] = float(p_arr.sum())
+        return {k: 1.0 + sum(sums[:k]) / n for k in self.choices}
+
+    def choose(
+        self, num_decodes: int, accepted: Sequence[float] | None = None, rejected: Sequence[float] | None = None
+    ) -> int:
+        """The k of the next step for `num_decodes` decodes; `accepted` and `rejected` are their requests' own
+        acceptance counts (`batch_tokens`), or None to price every k on the pooled history alone."""
         if not self.adaptive or self.step_cost is None or self.max_k == 0 or num_decodes == 0:
             return self.max_k
         self._num_choices += 1
-        rates = self._rates(num_decodes, self.step_cost)
+        batch = self.batch_tokens(accepted, rejected) if accepted is not None and rejected is not None else None
+        rates = self._rates(num_decodes, self.step_cost, batch)
         k = _fastest(rates)
         current = self._current
         if current in rates and rates[k] < rates[current] * (1.0 + self.switch_margin):
@@ -143,14 +196,14 @@ class SpeculationPolicy:
         """The k of the highest expected tokens per second under the current estimates."""
         return _fastest(self._rates(num_decodes, step_cost))
 
-    def _rates(self, num_decodes: int, step_cost: StepCost) -> dict[int, float]:
-        """Expected tokens per second of each k under the current estimates."""
+    def _rates(self, num_decodes: int, step_cost: StepCost, batch: dict[int, float] | None = None) -> dict[int, float]:
+        """Expected tokens per second of each k under the current estimates (for this batch: `batch_tokens`)."""
         alpha = min(self.acceptance_rate, 0.999)
         rates = {}
         for k in self.choices:
-            expected_tokens = num_decodes * self.tokens_per_run(k, alpha)
+            tokens = num_decodes * self.tokens_per_run(k, alpha, batch)
             seconds = step_cost(num_decodes, k) + self.host_seconds(k)
-            rates[k] = expected_tokens / max(seconds, 1e-9)
+            rates[k] = tokens / max(seconds, 1e-9)
         return rates
 
     def observe_run(self, num_drafts: int, num_accepted: int) -> None:
@@ -166,33 +219,44 @@ class SpeculationPolicy:
                 rejected = decay * rejected + (1.0 if num_accepted < num_drafts else 0.0)
         self._accepted, self._rejected = accepted, rejected
 
-    def observe_emitted_runs(self, k: int, num_tokens: list[int]) -> None:
-        """`observe_emitted(k, n)` for each n of a step, in order (one call per step)."""
+    def observe_emitted_runs(self, k: int, num_tokens: list[int], predicted: list[float] | None = None) -> None:
+        """`observe_emitted(k, n)` for each n of a step, in order (one call per step). `predicted`: what the
+        geometric model of each run's request promised for it (`expected_tokens`); None: the pooled rate's."""
         if k in self.choices and k > 0 and num_tokens:
+            if predicted is None:
+                predicted = [expected_tokens(min(self.acceptance_rate, 0.999), k)] * len(num_tokens)
             d = self.emitted_decay
-            emitted, runs = self._emitted.get(k, 0.0), self._runs.get(k, 0.0)
-            for n in num_tokens:
+            emitted, runs, model = self._emitted.get(k, 0.0), self._runs.get(k, 0.0), self._predicted.get(k, 0.0)
+            for n, m in zip(num_tokens, predicted, strict=True):
                 emitted = d * emitted + n
                 runs = d * runs + 1.0
-            self._emitted[k], self._runs[k] = emitted, runs
+                model = d * model + m
+            self._emitted[k], self._runs[k], self._predicted[k] = emitted, runs, model
 
     def observe_emitted(self, k: int, num_tokens: int) -> None:
         """A decode that verified k planned draft positions emitted num_tokens (1 when its proposer
         found no draft: such runs count here, and tell the policy that speculating did not pay)."""
         self.observe_emitted_runs(k, [num_tokens])
 
-    def tokens_per_run(self, k: int, alpha: float | None = None) -> float:
+    def tokens_per_run(self, k: int, alpha: float | None = None, batch: dict[int, float] | None = None) -> float:
         """Expected tokens a decode emits when verifying k drafts: the mean of recent runs at k once
         there are enough of them, else 1 + a + ... + a^k for the pooled acceptance rate a (at most
-        what runs at a larger k emitted)."""
+        what runs at a larger k emitted). For a `batch` (`batch_tokens`): its model at k, scaled by what
+        recent runs at k emitted over what the model predicted for them once there are enough, else its model
+        alone (at most what a larger k would emit)."""
         if k == 0:
             return 1.0
         if self._runs.get(k, 0.0) >= 8.0:
+            if batch is not None and k in batch and self._predicted.get(k, 0.0) > 0.0:
+                return batch[k] * self._emitted[k] / self._predicted[k]
             return self._emitted[k] / self._runs[k]
-        a = min(self.acceptance_rate if alpha is None else alpha, 0.999)
+        if batch is not None and k in batch:
+            model = batch[k]
+        else:
+            model = expected_tokens(min(self.acceptance_rate if alpha is None else alpha, 0.999), k)
         # Fewer drafts never emit more than more drafts did: runs seen at a larger k cap the model.
-        seen_above = [self._emitted[j] / self._runs[j] for j in self._runs if j > k and self._runs[j] >= 8.0]
-        return min([(1 - a ** (k + 1)) / (1 - a), *seen_above])
+        seen_above = [self.tokens_per_run(j, alpha, batch) for j in self._runs if j > k and self._runs[j] >= 8.0]
+        return min([model, *seen_above])
 
     def host_seconds(self, k: int) -> float:
         """Host time of a steady step at k (verifying k drafts, proposing k): the low quartile of its
@@ -226,6 +290,12 @@ class SpeculationPolicy:
             samples.clear()
         self._last_observed[key] = self._num_observed
         samples.append(host)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """1 + a + ... + a^k: the tokens a run at k emits when each draft is kept with probability a once the ones
+    before it were (the last one sampled by the target)."""
+    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 def _fastest(rates: dict[int, float]) -> int:

@@ -68,7 +68,7 @@ def _scheduler(num_steps: int) -> Scheduler:
         num_lookahead_tokens=K,
         multi_step_speculation=True,
     )
-    s.spec_policy.choose = lambda num_decodes: K  # type: ignore[method-assign]
+    s.spec_policy.choose = lambda num_decodes, *counts: K  # type: ignore[method-assign]
     return s
 
 

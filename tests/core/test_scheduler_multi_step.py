@@ -225,7 +225,7 @@ def test_a_speculating_scheduler_runs_several_steps_only_at_k0(max_draft_lag):
     runner = FakeRunner(s)
     asked = []
 
-    def choose(num_decodes: int) -> int:
+    def choose(num_decodes: int, *counts: object) -> int:
         asked.append(num_decodes)
         return 0
 
@@ -249,7 +249,7 @@ def test_a_plan_before_speculation_resumes_takes_one_step():
     s = _speculating_scheduler()
     runner = FakeRunner(s)
     script = iter([0, 0, 2, 0])
-    s.spec_policy.choose = lambda num_decodes: next(script)  # type: ignore[method-assign]
+    s.spec_policy.choose = lambda num_decodes, *counts: next(script)  # type: ignore[method-assign]
     s.add_request(_greedy("a", 6, max_tokens=40))
     plans = []
     for _ in range(3):
@@ -271,7 +271,7 @@ def test_steady_speculation_runs_several_verification_steps():
     results, all_plans = [], []
     for multi in (False, True):
         s = _speculating_scheduler(multi_step_speculation=multi)
-        s.spec_policy.choose = lambda num_decodes: 4  # type: ignore[method-assign]
+        s.spec_policy.choose = lambda num_decodes, *counts: 4  # type: ignore[method-assign]
         runner = FakeRunner(s, token_fn)
         for r in (
             _greedy("a", 6, max_tokens=13),
@@ -313,7 +313,7 @@ def test_steady_speculation_runs_several_verification_steps():
 
 def test_steady_speculation_keeps_one_step_for_a_stop_string():
     s = _speculating_scheduler(multi_step_speculation=True)
-    s.spec_policy.choose = lambda num_decodes: 4  # type: ignore[method-assign]
+    s.spec_policy.choose = lambda num_decodes, *counts: 4  # type: ignore[method-assign]
     runner = FakeRunner(s)
     s.add_request(_greedy("a", 6, max_tokens=30))
     s.add_request(_greedy("b", 5, max_tokens=30, stop=["x"]))
@@ -340,7 +340,7 @@ def test_a_request_waiting_for_memory_keeps_speculation_on():
         multi_step_speculation=True,
     )
     s.spec_policy.step_cost = lambda num_decodes, k: 1e-3
-    s.spec_policy.choose = lambda num_decodes: 4  # type: ignore[method-assign]
+    s.spec_policy.choose = lambda num_decodes, *counts: 4  # type: ignore[method-assign]
     runner = FakeRunner(s)
     for i in range(4):
         s.add_request(_greedy(f"r{i}", 20, max_tokens=40))

@@ -132,6 +132,89 @@ def test_tokens_per_run_are_what_runs_emitted():
     assert policy.tokens_per_run(0) == 1.0
 
 
+@pytest.mark.parametrize("num_requests", [3, 40])  # the per-request loop and the vectorised pass
+def test_a_batch_is_priced_on_its_own_requests_acceptance(num_requests):
+    """`batch_tokens` is the mean over the batch of 1 + a + ... + a^k, a each request's own rate shrunk to the
+    pooled one by request_prior verifications' worth: checked against that formula written out."""
+    rng = random.Random(num_requests)
+    policy = SpeculationPolicy(4)
+    _feed(policy, 0.7, 200)
+    accepted = [rng.uniform(0, 30) for _ in range(num_requests)]
+    rejected = [rng.uniform(0, 10) for _ in range(num_requests)]
+    pooled, w = policy.acceptance_rate, policy.request_prior
+    batch = policy.batch_tokens(accepted, rejected)
+    for k in policy.choices:
+        own = [(a + w * pooled) / (a + r + w) for a, r in zip(accepted, rejected, strict=True)]
+        assert batch[k] == pytest.approx(sum(sum(x**i for i in range(k + 1)) for x in own) / num_requests)
+    # A request never seen is priced at the pooled rate.
+    assert policy.batch_tokens([0.0], [0.0])[4] == pytest.approx(sum(pooled**i for i in range(5)))
+    assert policy.batch_tokens([], []) == {}
+
+
+def _feed_requests(policy: SpeculationPolicy, alphas: list[float], steps: int, k: int = 4, seed: int = 0):
+    """Steps of a batch at k whose request i accepts each draft with probability alphas[i]: the scheduler's
+    bookkeeping (each request's decayed counts, the prediction from them before the step). Returns the counts."""
+    rng = random.Random(seed)
+    accepted, rejected = [0.0] * len(alphas), [0.0] * len(alphas)
+    d = policy.request_decay
+    for _ in range(steps):
+        runs, emitted, predicted = [], [], []
+        for i, alpha in enumerate(alphas):
+            predicted.append(policy.batch_tokens([accepted[i]], [rejected[i]])[k])
+            n = 0
+            while n < k and rng.random() < alpha:
+                n += 1
+            runs.append((k, n))
+            emitted.append(n + 1)
+            accepted[i] = d * accepted[i] + n
+            rejected[i] = d * rejected[i] + (n < k)
+        policy.observe_runs(runs)
+        policy.observe_emitted_runs(k, emitted, predicted)
+    return accepted, rejected
+
+
+def test_the_tail_of_a_batch_is_priced_on_the_requests_left():
+    """Half the batch accepts nearly every draft, half few: the pooled history promises about 3.3 tokens a k = 4
+    run. The requests that accept most finish first, so the tail is the others: about 1.6 tokens a run, where a
+    small batch's k = 4 step costs three times a plain one. Priced on the pooled history the tail keeps k = 4;
+    priced on the requests left it takes k = 0, and a batch of the best requests keeps k = 4."""
+
+    def tail_cost(num_decodes: int, k: int) -> float:
+        return 0.15e-3 if k == 0 else 0.45e-3
+
+    policy = SpeculationPolicy(4, step_cost=tail_cost, probe_interval=0)
+    alphas = [0.97] * 16 + [0.4] * 16
+    accepted, rejected = _feed_requests(policy, alphas, 40)
+    for k in policy.choices:
+        policy.observe_step(8, k, tail_cost(8, k))
+    assert policy.tokens_per_run(4) == pytest.approx(3.3, abs=0.25)
+    assert policy.choose(8) == 4
+    worst = policy.batch_tokens(accepted[16:24], rejected[16:24])
+    assert policy.tokens_per_run(4, None, worst) == pytest.approx(1 + 0.4 + 0.16 + 0.064 + 0.0256, abs=0.25)
+    assert policy.choose(8, accepted[16:24], rejected[16:24]) == 0
+    assert policy.choose(8, accepted[:8], rejected[:8]) == 4
+
+
+def test_runs_that_the_geometric_model_misjudges_are_calibrated():
+    """Every run accepts exactly two of four drafts (not geometric): each request's own rate is 2/3, whose model
+    promises 2.6 tokens a run at k = 4; the runs emitted 3. A batch of such requests is priced at what they emit,
+    and at k = 2 (never run) at the model, capped by k = 4's."""
+    policy = SpeculationPolicy(4, step_cost=memory_bound)
+    d = policy.request_decay
+    accepted, rejected = [0.0] * 4, [0.0] * 4
+    for _ in range(200):
+        predicted = [policy.batch_tokens([a], [r])[4] for a, r in zip(accepted, rejected, strict=True)]
+        policy.observe_runs([(4, 2)] * 4)
+        policy.observe_emitted_runs(4, [3] * 4, predicted)
+        accepted = [d * a + 2 for a in accepted]
+        rejected = [d * r + 1 for r in rejected]
+    batch = policy.batch_tokens(accepted, rejected)
+    assert batch[4] == pytest.approx(2.6, abs=0.05)
+    assert policy.tokens_per_run(4, None, batch) == pytest.approx(3.0, abs=0.02)
+    assert policy.tokens_per_run(2, None, batch) == pytest.approx(batch[2])
+    assert policy.tokens_per_run(0, None, batch) == 1.0
+
+
 def test_runs_without_drafts_turn_speculation_off():
     """An n-gram proposer that finds nothing in random text: no draft is ever verified, so the
     acceptance estimate keeps its prior, but every run at k emitted one token: k = 0 wins."""

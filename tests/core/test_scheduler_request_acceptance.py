@@ -1,0 +1,128 @@
+"""Each request's own acceptance counts for the speculation policy: the scheduler decays them per verification,
+hands the planned batch's counts to `choose`, and tells the policy what each emitted run's request was expected
+to emit (from its counts before the step)."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncspec.core.scheduler import Scheduler
+from asyncspec.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from asyncspec.core.spec_policy import expected_tokens
+
+from .scheduler_fakes import make_request, make_scheduler
+
+K = 4
+ACCEPTS = {"a": 4, "b": 1, "c": 0}
+"""Drafts each request's verifications accept (at most the drafts verified)."""
+
+
+class ScriptedDevice:
+    """A model-free device (synchronous order) whose verifications accept ACCEPTS[request] drafts. It records
+    every verification run per request, as (drafts verified, drafts accepted)."""
+
+    def __init__(self) -> None:
+        self.num_tokens: dict[str, int] = {}
+        self.runs: dict[str, list[tuple[int, int]]] = {rid: [] for rid in ACCEPTS}
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        new = {r.request_id: r for r in so.scheduled_new_reqs}
+        req_ids = list(so.num_scheduled_tokens)
+        sampled, step_runs = [], []
+        for rid in req_ids:
+            if rid in new:
+                self.num_tokens[rid] = len(new[rid].token_ids)
+                steps = [(0, 1)]
+            else:
+                drafts = so.num_draft_positions.get(rid, 0)
+                kept = min(drafts, ACCEPTS[rid])
+                steps = [(drafts, 1 + kept)] * so.num_steps
+                if drafts:
+                    self.runs[rid] += [(drafts, kept)] * so.num_steps
+            out = []
+            for _, length in steps:
+                out += [7 + self.num_tokens[rid] + i for i in range(length)]
+                self.num_tokens[rid] += length
+            sampled.append(out)
+            step_runs.append(steps)
+        if so.num_steps > 1:
+            return ModelRunnerOutput(
+                req_ids=req_ids,
+                sampled_token_ids=sampled,
+                num_draft_tokens=[sum(v for v, _ in r) for r in step_runs],
+                step_runs=step_runs,
+            )
+        drafts = [so.num_draft_positions.get(rid, 0) for rid in req_ids]
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, num_draft_tokens=drafts)
+
+
+def _scheduler(num_steps: int) -> Scheduler:
+    return make_scheduler(
+        num_blocks=256,
+        block_size=4,
+        max_model_len=512,
+        num_scheduler_steps=num_steps,
+        num_speculative_tokens=K,
+        num_lookahead_tokens=K,
+        multi_step_speculation=True,
+    )
+
+
+def _decayed(runs: list[tuple[int, int]], decay: float) -> tuple[float, float]:
+    accepted = rejected = 0.0
+    for drafts, kept in runs:
+        accepted = decay * accepted + kept
+        rejected = decay * rejected + (kept < drafts)
+    return accepted, rejected
+
+
+@pytest.mark.parametrize("num_steps", [1, 4])
+def test_each_request_keeps_its_own_decayed_acceptance(num_steps):
+    s = _scheduler(num_steps)
+    policy = s.spec_policy
+    device = ScriptedDevice()
+    seen_by_choose: list[dict[str, tuple[float, float]]] = []
+    expected_predictions: list[float] = []
+    predictions: list[float] = []
+
+    def choose(num_decodes, accepted, rejected):
+        assert num_decodes == len(accepted) == len(rejected) == len(s.running)
+        seen_by_choose.append({r.request_id: (a, j) for r, a, j in zip(s.running, accepted, rejected, strict=True)})
+        return K
+
+    observe = policy.observe_emitted_runs
+
+    def observe_emitted_runs(k, num_tokens, predicted=None):
+        assert predicted is not None and len(predicted) == len(num_tokens)
+        predictions.extend(predicted)
+        observe(k, num_tokens, predicted)
+
+    policy.choose = choose  # type: ignore[method-assign]
+    policy.observe_emitted_runs = observe_emitted_runs  # type: ignore[method-assign]
+    requests = {rid: make_request(rid, 6, max_tokens=200, temperature=0.0) for rid in ACCEPTS}
+    for request in requests.values():
+        s.add_request(request)
+    for _ in range(12):
+        # Before the step: what each verifying request is expected to emit, from the device's record of its runs.
+        counts = {rid: _decayed(runs, policy.request_decay) for rid, runs in device.runs.items()}
+        num_choices = len(seen_by_choose)
+        so = s.schedule()
+        for seen in seen_by_choose[num_choices:]:  # the batch planned, with its counts as they were
+            assert list(seen) == [r.request_id for r in s.running]
+            for rid, pair in seen.items():
+                assert pair == pytest.approx(counts[rid])
+        for rid in so.num_scheduled_tokens:
+            if so.num_draft_positions.get(rid, 0) == K:
+                alpha = policy.request_acceptance(*counts[rid])
+                expected_predictions += [expected_tokens(alpha, K)] * so.num_steps
+        s.update_from_output(so, device.execute(so))
+        for request in requests.values():
+            assert (request.spec_accepted, request.spec_rejected) == pytest.approx(
+                _decayed(device.runs[request.request_id], policy.request_decay)
+            )
+    assert all(len(device.runs[rid]) >= 8 for rid in ACCEPTS) and len(seen_by_choose) >= 3
+    assert sorted(predictions) == pytest.approx(sorted(expected_predictions))
+    # The request that accepts every draft is priced above the one that accepts none.
+    a, c = requests["a"], requests["c"]
+    assert policy.request_acceptance(a.spec_accepted, a.spec_rejected) > 0.9
+    assert policy.request_acceptance(c.spec_accepted, c.spec_rejected) < 0.3 < policy.acceptance_rate
