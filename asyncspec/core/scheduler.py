@@ -603,7 +603,7 @@ class Scheduler:
         # its counts decay: `SpeculationPolicy.request_acceptance`, inlined (every decode, every step).
         policy = self.spec_policy
         prior = policy.request_prior
-        pooled_prior = prior * policy.acceptance_rate
+        pooled_prior = prior * policy.population_rate
         request_decay = policy.request_decay
         predicted: list[float] = []
         for i, (request_id, sampled) in enumerate(

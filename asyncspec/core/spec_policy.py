@@ -33,7 +33,7 @@ rate overestimates a mixed batch. The batch being planned is not the batch those
 the requests that accept most finish first, so a batch's tail is the requests that accept least, and there
 the pooled history promised 3.7 tokens a k = 4 run where the remaining requests gave about 2 (the bundled
 pair at 128 streams). So each request keeps its own acceptance estimate (`request_acceptance`, shrunk to
-the pooled rate while it has few runs), the scheduler hands the planned batch's estimates to `choose`,
+the population's rate while it has few runs), the scheduler hands the planned batch's estimates to `choose`,
 and a k's tokens per run are the batch's geometric model (`batch_tokens`) scaled by how far that model
 was off for the runs seen at k (what they emitted over what it predicted for them, which also absorbs
 proposers that find no draft).
@@ -83,17 +83,23 @@ class SpeculationPolicy:
     """A probe that finds its k below this fraction of the best's rate sets that k's interval to the
     longest (16 probe intervals) at once, instead of doubling it."""
     request_prior: float = 4.0
-    """Verifications' worth of the pooled acceptance rate in each request's own estimate: a request's first
-    runs say little of it, and the pooled rate is the best guess before them."""
-    request_decay: float = 0.95
-    """Weight of the past in a request's own acceptance counts (per verification): a file's later lines
-    may accept more or less than its first."""
+    """Verifications' worth of the population's acceptance rate (`population_rate`) in each request's own
+    estimate: a request's first runs say little of it, and the population's rate is the best guess before them."""
+    request_decay: float = 0.99
+    """Weight of the past in a request's own acceptance counts (per verification). Close to 1: one request's
+    estimate sets the choice at batch 1, where k = 2 and k = 4 are near a tie and a noisy estimate flips
+    between them (each switch a plan of its own)."""
+    population_decay: float = 0.999
+    """Weight of the past in the population's acceptance rate (per observation): a long memory, so the end of a
+    closed batch (its worst requests) does not become the prior of the next batch's requests."""
     choices: list[int] = field(default_factory=list)
     """Candidate k values; speculation_choices(max_k) by default."""
     step_cost: StepCost | None = None
     """Device seconds per step, from the worker's start-up measurements; None: always max_k."""
     _accepted: float = 3.0  # a prior of 0.6 acceptance, worth five rejections
     _rejected: float = 2.0
+    _population_accepted: float = 3.0  # the same prior, decayed by population_decay
+    _population_rejected: float = 2.0
     # Host seconds of recent steps by (k verified, drafts proposed): proposal passes cost host time.
     _host_samples: dict[tuple[int, int], deque[float]] = field(default_factory=dict)
     _probe: int | None = None  # a probed k, chosen again at the next step
@@ -120,11 +126,16 @@ class SpeculationPolicy:
         """Estimated probability that a draft is accepted given that the ones before it were."""
         return self._accepted / (self._accepted + self._rejected)
 
+    @property
+    def population_rate(self) -> float:
+        """`acceptance_rate` over a long memory (`population_decay`): the prior of a request not yet verified."""
+        return self._population_accepted / (self._population_accepted + self._population_rejected)
+
     def request_acceptance(self, accepted: float, rejected: float) -> float:
         """One request's acceptance rate from its own (decayed) counts of accepted drafts and of verifications
-        that rejected one, shrunk to the pooled rate by `request_prior` verifications' worth of it."""
+        that rejected one, shrunk to the population's rate by `request_prior` verifications' worth of it."""
         prior = self.request_prior
-        return min((accepted + prior * self.acceptance_rate) / (accepted + rejected + prior), 0.999)
+        return min((accepted + prior * self.population_rate) / (accepted + rejected + prior), 0.999)
 
     def batch_tokens(self, accepted: Sequence[float], rejected: Sequence[float]) -> dict[int, float]:
         """Per k of `choices`, the geometric model of a run at k for a batch: the mean over its requests of
@@ -133,7 +144,7 @@ class SpeculationPolicy:
         if n == 0 or self.max_k == 0:
             return {}
         prior = self.request_prior
-        pooled = prior * self.acceptance_rate
+        pooled = prior * self.population_rate
         sums = [0.0] * self.max_k  # sums[j]: the batch's sum of a^(j + 1)
         if n <= 16:
             for acc, rej in zip(accepted, rejected, strict=True):
@@ -213,11 +224,20 @@ class SpeculationPolicy:
     def observe_runs(self, runs: list[tuple[int, int]]) -> None:
         """`observe_run` for each (num_drafts, num_accepted) of a step, in order (one call per step)."""
         decay, accepted, rejected = self.decay, self._accepted, self._rejected
+        long_decay, long_accepted, long_rejected = (
+            self.population_decay,
+            self._population_accepted,
+            self._population_rejected,
+        )
         for num_drafts, num_accepted in runs:
             if num_drafts > 0:
+                rejection = 1.0 if num_accepted < num_drafts else 0.0
                 accepted = decay * accepted + num_accepted
-                rejected = decay * rejected + (1.0 if num_accepted < num_drafts else 0.0)
+                rejected = decay * rejected + rejection
+                long_accepted = long_decay * long_accepted + num_accepted
+                long_rejected = long_decay * long_rejected + rejection
         self._accepted, self._rejected = accepted, rejected
+        self._population_accepted, self._population_rejected = long_accepted, long_rejected
 
     def observe_emitted_runs(self, k: int, num_tokens: list[int], predicted: list[float] | None = None) -> None:
         """`observe_emitted(k, n)` for each n of a step, in order (one call per step). `predicted`: what the

@@ -135,20 +135,31 @@ def test_tokens_per_run_are_what_runs_emitted():
 @pytest.mark.parametrize("num_requests", [3, 40])  # the per-request loop and the vectorised pass
 def test_a_batch_is_priced_on_its_own_requests_acceptance(num_requests):
     """`batch_tokens` is the mean over the batch of 1 + a + ... + a^k, a each request's own rate shrunk to the
-    pooled one by request_prior verifications' worth: checked against that formula written out."""
+    population's by request_prior verifications' worth: checked against that formula written out."""
     rng = random.Random(num_requests)
     policy = SpeculationPolicy(4)
     _feed(policy, 0.7, 200)
     accepted = [rng.uniform(0, 30) for _ in range(num_requests)]
     rejected = [rng.uniform(0, 10) for _ in range(num_requests)]
-    pooled, w = policy.acceptance_rate, policy.request_prior
+    pooled, w = policy.population_rate, policy.request_prior
     batch = policy.batch_tokens(accepted, rejected)
     for k in policy.choices:
         own = [(a + w * pooled) / (a + r + w) for a, r in zip(accepted, rejected, strict=True)]
         assert batch[k] == pytest.approx(sum(sum(x**i for i in range(k + 1)) for x in own) / num_requests)
-    # A request never seen is priced at the pooled rate.
+    # A request never seen is priced at the population's rate.
     assert policy.batch_tokens([0.0], [0.0])[4] == pytest.approx(sum(pooled**i for i in range(5)))
     assert policy.batch_tokens([], []) == {}
+
+
+def test_a_new_request_is_priced_at_the_population_rate_not_the_last_requests():
+    """A closed batch ends with its worst requests: the short-memory pooled rate follows them, but a request
+    of the next batch, not yet verified, is priced at the long-memory population rate."""
+    policy = SpeculationPolicy(4)
+    _feed(policy, 0.9, 3000)  # the batch
+    _feed(policy, 0.3, 150, seed=1)  # its tail
+    assert policy.acceptance_rate < 0.5
+    assert policy.population_rate > 0.75
+    assert policy.request_acceptance(0.0, 0.0) == pytest.approx(policy.population_rate)
 
 
 def _feed_requests(policy: SpeculationPolicy, alphas: list[float], steps: int, k: int = 4, seed: int = 0):
