@@ -1,0 +1,125 @@
+"""The speculation policy priced on the planned batch's own requests (the shipped policy) against the pooled
+history alone (`choose` without the requests' acceptance counts, as before 2026-12-02), beside the plain engine,
+in one process: closed batches of `--streams` requests (128 new tokens each, the throughput run of
+`gpu_step_speed.py`), the three engines' trials alternated, then batch-1 TPOT.
+
+- `fresh`: every engine is reset as after its warm-up before each trial (a fresh policy: a served engine's start).
+- `steady`: the policies carry over from trial to trial.
+
+    python3 benchmarks/spec_policy_ab.py --output $OUT/spec_policy_ab.json   # GPU, ~2 min with start-up
+    python3 benchmarks/spec_policy_ab.py --smoke                             # CPU: the script only
+
+On the CPU the policy has no step costs and keeps the largest k, so the smoke run shows no difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: asyncspec without an install
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plan_trace import DRAFT_SETTINGS, ENGINE_SETTINGS, TARGET, load_prompts, trace  # noqa: E402
+
+ENGINES = ("plain", "pooled", "per_request")
+
+
+def pool_only(llm: Any) -> None:
+    """Makes the engine's current policy choose from the pooled history alone (idempotent)."""
+    policy = llm.engine.engine_core.scheduler.spec_policy
+    if getattr(policy, "_pooled_only", False):
+        return
+    choose = policy.choose
+    policy.choose = lambda num_decodes, *counts: choose(num_decodes)
+    policy._pooled_only = True
+
+
+def prepare(name: str, llm: Any, reset: bool) -> None:
+    if reset:
+        llm.engine.engine_core.reset_after_warm_up()
+    if name == "pooled":
+        pool_only(llm)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", default="128,32")
+    ap.add_argument("--modes", default="fresh,steady")
+    ap.add_argument("--trials", type=int, default=7)
+    ap.add_argument("--tpot-trials", type=int, default=9)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny settings: checks the script")
+    ap.add_argument("--output", type=Path)
+    args = ap.parse_args()
+    import asyncspec
+
+    streams = [int(s) for s in args.streams.split(",")]
+    modes = args.modes.split(",")
+    if any(m not in ("fresh", "steady") for m in modes):
+        ap.error(f"--modes takes fresh and/or steady, got {args.modes}")
+    base: dict[str, Any] = dict(ENGINE_SETTINGS, gpu_memory_utilization=0.25)
+    if args.smoke:
+        streams, args.trials, args.tpot_trials, args.new_tokens = [4], 1, 1, 6
+        base.update(device="cpu", dtype="float32", max_num_seqs=8, num_kv_blocks=256, max_model_len=512)
+        base.pop("gpu_memory_utilization")
+    llms = {
+        "plain": asyncspec.LLM(str(TARGET), **base),
+        "pooled": asyncspec.LLM(str(TARGET), **base, **DRAFT_SETTINGS),
+        "per_request": asyncspec.LLM(str(TARGET), **base, **DRAFT_SETTINGS),
+    }
+    results: dict[str, Any] = {"command": " ".join(sys.argv), "rows": {}, "tpot_ms": {}}
+    full = asyncspec.SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+    warm = asyncspec.SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for mode in modes:
+        for c in streams:
+            prompts = load_prompts(c)
+            for name, llm in llms.items():
+                prepare(name, llm, False)
+                llm.generate(prompts, warm)
+            rows: dict[str, list[dict[str, Any]]] = {n: [] for n in llms}
+            for t in range(args.trials):
+                for name, llm in llms.items():
+                    prepare(name, llm, mode == "fresh")
+                    rows[name].append(trace(llm, prompts, full, name != "plain" and t == args.trials - 1, True))
+            results["rows"][f"{mode}@{c}"] = rows
+            med = {n: statistics.median(r["wall_ms"] for r in v) for n, v in rows.items()}
+            print(
+                f"{mode} @{c}: "
+                + ", ".join(
+                    f"{n} {[round(r['wall_ms'], 1) for r in v]} (median {med[n]:.1f} ms)" for n, v in rows.items()
+                )
+                + f" | on / off, median: pooled {med['plain'] / med['pooled']:.3f}"
+                + f", per-request {med['plain'] / med['per_request']:.3f}",
+                flush=True,
+            )
+    one = load_prompts(1)
+    first = asyncspec.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for name, llm in llms.items():
+        prepare(name, llm, True)
+        llm.generate(one, full)
+    tpot: dict[str, list[float]] = {n: [] for n in llms}
+    for _ in range(args.tpot_trials):
+        for name, llm in llms.items():
+            t0 = time.perf_counter()
+            llm.generate(one, full)
+            whole = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            llm.generate(one, first)
+            tpot[name].append((whole - (time.perf_counter() - t0)) / (args.new_tokens - 1) * 1e3)
+    results["tpot_ms"] = tpot
+    print(
+        "batch-1 TPOT (ms): "
+        + ", ".join(f"{n} {statistics.median(v):.4f} {[round(x, 3) for x in v]}" for n, v in tpot.items())
+    )
+    if args.output:
+        args.output.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
