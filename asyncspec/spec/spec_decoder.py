@@ -108,6 +108,27 @@ class SpeculativeDecoder:
     def uses_draft_model(self) -> bool:
         return isinstance(self.proposer, DraftModelProposer)
 
+    def compile_kernel_variants(self, ks: Sequence[int]) -> int:
+        """Runs the stochastic verification's rejection kernel once for each k of `ks` (with and without the draft's
+        q), on one dummy row, so that no sampled step compiles a variant mid-run. The warm-up verifies only the
+        largest k, and an adaptive engine's k = 1 or 2 with a sampling request compiled two variants mid-run (an
+        H200, 2026-12-02). Call outside graph capture. Returns the number of launches."""
+        kernel, device, vocab = self.rejection_sampler.kernel, self.device, self.vocab_size
+        calls = 0
+        for k in ks:
+            if k <= 0:
+                continue
+            probs = torch.full((1, k + 1, vocab), 1.0 / vocab, dtype=torch.float32, device=device)
+            drafts = torch.zeros((1, k), dtype=torch.int64, device=device)
+            counts = torch.full((1,), k, dtype=torch.int64, device=device)
+            is_greedy = torch.zeros(1, dtype=torch.bool, device=device)
+            uniform = torch.rand((1, k), dtype=torch.float32, device=device)
+            exponential = torch.ones((1, vocab), dtype=torch.float32, device=device)
+            for q in (None, probs[:, :k].contiguous()) if self.uses_draft_model else (None,):
+                kernel(probs, drafts, q, counts, is_greedy, uniform, exponential)
+                calls += 1
+        return calls
+
     @property
     def kv_bytes_per_token(self) -> int:
         """KV bytes the proposer keeps per token (the draft model's own cache), beside the target's."""

@@ -531,6 +531,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             with self._device_context():
                 self._compile_attention_variants()
+                if self.spec is not None:
+                    start = time.perf_counter()
+                    calls = self.spec.compile_kernel_variants(self._speculation_choices())
+                    torch.cuda.synchronize(self.device)
+                    logger.info("rejection kernel variants: %d calls in %.2f s", calls, time.perf_counter() - start)
 
     def _compile_attention_variants(self) -> None:
         """Every attention tile variant of the target and the draft, compiled at start-up rather than by the first

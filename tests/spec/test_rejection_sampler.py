@@ -576,3 +576,27 @@ def test_sampler_equals_kernel_on_drawn_randomness(monkeypatch) -> None:
     got = RejectionSampler("cpu")(**args, generators=gens()[0], default_generator=gens()[1])
     u, e = draw_rejection_randomness(12, 3, 30, *gens(), "cpu")
     check_equal(got, rejection_sample_ref(**args, uniform=u, exponential=e))
+
+
+@pytest.mark.parametrize(("method", "expected_calls"), [("draft_model", 6), ("ngram", 3)])
+def test_start_up_runs_the_rejection_kernel_at_every_k(method, expected_calls):
+    """`SpeculativeDecoder.compile_kernel_variants` (the runner calls it at start-up on CUDA) runs the kernel on a
+    dummy row at each k > 0 of the policy's choices, with the draft's q and without (without only for n-gram),
+    and its outputs are valid: the dummy rows go through the same contract as a real step."""
+    from tests.spec.spec_helpers import make_llm
+
+    llm = make_llm(method=method, k=4)
+    spec = llm.engine.engine_core.runner.spec
+    calls: list[tuple[int, bool]] = []
+    kernel = spec.rejection_sampler.kernel
+
+    def recording(probs, drafts, q, counts, is_greedy, uniform, exponential):
+        calls.append((drafts.shape[1], q is not None))
+        out, num_accepted = kernel(probs, drafts, q, counts, is_greedy, uniform, exponential)
+        assert out.shape == (1, drafts.shape[1] + 1) and 0 <= int(num_accepted[0]) <= drafts.shape[1]
+        return out, num_accepted
+
+    spec.rejection_sampler.kernel = recording
+    assert spec.compile_kernel_variants([0, 1, 2, 4]) == expected_calls
+    with_q = [True, False] if method == "draft_model" else [False]
+    assert sorted(calls) == sorted((k, q) for k in (1, 2, 4) for q in with_q)
