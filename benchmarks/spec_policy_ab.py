@@ -30,13 +30,10 @@ ENGINES = ("plain", "pooled", "per_request")
 
 
 def pool_only(llm: Any) -> None:
-    """Makes the engine's current policy choose from the pooled history alone (idempotent)."""
+    """Makes the engine's current policy price every batch on the pooled history alone: no batch model, as
+    before 2026-12-02 (so `plan_trace`'s records of its choices are priced the same way)."""
     policy = llm.engine.engine_core.scheduler.spec_policy
-    if getattr(policy, "_pooled_only", False):
-        return
-    choose = policy.choose
-    policy.choose = lambda num_decodes, *counts: choose(num_decodes)
-    policy._pooled_only = True
+    policy.batch_tokens = lambda accepted, rejected: None
 
 
 def prepare(name: str, llm: Any, reset: bool) -> None:

@@ -487,10 +487,11 @@ class Scheduler:
         if prompts_pending and self.config.adaptive_speculation and self.spec_policy.step_cost is not None:
             k = 0
         else:
-            running = self.running
-            k = self.spec_policy.choose(
-                len(running), [r.spec_accepted for r in running], [r.spec_rejected for r in running]
-            )
+            running, policy = self.running, self.spec_policy
+            if policy.adaptive and policy.step_cost is not None:  # else it keeps max k, whatever the counts
+                k = policy.choose(len(running), [r.spec_accepted for r in running], [r.spec_rejected for r in running])
+            else:
+                k = policy.choose(len(running))
         if k < max_k and any(
             r.sampling_params.seed is not None and not r.sampling_params.is_greedy for r in self.running
         ):
@@ -682,9 +683,9 @@ class Scheduler:
                     emitted.append(num_sampled)
                     predicted.append(expected)
                 else:  # the steps that began before the request's end
-                    begun = step_runs[i][: _steps_begun(step_runs[i], num_new)]
-                    emitted.extend(length for _, length in begun)
-                    predicted.extend([expected] * len(begun))
+                    begun_runs = step_runs[i][: _steps_begun(step_runs[i], num_new)]
+                    emitted.extend(length for _, length in begun_runs)
+                    predicted.extend([expected] * len(begun_runs))
             # Every kept token but the newest has its KV in the cache. Only verified tokens reach
             # the prefix cache, and with stop strings only those that precede this step's run: the
             # output processor may still cut the run at a stop string (the next step registers the

@@ -92,9 +92,10 @@ class SpeculationPolicy:
     """Weight of the past in a request's own acceptance counts (per verification). Close to 1: one request's
     estimate sets the choice at batch 1, where k = 2 and k = 4 are near a tie and a noisy estimate flips
     between them (each switch a plan of its own)."""
-    population_decay: float = 0.999
-    """Weight of the past in the population's acceptance rate (per observation): a long memory, so the end of a
-    closed batch (its worst requests) does not become the prior of the next batch's requests."""
+    population_decay: float = 0.995
+    """Weight of the past in the population's acceptance rate, per step (each step's runs summed): a memory of
+    some 200 steps whatever the batch, so the end of a closed batch (its worst requests) does not become the
+    prior of the next batch's requests. Per run, 128 streams would forget in 8 steps."""
     choices: list[int] = field(default_factory=list)
     """Candidate k values; speculation_choices(max_k) by default."""
     step_cost: StepCost | None = None
@@ -123,6 +124,13 @@ class SpeculationPolicy:
     def __post_init__(self) -> None:
         if not self.choices:
             self.choices = speculation_choices(self.max_k)
+        if any(not 0 <= k <= self.max_k for k in self.choices):
+            raise ValueError(f"speculation choices must be in [0, max_k={self.max_k}], got {self.choices}")
+        if self.request_prior <= 0:
+            raise ValueError(f"request_prior must be positive, got {self.request_prior}")
+        for name in ("decay", "emitted_decay", "request_decay", "population_decay"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
 
     @property
     def acceptance_rate(self) -> float:
@@ -144,6 +152,8 @@ class SpeculationPolicy:
         """Per k of `choices`, the geometric model of a run at k for a batch: the mean over its requests of
         1 + a + ... + a^k, a each request's `request_acceptance` (from its counts, in the same order)."""
         n = len(accepted)
+        if len(rejected) != n:
+            raise ValueError(f"{n} accepted counts but {len(rejected)} rejected counts")
         if n == 0 or self.max_k == 0:
             return {}
         prior = self.request_prior
@@ -232,15 +242,18 @@ class SpeculationPolicy:
             self._population_accepted,
             self._population_rejected,
         )
+        step_accepted = step_rejected = 0.0
         for num_drafts, num_accepted in runs:
             if num_drafts > 0:
                 rejection = 1.0 if num_accepted < num_drafts else 0.0
                 accepted = decay * accepted + num_accepted
                 rejected = decay * rejected + rejection
-                long_accepted = long_decay * long_accepted + num_accepted
-                long_rejected = long_decay * long_rejected + rejection
+                step_accepted += num_accepted
+                step_rejected += rejection
         self._accepted, self._rejected = accepted, rejected
-        self._population_accepted, self._population_rejected = long_accepted, long_rejected
+        if step_accepted or step_rejected:
+            self._population_accepted = long_decay * long_accepted + step_accepted
+            self._population_rejected = long_decay * long_rejected + step_rejected
 
     def observe_emitted_runs(self, k: int, num_tokens: list[int], predicted: list[float] | None = None) -> None:
         """`observe_emitted(k, n)` for each n of a step, in order (one call per step). `predicted`: what the

@@ -97,6 +97,7 @@ def test_each_request_keeps_its_own_decayed_acceptance(num_steps):
         predictions.extend(predicted)
         observe(k, num_tokens, predicted)
 
+    policy.step_cost = lambda num_decodes, k: 1e-3  # measured costs: the scheduler hands choose the counts
     policy.choose = choose  # type: ignore[method-assign]
     policy.observe_emitted_runs = observe_emitted_runs  # type: ignore[method-assign]
     requests = {rid: make_request(rid, 6, max_tokens=200, temperature=0.0) for rid in ACCEPTS}

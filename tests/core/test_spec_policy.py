@@ -152,14 +152,39 @@ def test_a_batch_is_priced_on_its_own_requests_acceptance(num_requests):
 
 
 def test_a_new_request_is_priced_at_the_population_rate_not_the_last_requests():
-    """A closed batch ends with its worst requests: the short-memory pooled rate follows them, but a request
-    of the next batch, not yet verified, is priced at the long-memory population rate."""
+    """A closed batch of 128 streams ends with its worst requests: the short-memory pooled rate follows them, but a
+    request of the next batch, not yet verified, is priced at the population rate, whose memory is counted in
+    steps (a step's runs together), not runs: 128 runs a step would forget the batch within its tail."""
+    rng = random.Random(0)
     policy = SpeculationPolicy(4)
-    _feed(policy, 0.9, 3000)  # the batch
-    _feed(policy, 0.3, 150, seed=1)  # its tail
+
+    def step(alpha: float, num_requests: int) -> None:
+        runs = []
+        for _ in range(num_requests):
+            accepted = 0
+            while accepted < 4 and rng.random() < alpha:
+                accepted += 1
+            runs.append((4, accepted))
+        policy.observe_runs(runs)
+
+    for _ in range(30):
+        step(0.9, 128)  # the full batch
+    for _ in range(15):
+        step(0.3, 16)  # its tail
     assert policy.acceptance_rate < 0.5
     assert policy.population_rate > 0.75
     assert policy.request_acceptance(0.0, 0.0) == pytest.approx(policy.population_rate)
+
+
+def test_settings_the_policy_cannot_price_are_refused():
+    with pytest.raises(ValueError, match="choices"):
+        SpeculationPolicy(2, choices=[0, 1, 2, 4])
+    with pytest.raises(ValueError, match="request_prior"):
+        SpeculationPolicy(4, request_prior=0.0)
+    with pytest.raises(ValueError, match="population_decay"):
+        SpeculationPolicy(4, population_decay=1.5)
+    with pytest.raises(ValueError, match="rejected counts"):
+        SpeculationPolicy(4).batch_tokens([1.0] * 20, [0.0])
 
 
 def _feed_requests(policy: SpeculationPolicy, alphas: list[float], steps: int, k: int = 4, seed: int = 0):
