@@ -15,7 +15,7 @@ from asyncspec.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from asyncspec.core.spec_policy import SpeculationPolicy, expected_tokens
+from asyncspec.core.spec_policy import SpeculationPolicy
 from asyncspec.request import Request, RequestStatus
 
 
@@ -606,6 +606,7 @@ class Scheduler:
         prior = policy.request_prior
         pooled_prior = prior * policy.population_rate
         request_decay = policy.request_decay
+        spec_k1 = scheduler_output.num_speculative_tokens + 1
         predicted: list[float] = []
         for i, (request_id, sampled) in enumerate(
             zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
@@ -677,8 +678,10 @@ class Scheduler:
             num_generated += num_new
             if spec_k and start >= num_prompt and num_sched == spec_k + 1:
                 spec_accepted = request.spec_accepted
-                alpha = min((spec_accepted + pooled_prior) / (spec_accepted + request.spec_rejected + prior), 0.999)
-                expected = expected_tokens(alpha, spec_k)
+                alpha = (spec_accepted + pooled_prior) / (spec_accepted + request.spec_rejected + prior)
+                if alpha > 0.999:
+                    alpha = 0.999
+                expected = (1.0 - alpha**spec_k1) / (1.0 - alpha)  # `expected_tokens`, inlined
                 if step_runs is None:
                     emitted.append(num_sampled)
                     predicted.append(expected)

@@ -251,6 +251,20 @@ def test_runs_that_the_geometric_model_misjudges_are_calibrated():
     assert policy.tokens_per_run(0, None, batch) == 1.0
 
 
+def test_a_smaller_k_is_capped_by_the_larger_ks_batch_scaled_runs():
+    """Runs at k = 4 emitted 2 tokens each where the model promised 4 (half its promise: say, drafts that were
+    often not found); k = 2 never ran. For a batch of strong requests the model alone would promise about 2.9 at
+    k = 2, but k = 4's runs, scaled to this batch, cap it (fewer drafts never emit more than more drafts)."""
+    policy = SpeculationPolicy(4, step_cost=memory_bound)
+    for _ in range(100):
+        policy.observe_emitted_runs(4, [2], [4.0])
+    strong = policy.batch_tokens([400.0] * 4, [10.0] * 4)
+    scaled_4 = strong[4] * 0.5
+    assert policy.tokens_per_run(4, None, strong) == pytest.approx(scaled_4)
+    assert strong[2] > scaled_4 > 2.0
+    assert policy.tokens_per_run(2, None, strong) == pytest.approx(scaled_4)
+
+
 def test_runs_without_drafts_turn_speculation_off():
     """An n-gram proposer that finds nothing in random text: no draft is ever verified, so the
     acceptance estimate keeps its prior, but every run at k emitted one token: k = 0 wins."""
