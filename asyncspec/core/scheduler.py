@@ -676,6 +676,8 @@ class Scheduler:
                     ) and (status := self._check_stop(request, token_id)) is not None:
                         break
             num_generated += num_new
+            # A multi-step plan's runs of this request: those of the steps that began before its end.
+            runs_begun = step_runs[i][: _steps_begun(step_runs[i], num_new)] if step_runs is not None else ()
             if spec_k and start >= num_prompt and num_sched == spec_k + 1:
                 spec_accepted = request.spec_accepted
                 alpha = (spec_accepted + pooled_prior) / (spec_accepted + request.spec_rejected + prior)
@@ -685,10 +687,9 @@ class Scheduler:
                 if step_runs is None:
                     emitted.append(num_sampled)
                     predicted.append(expected)
-                else:  # the steps that began before the request's end
-                    begun_runs = step_runs[i][: _steps_begun(step_runs[i], num_new)]
-                    emitted.extend(length for _, length in begun_runs)
-                    predicted.extend([expected] * len(begun_runs))
+                else:
+                    emitted.extend(length for _, length in runs_begun)
+                    predicted.extend([expected] * len(runs_begun))
             # Every kept token but the newest has its KV in the cache. Only verified tokens reach
             # the prefix cache, and with stop strings only those that precede this step's run: the
             # output processor may still cut the run at a stop string (the next step registers the
@@ -712,15 +713,17 @@ class Scheduler:
                 if step_runs is not None:
                     # Several steps' runs: each one's drafts among the kept tokens, the steps after a stop none.
                     left, n_drafts = num_new, 0
-                    for valid, length in step_runs[i][: _steps_begun(step_runs[i], num_new)]:
+                    spec_accepted, spec_rejected = request.spec_accepted, request.spec_rejected
+                    for valid, length in runs_begun:
                         kept = min(left, length - 1)
                         left = max(left - length, 0)
                         num_accepted += kept
                         n_drafts += valid
                         if valid:
                             draft_runs.append((valid, kept, valid, length - 1))
-                            request.spec_accepted = request_decay * request.spec_accepted + length - 1
-                            request.spec_rejected = request_decay * request.spec_rejected + (length - 1 < valid)
+                            spec_accepted = request_decay * spec_accepted + length - 1
+                            spec_rejected = request_decay * spec_rejected + (length - 1 < valid)
+                    request.spec_accepted, request.spec_rejected = spec_accepted, spec_rejected
                 elif verified := num_drafts[i]:
                     num_accepted = min(num_new, num_sampled - 1)  # drafts among the kept tokens
                     # Counted: the drafts at positions max_tokens could keep (the asynchronous loop plans them
