@@ -119,6 +119,22 @@ class FakeRunner:
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
 
 
+def verification_output(
+    so: SchedulerOutput, req_ids: list[str], sampled: list[list[int]], runs: list[list[tuple[int, int]]]
+) -> ModelRunnerOutput:
+    """What a speculating device returns for a plan: per request its sampled tokens and, per step, (drafts
+    verified, tokens emitted); a multi-step plan's runs as step_runs, a single step's draft counts alone."""
+    if so.num_steps > 1:
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            sampled_token_ids=sampled,
+            num_draft_tokens=[sum(v for v, _ in r) for r in runs],
+            step_runs=runs,
+        )
+    drafts = [so.num_draft_positions.get(rid, 0) for rid in req_ids]
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, num_draft_tokens=drafts)
+
+
 def step(scheduler: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
     so = scheduler.schedule()
     return so, scheduler.update_from_output(so, runner.execute(so))

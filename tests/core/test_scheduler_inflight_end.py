@@ -9,7 +9,7 @@ import pytest
 from asyncspec.core.scheduler import Scheduler
 from asyncspec.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
-from .scheduler_fakes import make_request, make_scheduler
+from .scheduler_fakes import make_request, make_scheduler, verification_output
 
 K = 4
 
@@ -47,15 +47,7 @@ class AsyncDevice:
                     self.num_tokens[rid] += 1
             sampled.append(out)
             runs.append(steps)
-        if so.num_steps > 1:
-            return ModelRunnerOutput(
-                req_ids=req_ids,
-                sampled_token_ids=sampled,
-                num_draft_tokens=[sum(v for v, _ in r) for r in runs],
-                step_runs=runs,
-            )
-        drafts = [so.num_draft_positions.get(rid, 0) for rid in req_ids]
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, num_draft_tokens=drafts)
+        return verification_output(so, req_ids, sampled, runs)
 
 
 def _scheduler(num_steps: int) -> Scheduler:

@@ -10,7 +10,7 @@ from asyncspec.core.scheduler import Scheduler
 from asyncspec.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncspec.core.spec_policy import expected_tokens
 
-from .scheduler_fakes import make_request, make_scheduler
+from .scheduler_fakes import make_request, make_scheduler, verification_output
 
 K = 4
 ACCEPTS = {"a": 4, "b": 1, "c": 0}
@@ -45,15 +45,7 @@ class ScriptedDevice:
                 self.num_tokens[rid] += length
             sampled.append(out)
             step_runs.append(steps)
-        if so.num_steps > 1:
-            return ModelRunnerOutput(
-                req_ids=req_ids,
-                sampled_token_ids=sampled,
-                num_draft_tokens=[sum(v for v, _ in r) for r in step_runs],
-                step_runs=step_runs,
-            )
-        drafts = [so.num_draft_positions.get(rid, 0) for rid in req_ids]
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, num_draft_tokens=drafts)
+        return verification_output(so, req_ids, sampled, step_runs)
 
 
 def _scheduler(num_steps: int) -> Scheduler:
@@ -128,3 +120,35 @@ def test_each_request_keeps_its_own_decayed_acceptance(num_steps):
     rate_a = policy.request_acceptance(a.spec_accepted, a.spec_rejected)
     rate_c = policy.request_acceptance(c.spec_accepted, c.spec_rejected)
     assert rate_c < policy.population_rate - 0.2 and rate_a > policy.population_rate + 0.2
+
+
+@pytest.mark.parametrize("max_tokens", [7, 12, 23])
+def test_a_request_that_ends_inside_a_multi_step_plan_pairs_each_counted_run_with_a_prediction(max_tokens):
+    """A 4-step plan runs past a request's max_tokens (its tokens after the end are dropped): only the runs of
+    steps that began before its end are counted, and each has its prediction. The outputs stay exact."""
+    s = _scheduler(4)
+    policy = s.spec_policy
+    policy.step_cost = lambda num_decodes, k: 1e-3
+    policy.choose = lambda num_decodes, *counts: K  # type: ignore[method-assign]
+    device = ScriptedDevice()
+    pairs: list[tuple[int, int]] = []
+    observe = policy.observe_emitted_runs
+
+    def observe_emitted_runs(k, num_tokens, predicted=None):
+        pairs.append((len(num_tokens), len(predicted) if predicted is not None else -1))
+        observe(k, num_tokens, predicted)
+
+    policy.observe_emitted_runs = observe_emitted_runs  # type: ignore[method-assign]
+    requests = {rid: make_request(rid, 6, max_tokens=max_tokens, temperature=0.0) for rid in ACCEPTS}
+    for request in requests.values():
+        s.add_request(request)
+    for _ in range(100):
+        if not s.has_unfinished_requests():
+            break
+        so = s.schedule()
+        s.update_from_output(so, device.execute(so))
+    assert not s.has_unfinished_requests()
+    assert all(len(r.output_token_ids) == max_tokens for r in requests.values())
+    assert pairs and all(n == m for n, m in pairs), pairs
+    # Fewer runs counted than the device made: the steps after an end are not counted.
+    assert sum(n for n, _ in pairs) < sum(len(runs) for runs in device.runs.values())
