@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from asyncspec.errors import ConfigError
+
 StepCost = Callable[[int, int], float]
 """step_cost(num_decodes, k) -> seconds of device time of one step verifying k drafts per decode."""
 
@@ -125,12 +127,12 @@ class SpeculationPolicy:
         if not self.choices:
             self.choices = speculation_choices(self.max_k)
         if any(not 0 <= k <= self.max_k for k in self.choices):
-            raise ValueError(f"speculation choices must be in [0, max_k={self.max_k}], got {self.choices}")
+            raise ConfigError(f"speculation choices must be in [0, max_k={self.max_k}], got {self.choices}")
         if self.request_prior <= 0:
-            raise ValueError(f"request_prior must be positive, got {self.request_prior}")
+            raise ConfigError(f"request_prior must be positive, got {self.request_prior}")
         for name in ("decay", "emitted_decay", "request_decay", "population_decay"):
             if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be in (0, 1], got {getattr(self, name)}")
 
     @property
     def acceptance_rate(self) -> float:

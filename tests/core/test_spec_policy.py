@@ -177,11 +177,13 @@ def test_a_new_request_is_priced_at_the_population_rate_not_the_last_requests():
 
 
 def test_settings_the_policy_cannot_price_are_refused():
-    with pytest.raises(ValueError, match="choices"):
+    from asyncspec.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="choices"):
         SpeculationPolicy(2, choices=[0, 1, 2, 4])
-    with pytest.raises(ValueError, match="request_prior"):
+    with pytest.raises(ConfigError, match="request_prior"):
         SpeculationPolicy(4, request_prior=0.0)
-    with pytest.raises(ValueError, match="population_decay"):
+    with pytest.raises(ConfigError, match="population_decay"):
         SpeculationPolicy(4, population_decay=1.5)
     with pytest.raises(ValueError, match="rejected counts"):
         SpeculationPolicy(4).batch_tokens([1.0] * 20, [0.0])
