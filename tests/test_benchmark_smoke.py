@@ -344,6 +344,17 @@ def test_spec_policy_ab_smoke(tmp_path: Path) -> None:
     assert all(len(v) == 1 and v[0] > 0 for v in results["tpot_ms"].values())
 
 
+def test_scheduler_spec_overhead_smoke(tmp_path: Path) -> None:
+    """benchmarks/scheduler_spec_overhead.py --smoke: both plan lengths timed at k = 4, full-batch plans only."""
+    out = tmp_path / "sso.json"
+    _run(str(REPO / "benchmarks" / "scheduler_spec_overhead.py"), "--smoke", "--output", str(out))
+    cases = json.loads(out.read_text())["cases"]
+    assert [c["steps_per_plan"] for c in cases] == [1, 4]
+    for c in cases:
+        assert c["k"] == 4 and c["num_requests"] == 8 and c["timed_plans"] >= 5
+        assert c["schedule_p50_us"] > 0 and c["update_from_output_p50_us"] > 0
+
+
 def test_profiler_overhead_smoke(tmp_path: Path) -> None:
     """benchmarks/profiler_overhead.py --smoke: one process without the profiler and one with it, each a TPOT."""
     out = tmp_path / "profiler.json"
