@@ -26,6 +26,7 @@ from asyncspec.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from asyncspec.core.scheduler_output import ModelRunnerOutput, SchedulerOutput  # noqa: E402
 from asyncspec.request import Request  # noqa: E402
 from asyncspec.sampling_params import SamplingParams  # noqa: E402
+from tests.core.scheduler_fakes import verification_output  # noqa: E402  (the scheduler tests' device output)
 
 
 def build(num_requests: int, k: int, steps_per_plan: int, seed: int) -> Scheduler:
@@ -74,15 +75,7 @@ class ScriptedDevice:
                 self.num_tokens[rid] += length
             sampled.append(out)
             runs.append(steps)
-        if so.num_steps > 1:
-            return ModelRunnerOutput(
-                req_ids=req_ids,
-                sampled_token_ids=sampled,
-                num_draft_tokens=[sum(v for v, _ in r) for r in runs],
-                step_runs=runs,
-            )
-        drafts = [so.num_draft_positions.get(rid, 0) for rid in req_ids]
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, num_draft_tokens=drafts)
+        return verification_output(so, req_ids, sampled, runs)
 
 
 def run_case(num_requests: int, k: int, steps_per_plan: int, plans: int, seed: int) -> dict:
