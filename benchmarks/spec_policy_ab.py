@@ -1,6 +1,10 @@
-"""The speculation policy priced on the planned batch's own requests (the shipped policy) against the pooled
-history alone (`choose` without the requests' acceptance counts, as before 2026-12-02), beside the plain engine,
-in one process: closed batches of `--streams` requests (128 new tokens each, the throughput run of
+"""The shipped speculation policy against one change of it (`--other`), beside the plain engine, in one process:
+- `pooled`: the policy priced on the pooled history alone (`choose` without the requests' acceptance counts, as
+  before 2026-12-02);
+- `prior_first`: a fresh policy priced on its prior from the first plan (as before the widest-k-first rule of
+  2026-12-02), where the shipped one takes the largest k until it has seen a step at a k > 0.
+
+The runs are closed batches of `--streams` requests (128 new tokens each, the throughput run of
 `gpu_step_speed.py`), the three engines' trials alternated, then batch-1 TPOT.
 
 - `fresh`: every engine is reset as after its warm-up before each trial (a fresh policy: a served engine's start).
@@ -26,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_trace import DRAFT_SETTINGS, ENGINE_SETTINGS, TARGET, load_prompts, trace  # noqa: E402
 
-ENGINES = ("plain", "pooled", "per_request")
+OTHERS = ("pooled", "prior_first")
 
 
 def pool_only(llm: Any) -> None:
@@ -36,15 +40,24 @@ def pool_only(llm: Any) -> None:
     policy.batch_tokens = lambda accepted, rejected: None
 
 
+def prior_first(llm: Any) -> None:
+    """Makes the engine's current policy price its first plans on the prior, as if it had seen a step at k > 0."""
+    policy = llm.engine.engine_core.scheduler.spec_policy
+    policy._has_speculated = lambda: True
+
+
 def prepare(name: str, llm: Any, reset: bool) -> None:
     if reset:
         llm.engine.engine_core.reset_after_warm_up()
     if name == "pooled":
         pool_only(llm)
+    elif name == "prior_first":
+        prior_first(llm)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--other", default="prior_first", choices=OTHERS, help="the policy the shipped one is set against")
     ap.add_argument("--streams", default="128,32")
     ap.add_argument("--modes", default="fresh,steady")
     ap.add_argument("--trials", type=int, default=7)
@@ -66,10 +79,10 @@ def main() -> int:
         base.pop("gpu_memory_utilization")
     llms = {
         "plain": asyncspec.LLM(str(TARGET), **base),
-        "pooled": asyncspec.LLM(str(TARGET), **base, **DRAFT_SETTINGS),
-        "per_request": asyncspec.LLM(str(TARGET), **base, **DRAFT_SETTINGS),
+        args.other: asyncspec.LLM(str(TARGET), **base, **DRAFT_SETTINGS),
+        "shipped": asyncspec.LLM(str(TARGET), **base, **DRAFT_SETTINGS),
     }
-    results: dict[str, Any] = {"command": " ".join(sys.argv), "rows": {}, "tpot_ms": {}}
+    results: dict[str, Any] = {"command": " ".join(sys.argv), "other": args.other, "rows": {}, "tpot_ms": {}}
     full = asyncspec.SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     warm = asyncspec.SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     for mode in modes:
@@ -90,8 +103,8 @@ def main() -> int:
                 + ", ".join(
                     f"{n} {[round(r['wall_ms'], 1) for r in v]} (median {med[n]:.1f} ms)" for n, v in rows.items()
                 )
-                + f" | on / off, median: pooled {med['plain'] / med['pooled']:.3f}"
-                + f", per-request {med['plain'] / med['per_request']:.3f}",
+                + f" | on / off, median: {args.other} {med['plain'] / med[args.other]:.3f}"
+                + f", shipped {med['plain'] / med['shipped']:.3f}",
                 flush=True,
             )
     one = load_prompts(1)

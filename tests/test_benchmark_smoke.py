@@ -329,18 +329,21 @@ def test_plan_trace_smoke(tmp_path: Path) -> None:
         assert any(kind.startswith("k4->") for kind in kinds) == (name == "draft"), kinds
 
 
-def test_spec_policy_ab_smoke(tmp_path: Path) -> None:
-    """benchmarks/spec_policy_ab.py --smoke: three engines, each mode's trials traced, the pooled engine's policy
-    asked without the requests' counts (after every reset too), and a TPOT each."""
+@pytest.mark.parametrize("other", ["prior_first", "pooled"])
+def test_spec_policy_ab_smoke(tmp_path: Path, other: str) -> None:
+    """benchmarks/spec_policy_ab.py --smoke: plain, the changed policy and the shipped one, each mode's trials
+    traced, and a TPOT each."""
     out = tmp_path / "spec_policy_ab.json"
-    _run(str(REPO / "benchmarks" / "spec_policy_ab.py"), "--smoke", "--output", str(out))
+    _run(str(REPO / "benchmarks" / "spec_policy_ab.py"), "--smoke", "--other", other, "--output", str(out))
     results = json.loads(out.read_text())
+    assert results["other"] == other
     assert set(results["rows"]) == {"fresh@4", "steady@4"}
     for rows in results["rows"].values():
-        assert set(rows) == {"plain", "pooled", "per_request"}
+        assert set(rows) == {"plain", other, "shipped"}
         for name, (trial,) in rows.items():
             assert trial["wall_ms"] > 0 and "prefill" in trial["kinds"]
             assert ("choices" in trial) == (name != "plain")
+    assert set(results["tpot_ms"]) == {"plain", other, "shipped"}
     assert all(len(v) == 1 and v[0] > 0 for v in results["tpot_ms"].values())
 
 

@@ -106,6 +106,7 @@ class SpeculationPolicy:
     _rejected: float = 2.0
     _population_accepted: float = 3.0  # the same prior, decayed by population_decay
     _population_rejected: float = 2.0
+    _num_verified: int = 0  # verifications observed (runs with drafts)
     # Host seconds of recent steps by (k verified, drafts proposed): proposal passes cost host time.
     _host_samples: dict[tuple[int, int], deque[float]] = field(default_factory=dict)
     _probe: int | None = None  # a probed k, chosen again at the next step
@@ -189,7 +190,13 @@ class SpeculationPolicy:
         rates = self._rates(num_decodes, self.step_cost, batch)
         k = _fastest(rates)
         current = self._current
-        if current in rates and rates[k] < rates[current] * (1.0 + self.switch_margin):
+        if not self._has_speculated():
+            # Nothing seen of any k > 0 yet: the widest first. Its runs show the acceptance at every position (a
+            # k = 1 run only at the first) and its host time prices every k > 0. On the prior alone (0.6 a position)
+            # a fresh engine at 128 streams took k = 1, then k = 0 on k = 1's host time, for eight plans before a
+            # probe found k = 4, about 8 % of the batch (an H200, 2026-12-02).
+            k = self.max_k
+        elif current in rates and rates[k] < rates[current] * (1.0 + self.switch_margin):
             k = current
         self._current = k
         if self._probed is not None:
@@ -214,6 +221,10 @@ class SpeculationPolicy:
                 self._probe_left = self.probe_length - 1
         self._last_chosen[k] = self._num_choices
         return k
+
+    def _has_speculated(self) -> bool:
+        """Whether any step at a k > 0 has been observed: a verification, its emitted runs, or its host time."""
+        return bool(self._num_verified or self._runs) or any(j > 0 for j, _ in self._host_samples)
 
     def _interval(self, k: int) -> int:
         return self._intervals.get(k, self.probe_interval)
@@ -245,8 +256,10 @@ class SpeculationPolicy:
             self._population_rejected,
         )
         step_accepted = step_rejected = 0.0
+        num_verified = 0
         for num_drafts, num_accepted in runs:
             if num_drafts > 0:
+                num_verified += 1
                 rejection = 1.0 if num_accepted < num_drafts else 0.0
                 accepted = decay * accepted + num_accepted
                 rejected = decay * rejected + rejection
@@ -256,6 +269,7 @@ class SpeculationPolicy:
         if step_accepted or step_rejected:
             self._population_accepted = long_decay * long_accepted + step_accepted
             self._population_rejected = long_decay * long_rejected + step_rejected
+        self._num_verified += num_verified
 
     def observe_emitted_runs(self, k: int, num_tokens: list[int], predicted: list[float] | None = None) -> None:
         """`observe_emitted(k, n)` for each n of a step, in order (one call per step). `predicted`: what the

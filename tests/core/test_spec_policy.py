@@ -267,6 +267,26 @@ def test_a_smaller_k_is_capped_by_the_larger_ks_batch_scaled_runs():
     assert policy.tokens_per_run(2, None, strong) == pytest.approx(scaled_4)
 
 
+def test_a_fresh_policy_speculates_at_the_widest_k_first():
+    """Before any k > 0 was seen the prior (0.6 a position) prices every k: at 128 decodes on an H200's step costs it
+    picks k = 1, whose runs show the first position only. The widest k goes first; once seen, the estimates choose:
+    here drafts that are rarely accepted and cost host time, so k = 0."""
+    device_us = {0: 307.0, 1: 316.0, 2: 391.0, 4: 552.0}
+
+    def h200_128(num_decodes: int, k: int) -> float:
+        return device_us[k] * 1e-6
+
+    policy = SpeculationPolicy(4, step_cost=h200_128, probe_interval=0)
+    assert policy._best(128, h200_128) == 1
+    assert policy.choose(128) == 4
+    assert policy.choose(128) == 4  # nothing observed yet
+    _feed(policy, 0.2, 200)
+    for _ in range(8):
+        policy.observe_step(128, 4, h200_128(128, 4) + 4e-4)
+        policy.observe_step(128, 0, h200_128(128, 0), num_proposals=0)
+    assert policy.choose(128) == 0
+
+
 def test_runs_without_drafts_turn_speculation_off():
     """An n-gram proposer that finds nothing in random text: no draft is ever verified, so the
     acceptance estimate keeps its prior, but every run at k emitted one token: k = 0 wins."""
