@@ -9,6 +9,10 @@ The runs are closed batches of `--streams` requests (128 new tokens each, the th
 
 - `fresh`: every engine is reset as after its warm-up before each trial (a fresh policy: a served engine's start).
 - `steady`: the policies carry over from trial to trial.
+- `sustained`: as steady, but each trial sends `--sustained-factor` times as many requests as the engines'
+  `max_num_seqs` (128) and only that many run at once, a new one admitted as one ends: `--streams` concurrent
+  streams held full, as `vllm bench serve --max-concurrency` measures, where a closed batch also times its drain
+  (only `--streams 128` applies).
 
     python3 benchmarks/spec_policy_ab.py --output $OUT/spec_policy_ab.json   # GPU, ~2 min with start-up
     python3 benchmarks/spec_policy_ab.py --smoke                             # CPU: the script only
@@ -60,6 +64,7 @@ def main() -> int:
     ap.add_argument("--other", default="prior_first", choices=OTHERS, help="the policy the shipped one is set against")
     ap.add_argument("--streams", default="128,32")
     ap.add_argument("--modes", default="fresh,steady")
+    ap.add_argument("--sustained-factor", type=int, default=4, help="requests a sustained trial sends per stream")
     ap.add_argument("--trials", type=int, default=7)
     ap.add_argument("--tpot-trials", type=int, default=9)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -70,13 +75,17 @@ def main() -> int:
 
     streams = [int(s) for s in args.streams.split(",")]
     modes = args.modes.split(",")
-    if any(m not in ("fresh", "steady") for m in modes):
-        ap.error(f"--modes takes fresh and/or steady, got {args.modes}")
+    if any(m not in ("fresh", "steady", "sustained") for m in modes):
+        ap.error(f"--modes takes fresh, steady and/or sustained, got {args.modes}")
+    if args.sustained_factor < 1:
+        ap.error(f"--sustained-factor is at least 1, got {args.sustained_factor}")
     base: dict[str, Any] = dict(ENGINE_SETTINGS, gpu_memory_utilization=0.25)
     if args.smoke:
         streams, args.trials, args.tpot_trials, args.new_tokens = [4], 1, 1, 6
-        base.update(device="cpu", dtype="float32", max_num_seqs=8, num_kv_blocks=256, max_model_len=512)
+        base.update(device="cpu", dtype="float32", max_num_seqs=4, num_kv_blocks=256, max_model_len=512)
         base.pop("gpu_memory_utilization")
+    if "sustained" in modes and base["max_num_seqs"] not in streams:
+        ap.error(f"the sustained mode holds max_num_seqs = {base['max_num_seqs']} streams: add it to --streams")
     llms = {
         "plain": asyncspec.LLM(str(TARGET), **base),
         args.other: asyncspec.LLM(str(TARGET), **base, **DRAFT_SETTINGS),
@@ -87,7 +96,9 @@ def main() -> int:
     warm = asyncspec.SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     for mode in modes:
         for c in streams:
-            prompts = load_prompts(c)
+            if mode == "sustained" and c != base["max_num_seqs"]:
+                continue
+            prompts = load_prompts(c * (args.sustained_factor if mode == "sustained" else 1))
             for name, llm in llms.items():
                 prepare(name, llm, False)
                 llm.generate(prompts, warm)

@@ -334,17 +334,38 @@ def test_spec_policy_ab_smoke(tmp_path: Path, other: str) -> None:
     """benchmarks/spec_policy_ab.py --smoke: plain, the changed policy and the shipped one, each mode's trials
     traced, and a TPOT each."""
     out = tmp_path / "spec_policy_ab.json"
-    _run(str(REPO / "benchmarks" / "spec_policy_ab.py"), "--smoke", "--other", other, "--output", str(out))
+    modes = ["--modes", "fresh,steady,sustained"] if other == "prior_first" else []
+    _run(str(REPO / "benchmarks" / "spec_policy_ab.py"), "--smoke", "--other", other, *modes, "--output", str(out))
     results = json.loads(out.read_text())
     assert results["other"] == other
-    assert set(results["rows"]) == {"fresh@4", "steady@4"}
-    for rows in results["rows"].values():
+    assert set(results["rows"]) == {"fresh@4", "steady@4"} | ({"sustained@4"} if modes else set())
+    for key, rows in results["rows"].items():
         assert set(rows) == {"plain", other, "shipped"}
         for name, (trial,) in rows.items():
             assert trial["wall_ms"] > 0 and "prefill" in trial["kinds"]
             assert ("choices" in trial) == (name != "plain")
+            # A sustained trial's 16 requests run 4 at a time: admissions continue after the first decodes.
+            assert max(record[2] for record in trial["sequence"]) <= 4
+            assert (sum(record[7] for record in trial["sequence"]) == 16) == key.startswith("sustained")
     assert set(results["tpot_ms"]) == {"plain", other, "shipped"}
     assert all(len(v) == 1 and v[0] > 0 for v in results["tpot_ms"].values())
+
+
+def test_admission_waves_ab_smoke(tmp_path: Path) -> None:
+    """benchmarks/admission_waves_ab.py --smoke: four engines (plain and draft, waves on and off), both workloads,
+    every requested token generated (the varied workload's lengths spread), and the queue times recorded."""
+    out = tmp_path / "aw.json"
+    _run(str(REPO / "benchmarks" / "admission_waves_ab.py"), "--smoke", "--output", str(out))
+    results = json.loads(out.read_text())
+    assert set(results["workloads"]) == {"fixed", "varied"}
+    totals = {}
+    for workload, entry in results["workloads"].items():
+        assert set(entry["rows"]) == {"plain, no waves", "plain, waves", "draft, no waves", "draft, waves"}
+        for (trial,) in entry["rows"].values():
+            assert trial["tokens_per_s"] > 0 and trial["queued_ms_p90"] >= trial["queued_ms_p50"] >= 0
+        totals[workload] = {trial["tokens"] for (trial,) in entry["rows"].values()}
+    assert totals["fixed"] == {32 * 8}  # 16 streams, 2 requests each, 8 tokens
+    assert len(totals["varied"]) == 1 and totals["varied"] != totals["fixed"]
 
 
 def test_scheduler_spec_overhead_smoke(tmp_path: Path) -> None:

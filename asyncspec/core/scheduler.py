@@ -50,6 +50,10 @@ class SchedulerConfig:
     multi_step_speculation: bool = False
     """A plan that verifies k > 0 drafts and proposes k again may run several greedy verification steps back
     to back, each one's drafts proposed by the step before on the device (the worker's draft-model path)."""
+    admission_delay_runs: int = 0
+    """Under load (fewer than `admission_wave` sequence slots free), how many multi-step decode runs in a row may
+    leave the waiting requests waiting, so that they are admitted in waves: a plan that admits one computes a
+    prompt chunk and runs a single step. 0 admits as soon as a slot frees."""
     max_draft_lag: int = 0
     """Most decode steps a request's draft model may fall behind (EngineConfig.max_draft_lag; 0: no draft model).
     The worker feeds the draft the first step of a run when the lag would pass it, so a run takes at most
@@ -102,6 +106,8 @@ class Scheduler:
         """The most decode steps the next plans may run (`set_steps_per_plan`; at most the config's)."""
         self._finished_since_last_step: set[str] = set()
         self._step_id = 0
+        self._admission_deferrals = 0
+        """Multi-step runs planned in a row that left admissible requests waiting (`_defers_admission`)."""
         self._below_min_tokens: set[Request] = set()
         self._plans: dict[int, dict[str, Request]] = {}
         """Per step not yet reconciled, the Request objects it planned: a request id may be reused
@@ -198,17 +204,23 @@ class Scheduler:
         draft_positions: dict[str, int] = {}
         # Decode steps this plan runs back to back: each request computes one token per step, so it needs
         # slots for num_steps tokens and emits num_steps tokens (optimistic view below).
-        # Not while a request waits that could be admitted now: it would wait for the whole run. With
+        # Not while a request waits that could be admitted now (it would wait for the whole run), unless
+        # admissions are deferred under load (`_defers_admission`). With
         # speculation, only when this plan verifies nothing and the next one verifies nothing either (the
         # policy's choice before the run: a run admits no request, so the batch it saw is the run's).
         num_steps = 1
         next_k: int | None = None
         prompts_pending = False  # a prompt (or a recompute) this plan leaves unfinished
+        defers_admission = False
         if self.steps_per_plan > 1 and (spec_k == 0 or cfg.multi_step_speculation):
-            if not self.waiting or len(running) >= cfg.max_num_seqs:
+            defers_admission = self._defers_admission()
+            if not self.waiting or len(running) >= cfg.max_num_seqs or defers_admission:
                 # Every request a decode and no admission possible: no prompt chunk in this plan or the next, so
                 # the policy may choose the next k now (its only choice for this plan).
+                # Deferred admissions, too: the run admits none (a plan whose requests cannot run several
+                # steps gains nothing from deferring, and admits).
                 count = self._multi_step_count(spec_k)
+                defers_admission = defers_admission and count > 1
                 if count > 1:
                     if cfg.num_speculative_tokens:
                         next_k = self._plan_next_k()
@@ -312,7 +324,10 @@ class Scheduler:
 
         # 2. Waiting requests, unless memory was short this step.
         memory_short = bool(preempted_ids)
-        if not preempted_ids:
+        if defers_admission:
+            self._admission_deferrals += 1
+        elif not preempted_ids:
+            self._admission_deferrals = 0
             while self.waiting and token_budget > 0 and len(self.running) < cfg.max_num_seqs:
                 request = self.waiting.peek()
                 if request.num_computed_tokens == 0 and cfg.enable_prefix_caching:
@@ -400,6 +415,19 @@ class Scheduler:
         if not self.config.num_speculative_tokens:
             return 0
         return self._plan_next_k(prompts_pending) if next_k is None else next_k
+
+    def _defers_admission(self) -> bool:
+        """Whether this plan leaves the waiting requests waiting and runs several decode steps instead (if it can):
+        the batch is under load, with fewer free slots than a wave (an eighth of max_num_seqs), and fewer than
+        `admission_delay_runs` runs in a row have deferred. A plan that admits runs one step, for every request;
+        where the host's work per plan sets the pace (the reason plans take several steps), a request that ends
+        every few steps (as requests that speculate do, their lengths spread) would otherwise cut every run to one
+        step. Holding the admissions for a run or two admits them together: each waits at most that many runs."""
+        cfg = self.config
+        if not cfg.admission_delay_runs or not self.waiting:
+            return False
+        free = cfg.max_num_seqs - len(self.running)
+        return 0 < free < cfg.max_num_seqs // 8 and self._admission_deferrals < cfg.admission_delay_runs
 
     def _admissions_pending(self) -> bool:
         """Requests wait that the next plan may admit: the batch has room (the caller rules out a wait for KV

@@ -131,6 +131,7 @@ class EngineCore:
                 policy=config.scheduling_policy,
                 adaptive_speculation=config.adaptive_speculation,
                 num_scheduler_steps=config.max_scheduler_steps,
+                admission_delay_runs=config.admission_delay_runs,
                 max_draft_lag=config.max_draft_lag,
                 multi_step_speculation=config.speculative_method == "draft_model",
             ),

@@ -1,0 +1,116 @@
+"""Admission waves under load (SchedulerConfig.admission_delay_runs): while fewer than max_num_seqs / 8 slots are
+free, waiting requests wait for at most that many multi-step runs in a row, then are admitted; with more slots free,
+with single-step plans, or with the delay at 0 they are admitted as soon as a slot frees. The tokens are the same."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncspec.config import EngineConfig
+from asyncspec.errors import ConfigError
+
+from .scheduler_fakes import FakeRunner, make_request, make_scheduler, run_to_completion, step
+
+MAX_NUM_SEQS = 16  # a wave: 2 slots
+
+
+def _scheduler(delay: int, k: int = 0, steps: int = 4):
+    return make_scheduler(
+        num_blocks=1024,
+        block_size=4,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=128,
+        max_model_len=512,
+        num_scheduler_steps=steps,
+        admission_delay_runs=delay,
+        num_speculative_tokens=k,
+        num_lookahead_tokens=k,
+        multi_step_speculation=bool(k),
+    )
+
+
+def _load(s, short: tuple[int, ...]) -> None:
+    """A full batch of greedy requests, those in `short` ending early (after 6 tokens), and 3 waiting ones."""
+    for i in range(MAX_NUM_SEQS):
+        s.add_request(make_request(f"r{i}", 4, temperature=0.0, max_tokens=6 if i in short else 60))
+    for i in range(3):
+        s.add_request(make_request(f"w{i}", 4, temperature=0.0, max_tokens=10))
+
+
+def _plans(s, runner) -> list[dict]:
+    """Per plan: its steps, the ids it admitted, and whether it could have admitted (a slot free, a request
+    waiting) when it was planned."""
+    plans = []
+    while s.has_unfinished_requests():
+        could_admit = bool(s.waiting) and len(s.running) < MAX_NUM_SEQS
+        so, _ = step(s, runner)
+        admitted = [r.request_id for r in so.scheduled_new_reqs]
+        plans.append({"steps": so.num_steps, "admitted": admitted, "could_admit": could_admit})
+        assert len(plans) < 500
+    return plans
+
+
+def _first_slot_free(plans: list[dict]) -> int:
+    return next(i for i, p in enumerate(plans) if i > 0 and p["could_admit"])
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_one_free_slot_waits_for_at_most_the_delays_runs_then_admits(k):
+    s = _scheduler(delay=2, k=k)
+    _load(s, short=(0,))
+    plans = _plans(s, FakeRunner(s))
+    first = _first_slot_free(plans)
+    # One slot of 16 free (a wave is 2): two 4-step runs admit nothing, the third plan admits w0 in one step.
+    assert [p["steps"] for p in plans[first : first + 3]] == [4, 4, 1]
+    assert [p["admitted"] for p in plans[first : first + 3]] == [[], [], ["w0"]]
+    # Never more than 2 runs in a row that could have admitted and did not; each was a multi-step run.
+    in_a_row = 0
+    for p in plans:
+        deferred = p["could_admit"] and not p["admitted"]
+        in_a_row = in_a_row + 1 if deferred else 0
+        assert in_a_row <= 2
+        assert not deferred or p["steps"] > 1
+    assert {a for p in plans for a in p["admitted"]} >= {"w0", "w1", "w2"}
+
+
+def test_without_the_delay_a_free_slot_is_filled_at_once():
+    s = _scheduler(delay=0)
+    _load(s, short=(0,))
+    plans = _plans(s, FakeRunner(s))
+    first = _first_slot_free(plans)
+    assert plans[first]["admitted"] == ["w0"] and plans[first]["steps"] == 1
+    assert all(p["admitted"] for p in plans if p["could_admit"])
+
+
+def test_a_wave_of_free_slots_is_filled_at_once():
+    s = _scheduler(delay=2)
+    _load(s, short=(0, 1))  # two slots free together: a wave
+    plans = _plans(s, FakeRunner(s))
+    first = _first_slot_free(plans)
+    assert plans[first]["admitted"] == ["w0", "w1"]
+
+
+def test_single_step_plans_gain_nothing_and_admit_at_once():
+    s = _scheduler(delay=2, steps=1)
+    _load(s, short=(0,))
+    plans = _plans(s, FakeRunner(s))
+    assert all(p["admitted"] for p in plans if p["could_admit"])
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_deferred_admissions_emit_the_same_tokens(k):
+    results = []
+    for delay in (0, 2):
+        s = _scheduler(delay=delay, k=k)
+        _load(s, short=(0, 5, 9))
+        results.append(run_to_completion(s, FakeRunner(s)))
+        assert s.kv_cache_manager.num_free_blocks == s.kv_cache_manager.num_blocks
+    assert results[0] == results[1]
+    assert len(results[1]) == MAX_NUM_SEQS + 3
+    assert all(reason == "length" for _, reason in results[1].values())
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_a_negative_or_non_integer_delay_is_refused(value):
+    with pytest.raises(ConfigError, match="admission_delay_runs"):
+        EngineConfig(model="m", admission_delay_runs=value)
