@@ -62,6 +62,11 @@ def main() -> int:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--delay", type=int, default=2, help="admission_delay_runs of the engines with waves")
     ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument(
+        "--keep-drafts-too",
+        action="store_true",
+        help="also a speculating engine with waves whose admitting plans keep the drafts they hold",
+    )
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny settings: checks the script")
     ap.add_argument("--output", type=Path)
@@ -91,7 +96,13 @@ def main() -> int:
         "draft, no waves": {"admission_delay_runs": 0, **DRAFT_SETTINGS},
         "draft, waves": {"admission_delay_runs": args.delay, **DRAFT_SETTINGS},
     }
+    if args.keep_drafts_too:
+        engines["draft, waves, drafts kept"] = engines["draft, waves"]
+        if "gpu_memory_utilization" in base:
+            base["gpu_memory_utilization"] = 0.15
     llms = {name: asyncspec.LLM(str(TARGET), **base, **extra) for name, extra in engines.items()}
+    if args.keep_drafts_too:
+        llms["draft, waves, drafts kept"].engine.engine_core.scheduler._admits_wave = lambda defers: False
     prompts = load_prompts(args.streams * args.factor)
     if args.smoke:
         prompts = [p[:24] for p in prompts]
@@ -109,7 +120,7 @@ def main() -> int:
         print(f"{workload} @{args.streams} streams, {len(prompts)} requests:", flush=True)
         for name, v in rows.items():
             print(
-                f"  {name:16s} {med[name]:9.0f} tok/s {[round(r['wall_ms'], 1) for r in v]} ms,"
+                f"  {name:25s} {med[name]:9.0f} tok/s {[round(r['wall_ms'], 1) for r in v]} ms,"
                 f" queued p50 {statistics.median(r['queued_ms_p50'] for r in v):.1f} ms"
                 f" p90 {statistics.median(r['queued_ms_p90'] for r in v):.1f} ms"
             )

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from asyncspec.config import EngineConfig
+from asyncspec.core.spec_policy import SpeculationPolicy
 from asyncspec.errors import ConfigError
+from asyncspec.sampling_params import SamplingParams
 
 from .scheduler_fakes import FakeRunner, make_request, make_scheduler, run_to_completion, step
 
@@ -114,3 +116,60 @@ def test_deferred_admissions_emit_the_same_tokens(k):
 def test_a_negative_or_non_integer_delay_is_refused(value):
     with pytest.raises(ConfigError, match="admission_delay_runs"):
         EngineConfig(model="m", admission_delay_runs=value)
+
+
+def _measured_costs(s) -> None:
+    """A policy with step costs (as on CUDA) for which k = 2 stays the fastest, whatever it accepts."""
+    s.spec_policy = SpeculationPolicy(2, step_cost=lambda num_decodes, k: 1e-4 if k == 2 else 1e-3)
+
+
+def _admitting_plans(s, runner) -> list:
+    plans = []
+    while s.has_unfinished_requests():
+        so, _ = step(s, runner)
+        if so.scheduled_new_reqs and so.scheduled_cached_reqs.request_ids:  # admits beside running decodes
+            plans.append(so)
+        assert s._step_id < 500
+    return plans
+
+
+@pytest.mark.parametrize("delay", [0, 2])
+def test_a_wave_verifies_none_of_the_drafts_held_for_it(delay):
+    """With measured step costs, the plan that admits a wave drops the drafts its decodes hold (it is a mixed
+    plan, where verification is host work); admitting one request at a time (delay 0) keeps them."""
+    s = _scheduler(delay=delay, k=2)
+    _measured_costs(s)
+    _load(s, short=(0,))
+    first, *_ = _admitting_plans(s, FakeRunner(s))
+    assert first.num_speculative_tokens == 2
+    assert [r.request_id for r in first.scheduled_new_reqs] == ["w0"]
+    decodes = first.scheduled_cached_reqs.request_ids
+    assert len(decodes) == MAX_NUM_SEQS - 1
+    if delay:
+        assert first.num_draft_positions == {}
+        assert all(first.num_scheduled_tokens[r] == 1 for r in decodes)
+    else:
+        assert set(first.num_draft_positions) == set(decodes)
+        assert all(first.num_scheduled_tokens[r] == 3 for r in decodes)
+
+
+def test_a_wave_keeps_its_drafts_without_step_costs_or_with_a_seeded_request():
+    for seeded in (False, True):
+        s = _scheduler(delay=2, k=2)
+        if seeded:
+            _measured_costs(s)
+        _load(s, short=(0,))
+        if seeded:
+            s.requests["r3"].sampling_params = SamplingParams(temperature=0.0, max_tokens=60, seed=5)
+        first, *_ = _admitting_plans(s, FakeRunner(s))
+        assert len(first.num_draft_positions) == MAX_NUM_SEQS - 1, seeded
+
+
+def test_dropped_drafts_emit_the_same_tokens():
+    results = []
+    for delay in (0, 2):
+        s = _scheduler(delay=delay, k=2)
+        _measured_costs(s)
+        _load(s, short=(0, 5, 9))
+        results.append(run_to_completion(s, FakeRunner(s)))
+    assert results[0] == results[1]
