@@ -108,6 +108,8 @@ class Scheduler:
         self._step_id = 0
         self._admission_deferrals = 0
         """Multi-step runs planned in a row that left admissible requests waiting (`_defers_admission`)."""
+        self._admitted_last_plan = False
+        """Whether the last plan admitted a request: a wave of admissions under way goes on until the batch is full."""
         self._below_min_tokens: set[Request] = set()
         self._plans: dict[int, dict[str, Request]] = {}
         """Per step not yet reconciled, the Request objects it planned: a request id may be reused
@@ -387,6 +389,7 @@ class Scheduler:
                     prompts_pending = True
                 token_budget -= num_new
 
+        self._admitted_last_plan = bool(new_reqs)
         self._step_id += 1
         output = SchedulerOutput(
             step_id=self._step_id,
@@ -422,12 +425,13 @@ class Scheduler:
     def _defers_admission(self) -> bool:
         """Whether this plan leaves the waiting requests waiting and runs several decode steps instead (if it can):
         the batch is under load, with fewer free slots than a wave (an eighth of max_num_seqs), and fewer than
-        `admission_delay_runs` runs in a row have deferred. A plan that admits runs one step, for every request;
+        `admission_delay_runs` runs in a row have deferred, and the last plan admitted none (a wave under way, whose
+        prompts took several plans, goes on until the batch is full). A plan that admits runs one step, for every request;
         where the host's work per plan sets the pace (the reason plans take several steps), a request that ends
         every few steps (as requests that speculate do, their lengths spread) would otherwise cut every run to one
         step. Holding the admissions for a run or two admits them together: each waits at most that many runs."""
         cfg = self.config
-        if not cfg.admission_delay_runs or not self.waiting:
+        if not cfg.admission_delay_runs or not self.waiting or self._admitted_last_plan:
             return False
         free = cfg.max_num_seqs - len(self.running)
         return 0 < free < cfg.max_num_seqs // 8 and self._admission_deferrals < cfg.admission_delay_runs

@@ -16,8 +16,9 @@ from .scheduler_fakes import FakeRunner, make_request, make_scheduler, run_to_co
 MAX_NUM_SEQS = 16  # a wave: 2 slots
 
 
-def _scheduler(delay: int, k: int = 0, steps: int = 4):
+def _scheduler(delay: int, k: int = 0, steps: int = 4, chunked: bool = True):
     return make_scheduler(
+        enable_chunked_prefill=chunked,
         num_blocks=1024,
         block_size=4,
         max_num_seqs=MAX_NUM_SEQS,
@@ -173,3 +174,18 @@ def test_dropped_drafts_emit_the_same_tokens():
         _load(s, short=(0, 5, 9))
         results.append(run_to_completion(s, FakeRunner(s)))
     assert results[0] == results[1]
+
+
+def test_a_wave_whose_prompts_take_several_plans_fills_the_batch_without_deferring():
+    """Prompts of 30 tokens fill the batch over several plans (the token budget): when one slot is left, the next
+    plan fills it, not deferred although a wave is 2 slots: the admissions under way go on until the batch is full."""
+    s = _scheduler(delay=2, chunked=False)
+    for i in range(MAX_NUM_SEQS + 2):
+        s.add_request(make_request(f"r{i}", 30, temperature=0.0, max_tokens=60))
+    runner = FakeRunner(s)
+    free_before = []
+    while len(s.running) < MAX_NUM_SEQS:
+        free_before.append(MAX_NUM_SEQS - len(s.running))
+        so, _ = step(s, runner)
+        assert so.scheduled_new_reqs, free_before
+    assert 1 in free_before
