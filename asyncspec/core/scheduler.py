@@ -425,11 +425,11 @@ class Scheduler:
     def _defers_admission(self) -> bool:
         """Whether this plan leaves the waiting requests waiting and runs several decode steps instead (if it can):
         the batch is under load, with fewer free slots than a wave (an eighth of max_num_seqs), and fewer than
-        `admission_delay_runs` runs in a row have deferred, and the last plan admitted none (a wave under way, whose
-        prompts took several plans, goes on until the batch is full). A plan that admits runs one step, for every request;
-        where the host's work per plan sets the pace (the reason plans take several steps), a request that ends
-        every few steps (as requests that speculate do, their lengths spread) would otherwise cut every run to one
-        step. Holding the admissions for a run or two admits them together: each waits at most that many runs."""
+        `admission_delay_runs` runs in a row have deferred, and the last plan admitted none (a wave under way,
+        whose prompts took several plans, goes on until the batch is full). A plan that admits runs one step, for
+        every request; where the host's work per plan sets the pace (the reason plans take several steps), a
+        request that ends every few steps (as requests that speculate do, their lengths spread) would otherwise
+        cut every run to one step. Holding the admissions for a run or two admits them together: each waits at most that many runs."""
         cfg = self.config
         if not cfg.admission_delay_runs or not self.waiting or self._admitted_last_plan:
             return False
