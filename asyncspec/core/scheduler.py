@@ -429,7 +429,8 @@ class Scheduler:
         whose prompts took several plans, goes on until the batch is full). A plan that admits runs one step, for
         every request; where the host's work per plan sets the pace (the reason plans take several steps), a
         request that ends every few steps (as requests that speculate do, their lengths spread) would otherwise
-        cut every run to one step. Holding the admissions for a run or two admits them together: each waits at most that many runs."""
+        cut every run to one step. Holding the admissions for a run or two admits them together: each waits at
+        most that many runs."""
         cfg = self.config
         if not cfg.admission_delay_runs or not self.waiting or self._admitted_last_plan:
             return False
