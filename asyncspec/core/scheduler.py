@@ -69,6 +69,8 @@ class SchedulerStats:
     num_device_steps: int = 0
     """Forward steps those plans ran: a multi-step plan (num_scheduler_steps) counts each of its steps."""
     num_preemptions: int = 0
+    num_admission_deferrals: int = 0
+    """Multi-step runs planned while requests that could have been admitted waited (admission waves)."""
     num_prompt_tokens_computed: int = 0
     """Prompt tokens run through prefill steps, recomputation after a preemption included."""
     num_prompt_tokens: int = 0
@@ -331,6 +333,7 @@ class Scheduler:
         memory_short = bool(preempted_ids)
         if defers_admission:
             self._admission_deferrals += 1
+            self.stats.num_admission_deferrals += 1
         elif not preempted_ids:
             self._admission_deferrals = 0
             while self.waiting and token_budget > 0 and len(self.running) < cfg.max_num_seqs:

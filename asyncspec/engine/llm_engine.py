@@ -177,6 +177,7 @@ class LLMEngine:
             "num_device_steps": scheduler.stats.num_device_steps,
             "scheduler_steps_per_plan": scheduler.steps_per_plan,
             "num_preemptions": scheduler.stats.num_preemptions,
+            "num_admission_deferrals": scheduler.stats.num_admission_deferrals,
             "num_prompt_tokens_computed": scheduler.stats.num_prompt_tokens_computed,
             "num_prompt_tokens": scheduler.stats.num_prompt_tokens,
             "num_prompt_tokens_cached": scheduler.stats.num_prompt_tokens_cached,

@@ -44,6 +44,11 @@ _COUNTERS = (
     ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
     ("num_preemptions", "Requests preempted (their KV freed, recomputed later).", "num_preemptions"),
     (
+        "num_admission_deferrals",
+        "Multi-step runs planned while admissible requests waited, so they are admitted in waves.",
+        "num_admission_deferrals",
+    ),
+    (
         "prompt_tokens",
         "Prompt tokens of the requests that started generating: once per request, prefix-cache hits included.",
         "num_prompt_tokens",

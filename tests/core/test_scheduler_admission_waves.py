@@ -66,6 +66,7 @@ def test_one_free_slot_waits_for_at_most_the_delays_runs_then_admits(k):
     # One slot of 16 free (a wave is 2): two 4-step runs admit nothing, the third plan admits w0 in one step.
     assert [p["steps"] for p in plans[first : first + 3]] == [4, 4, 1]
     assert [p["admitted"] for p in plans[first : first + 3]] == [[], [], ["w0"]]
+    assert s.stats.num_admission_deferrals == sum(p["could_admit"] and not p["admitted"] for p in plans) >= 2
     # Never more than 2 runs in a row that could have admitted and did not; each was a multi-step run.
     in_a_row = 0
     for p in plans:
@@ -83,6 +84,7 @@ def test_without_the_delay_a_free_slot_is_filled_at_once():
     first = _first_slot_free(plans)
     assert plans[first]["admitted"] == ["w0"] and plans[first]["steps"] == 1
     assert all(p["admitted"] for p in plans if p["could_admit"])
+    assert s.stats.num_admission_deferrals == 0
 
 
 def test_a_wave_of_free_slots_is_filled_at_once():

@@ -23,6 +23,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 STAT_KEYS = {
     "num_steps",
     "num_preemptions",
+    "num_admission_deferrals",
     "num_prompt_tokens_computed",
     "num_prompt_tokens",
     "num_prompt_tokens_cached",

@@ -327,8 +327,14 @@ def test_metrics_move_by_exact_amounts(server, prompts):
     # Every token but each request's first closes an inter-token gap.
     assert delta("asyncspec:inter_token_latency_seconds_count") == generated - 4
     assert after["asyncspec:num_requests_running"] == 0 and after["asyncspec:kv_cache_usage_perc"] == 0.0
-    for key in ("asyncspec:step_scheduling_seconds_total", "asyncspec:gpu_idle_seconds_total"):
+    for key in (
+        "asyncspec:step_scheduling_seconds_total",
+        "asyncspec:gpu_idle_seconds_total",
+        "asyncspec:num_admission_deferrals_total",
+    ):
         assert key in after
+    # One step a plan on the CPU: no run to defer an admission for.
+    assert delta("asyncspec:num_admission_deferrals_total") == 0
 
 
 def test_drain_refuses_new_requests_and_turns_readiness_off(prompts):
