@@ -24,12 +24,17 @@ def retire_s(verified: int) -> float:
     return 0.08e-3 + 0.01e-3 * verified
 
 
-def simulate(probe_length: int, filtered: bool, steps: int = 1500, acceptance: float = 0.95) -> list[int]:
+def simulate(
+    probe_length: int, filtered: bool, steps: int = 1500, acceptance: float = 0.95, seen: bool = True
+) -> list[int]:
     """Depth-2 pipeline at batch 1: step N + 1 is launched before step N's results are retired. The first
-    steps at k = 4 are slow, so the policy soon leaves it and must find its way back by probing. Returns the k each
-    step verified."""
+    steps at k = 4 are slow, so the policy soon leaves it and must find its way back by probing. `seen`: the policy
+    has already verified a draft (else, fresh, it runs the widest k until it has seen a step at k > 0). Returns the
+    k each step verified."""
     rng = random.Random(0)
     policy = SpeculationPolicy(4, step_cost=lambda n, k: GPU_S[k], probe_length=probe_length, probe_interval=50)
+    if seen:
+        policy.observe_run(1, 1)
     keys = []  # (requests, verified, proposed) per step, in launch order
     verified = 4
     for _ in range(steps + 1):
@@ -64,6 +69,9 @@ def test_two_step_probes_lock_the_policy_away_from_the_best_k():
     for filtered in (False, True):
         chosen = simulate(probe_length=2, filtered=filtered)[500:]
         assert chosen.count(4) < 0.1 * len(chosen)
+    # A fresh policy's first steps run the widest k back to back: filtered, their steady periods price k = 4.
+    fresh = simulate(probe_length=2, filtered=True, seen=False)[500:]
+    assert fresh.count(4) > 0.85 * len(fresh)
 
 
 def test_steady_periods_keep_the_best_k():
