@@ -111,7 +111,10 @@ class Scheduler:
         self._admission_deferrals = 0
         """Multi-step runs planned in a row that left admissible requests waiting (`_defers_admission`)."""
         self._admitted_last_plan = False
-        """Whether the last plan admitted a request: a wave of admissions under way goes on until the batch is full."""
+        """Whether the last plan admitted requests and left some waiting with slots free (its token budget ran out):
+        a wave of admissions under way goes on until the batch is full."""
+        self._memory_short = False
+        """Whether the last plan preempted a request or could not admit one for KV memory."""
         self._below_min_tokens: set[Request] = set()
         self._plans: dict[int, dict[str, Request]] = {}
         """Per step not yet reconciled, the Request objects it planned: a request id may be reused
@@ -224,13 +227,13 @@ class Scheduler:
                 # Deferred admissions, too: the run admits none (a plan whose requests cannot run several
                 # steps gains nothing from deferring, and admits).
                 count = self._multi_step_count(spec_k)
-                defers_admission = defers_admission and count > 1
                 if count > 1:
                     if cfg.num_speculative_tokens:
                         next_k = self._plan_next_k()
                     if (next_k or 0) == spec_k:  # a steady k: this plan verifies it and proposes it again
                         num_steps = count
-        drops_drafts = bool(spec_k) and num_steps == 1 and self._admits_wave(defers_admission)
+                defers_admission = defers_admission and num_steps > 1
+        drops_drafts = bool(spec_k) and num_steps == 1 and bool(running) and self._admits_wave(defers_admission)
         if num_steps > 1:
             # Each step computes 1 + k tokens a request; the last one's k proposals need slots too.
             lookahead_k = (num_steps - 1) * (spec_k + 1) + spec_k
@@ -392,7 +395,8 @@ class Scheduler:
                     prompts_pending = True
                 token_budget -= num_new
 
-        self._admitted_last_plan = bool(new_reqs)
+        self._admitted_last_plan = bool(new_reqs) and bool(self.waiting) and len(self.running) < cfg.max_num_seqs
+        self._memory_short = memory_short
         self._step_id += 1
         output = SchedulerOutput(
             step_id=self._step_id,
@@ -413,7 +417,8 @@ class Scheduler:
         self._plans[self._step_id] = {rid: requests[rid] for rid in num_scheduled}
         if cfg.num_speculative_tokens:
             counts = self.stats.steps_per_speculative_k
-            counts[spec_k] = counts.get(spec_k, 0) + 1
+            verified_k = 0 if drops_drafts else spec_k
+            counts[verified_k] = counts.get(verified_k, 0) + 1
         self._finished_since_last_step = set()
         return output
 
@@ -450,6 +455,16 @@ class Scheduler:
         no seeded request running (a seeded stream's draws must not depend on when admissions come)."""
         cfg = self.config
         if defers_admission or not cfg.admission_delay_runs or self.steps_per_plan <= 1 or not self.waiting:
+            return False
+        # A wave that may not get its KV blocks would drop the drafts for nothing: not after a plan short of
+        # memory, nor while the pool cannot hold the first waiting request's next chunk (and the running
+        # requests' slots for this step).
+        if self._memory_short:
+            return False
+        kv = self.kv_cache_manager
+        head = self.waiting.peek()
+        chunk = min(head.num_tokens - head.num_computed_tokens, cfg.max_num_batched_tokens)
+        if kv.num_free_blocks * kv.block_size < chunk + len(self.running) * (1 + self._planned_k):
             return False
         wave = cfg.max_num_seqs // 8
         free = cfg.max_num_seqs - len(self.running)

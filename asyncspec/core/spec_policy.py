@@ -195,7 +195,7 @@ class SpeculationPolicy:
             # k = 1 run only at the first) and its host time prices every k > 0. On the prior alone (0.6 a position)
             # a fresh engine at 128 streams took k = 1, then k = 0 on k = 1's host time, for eight plans before a
             # probe found k = 4, about 8 % of the batch (an H200, 2026-12-02).
-            k = self.max_k
+            k = max(self.choices)
         elif current in rates and rates[k] < rates[current] * (1.0 + self.switch_margin):
             k = current
         self._current = k

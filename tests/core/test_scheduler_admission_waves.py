@@ -191,3 +191,114 @@ def test_a_wave_whose_prompts_take_several_plans_fills_the_batch_without_deferri
         so, _ = step(s, runner)
         assert so.scheduled_new_reqs, free_before
     assert 1 in free_before
+
+
+def _deferred_runs(plans: list[dict]) -> int:
+    return sum(p["could_admit"] and not p["admitted"] for p in plans)
+
+
+def test_each_new_free_slot_may_defer_again():
+    """Two requests end at different runs: each slot, once free, waits up to two runs (the count starts again)."""
+    s = _scheduler(delay=2)
+    for i in range(MAX_NUM_SEQS):
+        s.add_request(make_request(f"r{i}", 4, temperature=0.0, max_tokens={0: 6, 1: 40}.get(i, 80)))
+    for i in range(2):
+        s.add_request(make_request(f"w{i}", 4, temperature=0.0, max_tokens=10))
+    plans = _plans(s, FakeRunner(s))
+    assert _deferred_runs(plans) >= 4
+
+
+def test_a_batch_filled_by_an_admission_defers_the_next_free_slot():
+    """The wave's plan admits w0 and fills the batch, and r1 ends in that very plan: the slot r1 frees is a new one,
+    deferred (the wave that filled the batch is over), not filled at once."""
+    s = _scheduler(delay=2)
+    for i in range(MAX_NUM_SEQS):
+        s.add_request(make_request(f"r{i}", 4, temperature=0.0, max_tokens={0: 6, 1: 18}.get(i, 80)))
+    for i in range(2):
+        s.add_request(make_request(f"w{i}", 4, temperature=0.0, max_tokens=10))
+    plans = _plans(s, FakeRunner(s))
+    at = next(i for i, p in enumerate(plans) if p["admitted"] == ["w0"])
+    after = plans[at + 1]
+    assert after["could_admit"] and not after["admitted"] and after["steps"] == 4
+
+
+def _dropping_plans(s, runner) -> list:
+    """Runs to the end; returns the plans that dropped the drafts their decodes held (the scheduler's decision,
+    recorded as it plans), each checked to verify no draft."""
+    decide = s._admits_wave
+    decisions: list[bool] = []
+
+    def recording(defers_admission: bool) -> bool:
+        decisions.append(decide(defers_admission))
+        return decisions[-1]
+
+    s._admits_wave = recording
+    dropped = []
+    while s.has_unfinished_requests():
+        decisions.clear()
+        so, _ = step(s, runner)
+        decodes = so.scheduled_cached_reqs.request_ids
+        if so.num_steps == 1 and so.num_speculative_tokens and decodes and any(decisions):
+            assert so.num_draft_positions == {} and so.scheduled_new_reqs
+            dropped.append(so)
+        assert s._step_id < 500
+    return dropped
+
+
+def _stop_string_batch(s, waiting: int, prompt: int = 4, max_tokens: int = 30) -> None:
+    """A full batch that one request's stop string holds to one step a plan (k > 0), two requests ending early."""
+    for i in range(MAX_NUM_SEQS):
+        stop = ["never-sampled"] if i == 2 else None
+        s.add_request(make_request(f"r{i}", 4, temperature=0.0, max_tokens=6 if i < 2 else max_tokens, stop=stop))
+    for i in range(waiting):
+        s.add_request(make_request(f"w{i}", prompt, temperature=0.0, max_tokens=10))
+
+
+@pytest.mark.parametrize(
+    ("case", "drops"),
+    [("wave", True), ("nothing waiting", False), ("one step a plan", False), ("small batch", False)],
+)
+def test_which_admitting_plans_drop_their_drafts(case, drops):
+    """A wave's worth of free slots (2 of 16) with requests waiting: its plan drops the drafts. Kept: with nothing
+    to admit, with the engine's steps a plan at one (the device sets the pace), and in a batch of 8 (no waves)."""
+    s = _scheduler(delay=2, k=2)
+    if case == "small batch":
+        s.config.max_num_seqs = 8
+    if case == "one step a plan":
+        s.set_steps_per_plan(1)
+    _measured_costs(s)
+    _stop_string_batch(s, waiting=0 if case == "nothing waiting" else 3)
+    zero_k = []
+    plan = s.schedule
+
+    def planning():
+        so = plan()
+        zero_k.append(so.num_speculative_tokens == 0)
+        return so
+
+    s.schedule = planning
+    dropped = _dropping_plans(s, FakeRunner(s))
+    assert bool(dropped) == drops
+    # A plan that dropped its drafts counts as a step that verified none.
+    assert s.stats.steps_per_speculative_k.get(0, 0) == sum(zero_k) + len(dropped)
+
+
+def test_no_drafts_are_dropped_for_a_wave_the_kv_pool_cannot_hold():
+    """The first waiting prompt's chunk needs more blocks than the pool has free: the plans keep their drafts (with
+    a large pool the same load drops them)."""
+    for num_blocks, drops in ((1024, True), (100, False)):
+        s = make_scheduler(
+            num_blocks=num_blocks,
+            block_size=4,
+            max_num_seqs=MAX_NUM_SEQS,
+            max_num_batched_tokens=160,
+            max_model_len=512,
+            num_scheduler_steps=4,
+            admission_delay_runs=2,
+            num_speculative_tokens=2,
+            num_lookahead_tokens=2,
+            multi_step_speculation=True,
+        )
+        _measured_costs(s)
+        _stop_string_batch(s, waiting=2, prompt=200, max_tokens=12)
+        assert bool(_dropping_plans(s, FakeRunner(s))) == drops, num_blocks

@@ -287,6 +287,20 @@ def test_a_fresh_policy_speculates_at_the_widest_k_first():
     assert policy.choose(128) == 0
 
 
+def test_a_fresh_policy_takes_its_widest_choice_until_a_step_at_k_above_0_is_seen():
+    """Steps at k = 0 (their host time, their emitted tokens) do not end the widest-first start; the widest is the
+    largest of the policy's choices, not max_k."""
+    def costly_drafts(num_decodes: int, k: int) -> float:
+        return 1e-4 * (1 + k)  # on the prior (0.6 a position) k = 2's 1.96 tokens cost 3x: k = 0 is priced best
+
+    policy = SpeculationPolicy(4, step_cost=costly_drafts, choices=[0, 2], probe_interval=0)
+    policy.observe_step(128, 0, 1e-4, num_proposals=0)
+    policy.observe_emitted(0, 1)
+    assert policy.choose(128) == 2
+    policy.observe_step(128, 2, 1e-2)  # a slow step at k = 2: now the estimates choose
+    assert policy.choose(128) == 0
+
+
 def test_runs_without_drafts_turn_speculation_off():
     """An n-gram proposer that finds nothing in random text: no draft is ever verified, so the
     acceptance estimate keeps its prior, but every run at k emitted one token: k = 0 wins."""
