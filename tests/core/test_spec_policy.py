@@ -290,6 +290,7 @@ def test_a_fresh_policy_speculates_at_the_widest_k_first():
 def test_a_fresh_policy_takes_its_widest_choice_until_a_step_at_k_above_0_is_seen():
     """Steps at k = 0 (their host time, their emitted tokens) do not end the widest-first start; the widest is the
     largest of the policy's choices, not max_k."""
+
     def costly_drafts(num_decodes: int, k: int) -> float:
         return 1e-4 * (1 + k)  # on the prior (0.6 a position) k = 2's 1.96 tokens cost 3x: k = 0 is priced best
 
