@@ -51,7 +51,7 @@ class SchedulerConfig:
     """A plan that verifies k > 0 drafts and proposes k again may run several greedy verification steps back
     to back, each one's drafts proposed by the step before on the device (the worker's draft-model path)."""
     admission_delay_runs: int = 0
-    """Under load (fewer than `admission_wave` sequence slots free), how many multi-step decode runs in a row may
+    """Under load (fewer than max_num_seqs // 8 sequence slots free), how many multi-step decode runs in a row may
     leave the waiting requests waiting, so that they are admitted in waves: a plan that admits one computes a
     prompt chunk and runs a single step. 0 admits as soon as a slot frees."""
     max_draft_lag: int = 0
@@ -456,6 +456,12 @@ class Scheduler:
         cfg = self.config
         if defers_admission or not cfg.admission_delay_runs or self.steps_per_plan <= 1 or not self.waiting:
             return False
+        wave = cfg.max_num_seqs // 8
+        free = cfg.max_num_seqs - len(self.running)
+        if wave < 2 or free <= 0 or (free < wave and not self._admission_deferrals):
+            return False
+        if not cfg.adaptive_speculation or self.spec_policy.step_cost is None:
+            return False
         # A wave that may not get its KV blocks would drop the drafts for nothing: not after a plan short of
         # memory, nor while the pool cannot hold the first waiting request's next chunk (and the running
         # requests' slots for this step).
@@ -465,12 +471,6 @@ class Scheduler:
         head = self.waiting.peek()
         chunk = min(head.num_tokens - head.num_computed_tokens, cfg.max_num_batched_tokens)
         if kv.num_free_blocks * kv.block_size < chunk + len(self.running) * (1 + self._planned_k):
-            return False
-        wave = cfg.max_num_seqs // 8
-        free = cfg.max_num_seqs - len(self.running)
-        if wave < 2 or free <= 0 or (free < wave and not self._admission_deferrals):
-            return False
-        if not cfg.adaptive_speculation or self.spec_policy.step_cost is None:
             return False
         return not any(r.sampling_params.seed is not None for r in self.running)
 
