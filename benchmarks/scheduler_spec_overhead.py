@@ -23,10 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: asyncspec without an install
 from asyncspec.core.kv_cache import KVCacheManager  # noqa: E402
 from asyncspec.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from asyncspec.core.scheduler_output import ModelRunnerOutput, SchedulerOutput  # noqa: E402
 from asyncspec.request import Request  # noqa: E402
 from asyncspec.sampling_params import SamplingParams  # noqa: E402
-from tests.core.scheduler_fakes import verification_output  # noqa: E402  (the scheduler tests' device output)
+from tests.core.scheduler_fakes import RunDevice  # noqa: E402  (the scheduler tests' scripted device)
 
 
 def build(num_requests: int, k: int, steps_per_plan: int, seed: int) -> Scheduler:
@@ -51,36 +50,10 @@ def build(num_requests: int, k: int, steps_per_plan: int, seed: int) -> Schedule
     return sched
 
 
-class ScriptedDevice:
-    """Runs of random length: each decode accepts 0..k of its drafts, every step of a plan."""
-
-    def __init__(self, seed: int) -> None:
-        self.rng = random.Random(seed)
-        self.num_tokens: dict[str, int] = {}
-
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        new = {r.request_id: r for r in so.scheduled_new_reqs}
-        req_ids = list(so.num_scheduled_tokens)
-        sampled, runs = [], []
-        for rid in req_ids:
-            if rid in new:
-                self.num_tokens[rid] = len(new[rid].token_ids)
-                steps = [(0, 1)]
-            else:
-                drafts = so.num_draft_positions.get(rid, 0)
-                steps = [(drafts, 1 + self.rng.randint(0, drafts)) for _ in range(so.num_steps)]
-            out: list[int] = []
-            for _, length in steps:
-                out += range(self.num_tokens[rid], self.num_tokens[rid] + length)
-                self.num_tokens[rid] += length
-            sampled.append(out)
-            runs.append(steps)
-        return verification_output(so, req_ids, sampled, runs)
-
-
 def run_case(num_requests: int, k: int, steps_per_plan: int, plans: int, seed: int) -> dict:
     sched = build(num_requests, k, steps_per_plan, seed)
-    device = ScriptedDevice(seed)
+    rng = random.Random(seed)
+    device = RunDevice(lambda rid, drafts: rng.randint(0, drafts))  # each decode accepts 0..k, every step
     clock = time.perf_counter
     schedule_us: list[float] = []
     update_us: list[float] = []

@@ -8,6 +8,7 @@ with the scheduler's own state, and "samples" deterministic token ids.
 from __future__ import annotations
 
 import zlib
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -133,6 +134,43 @@ def verification_output(
         )
     drafts = [so.num_draft_positions.get(rid, 0) for rid in req_ids]
     return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, num_draft_tokens=drafts)
+
+
+class RunDevice:
+    """A model-free device (synchronous order) for speculative plans: in every step of a plan, each decode accepts
+    `accepted(request_id, drafts)` of the drafts it verifies, and its tokens are consecutive ids from `first_token`
+    plus its token count. `runs` records each request's verification runs as (drafts verified, drafts accepted)."""
+
+    def __init__(self, accepted: Callable[[str, int], int], first_token: int = 0) -> None:
+        self.accepted = accepted
+        self.first_token = first_token
+        self.num_tokens: dict[str, int] = {}
+        self.runs: defaultdict[str, list[tuple[int, int]]] = defaultdict(list)
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        new = {r.request_id: r for r in so.scheduled_new_reqs}
+        req_ids = list(so.num_scheduled_tokens)
+        sampled, step_runs = [], []
+        for rid in req_ids:
+            if rid in new:
+                self.num_tokens[rid] = len(new[rid].token_ids)
+                steps = [(0, 1)]
+            else:
+                drafts = so.num_draft_positions.get(rid, 0)
+                steps = []
+                for _ in range(so.num_steps):
+                    kept = min(drafts, self.accepted(rid, drafts))
+                    steps.append((drafts, 1 + kept))
+                    if drafts:
+                        self.runs[rid].append((drafts, kept))
+            out: list[int] = []
+            for _, length in steps:
+                start = self.first_token + self.num_tokens[rid]
+                out += range(start, start + length)
+                self.num_tokens[rid] += length
+            sampled.append(out)
+            step_runs.append(steps)
+        return verification_output(so, req_ids, sampled, step_runs)
 
 
 def step(scheduler: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:

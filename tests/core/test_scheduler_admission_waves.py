@@ -16,13 +16,13 @@ from .scheduler_fakes import FakeRunner, make_request, make_scheduler, run_to_co
 MAX_NUM_SEQS = 16  # a wave: 2 slots
 
 
-def _scheduler(delay: int, k: int = 0, steps: int = 4, chunked: bool = True):
+def _scheduler(delay: int, k: int = 0, steps: int = 4, chunked: bool = True, num_blocks: int = 1024, budget: int = 128):
     return make_scheduler(
         enable_chunked_prefill=chunked,
-        num_blocks=1024,
+        num_blocks=num_blocks,
         block_size=4,
         max_num_seqs=MAX_NUM_SEQS,
-        max_num_batched_tokens=128,
+        max_num_batched_tokens=budget,
         max_model_len=512,
         num_scheduler_steps=steps,
         admission_delay_runs=delay,
@@ -32,11 +32,13 @@ def _scheduler(delay: int, k: int = 0, steps: int = 4, chunked: bool = True):
     )
 
 
-def _load(s, short: tuple[int, ...]) -> None:
-    """A full batch of greedy requests, those in `short` ending early (after 6 tokens), and 3 waiting ones."""
+def _load(s, short: tuple[int, ...] = (), ends: dict[int, int] | None = None, waiting: int = 3) -> None:
+    """A full batch of greedy requests, those in `short` ending early (after 6 tokens), those in `ends` after the
+    tokens it gives, the others after 60 (80 with `ends`), and `waiting` waiting ones."""
+    lengths = dict.fromkeys(short, 6) | (ends or {})
     for i in range(MAX_NUM_SEQS):
-        s.add_request(make_request(f"r{i}", 4, temperature=0.0, max_tokens=6 if i in short else 60))
-    for i in range(3):
+        s.add_request(make_request(f"r{i}", 4, temperature=0.0, max_tokens=lengths.get(i, 80 if ends else 60)))
+    for i in range(waiting):
         s.add_request(make_request(f"w{i}", 4, temperature=0.0, max_tokens=10))
 
 
@@ -200,10 +202,7 @@ def _deferred_runs(plans: list[dict]) -> int:
 def test_each_new_free_slot_may_defer_again():
     """Two requests end at different runs: each slot, once free, waits up to two runs (the count starts again)."""
     s = _scheduler(delay=2)
-    for i in range(MAX_NUM_SEQS):
-        s.add_request(make_request(f"r{i}", 4, temperature=0.0, max_tokens={0: 6, 1: 40}.get(i, 80)))
-    for i in range(2):
-        s.add_request(make_request(f"w{i}", 4, temperature=0.0, max_tokens=10))
+    _load(s, ends={0: 6, 1: 40}, waiting=2)
     plans = _plans(s, FakeRunner(s))
     assert _deferred_runs(plans) >= 4
 
@@ -212,10 +211,7 @@ def test_a_batch_filled_by_an_admission_defers_the_next_free_slot():
     """The wave's plan admits w0 and fills the batch, and r1 ends in that very plan: the slot r1 frees is a new one,
     deferred (the wave that filled the batch is over), not filled at once."""
     s = _scheduler(delay=2)
-    for i in range(MAX_NUM_SEQS):
-        s.add_request(make_request(f"r{i}", 4, temperature=0.0, max_tokens={0: 6, 1: 18}.get(i, 80)))
-    for i in range(2):
-        s.add_request(make_request(f"w{i}", 4, temperature=0.0, max_tokens=10))
+    _load(s, ends={0: 6, 1: 18}, waiting=2)
     plans = _plans(s, FakeRunner(s))
     at = next(i for i, p in enumerate(plans) if p["admitted"] == ["w0"])
     after = plans[at + 1]
@@ -287,18 +283,7 @@ def test_no_drafts_are_dropped_for_a_wave_the_kv_pool_cannot_hold():
     """The first waiting prompt's chunk needs more blocks than the pool has free: the plans keep their drafts (with
     a large pool the same load drops them)."""
     for num_blocks, drops in ((1024, True), (100, False)):
-        s = make_scheduler(
-            num_blocks=num_blocks,
-            block_size=4,
-            max_num_seqs=MAX_NUM_SEQS,
-            max_num_batched_tokens=160,
-            max_model_len=512,
-            num_scheduler_steps=4,
-            admission_delay_runs=2,
-            num_speculative_tokens=2,
-            num_lookahead_tokens=2,
-            multi_step_speculation=True,
-        )
+        s = _scheduler(delay=2, k=2, num_blocks=num_blocks, budget=160)
         _measured_costs(s)
         _stop_string_batch(s, waiting=2, prompt=200, max_tokens=12)
         assert bool(_dropping_plans(s, FakeRunner(s))) == drops, num_blocks

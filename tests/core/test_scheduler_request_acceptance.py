@@ -7,45 +7,20 @@ from __future__ import annotations
 import pytest
 
 from asyncspec.core.scheduler import Scheduler
-from asyncspec.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncspec.core.spec_policy import expected_tokens
 
-from .scheduler_fakes import make_request, make_scheduler, verification_output
+from .scheduler_fakes import RunDevice, make_request, make_scheduler
 
 K = 4
 ACCEPTS = {"a": 4, "b": 1, "c": 0}
 """Drafts each request's verifications accept (at most the drafts verified)."""
 
 
-class ScriptedDevice:
-    """A model-free device (synchronous order) whose verifications accept ACCEPTS[request] drafts. It records
-    every verification run per request, as (drafts verified, drafts accepted)."""
-
-    def __init__(self) -> None:
-        self.num_tokens: dict[str, int] = {}
-        self.runs: dict[str, list[tuple[int, int]]] = {rid: [] for rid in ACCEPTS}
-
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        new = {r.request_id: r for r in so.scheduled_new_reqs}
-        req_ids = list(so.num_scheduled_tokens)
-        sampled, step_runs = [], []
-        for rid in req_ids:
-            if rid in new:
-                self.num_tokens[rid] = len(new[rid].token_ids)
-                steps = [(0, 1)]
-            else:
-                drafts = so.num_draft_positions.get(rid, 0)
-                kept = min(drafts, ACCEPTS[rid])
-                steps = [(drafts, 1 + kept)] * so.num_steps
-                if drafts:
-                    self.runs[rid] += [(drafts, kept)] * so.num_steps
-            out = []
-            for _, length in steps:
-                out += [7 + self.num_tokens[rid] + i for i in range(length)]
-                self.num_tokens[rid] += length
-            sampled.append(out)
-            step_runs.append(steps)
-        return verification_output(so, req_ids, sampled, step_runs)
+def scripted_device() -> RunDevice:
+    """Verifications that accept ACCEPTS[request] drafts (at most those verified)."""
+    device = RunDevice(lambda rid, drafts: ACCEPTS[rid], first_token=7)
+    device.runs.update({rid: [] for rid in ACCEPTS})  # every request's record, before its first verification
+    return device
 
 
 def _scheduler(num_steps: int) -> Scheduler:
@@ -72,7 +47,7 @@ def _decayed(runs: list[tuple[int, int]], decay: float) -> tuple[float, float]:
 def test_each_request_keeps_its_own_decayed_acceptance(num_steps):
     s = _scheduler(num_steps)
     policy = s.spec_policy
-    device = ScriptedDevice()
+    device = scripted_device()
     seen_by_choose: list[dict[str, tuple[float, float]]] = []
     expected_predictions: list[float] = []
     predictions: list[float] = []
@@ -130,7 +105,7 @@ def test_a_request_that_ends_inside_a_multi_step_plan_pairs_each_counted_run_wit
     policy = s.spec_policy
     policy.step_cost = lambda num_decodes, k: 1e-3
     policy.choose = lambda num_decodes, *counts: K  # type: ignore[method-assign]
-    device = ScriptedDevice()
+    device = scripted_device()
     pairs: list[tuple[int, int]] = []
     observe = policy.observe_emitted_runs
 
