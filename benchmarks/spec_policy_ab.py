@@ -2,7 +2,8 @@
 - `pooled`: the policy priced on the pooled history alone (`choose` without the requests' acceptance counts, as
   before 2026-12-02);
 - `prior_first`: a fresh policy priced on its prior from the first plan (as before the widest-k-first rule of
-  2026-12-02), where the shipped one takes the largest k until it has seen a step at a k > 0.
+  2026-12-02), where the shipped one takes the largest k until it has seen a step at a k > 0;
+- `margin`: the shipped policy with another `switch_margin` (`--margin`).
 
 The runs are closed batches of `--streams` requests (128 new tokens each, the throughput run of
 `gpu_step_speed.py`), the three engines' trials alternated, then batch-1 TPOT.
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_trace import DRAFT_SETTINGS, ENGINE_SETTINGS, TARGET, load_prompts, trace  # noqa: E402
 
-OTHERS = ("pooled", "prior_first")
+OTHERS = ("pooled", "prior_first", "margin")
 
 
 def pool_only(llm: Any) -> None:
@@ -50,18 +51,21 @@ def prior_first(llm: Any) -> None:
     policy._has_speculated = lambda: True
 
 
-def prepare(name: str, llm: Any, reset: bool) -> None:
+def prepare(name: str, llm: Any, reset: bool, margin: float) -> None:
     if reset:
         llm.engine.engine_core.reset_after_warm_up()
     if name == "pooled":
         pool_only(llm)
     elif name == "prior_first":
         prior_first(llm)
+    elif name == "margin":
+        llm.engine.engine_core.scheduler.spec_policy.switch_margin = margin
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--other", default="prior_first", choices=OTHERS, help="the policy the shipped one is set against")
+    ap.add_argument("--margin", type=float, default=0.05, help="the switch_margin of `--other margin`")
     ap.add_argument("--streams", default="128,32")
     ap.add_argument("--modes", default="fresh,steady")
     ap.add_argument("--sustained-factor", type=int, default=4, help="requests a sustained trial sends per stream")
@@ -100,12 +104,12 @@ def main() -> int:
                 continue
             prompts = load_prompts(c * (args.sustained_factor if mode == "sustained" else 1))
             for name, llm in llms.items():
-                prepare(name, llm, False)
+                prepare(name, llm, False, args.margin)
                 llm.generate(prompts, warm)
             rows: dict[str, list[dict[str, Any]]] = {n: [] for n in llms}
             for t in range(args.trials):
                 for name, llm in llms.items():
-                    prepare(name, llm, mode == "fresh")
+                    prepare(name, llm, mode == "fresh", args.margin)
                     rows[name].append(trace(llm, prompts, full, name != "plain" and t == args.trials - 1, True))
             results["rows"][f"{mode}@{c}"] = rows
             med = {n: statistics.median(r["wall_ms"] for r in v) for n, v in rows.items()}
@@ -121,7 +125,7 @@ def main() -> int:
     one = load_prompts(1)
     first = asyncspec.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     for name, llm in llms.items():
-        prepare(name, llm, True)
+        prepare(name, llm, True, args.margin)
         llm.generate(one, full)
     tpot: dict[str, list[float]] = {n: [] for n in llms}
     for _ in range(args.tpot_trials):

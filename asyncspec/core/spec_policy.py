@@ -295,12 +295,14 @@ class SpeculationPolicy:
         there are enough of them, else 1 + a + ... + a^k for the pooled acceptance rate a (at most
         what runs at a larger k emitted). For a `batch` (`batch_tokens`): its model at k, scaled by what
         recent runs at k emitted over what the model predicted for them once there are enough, else its model
-        alone (at most what a larger k would emit)."""
+        alone (at most what a larger k would emit). Never more than k + 1, what a run that keeps every draft emits."""
         if k == 0:
             return 1.0
         if self._runs.get(k, 0.0) >= 8.0:
             if batch is not None and k in batch and self._predicted.get(k, 0.0) > 0.0:
-                return batch[k] * self._emitted[k] / self._predicted[k]
+                # The scaling may overshoot: at batch 1 on an H200, runs of a well-accepting file at k = 1 were
+                # priced at 2.08 tokens, above the 2 they can emit.
+                return min(batch[k] * self._emitted[k] / self._predicted[k], float(k + 1))
             return self._emitted[k] / self._runs[k]
         if batch is not None and k in batch:
             model = batch[k]

@@ -253,6 +253,20 @@ def test_runs_that_the_geometric_model_misjudges_are_calibrated():
     assert policy.tokens_per_run(0, None, batch) == 1.0
 
 
+def test_a_scaled_run_never_emits_more_than_all_its_drafts_and_one():
+    """Runs at k = 1 that each emitted 2 tokens, while their requests' estimates (still near the prior) promised
+    1.5: the scaling is 4/3. For a batch of well-accepting requests whose model gives 1.9 at k = 1, that would be
+    2.53 tokens from a run that can emit at most 2; the price stops at 2."""
+    policy = SpeculationPolicy(4, step_cost=memory_bound)
+    for _ in range(50):
+        policy.observe_emitted_runs(1, [2], [1.5])
+    strong = policy.batch_tokens([90.0], [10.0])
+    assert strong[1] * 4 / 3 > 2.0
+    assert policy.tokens_per_run(1, None, strong) == 2.0
+    weak = policy.batch_tokens([10.0], [90.0])
+    assert policy.tokens_per_run(1, None, weak) == pytest.approx(weak[1] * 4 / 3)  # below the cap: scaled
+
+
 def test_a_smaller_k_is_capped_by_the_larger_ks_batch_scaled_runs():
     """Runs at k = 4 emitted 2 tokens each where the model promised 4 (half its promise: say, drafts that were
     often not found); k = 2 never ran. For a batch of strong requests the model alone would promise about 2.9 at
