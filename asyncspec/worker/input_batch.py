@@ -66,6 +66,9 @@ _SAMPLING_FIELDS = {
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _FLOAT_FIELDS = tuple(name for name, dtype in _SAMPLING_FIELDS.items() if dtype == torch.float32)
+# Where each field sits in a row's values (`_row_sampling_values`, in _SAMPLING_FIELDS order).
+_FLOAT_INDICES = [list(_SAMPLING_FIELDS).index(name) for name in _FLOAT_FIELDS]
+_TOP_K_INDEX = list(_SAMPLING_FIELDS).index("top_k")
 
 
 def _check_representable(values: dict[str, float]) -> None:
@@ -79,7 +82,7 @@ def _check_representable(values: dict[str, float]) -> None:
 
 
 def _row_sampling_values(params: SamplingParams) -> dict[str, float]:
-    # Greedy rows carry temperature 0 (the sampler's marker); disabled top-k is 0.
+    # Greedy rows carry temperature 0 (the sampler's marker); disabled top-k is 0. In _SAMPLING_FIELDS order.
     return {
         "temperature": 0.0 if params.is_greedy else params.temperature,
         "top_k": max(params.top_k, 0),
@@ -131,11 +134,18 @@ class InputBatch:
         self.rows: dict[str, RowState] = {}
         # Sampling parameters per row, on the device: a step gathers its rows instead of
         # building new tensors on the host.
+        # The float fields are rows of one table, so an admission writes all of them with one scatter.
+        self._float_table = torch.zeros((len(_FLOAT_FIELDS), max_num_reqs), dtype=torch.float32, device=device)
         self.sampling_tensors = {
-            name: torch.zeros(max_num_reqs, dtype=dtype, device=device) for name, dtype in _SAMPLING_FIELDS.items()
+            name: (
+                self._float_table[_FLOAT_FIELDS.index(name)]
+                if dtype == torch.float32
+                else torch.zeros(max_num_reqs, dtype=dtype, device=device)
+            )
+            for name, dtype in _SAMPLING_FIELDS.items()
         }
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
-        self._unwritten: list[tuple[int, list[int], dict[str, float]]] = []
+        self._unwritten: list[tuple[int, list[int], tuple[float, ...]]] = []
         """Rows admitted whose token ids and sampling values are not on the device yet (`write_admitted`)."""
         self.feature_counts = dict.fromkeys(SAMPLING_FEATURES, 0)
         """Rows using each sampling feature: kept on admission and removal, so a step whose rows
@@ -163,33 +173,38 @@ class InputBatch:
 
     def write_admitted(self) -> None:
         """The token ids and sampling values of the rows admitted since the last call onto the device: one
-        host-to-device copy per dtype and one scatter per tensor, however many rows (a few launches per
-        row would make a step that admits a hundred requests wait on the host)."""
+        host-to-device copy and three scatters (token ids, top-k, the float table), however many rows (a few
+        launches per row would make a step that admits a hundred requests wait on the host)."""
         if not self._unwritten:
             return
         pending, self._unwritten = self._unwritten, []
         num_rows = len(pending)
-        num_tokens = sum(len(tokens) for _, tokens, _ in pending)
-        cols = self.token_ids.shape[1]
-        # int64: token ids, their flat index in token_ids, the rows, top_k; float32: the other values.
-        ints = np.empty(2 * num_tokens + 2 * num_rows, dtype=np.int64)
-        floats = np.empty((len(_FLOAT_FIELDS), num_rows), dtype=np.float32)
+        lengths = np.fromiter((len(tokens) for _, tokens, _ in pending), dtype=np.int64, count=num_rows)
+        rows = np.fromiter((row for row, _, _ in pending), dtype=np.int64, count=num_rows)
+        num_tokens = int(lengths.sum())
+        num_ints = 2 * num_tokens + 2 * num_rows
+        # One staging array: int64 (token ids, their flat index in token_ids, the rows, top_k), then float32
+        # (the other values, a row per field), so one copy carries everything.
+        staging = np.empty(8 * num_ints + 4 * len(_FLOAT_FIELDS) * num_rows, dtype=np.uint8)
+        ints = staging[: 8 * num_ints].view(np.int64)
         start = 0
-        for i, (row, tokens, values) in enumerate(pending):
-            end = start + len(tokens)
-            ints[start:end] = tokens
-            ints[num_tokens + start : num_tokens + end] = np.arange(row * cols, row * cols + len(tokens))
-            ints[2 * num_tokens + i] = row
-            ints[2 * num_tokens + num_rows + i] = values["top_k"]
-            floats[:, i] = [values[name] for name in _FLOAT_FIELDS]
-            start = end
-        ints_dev = host_array_to_device(ints, self.device)
-        floats_dev = host_array_to_device(floats, self.device)
+        for (_, tokens, _), n in zip(pending, lengths.tolist(), strict=True):
+            ints[start : start + n] = tokens
+            start += n
+        cols = self.token_ids.shape[1]
+        row_starts = np.cumsum(lengths) - lengths
+        ints[num_tokens : 2 * num_tokens] = np.arange(num_tokens) + np.repeat(rows * cols - row_starts, lengths)
+        ints[2 * num_tokens : 2 * num_tokens + num_rows] = rows
+        ints[2 * num_tokens + num_rows :] = [v[_TOP_K_INDEX] for _, _, v in pending]
+        floats = staging[8 * num_ints :].view(np.float32).reshape(len(_FLOAT_FIELDS), num_rows)
+        floats[:] = np.array([v for _, _, v in pending], dtype=np.float64)[:, _FLOAT_INDICES].T
+        staged = host_array_to_device(staging, self.device)
+        ints_dev = staged[: 8 * num_ints].view(torch.int64)
+        floats_dev = staged[8 * num_ints :].view(torch.float32).view(len(_FLOAT_FIELDS), num_rows)
         self.token_ids.view(-1).index_copy_(0, ints_dev[num_tokens : 2 * num_tokens], ints_dev[:num_tokens])
-        rows = ints_dev[2 * num_tokens : 2 * num_tokens + num_rows]
-        self.sampling_tensors["top_k"].index_copy_(0, rows, ints_dev[2 * num_tokens + num_rows :])
-        for i, name in enumerate(_FLOAT_FIELDS):
-            self.sampling_tensors[name].index_copy_(0, rows, floats_dev[i])
+        rows_dev = ints_dev[2 * num_tokens : 2 * num_tokens + num_rows]
+        self.sampling_tensors["top_k"].index_copy_(0, rows_dev, ints_dev[2 * num_tokens + num_rows :])
+        self._float_table.index_copy_(1, rows_dev, floats_dev)
 
     def _fill_row(self, row: int, data: NewRequestData) -> RowState:
         n = len(data.token_ids)
@@ -216,7 +231,7 @@ class InputBatch:
         self.append_blocks(state, data.block_ids)
         state.features = sampling_features(params, state.generator is not None)
         self.rows[data.request_id] = state
-        self._unwritten.append((row, data.token_ids, values))
+        self._unwritten.append((row, data.token_ids, tuple(values.values())))
         for name in state.features:
             self.feature_counts[name] += 1
         if data.request_id in self._parked_generators:

@@ -676,6 +676,11 @@ class ModelRunner:
         the step's sampling needs no metadata, so a tail graph can do it."""
         if num_sampling != num_reqs:  # a request mid-prompt: its "next token" slot holds the prompt
             return False
+        return self._batch_only_greedy()
+
+    def _batch_only_greedy(self) -> bool:
+        """Every row of the batch is greedy with nothing the eager sampler adds (penalties, logprobs, a min_tokens
+        block): its sampling is the argmax alone, and needs no sampling metadata."""
         counts = self.input_batch.feature_counts
         return not (counts["random"] or counts["penalties"] or counts["logprobs"] or counts["min_tokens"])
 
@@ -1164,35 +1169,52 @@ class ModelRunner:
                 # column seq_len of its row.
                 batch_rows = self._meta_dev[7, :num_sampling]
                 new_num_tokens = step.inputs.seq_lens[:num_sampling].to(torch.int64) + 1
-                metadata = self._sampling_metadata(sampling_states, batch_rows)
                 self._propose_without_drafts(
-                    states, num_scheduled, sampling_rows, batch_rows, new_num_tokens, metadata, so, computed_before
+                    states,
+                    num_scheduled,
+                    sampling_rows,
+                    batch_rows,
+                    new_num_tokens,
+                    self._sampling_metadata(sampling_states, batch_rows),
+                    so,
+                    computed_before,
                 )
             tensors = [sampled]
         else:
             attn_metadata = step.metadata
             sample_index = self._meta_dev[3, :num_sampling]
             last_token_index = attn_metadata.query_start_loc[1:].to(torch.int64) - 1
-            logits = self.model.compute_logits(hidden_states[last_token_index[sample_index]])
+            last_hidden = hidden_states[last_token_index[sample_index]]
             batch_rows = self._meta_dev[7, :num_sampling]
-            metadata = self._sampling_metadata(sampling_states, batch_rows)
-            out = self.sampler(logits, metadata, self.default_generator)
             # The device token buffer is the source of truth for the next step's input ids; a
             # sampling request's new token goes at index seq_len (always < max_model_len).
             token_cols = attn_metadata.seq_lens.to(torch.int64).index_select(0, sample_index)
-            sampled = out.sampled_token_ids
-            self.input_batch.write_sampled_tokens(batch_rows, token_cols, sampled)
+            metadata: SamplingMetadata | None = None
+            out: SamplerOutput | None = None
+            if self._fused_token_write and self._batch_only_greedy():
+                # A step of prompt chunks in an all-greedy batch: the argmax writes the tokens in its own launch, and
+                # no sampling metadata is gathered (its host work was a tenth of such a step's at 128 streams).
+                logits = self.model.compute_logits(last_hidden, float32=False)
+                sampled = greedy_sample_into_tokens(logits, self.input_batch.token_ids, batch_rows, token_cols)
+            else:
+                logits = self.model.compute_logits(last_hidden)
+                metadata = self._sampling_metadata(sampling_states, batch_rows)
+                out = self.sampler(logits, metadata, self.default_generator)
+                sampled = out.sampled_token_ids
+                self.input_batch.write_sampled_tokens(batch_rows, token_cols, sampled)
             self.input_batch.record_sampled(batch_rows, sampled)
             if (
                 self.spec is not None
                 and not self._skip_draft_step(so, states, num_sampling)
                 and not self._draft_on_target_inputs(so, states, step, batch_rows)
             ):
+                if metadata is None:  # the draft's own step samples its proposals with it
+                    metadata = self._sampling_metadata(sampling_states, batch_rows)
                 self._propose_without_drafts(
                     states, num_scheduled, sampling_rows, batch_rows, token_cols + 1, metadata, so, computed_before
                 )
-            num_logprobs = metadata.max_num_logprobs
-            tensors = [sampled] + (_logprob_tensors(out) if num_logprobs is not None else [])
+            num_logprobs = metadata.max_num_logprobs if metadata is not None else None
+            tensors = [sampled] + (_logprob_tensors(out) if out is not None and num_logprobs is not None else [])
         host, ready = self._copy_to_host(tensors)
 
         def finish(values: np.ndarray) -> ModelRunnerOutput:
@@ -1349,25 +1371,38 @@ class ModelRunner:
 
         def finish(values: np.ndarray) -> ModelRunnerOutput:
             width = num_steps * num_reqs * query_len
-            runs_by_step = values[:width].reshape(num_steps, num_reqs, query_len).transpose(1, 0, 2).tolist()
-            lengths = (values[width : width + num_steps * num_reqs].reshape(num_steps, num_reqs).T + 1).tolist()
+            runs = values[:width].reshape(num_steps, num_reqs, query_len).transpose(1, 0, 2)
+            lens = values[width : width + num_steps * num_reqs].reshape(num_steps, num_reqs).T + 1
             verified = values[width + num_steps * num_reqs : width + 2 * num_steps * num_reqs]
-            verified = verified.reshape(num_steps, num_reqs).T.tolist()
+            verified = verified.reshape(num_steps, num_reqs).T
+            # Each request's emitted tokens, its steps' runs in a row: one selection over the whole plan (in request,
+            # step, position order) instead of a list per request and step.
+            emitted = runs[np.arange(query_len) < lens[:, :, None]]
+            ends = np.cumsum(lens.sum(axis=1))
+            starts = ends - lens.sum(axis=1)
+            invalid: set[int] = set()
+            if emitted.min() < 0:
+                invalid.update(np.flatnonzero(np.minimum.reduceat(emitted, starts) < 0).tolist())
+            emitted_list, bounds = emitted.tolist(), zip(starts.tolist(), ends.tolist(), strict=True)
+            lens_list, verified_list, num_drafts = lens.tolist(), verified.tolist(), verified.sum(axis=1).tolist()
             sampled_per_req: list[list[int]] = []
             num_drafts_per_req: list[int] = []
             step_runs: list[list[tuple[int, int]]] = []
-            for state, runs, lens, drafts in zip(states, runs_by_step, lengths, verified, strict=True):
-                emitted = [t for run, n in zip(runs, lens, strict=True) for t in run[:n]]
-                if min(emitted) < 0:
+            for i, (state, (start, end)) in enumerate(zip(states, bounds, strict=True)):
+                if i in invalid:
                     failed[state.request_id] = (
                         "the sampler found no valid token: the logits were NaN, or every token was masked"
                     )
-                    emitted, lens, drafts = [], [], []
-                state.num_tokens += len(emitted)
-                state.output_token_ids.extend(emitted)
-                sampled_per_req.append(emitted)
-                num_drafts_per_req.append(sum(drafts))
-                step_runs.append(list(zip(drafts, lens, strict=True)))
+                    sampled_per_req.append([])
+                    num_drafts_per_req.append(0)
+                    step_runs.append([])
+                    continue
+                run = emitted_list[start:end]
+                state.num_tokens += end - start
+                state.output_token_ids.extend(run)
+                sampled_per_req.append(run)
+                num_drafts_per_req.append(num_drafts[i])
+                step_runs.append(list(zip(verified_list[i], lens_list[i], strict=True)))
             return ModelRunnerOutput(
                 req_ids=req_ids,
                 sampled_token_ids=sampled_per_req,

@@ -108,3 +108,66 @@ def test_a_steady_decode_batch_copies_its_inputs_only_when_they_change(async_sch
                 tokens = output.token_ids
         step += 1
     assert tokens == alone
+
+
+def _staggered_tokens(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, list[int]]:
+    """Each request joins two steps after the one before it, so prompt chunks share steps with decodes."""
+    engine = llm.engine
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while step == 0 or engine.has_unfinished_requests():
+        if step % 2 == 0 and step // 2 < len(prompts):
+            i = step // 2
+            engine.add_request(engine.make_request(prompts[i], params[i], f"r{i}"), stream_deltas=False)
+        for output in engine.step():
+            if output.finished:
+                tokens[output.request_id] = output.token_ids
+        step += 1
+    return tokens
+
+
+def test_an_all_greedy_step_samples_with_the_argmax_alone_and_a_random_row_brings_the_sampler_back(monkeypatch):
+    """A step the graphs do not sample (on the CPU, every step; on a GPU, one with prompt chunks) takes the argmax that
+    writes its tokens itself while every row of the batch is greedy: no sampler and no sampling metadata, and the
+    tokens the sampler gives. A random row in the batch brings the sampler back, and the greedy rows keep their
+    tokens."""
+    from tests.conftest import load_prompts
+    from tests.engine.engine_helpers import bundled_llm
+
+    prompts = [p[:40] for p in load_prompts(3)]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * 3
+
+    def counted(llm: LLM) -> list[int]:
+        runner = llm.engine.engine_core.runner
+        calls = [0, 0]
+        forward, metadata = runner.sampler.forward, runner._sampling_metadata
+
+        def sampler_forward(*args, **kwargs):
+            calls[0] += 1
+            return forward(*args, **kwargs)
+
+        def sampling_metadata(*args, **kwargs):
+            calls[1] += 1
+            return metadata(*args, **kwargs)
+
+        monkeypatch.setattr(runner.sampler, "forward", sampler_forward)
+        monkeypatch.setattr(runner, "_sampling_metadata", sampling_metadata)
+        return calls
+
+    fast = bundled_llm(max_num_batched_tokens=32, max_num_seqs=8)  # 40-token prompts take two chunks
+    fast_calls = counted(fast)
+    fast_tokens = _staggered_tokens(fast, prompts, greedy)
+    assert fast_calls == [0, 0]
+    monkeypatch.setenv("ASYNCSPEC_FUSED_TOKEN_WRITE", "0")
+    sampled = bundled_llm(max_num_batched_tokens=32, max_num_seqs=8)
+    monkeypatch.delenv("ASYNCSPEC_FUSED_TOKEN_WRITE")
+    sampled_calls = counted(sampled)
+    assert _staggered_tokens(sampled, prompts, greedy) == fast_tokens
+    assert sampled_calls[0] > 0 and sampled_calls[1] > 0
+    assert all(len(t) == 12 for t in fast_tokens.values())
+    mixed = bundled_llm(max_num_batched_tokens=32, max_num_seqs=8)
+    mixed_calls = counted(mixed)
+    random = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)
+    tokens = _staggered_tokens(mixed, prompts, [greedy[0], random, greedy[2]])
+    assert mixed_calls[0] > 0
+    assert tokens["r0"] == fast_tokens["r0"] and tokens["r2"] == fast_tokens["r2"]
