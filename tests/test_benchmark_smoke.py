@@ -368,6 +368,21 @@ def test_admission_waves_ab_smoke(tmp_path: Path) -> None:
     assert len(totals["varied"]) == 1 and totals["varied"] != totals["fixed"]
 
 
+def test_sustained_host_phases_smoke(tmp_path: Path) -> None:
+    """benchmarks/sustained_host_phases.py --smoke: both engines' sustained trial timed, its plans counted by kind
+    (prompt plans among them, each admitting), the launch timed in every kind, and a cProfile table per engine."""
+    out = tmp_path / "shp.json"
+    _run(str(REPO / "benchmarks" / "sustained_host_phases.py"), "--smoke", "--output", str(out))
+    results = json.loads(out.read_text())
+    assert set(results["walls_ms"]) == set(results["engines"]) == set(results["cprofile"]) == {"plain", "draft"}
+    for engine in results["engines"].values():
+        kinds = engine["plans"]
+        assert any(kind.startswith("prompt ") for kind in kinds) and any(kind.startswith("decode ") for kind in kinds)
+        for kind, count in kinds.items():
+            assert count > 0 and engine["ms_per_trial"][kind]["runner.launch"][1] == count
+    assert all(rows["rows"] and rows["wall_ms"] > 0 for rows in results["cprofile"].values())
+
+
 def test_scheduler_spec_overhead_smoke(tmp_path: Path) -> None:
     """benchmarks/scheduler_spec_overhead.py --smoke: both plan lengths timed at k = 4, full-batch plans only."""
     out = tmp_path / "sso.json"
