@@ -1192,8 +1192,9 @@ class ModelRunner:
             metadata: SamplingMetadata | None = None
             out: SamplerOutput | None = None
             if self._fused_token_write and self._batch_only_greedy():
-                # A step of prompt chunks in an all-greedy batch: the argmax writes the tokens in its own launch, and
-                # no sampling metadata is gathered (its host work was a tenth of such a step's at 128 streams).
+                # An eager step of an all-greedy batch (on a GPU, one with prompt chunks): the argmax writes the tokens
+                # in its own launch and no sampling metadata is gathered. The sampler, the metadata and the torch
+                # write took about a seventh of a prompt plan's launch at 128 streams on an H200.
                 logits = self.model.compute_logits(last_hidden, float32=False)
                 sampled = greedy_sample_into_tokens(logits, self.input_batch.token_ids, batch_rows, token_cols)
             else:
