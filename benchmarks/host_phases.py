@@ -71,12 +71,19 @@ def _targets(llm: Any) -> list[tuple[str, Any, str]]:
 
 
 class _Timers:
-    """Seconds and calls per label, counted only while `active`."""
+    """Seconds and calls per key (the label, unless a subclass's `key` says otherwise), counted only while
+    `active`; `entered` runs before each counted call."""
 
     def __init__(self) -> None:
         self.active = False
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.calls: dict[str, int] = defaultdict(int)
+        self.seconds: dict[Any, float] = defaultdict(float)
+        self.calls: dict[Any, int] = defaultdict(int)
+
+    def key(self, label: str) -> Any:
+        return label
+
+    def entered(self, label: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A counted call of `label` is about to run (nothing here)."""
 
     def wrap(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         clock = time.perf_counter
@@ -84,14 +91,34 @@ class _Timers:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if not self.active:
                 return fn(*args, **kwargs)
+            self.entered(label, args, kwargs)
+            key = self.key(label)
             t0 = clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[label] += clock() - t0
-                self.calls[label] += 1
+                self.seconds[key] += clock() - t0
+                self.calls[key] += 1
 
         return wrapper
+
+
+def install_timers(timers: _Timers, targets: list[tuple[str, Any, str]]) -> list[tuple[Any, str, Any]]:
+    """Wraps every (label, object, attribute) of `targets` with `timers`; returns what `restore_timers` needs."""
+    saved = []
+    for label, obj, attr in targets:
+        # A class keeps its function in __dict__ (restored as it was); an instance gets a shadowing attribute.
+        saved.append((obj, attr, obj.__dict__[attr] if isinstance(obj, type) else None))
+        setattr(obj, attr, timers.wrap(label, getattr(obj, attr)))
+    return saved
+
+
+def restore_timers(saved: list[tuple[Any, str, Any]]) -> None:
+    for obj, attr, class_value in reversed(saved):
+        if isinstance(obj, type):
+            setattr(obj, attr, class_value)
+        else:
+            delattr(obj, attr)
 
 
 def measure(
@@ -102,11 +129,7 @@ def measure(
     window also runs under it (the caller reads it)."""
     timers = _Timers()
     targets = _targets(llm) if profiler is None else []
-    saved = []
-    for label, obj, attr in targets:
-        # A class keeps its function in __dict__ (restored as it was); an instance gets a shadowing attribute.
-        saved.append((obj, attr, obj.__dict__[attr] if isinstance(obj, type) else None))
-        setattr(obj, attr, timers.wrap(label, getattr(obj, attr)))
+    saved = install_timers(timers, targets)
     engine = llm.engine
     k = llm.config.num_speculative_tokens if llm.config.speculative_method else 0
     per_step = (k + 1) * llm.config.max_scheduler_steps  # the most tokens one engine step emits
@@ -134,11 +157,7 @@ def measure(
         s1, tokens = llm.stats(), sum(r.num_output_tokens for r in reqs) - tokens0
     finally:
         timers.active = False
-        for obj, attr, class_value in reversed(saved):
-            if isinstance(obj, type):
-                setattr(obj, attr, class_value)
-            else:
-                delattr(obj, attr)
+        restore_timers(saved)
         engine.abort_requests([r.request_id for r in reqs if not r.is_finished])
         while engine.has_unfinished_requests():
             engine.step()

@@ -47,6 +47,7 @@ EXTRA = [
 
 
 def kind_of(so: Any) -> str:
+    """A plan's kind: prompt (chunks or admissions) or decode, drafts verified and proposed, admissions or steps."""
     k, p = so.num_speculative_tokens, so.num_proposals
     n = so.num_scheduled_tokens
     if so.scheduled_new_reqs or any(v > k + 1 for v in n.values()):
@@ -54,35 +55,25 @@ def kind_of(so: Any) -> str:
     return f"decode k{k}->{p} x{so.num_steps}"
 
 
-class Timers:
-    def __init__(self):
-        self.active = False
+class Timers(host_phases._Timers):
+    """`host_phases._Timers` keyed by (label, kind of the plan launched last); counts the plans of each kind."""
+
+    def __init__(self) -> None:
+        super().__init__()
         self.kind = "?"
-        self.sec = defaultdict(float)
-        self.calls = defaultdict(int)
-        self.plans = defaultdict(int)
+        self.plans: dict[str, int] = defaultdict(int)
 
-    def wrap(self, label, fn, sets_kind=False):
-        clock = time.perf_counter
+    def key(self, label: str) -> Any:
+        return (label, self.kind)
 
-        def w(*a, **kw):
-            if not self.active:
-                return fn(*a, **kw)
-            if sets_kind:
-                self.kind = kind_of(a[-1] if a else kw["so"])
-                self.plans[self.kind] += 1
-            key = (label, self.kind)
-            t0 = clock()
-            try:
-                return fn(*a, **kw)
-            finally:
-                self.sec[key] += clock() - t0
-                self.calls[key] += 1
-
-        return w
+    def entered(self, label: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if label == "runner.launch":
+            self.kind = kind_of(args[-1] if args else kwargs["so"])
+            self.plans[self.kind] += 1
 
 
-def install(llm, timers):
+def install(llm: Any, timers: Timers) -> list[tuple[Any, str, Any]]:
+    """Wraps host_phases' targets, the runner's parts in EXTRA, and the admission, sampling and scheduler parts."""
     runner = llm.engine.engine_core.runner
     import torch
 
@@ -110,22 +101,10 @@ def install(llm, timers):
     ]
     if runner.spec is not None:
         targets.append(("  spec.reset_rows", runner.spec, "reset_rows"))
-    saved = []
-    for label, obj, attr in targets:
-        saved.append((obj, attr, obj.__dict__[attr] if isinstance(obj, type) else None))
-        setattr(obj, attr, timers.wrap(label, getattr(obj, attr), sets_kind=(label == "runner.launch")))
-    return saved
+    return host_phases.install_timers(timers, targets)
 
 
-def restore(saved):
-    for obj, attr, cv in reversed(saved):
-        if isinstance(obj, type):
-            setattr(obj, attr, cv)
-        else:
-            delattr(obj, attr)
-
-
-def main():
+def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--factor", type=int, default=4)
@@ -160,11 +139,11 @@ def main():
             timers[n].active = False
             idle[n].append((llm.stats()["device_idle_seconds_total"] - s0["device_idle_seconds_total"]) * 1e3)
     for n in llms:
-        restore(saved[n])
+        host_phases.restore_timers(saved[n])
     out: dict[str, Any] = {"walls_ms": walls, "idle_ms": idle, "engines": {}}
     for n, tm in timers.items():
         per_kind = defaultdict(dict)
-        for (label, kind), s in tm.sec.items():
+        for (label, kind), s in tm.seconds.items():
             per_kind[kind][label.strip()] = [round(s / args.trials * 1e3, 2), tm.calls[(label, kind)] / args.trials]
         out["engines"][n] = {"plans": {k: v / args.trials for k, v in tm.plans.items()}, "ms_per_trial": per_kind}
     print(
