@@ -80,11 +80,11 @@ def main() -> int:
         ap.error("--factor and --delay are at least 1")
     base: dict[str, Any] = dict(ENGINE_SETTINGS, max_num_seqs=args.streams, gpu_memory_utilization=0.18)
     if args.smoke:
-        args.streams, args.factor, args.trials, args.new_tokens = 16, 2, 1, 8
+        args.streams, args.factor, args.trials, args.new_tokens = 8, 2, 1, 8
         base.update(
             device="cpu",
             dtype="float32",
-            max_num_seqs=16,
+            max_num_seqs=8,
             num_kv_blocks=512,
             max_model_len=512,
             num_scheduler_steps=4,

@@ -122,6 +122,8 @@ def main() -> None:
         args.trials, args.factor = 1, 2
     llms = {"plain": asyncspec.LLM(str(TARGET), **base), "draft": asyncspec.LLM(str(TARGET), **base, **DRAFT_SETTINGS)}
     prompts = load_prompts(streams * args.factor)
+    if args.smoke:
+        prompts = [p[:32] for p in prompts]  # short prompts: the same plans, a fraction of the CPU's prefill time
     full = asyncspec.SamplingParams(temperature=0.0, max_tokens=8 if args.smoke else 128, ignore_eos=True)
     for llm in llms.values():
         llm.generate(prompts, full)
