@@ -32,7 +32,8 @@ def hf_model():
 
 
 def test_bundled_target_matches_hf_under_batching_chunking_prefix_cache_and_preemption(hf_model, code_prompts):
-    prompts = list(code_prompts)
+    # Eight prompts of 161..364 tokens: transformers' one-prompt-at-a-time reference is most of the test's time.
+    prompts = list(code_prompts[:8])
     # Two prompts that share long prefixes with earlier ones, so the prefix cache must serve them.
     prompts.append(code_prompts[0][:200] + code_prompts[1][:40])
     prompts.append(list(code_prompts[2]))
@@ -42,8 +43,8 @@ def test_bundled_target_matches_hf_under_batching_chunking_prefix_cache_and_pree
         dtype="float32",
         block_size=16,
         max_model_len=1024,
-        num_kv_blocks=96,  # far below 18 requests x ~30 blocks: preemption must happen
-        max_num_seqs=18,
+        num_kv_blocks=96,  # far below 10 requests x ~20 blocks: preemption must happen
+        max_num_seqs=10,
         max_num_batched_tokens=96,  # small chunks: long prompts interleave with decodes
         enable_prefix_caching=True,
     )
@@ -53,11 +54,13 @@ def test_bundled_target_matches_hf_under_batching_chunking_prefix_cache_and_pree
     assert stats["num_preemptions"] > 0, "the KV pool was meant to force preemption"
     assert stats["prefix_cache_hits"] > 0, "the repeated prefixes were meant to hit the prefix cache"
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"], "KV blocks leaked"
+    expected: dict[tuple[int, ...], list[int]] = {}  # the repeated prompt's reference is computed once
     for prompt, out in zip(prompts, outputs, strict=True):
         assert out.finish_reason == "length"
         assert out.prompt_token_ids == prompt
-        expected = hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)
-        assert out.token_ids == expected
+        if tuple(prompt) not in expected:
+            expected[tuple(prompt)] = hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)
+        assert out.token_ids == expected[tuple(prompt)]
 
 
 def test_text_prompt_matches_hf_and_detokenizes(hf_model):
