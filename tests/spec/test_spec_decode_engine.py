@@ -395,11 +395,16 @@ def test_distribution_test_rejects_a_lossy_sampler(method, stochastic_prompt, no
     assert _rejects(pvalues), f"a lossy sampler went undetected: p-values {pvalues}"
 
 
+@pytest.fixture(scope="module")
+def hot_samples(stochastic_prompt, one_thread) -> list[list[int]]:
+    """The non-speculative engine at temperature 1.0 (the same for every method: drawn once per module)."""
+    return _sample(_warm(make_llm(**STOCH_CONFIG), stochastic_prompt), stochastic_prompt, MUTANT_SEEDS, 1.0)[0]
+
+
 @pytest.mark.parametrize("method", METHODS)
-def test_distribution_test_rejects_another_temperature(method, stochastic_prompt, spec_samples):
+def test_distribution_test_rejects_another_temperature(method, spec_samples, hot_samples):
     """Power against a milder change: speculation at temperature 0.8 vs a temperature-1.0 run."""
-    hot = _sample(_warm(make_llm(**STOCH_CONFIG), stochastic_prompt), stochastic_prompt, MUTANT_SEEDS, 1.0)[0]
-    pvalues = prefix_pvalues(spec_samples(method)[0], hot, STOCH_TOKENS)
+    pvalues = prefix_pvalues(spec_samples(method)[0], hot_samples, STOCH_TOKENS)
     assert _rejects(pvalues), f"temperature 1.0 went undetected: p-values {pvalues}"
 
 
