@@ -28,11 +28,17 @@ def _workload():
     return prompts, params
 
 
+@pytest.fixture(scope="module")
+def reference(one_thread):
+    """The engine without speculation's output for `_workload()` (CONFIG), computed once for the tests that share it."""
+    return make_llm(**CONFIG).generate(*_workload())
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("method", METHODS)
-def test_multi_step_plans_at_k0_keep_greedy_output(method, async_scheduling):
+def test_multi_step_plans_at_k0_keep_greedy_output(method, async_scheduling, reference):
     prompts, params = _workload()
-    ref = make_llm(**CONFIG).generate(prompts, params)
+    ref = reference
     llm = make_llm(method=method, k=4, num_scheduler_steps=4, async_scheduling=async_scheduling, **CONFIG)
     script_k(llm, PATTERN)
     plans = record_plans(llm)
@@ -48,12 +54,12 @@ def test_multi_step_plans_at_k0_keep_greedy_output(method, async_scheduling):
     assert_kv_free(stats)
 
 
-def test_draft_catch_up_after_multi_step_runs_is_exact():
+def test_draft_catch_up_after_multi_step_runs_is_exact(reference):
     """The draft falls behind by each run's steps and catches up in its next pass, or, when that would pass
     its lag bound, through a run's first step. With the bound at 3 every run catches up first; at 16 the lag
     builds over several runs. Both must give exactly the same drafts (the same accepted counts) and output."""
     prompts, params = _workload()
-    ref = make_llm(**CONFIG).generate(prompts, params)
+    ref = reference
     results = {}
     for max_lag in (3, 16):
         llm = make_llm(method="draft_model", k=4, num_scheduler_steps=4, **CONFIG)
@@ -108,18 +114,38 @@ def _speculative_runs(plans: list[tuple[int, int, int]]) -> list[tuple[int, int,
     return [p for p in plans if p[2] > 1 and p[0] > 0]
 
 
+def _steady_workload():
+    prompts = [p[:60] for p in load_prompts(6)]
+    params = [SamplingParams(temperature=0.0, max_tokens=30 + 9 * i, ignore_eos=i % 2 == 0) for i in range(6)]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def steady_references(one_thread):
+    """For `_steady_workload()`: the engine without speculation's output, and per k the output and statistics of
+    the draft engine at that k in single steps (the synchronous loop), each computed once for both loops' tests."""
+    ref = make_llm(**CONFIG).generate(*_steady_workload())
+    singles: dict[int, tuple] = {}
+
+    def single_steps(k: int) -> tuple:
+        if k not in singles:
+            single = make_llm(method="draft_model", k=k, num_scheduler_steps=1, **CONFIG)
+            script_k(single, [k])
+            singles[k] = (single.generate(*_steady_workload()), single.stats())
+        return singles[k]
+
+    return ref, single_steps
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("k", [4, 2])
-def test_multi_step_speculative_plans_keep_greedy_output(k, async_scheduling):
+def test_multi_step_speculative_plans_keep_greedy_output(k, async_scheduling, steady_references):
     """At a steady k every plan that may take several steps does: the output equals the engine without
     speculation's, token for token (EOS may end a request inside a run), the statistics count the drafts of the
     steps before each request's end, and no KV block is left behind."""
-    prompts = [p[:60] for p in load_prompts(6)]
-    params = [SamplingParams(temperature=0.0, max_tokens=30 + 9 * i, ignore_eos=i % 2 == 0) for i in range(6)]
-    ref = make_llm(**CONFIG).generate(prompts, params)
-    single = make_llm(method="draft_model", k=k, num_scheduler_steps=1, **CONFIG)
-    script_k(single, [k])
-    single_out = single.generate(prompts, params)
+    prompts, params = _steady_workload()
+    ref, single_steps = steady_references
+    single_out, single_stats = single_steps(k)
     llm = make_llm(method="draft_model", k=k, num_scheduler_steps=4, async_scheduling=async_scheduling, **CONFIG)
     script_k(llm, [k])
     plans = record_plans(llm)
@@ -127,7 +153,7 @@ def test_multi_step_speculative_plans_keep_greedy_output(k, async_scheduling):
     assert_same_outputs(ref, got, f"multi-step plans at k = {k}")
     runs = _speculative_runs(plans)
     assert len(runs) > 5 and all(p == (k, k, p[2]) for p in runs), plans
-    stats, single_stats = llm.stats(), single.stats()
+    stats = llm.stats()
     assert stats["num_device_steps"] > stats["num_steps"]
     # The same drafts at the same positions: the steps of the runs accept what single steps accepted, but the
     # single steps verify fewer drafts near max_tokens (a run verifies k to the end).
