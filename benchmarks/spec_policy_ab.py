@@ -3,7 +3,10 @@
   before 2026-12-02);
 - `prior_first`: a fresh policy priced on its prior from the first plan (as before the widest-k-first rule of
   2026-12-02), where the shipped one takes the largest k until it has seen a step at a k > 0;
-- `margin`: the shipped policy with another `switch_margin` (`--margin`).
+- `margin`: the shipped policy with another `switch_margin` (`--margin`);
+- `transitions_eager`: the shipped policy on an engine that captured the draft's one-graph step only for steps
+  proposing as many drafts as they verify, so a step that changes k runs the draft's step eagerly (as before
+  2026-12-02's nineteenth session).
 
 The runs are closed batches of `--streams` requests (128 new tokens each, the throughput run of
 `gpu_step_speed.py`), the three engines' trials alternated, then batch-1 TPOT.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -35,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_trace import DRAFT_SETTINGS, ENGINE_SETTINGS, TARGET, load_prompts, trace  # noqa: E402
 
-OTHERS = ("pooled", "prior_first", "margin")
+OTHERS = ("pooled", "prior_first", "margin", "transitions_eager")
+TRANSITION_GRAPHS_ENV = "ASYNCSPEC_TRANSITION_DRAFT_STEP_GRAPHS"  # read at capture (worker/model_runner.py)
 
 
 def pool_only(llm: Any) -> None:
@@ -90,12 +95,22 @@ def main() -> int:
         base.pop("gpu_memory_utilization")
     if "sustained" in modes and base["max_num_seqs"] not in streams:
         ap.error(f"the sustained mode holds max_num_seqs = {base['max_num_seqs']} streams: add it to --streams")
-    llms = {
-        "plain": asyncspec.LLM(str(TARGET), **base),
-        args.other: asyncspec.LLM(str(TARGET), **base, **DRAFT_SETTINGS),
-        "shipped": asyncspec.LLM(str(TARGET), **base, **DRAFT_SETTINGS),
-    }
+    import torch
+
+    llms: dict[str, Any] = {}
+    startup: dict[str, dict[str, float]] = {}
+    for name in ("plain", args.other, "shipped"):
+        if name == "transitions_eager":
+            os.environ[TRANSITION_GRAPHS_ENV] = "0"
+        reserved = torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
+        llms[name] = asyncspec.LLM(str(TARGET), **base, **({} if name == "plain" else DRAFT_SETTINGS))
+        os.environ.pop(TRANSITION_GRAPHS_ENV, None)
+        startup[name] = llms[name].engine.engine_core.startup_timings.as_stats()
+        if torch.cuda.is_available():
+            startup[name]["reserved_mib"] = (torch.cuda.memory_reserved() - reserved) / 2**20
+        print(f"{name}: start-up {startup[name]}", flush=True)
     results: dict[str, Any] = {"command": " ".join(sys.argv), "other": args.other, "rows": {}, "tpot_ms": {}}
+    results["startup"] = startup
     full = asyncspec.SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     warm = asyncspec.SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     for mode in modes:
@@ -141,6 +156,15 @@ def main() -> int:
         "batch-1 TPOT (ms): "
         + ", ".join(f"{n} {statistics.median(v):.4f} {[round(x, 3) for x in v]}" for n, v in tpot.items())
     )
+    # What each engine ran: graph replays and eager forwards, and the tokens generated, equal in every engine
+    # unless a request failed (it ends early, so its trial would look fast).
+    kept = ("num_generation_tokens", "num_finished_requests")
+    results["graph_stats"] = {
+        name: {k: v for k, v in llm.stats().items() if k.startswith("cuda_graph") or k in kept}
+        for name, llm in llms.items()
+    }
+    for name, counts in results["graph_stats"].items():
+        print(f"{name}: {counts}")
     if args.output:
         args.output.write_text(json.dumps(results, indent=1))
     return 0

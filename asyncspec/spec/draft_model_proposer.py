@@ -220,11 +220,13 @@ class DraftModelProposer:
         num_accepted: Tensor,
         bucket: int,
         query_len: int,
+        num_proposals: int | None = None,
     ) -> Tensor:
         """The draft's whole step after a greedy verification in which every request of the batch
         sampled and no request's draft lags: the catch-up over the target's step plus each emitted
-        token, then query_len - 1 greedy proposals. Everything comes from device buffers, with shapes
-        fixed by (bucket, query_len), so it can be captured as one graph. `step_meta` is the target
+        token, then `num_proposals` greedy proposals (default query_len - 1, the k verified; another count
+        where the next step changes k). Everything comes from device buffers, with shapes fixed by
+        (bucket, query_len, num_proposals), so it can be captured as one graph. `step_meta` is the target
         step's meta: rows 0 (token-buffer row), 1 (computed tokens before the step), 2 (scheduled;
         0 for padding), 5 (planned draft positions), 6 (writable KV slots). Returns the drafts [B, n]."""
         b = bucket
@@ -249,7 +251,10 @@ class DraftModelProposer:
             self._pass_meta,
             b,
         )
-        return self._greedy_proposal_loop(b, query_len - 1)
+        n = query_len - 1 if num_proposals is None else num_proposals
+        if not 0 < n <= self.k:
+            raise ValueError(f"a greedy draft step proposes 1 to {self.k} drafts, not {n}")
+        return self._greedy_proposal_loop(b, n)
 
     def _greedy_proposal_loop(self, bucket: int, num_proposals: int) -> Tensor:
         """n greedy proposals for `bucket` requests, from the hidden state of each one's newest token

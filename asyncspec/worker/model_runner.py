@@ -163,6 +163,10 @@ GREEDY_DRAFT_STEP_GRAPH_ENV = "ASYNCSPEC_GREEDY_DRAFT_STEP_GRAPH"
 proposal-loop graph with host work between them, instead of one graph (docs/benchmarks.md: the
 bundled pair's synchronous step 1.64 -> 1.24 ms of wall time with the one graph)."""
 
+TRANSITION_DRAFT_STEP_GRAPH_ENV = "ASYNCSPEC_TRANSITION_DRAFT_STEP_GRAPHS"
+"""Set to 0 to capture the draft's one-graph step only for a step that proposes as many drafts as it verified,
+so a step where the adaptive policy changes k (verify k, propose j) runs the draft's step eagerly again (an A/B)."""
+
 FUSED_TOKEN_WRITE_ENV = "ASYNCSPEC_FUSED_TOKEN_WRITE"
 """Set to 0 to write a greedy decode step's tokens into the device token buffer with torch's indexing (six small
 kernels after the argmax) instead of inside the argmax's last launch (`greedy_sample_into_tokens`)."""
@@ -331,9 +335,9 @@ class ModelRunner:
         """Check at each boundary that no placeholder or out-of-vocabulary id is fed to a model, and
         report the device's computed counts with each step (tests; synchronizes the device)."""
         self._init_step_buffers()
-        self._greedy_draft_steps: dict[tuple[int, int], CapturedGraph] = {}
-        """(bucket, query length) -> the draft's whole step after that verification graph's greedy
-        tail (catch-up and proposals), captured when the draft model proposes."""
+        self._greedy_draft_steps: dict[tuple[int, int, int], CapturedGraph] = {}
+        """(bucket, verification query length, drafts proposed) -> the draft's whole step after that
+        verification graph's greedy tail (catch-up and proposals), captured when the draft model proposes."""
         self.num_greedy_draft_steps = 0
         """Steps whose draft work replayed one of `_greedy_draft_steps`."""
         self.draft_kv_validity: DraftKVValidity | None = None
@@ -831,18 +835,24 @@ class ModelRunner:
 
     def _capture_greedy_draft_steps(self, draft_graphs: CudaGraphForward) -> None:
         """For each verification graph with a greedy tail: the draft's whole step after it (catch-up,
-        proposals, drafts recorded and placed), one graph reading the tail's results."""
+        proposals, drafts recorded and placed), one graph reading the tail's results. One per count of
+        proposals the adaptive policy may ask for (above 0), not only the verified k: a step where the policy
+        changes k (verify 4, propose 1, say) would otherwise run the draft's step eagerly, which took 1.1-1.7 ms
+        against some 0.2 ms for a steady step at batch 1 on an H200 (docs/benchmarks.md, nineteenth session)."""
         assert self.cuda_graphs is not None and self.spec is not None
         proposer = self.spec.proposer
         assert isinstance(proposer, DraftModelProposer)
         start = time.perf_counter()
         self._meta_dev.zero_()  # warm-up runs for real: every request of it is padding
         self._forget_device_inputs()
+        transitions = os.environ.get(TRANSITION_DRAFT_STEP_GRAPH_ENV, "1") != "0"
+        counts = [c for c in self._speculation_choices() if 0 < c <= self.spec.k]
         for (bucket, query_len), result in self.cuda_graphs.tail_outputs().items():
             if query_len == 1:
                 continue  # a decode tail at k = 0: no draft step follows it from a graph
-            step = functools.partial(self._greedy_draft_step, proposer, bucket, query_len, result)
-            self._greedy_draft_steps[(bucket, query_len)] = draft_graphs.capture_function(step)
+            for num_proposals in sorted({query_len - 1, *(counts if transitions else [])}):
+                step = functools.partial(self._greedy_draft_step, proposer, bucket, query_len, num_proposals, result)
+                self._greedy_draft_steps[(bucket, query_len, num_proposals)] = draft_graphs.capture_function(step)
         logger.info(
             "captured %d CUDA graphs of the draft's step after a greedy verification in %.2f s",
             len(self._greedy_draft_steps),
@@ -850,12 +860,19 @@ class ModelRunner:
         )
 
     def _greedy_draft_step(
-        self, proposer: DraftModelProposer, bucket: int, query_len: int, verified: GreedyVerifyResult
+        self,
+        proposer: DraftModelProposer,
+        bucket: int,
+        query_len: int,
+        num_proposals: int,
+        verified: GreedyVerifyResult,
     ) -> None:
         assert self.spec is not None
         token_ids = self.input_batch.token_ids
         meta = self._meta_dev
-        drafts = proposer.greedy_step(meta, self._block_table_dev, token_ids, verified.num_accepted, bucket, query_len)
+        drafts = proposer.greedy_step(
+            meta, self._block_table_dev, token_ids, verified.num_accepted, bucket, query_len, num_proposals
+        )
         self.spec.record_greedy_drafts(token_ids, meta, verified.new_num_tokens[:bucket], drafts)
 
     def graph_stats(self) -> dict[str, int]:
@@ -1367,7 +1384,7 @@ class ModelRunner:
                 self.input_batch.record_sampled(rows.unsqueeze(1).expand_as(out).reshape(-1), out.reshape(-1))
             if not self._replay_greedy_draft_step(step, states, k):
                 # The same function as the graph, eagerly, over the rows the verification covered.
-                self._greedy_draft_step(proposer, greedy.num_accepted.shape[0], query_len, greedy)
+                self._greedy_draft_step(proposer, greedy.num_accepted.shape[0], query_len, k, greedy)
         host, ready = self._copy_to_host([tokens, accepted, valid])
 
         def finish(values: np.ndarray) -> ModelRunnerOutput:
@@ -1759,12 +1776,12 @@ class ModelRunner:
 
     def _replay_greedy_draft_step(self, step: StepInputs, states: list[RowState], num_proposals: int) -> bool:
         """After a greedy verification replayed from its tail graph: the draft's whole step from one
-        graph, when it proposes as many drafts as this step verified (the graph's shape) and no
-        request's draft lags. Returns whether it ran."""
+        graph, when one was captured for this step's shape (bucket, verified k, proposals; none proposes 0)
+        and no request's draft lags. Returns whether it ran."""
         bucket = step.graph_bucket
-        if bucket is None or num_proposals != step.query_len - 1:
+        if bucket is None:
             return False
-        graph = self._greedy_draft_steps.get((bucket, step.query_len))
+        graph = self._greedy_draft_steps.get((bucket, step.query_len, num_proposals))
         if graph is None or any(s.draft_lag for s in states):
             return False
         graph.replay()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import weakref
 
 import pytest
@@ -18,7 +19,12 @@ import torch
 from asyncspec import LLM, SamplingParams
 from asyncspec.layers.attention_metadata import StaticInputs
 from asyncspec.worker.cuda_graphs import CudaGraphForward, batch_size_buckets, capturing, mixed_graph_sizes
-from asyncspec.worker.model_runner import GRAPH_STEP_INPUTS_ENV, GREEDY_DRAFT_STEP_GRAPH_ENV, ModelRunner
+from asyncspec.worker.model_runner import (
+    GRAPH_STEP_INPUTS_ENV,
+    GREEDY_DRAFT_STEP_GRAPH_ENV,
+    TRANSITION_DRAFT_STEP_GRAPH_ENV,
+    ModelRunner,
+)
 from tests.conftest import TARGET_MODEL, load_prompts
 from tests.hf_tiny_models import save_tiny_family_model
 from tests.spec.spec_helpers import assert_same_outputs, spec_kwargs
@@ -464,6 +470,60 @@ def test_graphs_equal_eager_on_gpu_fp32(method, draft_step_graph, input_graphs, 
         # eagerly in this mode, so the count follows the policy's plans (8 of 59 steps on an H200, 2026-11-29).
         assert stats["cuda_graph_draft_loop_replays"] >= 5, stats
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
+def _generate_with_k_changing_every_step(llm: LLM) -> tuple[list, list[tuple[int, int]]]:
+    """Greedy generation while a cost model makes the policy take another k at (nearly) every step, k = 0
+    included; returns the outputs and each plan's (drafts verified, drafts proposed)."""
+    core = llm.engine.engine_core
+    policy = core.scheduler.spec_policy
+    cycle = itertools.cycle([4, 1, 2, 4, 0, 2, 4, 4, 1])
+    state = {"k": 4}
+
+    def cost(num_decodes: int, k: int) -> float:
+        if k == 0:  # asked first at each choice: the next k of the cycle
+            state["k"] = next(cycle)
+        return 1.0 if k != state["k"] else 1e-6
+
+    policy.step_cost = cost
+    policy.probe_interval = 0
+    plans: list[tuple[int, int]] = []
+    schedule = core.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        if out.num_scheduled_tokens:
+            plans.append((out.num_speculative_tokens, out.num_proposals))
+        return out
+
+    core.scheduler.schedule = recording_schedule
+    try:
+        return llm.generate(_prompts(), _params()), plans
+    finally:
+        del core.scheduler.schedule
+
+
+@pytest.mark.gpu
+def test_steps_that_change_k_replay_the_drafts_step_graph_and_equal_eager(monkeypatch):
+    """fp32 greedy, with the policy changing k at every step: a step that verifies k drafts and proposes
+    another count replays a graph of the draft's step captured for that pair (before, it ran eagerly), and
+    every output equals enforce_eager's. With the transition graphs off, those steps run eagerly again."""
+    ref = _gpu_llm("draft_model", "float32", True).generate(_prompts(), _params())
+    replays, transitions = {}, {}
+    for on in (True, False):
+        monkeypatch.setenv(TRANSITION_DRAFT_STEP_GRAPH_ENV, "1" if on else "0")
+        llm = _gpu_llm("draft_model", "float32", False)
+        got, plans = _generate_with_k_changing_every_step(llm)
+        assert_same_outputs(ref, got, f"k changing per step, transition graphs {'on' if on else 'off'}")
+        stats = llm.stats()
+        assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+        replays[on] = stats["cuda_graph_draft_step_replays"]
+        transitions[on] = sum(1 for k, n in plans if k > 0 and n > 0 and n != k)
+        assert transitions[on] >= 5, plans
+    # Only the transitions' count of replays differs: each transition step that replays its verification's tail
+    # now also replays the draft's step.
+    assert replays[True] > replays[False], replays
+    assert replays[True] - replays[False] <= transitions[True], (replays, transitions)
 
 
 @pytest.mark.gpu
