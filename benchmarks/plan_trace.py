@@ -73,7 +73,7 @@ def trace(
     llm: Any, prompts: list[list[int]], params: Any, record_policy: bool = False, sequence: bool = False
 ) -> dict[str, Any]:
     """Runs one generate, recording every plan (and with record_policy every choice of the speculation policy);
-    returns the wall time, the time per plan kind and the choices."""
+    returns the wall time, the time per plan kind, the tokens generated and the choices."""
     scheduler = llm.engine.engine_core.scheduler
     schedule = scheduler.schedule
     policy = scheduler.spec_policy
@@ -112,7 +112,7 @@ def trace(
         policy.choose = choosing
     try:
         start = time.perf_counter()
-        llm.generate(prompts, params)
+        outputs = llm.generate(prompts, params)
         end = time.perf_counter()
     finally:
         scheduler.schedule = schedule
@@ -124,7 +124,14 @@ def trace(
         entry["plans"] += 1
         entry["steps"] += record[3]
         entry["ms"] += period * 1e3
-    result = {"wall_ms": (end - start) * 1e3, "plans": len(records), "kinds": dict(kinds)}
+    result = {
+        "wall_ms": (end - start) * 1e3,
+        "plans": len(records),
+        "kinds": dict(kinds),
+        # A request that failed ends early, so its trial would look fast: callers compare this across engines.
+        "generated_tokens": sum(len(o.token_ids) for o in outputs),
+        "failed_requests": sum(o.finish_reason == "error" for o in outputs),
+    }
     if record_policy:
         result["choices"] = choices
     if sequence:

@@ -349,12 +349,20 @@ def test_spec_policy_ab_smoke(tmp_path: Path, other: str) -> None:
         assert set(rows) == {"plain", other, "shipped"}
         for name, (trial,) in rows.items():
             assert trial["wall_ms"] > 0 and "prefill" in trial["kinds"]
+            assert trial["failed_requests"] == 0
+            # 4 streams (8 requests when sustained), 6 new tokens each: the script checks it and this checks the count.
+            assert trial["generated_tokens"] == 6 * (8 if key.startswith("sustained") else 4)
             assert ("choices" in trial) == (name != "plain")
             # A sustained trial's 8 requests run 4 at a time: admissions continue after the first decodes.
             assert max(record[2] for record in trial["sequence"]) <= 4
             assert (sum(record[7] for record in trial["sequence"]) == 8) == key.startswith("sustained")
     assert set(results["tpot_ms"]) == {"plain", other, "shipped"}
     assert all(len(v) == 1 and v[0] > 0 for v in results["tpot_ms"].values())
+    assert set(results["startup"]) == set(results["graph_stats"]) == {"plain", other, "shipped"}
+    assert all(s["startup_load_seconds"] > 0 for s in results["startup"].values())
+    # No graphs on the CPU; the scheduler counts from the TPOT runs' fresh reset, the same in every engine.
+    assert all(g["cuda_graph_replays"] == 0 for g in results["graph_stats"].values())
+    assert len({g["num_generation_tokens"] for g in results["graph_stats"].values()}) == 1
 
 
 def test_admission_waves_ab_smoke(tmp_path: Path) -> None:
