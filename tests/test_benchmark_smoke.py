@@ -357,7 +357,8 @@ def test_spec_policy_ab_smoke(tmp_path: Path, other: str) -> None:
             assert max(record[2] for record in trial["sequence"]) <= 4
             assert (sum(record[7] for record in trial["sequence"]) == 8) == key.startswith("sustained")
     assert set(results["tpot_ms"]) == {"plain", other, "shipped"}
-    assert all(len(v) == 1 and v[0] > 0 for v in results["tpot_ms"].values())
+    # A smoke TPOT is a difference of two tiny CPU timings, which a loaded 2-core host can make negative.
+    assert all(len(v) == 1 and math.isfinite(v[0]) for v in results["tpot_ms"].values())
     assert set(results["startup"]) == set(results["graph_stats"]) == {"plain", other, "shipped"}
     assert all(s["startup_load_seconds"] > 0 for s in results["startup"].values())
     # No graphs on the CPU; the scheduler counts from the TPOT runs' fresh reset, the same in every engine.
