@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,26 @@ def load_prompts(n: int) -> list[list[int]]:
     path = next(p for p in _PROMPT_FILES if p.is_file())
     with open(path) as f:
         return [json.loads(line)["prompt_token_ids"] for _, line in zip(range(n), f, strict=False)]
+
+
+@contextmanager
+def recorded_spec_plans(scheduler) -> Iterator[list[tuple[int, int]]]:
+    """Each plan `scheduler.schedule` returns inside the block that schedules any token, as (drafts verified,
+    drafts proposed); the scheduler's own method is back afterwards."""
+    plans: list[tuple[int, int]] = []
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        if out.num_scheduled_tokens:
+            plans.append((out.num_speculative_tokens, out.num_proposals))
+        return out
+
+    scheduler.schedule = recording_schedule
+    try:
+        yield plans
+    finally:
+        del scheduler.schedule
 
 
 @pytest.fixture(scope="session")

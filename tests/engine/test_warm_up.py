@@ -10,7 +10,7 @@ from asyncspec import SamplingParams
 from asyncspec.core.spec_policy import SpeculationPolicy
 from asyncspec.engine import warm_up as warm_up_module
 from asyncspec.request import Request
-from tests.conftest import load_prompts
+from tests.conftest import load_prompts, recorded_spec_plans
 from tests.engine.engine_helpers import assert_kv_free
 from tests.spec.spec_helpers import make_llm
 
@@ -48,18 +48,10 @@ def test_warm_up_leaves_no_trace(method, async_scheduling, monkeypatch) -> None:
         add(request)
 
     monkeypatch.setattr(core, "add_request", recording_add)
-    chosen_k: list[int] = []
-    schedule = core.scheduler.schedule
-
-    def recording_schedule():
-        out = schedule()
-        if out.num_scheduled_tokens:
-            chosen_k.append(out.num_proposals)
-        return out
-
-    monkeypatch.setattr(core.scheduler, "schedule", recording_schedule)
-    stats = core.warm_up()
+    with recorded_spec_plans(core.scheduler) as plans:
+        stats = core.warm_up()
     monkeypatch.undo()
+    chosen_k = [proposed for _, proposed in plans]
 
     # It ran what it says: a chunked long prompt, greedy and sampled requests, and with speculation both the
     # largest k and k = 0.
@@ -83,22 +75,12 @@ def test_warm_up_leaves_no_trace(method, async_scheduling, monkeypatch) -> None:
     assert _generate(llm) == reference
 
 
-def test_warm_up_without_adaptive_speculation_verifies_only_the_fixed_k(monkeypatch) -> None:
+def test_warm_up_without_adaptive_speculation_verifies_only_the_fixed_k() -> None:
     """A fixed-k engine never plans k = 0 (on CUDA it captures no k = 0 graphs): its warm-up must not either."""
     llm = make_llm(method="draft_model", k=2, adaptive_speculation=False, **BASE)
     core = llm.engine.engine_core
-    planned: list[tuple[int, int]] = []
-    schedule = core.scheduler.schedule
-
-    def recording_schedule():
-        out = schedule()
-        if out.num_scheduled_tokens:
-            planned.append((out.num_speculative_tokens, out.num_proposals))
-        return out
-
-    monkeypatch.setattr(core.scheduler, "schedule", recording_schedule)
-    stats = core.warm_up()
-    monkeypatch.undo()
+    with recorded_spec_plans(core.scheduler) as planned:
+        stats = core.warm_up()
     assert stats.num_steps > 0
     assert {k for k, _ in planned} == {2} and {n for _, n in planned} == {2}
     assert_kv_free(llm.stats())

@@ -25,7 +25,7 @@ from asyncspec.worker.model_runner import (
     TRANSITION_DRAFT_STEP_GRAPH_ENV,
     ModelRunner,
 )
-from tests.conftest import TARGET_MODEL, load_prompts
+from tests.conftest import TARGET_MODEL, load_prompts, recorded_spec_plans
 from tests.hf_tiny_models import save_tiny_family_model
 from tests.spec.spec_helpers import assert_same_outputs, spec_kwargs
 
@@ -487,20 +487,8 @@ def _generate_with_k_changing_every_step(llm: LLM) -> tuple[list, list[tuple[int
 
     policy.step_cost = cost
     policy.probe_interval = 0
-    plans: list[tuple[int, int]] = []
-    schedule = core.scheduler.schedule
-
-    def recording_schedule():
-        out = schedule()
-        if out.num_scheduled_tokens:
-            plans.append((out.num_speculative_tokens, out.num_proposals))
-        return out
-
-    core.scheduler.schedule = recording_schedule
-    try:
+    with recorded_spec_plans(core.scheduler) as plans:
         return llm.generate(_prompts(), _params()), plans
-    finally:
-        del core.scheduler.schedule
 
 
 @pytest.mark.gpu
