@@ -28,15 +28,18 @@ BATCHES = (1, 2, 4, 8, 32)
 
 
 PATCH_ENV = "GRAPH_REPLAY_PATCH"
-"""Comma-separated benchmark-only patches applied in the child before the engine starts (what a switch cannot reach):
-`m1_as_m2` gives the skinny kernel's one-row calls its two-row launch config; `no_gated` runs the MLP's activation
-as its own kernel after the gate|up projection instead of in the projection's epilogue; `m1_wide` gives every one-
-row call the 8 x 512 tiles it took before 2026-11-29; `skinny_m2` captures the graphs with the skinny kernel taking
-calls of at most 2 rows (cuBLAS above), as before 2026-11-28. Timing only (the outputs are wrong; they bound what
-fusing a kernel away could give): `no_combine` launches no split-KV combine kernel, `no_norm` no residual-add +
-RMSNorm kernel (each returns its input), `no_rotary` no RoPE + KV-write kernel (q passes through unrotated),
-`no_attention` no attention kernels (the output is q), `no_small` the first three together (what fusing every small
-kernel of a layer away could give)."""
+"""Benchmark-only patches, separated by commas or colons (a switch of --switches cannot hold a comma), applied in the
+child before the engine starts (what a switch cannot reach): `m1_as_m2` gives the skinny kernel's one-row calls its
+two-row launch config; `no_gated` runs the MLP's activation as its own kernel after the gate|up projection instead
+of in the projection's epilogue; `m1_wide` gives every one-row call the 8 x 512 tiles it took before 2026-11-29;
+`skinny_m2` captures the graphs with the skinny kernel taking calls of at most 2 rows (cuBLAS above), as before
+2026-11-28; `gated_fma_only` runs a gate|up call whose config takes tensor-core tiles as the plain projection then
+the activation kernel, as before 2026-12-03; `rowpar_16` gives the row-parallel shapes at M = 16, 32 the 16 x 256
+tensor-core tiles they took before 2026-12-03. Timing only (the outputs are wrong; they bound what fusing a kernel
+away could give): `no_combine` launches no split-KV combine kernel, `no_norm` no residual-add + RMSNorm kernel (each
+returns its input), `no_rotary` no RoPE + KV-write kernel (q passes through unrotated), `no_attention` no attention
+kernels (the output is q), `no_small` the first three together (what fusing every small kernel of a layer away could
+give)."""
 
 
 def _apply_patches(patches: set[str]) -> None:
@@ -59,6 +62,29 @@ def _apply_patches(patches: set[str]) -> None:
             return dataclasses.replace(cfg, block_n=8, block_k=512, unroll=2, split_k=split)
 
         skinny_linear_triton.choose_config = _m1_wide  # type: ignore[assignment]
+    if "rowpar_16" in patches:
+        choose16 = skinny_linear_triton.choose_config
+
+        def _rowpar_16(m, n, k, sms=132):
+            cfg = choose16(m, n, k, sms)
+            if cfg.use_dot and (cfg.block_n, cfg.block_k, cfg.num_stages) == (32, 256, 3):
+                return dataclasses.replace(cfg, block_n=16, block_k=256, num_stages=4)
+            return cfg
+
+        skinny_linear_triton.choose_config = _rowpar_16  # type: ignore[assignment]
+    if "gated_fma_only" in patches:
+        from asyncspec.kernels.silu_and_mul_triton import silu_and_mul
+
+        gated = skinny_linear_triton.skinny_linear_gated
+
+        def _gated_fma_only(x, weight, bias=None, *, out=None, config=None, counters=None):
+            cfg = config or skinny_linear_triton.choose_config(x.shape[0], weight.shape[0], weight.shape[1])
+            if not cfg.use_dot:
+                return gated(x, weight, bias, out=out, config=config, counters=counters)
+            plain = skinny_linear_triton.skinny_linear(x, weight, bias, config=cfg, counters=counters)
+            return silu_and_mul(plain, out=out)
+
+        skinny_linear_triton.skinny_linear_gated = _gated_fma_only  # type: ignore[assignment]
     if "no_small" in patches:
         patches = patches | {"no_combine", "no_norm", "no_rotary"}
     if "no_rotary" in patches:
@@ -75,6 +101,9 @@ def _apply_patches(patches: set[str]) -> None:
         class _NoLaunch:
             def __getitem__(self, grid):
                 return lambda *args, **kwargs: None
+
+            def warmup(self, *args, **kwargs):  # the start-up precompile of the combine's variants
+                return None
 
         paged_attention_triton._combine_splits_kernel = _NoLaunch()  # type: ignore[assignment]
     if "no_norm" in patches:
@@ -119,7 +148,7 @@ def _one(model: str, repeats: int) -> dict:
     and followed by its greedy tail (the logits and the argmax: a whole greedy decode step's GPU work)."""
     import torch
 
-    _apply_patches({p for p in os.environ.get(PATCH_ENV, "").split(",") if p})
+    _apply_patches({p for p in os.environ.get(PATCH_ENV, "").replace(":", ",").split(",") if p})
     from asyncspec import LLM
 
     llm = LLM(

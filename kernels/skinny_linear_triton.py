@@ -27,11 +27,11 @@ constant through a step, so the programs resident early start the weight stream 
 time (a norm, attention, the previous projection's tail). Everything a predecessor writes is touched after the
 wait. An L2 prefetch of more of W before the wait (up to 32 MiB per launch) was measured slower instead.
 
-`skinny_linear_gated` is the MLP's gate|up projection with the activation in its epilogue: the FMA kernel's
-lanes pair each gate row with its up row (lane 2i the gate row p, lane 2i + 1 the up row I + p), so the program
-that stores a column pair holds both sums, rounds each to the dtype as the plain output would be, and writes
-silu(gate) * up; gate|up never reaches memory. The tensor-core configs, and a split summed by the second kernel,
-run the plain kernel and then `silu_and_mul` instead: the same numbers either way.
+`skinny_linear_gated` is the MLP's gate|up projection with the activation in its epilogue: a program's tile
+rows pair each gate row with its up row (row 2i of the tile the gate row p, row 2i + 1 the up row I + p), in
+the FMA and the tensor-core kernel alike, so the program that stores a column pair holds both sums, rounds each
+to the dtype as the plain output would be, and writes silu(gate) * up; gate|up never reaches memory. Only a
+split summed by the second kernel runs the plain kernel and then `silu_and_mul` instead: the same numbers.
 
 `skinny_linear_silu` is the down projection of the MLP's gate|up tensor. At M = 1 it is this kernel applying
 silu(gate) * up while loading x; above, the activation kernel runs first (measured faster). Either way the
@@ -528,8 +528,9 @@ def _dot_split(columns: int, k: int, sms: int) -> int:
 def choose_config(m: int, n: int, k: int, sms: int = _DEFAULT_SMS) -> SkinnyConfig:
     """Launch parameters for x [m, k] @ W[n, k]^T: a fixed rule (no benchmarking at call time), read off sweeps
     of benchmarks/skinny_linear.py on an H100 (bf16) over the Llama-1B / 8B projections and the 8B's TP = 2, 4
-    shards. Tensor-core tiles use 120 KB (64x256, 3 stages), 108 KB (128x128, 3), 80 KB (64x128, 4) and 64 KB
-    (16x256, 4) of shared memory: 1, 2, 2 and 3 programs per SM."""
+    shards, and on an H200 for the one-row tiles and the row-parallel tiles at M = 16, 32. Tensor-core tiles use
+    120 KB (64x256, 3 stages), 108 KB (128x128, 3), 80 KB (64x128, 4) and 72 KB (32x256, 3) of shared memory:
+    1, 2, 2 and 3 programs per SM."""
     if m <= 2:
         # FMA: BLOCK_M accumulators of BLOCK_N * BLOCK_K / 128 fp32 per thread, 64 registers in all; enough
         # columns to fill the SMs down to N ~ 1000 (below that, K is split).
@@ -550,8 +551,10 @@ def choose_config(m: int, n: int, k: int, sms: int = _DEFAULT_SMS) -> SkinnyConf
     if n >= 14336 and (m > 8 or n <= 128 * sms):
         block_n, block_k, stages = 128, 128, 3  # one wave of 2-per-SM programs, or M > 8 on wide layers
     elif m > 8 and k >= 2048 and 3 * n // 4 <= k <= 2 * n and (n // 16) % sms >= 0.85 * sms:
-        # Row-parallel-like shapes at M = 16, 32 whose N / 16 programs end on a nearly full wave.
-        block_n, block_k, stages = 16, 256, 4
+        # Row-parallel-like shapes at M = 16, 32 (the 1B and 8B o, the 8B's TP = 2, 4 down). An H100's sweep
+        # chose 16 x 256 tiles for them; on an H200 (sweep of 2026-12-03) those ran 2-47 % slower than 32 x 256
+        # at M = 32 (the 8B o 18.3 -> 13.0 us) and 3-8 % at M = 16, except the 1B o at M = 16 (6.10 against 6.35).
+        block_n, block_k, stages = 32, 256, 3
     elif m > 8 or k <= 1024:
         block_n, block_k, stages = 64, 128, 4
     else:
@@ -631,8 +634,8 @@ def _launch(
     if not (split > 1 and cfg.serial_split and grid[0] * grid[2] <= _COUNTER_SLOTS):
         counters = None
     mode = 0 if split == 1 else 2 if counters is not None else 1
-    if gated and (cfg.use_dot or cfg.block_n % 2 or mode == 1):
-        # The epilogue needs (gate, up) lane pairs of the FMA kernel and the partials summed in-kernel.
+    if gated and (cfg.block_n % 2 or mode == 1):
+        # The epilogue needs (gate, up) column pairs in one tile and the partials summed in-kernel.
         return silu_and_mul(_launch(x, weight, bias, None, cfg, False, counters), out=out)
     ws = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     bias_arg = bias if bias is not None else x  # never read without HAS_BIAS
@@ -714,9 +717,9 @@ def skinny_linear_gated(
     counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """silu_and_mul(x @ weight^T (+ bias)) -> [M, N / 2] for the MLP's fused gate|up weight [N, K] (gate rows,
-    then up rows); see `skinny_linear_gated_ref`. One kernel: the FMA kernel's lanes pair each gate row with its
-    up row and the epilogue applies the activation, so gate|up never reaches memory (a tensor-core config, or a
-    K split without `counters`, runs the plain kernel and then `silu_and_mul`: the same numbers)."""
+    then up rows); see `skinny_linear_gated_ref`. One kernel: each program's tile pairs a gate row with its up
+    row and the epilogue applies the activation, so gate|up never reaches memory (a K split without `counters`
+    runs the plain kernel and then `silu_and_mul`: the same numbers)."""
     return _launch(x, weight, bias, out, config, silu=False, counters=counters, gated=True)
 
 

@@ -230,9 +230,9 @@ class TestInterpreted:
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize(
         "config",
-        # The FMA kernel whole and split (serial: the epilogue in the last program); a split summed by the
-        # second kernel and a tensor-core config take the plain kernel then the activation kernel.
-        [None, FORCED[0], FORCED[1], SkinnyConfig(block_n=4, block_k=32, split_k=2), FORCED[2], FORCED[3]],
+        # The FMA and the tensor-core kernel, whole and split (serial: the epilogue in the last program); a
+        # split summed by the second kernel takes the plain kernel then the activation kernel.
+        [None, FORCED[0], FORCED[1], SkinnyConfig(block_n=4, block_k=32, split_k=2), FORCED[2], FORCED[3], FORCED[4]],
         ids=str,
     )
     @pytest.mark.parametrize("m", [1, 5])  # one row (decode), and five: every row branch of the FMA tile (> 1, 2, 4)
@@ -399,7 +399,7 @@ def test_gpu_silu_matches_reference(m: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("inter", "hidden"), [(8192, 2048), (14336, 4096), (7168, 4096)], ids=["1b", "8b", "8b-tp2"])
-@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("m", [1, 2, 5, 16, 32])  # FMA tiles (1, 2) and tensor-core tiles (5, 16, 32)
 def test_gpu_gated_equals_the_unfused_path(inter: int, hidden: int, m: int) -> None:
     """The gate|up projection with the activation in its epilogue: bit for bit the plain kernel then the
     activation kernel (the engine's unfused path), in eager mode and replayed from a graph."""
