@@ -217,6 +217,95 @@ def _store_gated(
 
 
 @triton.jit
+def _rounded(x, DTYPE: tl.constexpr):
+    """x (fp32) rounded to DTYPE and widened back."""
+    return round_to_dtype(x, DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _store_rotary(
+    acc,
+    bias_ptr,
+    out_ptr,
+    rows_n,
+    offs_m,
+    pid_n,
+    N,
+    M,
+    stride_om,
+    rope,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    """The rotary epilogue of a fused q|k|v projection: acc's lanes hold (d, d + HALF) column pairs of one head;
+    each is rounded to the dtype as the projection's output would be, then q and k pairs are rotated by RoPE at
+    their token's position (every product and sum rounded to the dtype, as `rotary_kv_write` does), q is stored
+    to out [M, heads, 2 * HALF] and k, v to the token's cache slot (none for a slot < 0)."""
+    (
+        pos_ptr,
+        cos_ptr,
+        sin_ptr,
+        slot_ptr,
+        kc_ptr,
+        vc_ptr,
+        cos_stride,
+        qo_stride_h,
+        kc_stride_b,
+        kc_stride_s,
+        kc_stride_h,
+        vc_stride_b,
+        vc_stride_s,
+        vc_stride_h,
+        max_position,
+        block_size,
+        num_heads,
+        num_kv_heads,
+    ) = rope
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows_n).to(tl.float32)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    lo, hi = tl.split(tl.reshape(_rounded(acc, dtype), [BLOCK_M, BLOCK_N // 2, 2]))
+    pairs = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    pair_ok = pairs < N // 2
+    head = pairs // HALF
+    d = pairs % HALF
+    row_ok = offs_m < M
+    # A position past the cache can only be a padding row's garbage: clamped, so that no load strays.
+    pos = tl.load(pos_ptr + offs_m, mask=row_ok, other=0).to(tl.int64)
+    pos = tl.minimum(tl.maximum(pos, 0), max_position - 1)
+    cs_offs = pos[:, None] * cos_stride + d[None, :]
+    cos = _rounded(tl.load(cos_ptr + cs_offs, mask=pair_ok[None, :], other=0.0).to(tl.float32), dtype)
+    sin = _rounded(tl.load(sin_ptr + cs_offs, mask=pair_ok[None, :], other=0.0).to(tl.float32), dtype)
+    r_lo = _rounded(_rounded(lo * cos, dtype) + _rounded(-hi * sin, dtype), dtype)
+    r_hi = _rounded(_rounded(hi * cos, dtype) + _rounded(lo * sin, dtype), dtype)
+    is_q = (head < num_heads) & pair_ok
+    is_k = (head >= num_heads) & (head < num_heads + num_kv_heads) & pair_ok
+    is_v = (head >= num_heads + num_kv_heads) & pair_ok
+    q_ptrs = out_ptr + offs_m[:, None] * stride_om + tl.where(is_q, head, 0)[None, :] * qo_stride_h + d[None, :]
+    q_mask = row_ok[:, None] & is_q[None, :]
+    tl.store(q_ptrs, r_lo.to(dtype), mask=q_mask)
+    tl.store(q_ptrs + HALF, r_hi.to(dtype), mask=q_mask)
+    # Padded tokens carry slot -1: masking every access means they are never written.
+    slot = tl.load(slot_ptr + offs_m, mask=row_ok, other=-1).to(tl.int64)
+    kv_row = row_ok & (slot >= 0)
+    safe_slot = tl.maximum(slot, 0)
+    blk = (safe_slot // block_size)[:, None]
+    off = (safe_slot % block_size)[:, None]
+    k_head = tl.where(is_k, head - num_heads, 0)[None, :]
+    k_ptrs = kc_ptr + blk * kc_stride_b + off * kc_stride_s + k_head * kc_stride_h + d[None, :]
+    k_mask = kv_row[:, None] & is_k[None, :]
+    tl.store(k_ptrs, round_to_dtype(r_lo, kc_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(k_ptrs + HALF, round_to_dtype(r_hi, kc_ptr.dtype.element_ty), mask=k_mask)
+    v_head = tl.where(is_v, head - num_heads - num_kv_heads, 0)[None, :]
+    v_ptrs = vc_ptr + blk * vc_stride_b + off * vc_stride_s + v_head * vc_stride_h + d[None, :]
+    v_mask = kv_row[:, None] & is_v[None, :]
+    tl.store(v_ptrs, round_to_dtype(lo, vc_ptr.dtype.element_ty), mask=v_mask)
+    tl.store(v_ptrs + HALF, round_to_dtype(hi, vc_ptr.dtype.element_ty), mask=v_mask)
+
+
+@triton.jit
 def _store(
     acc,
     bias_ptr,
@@ -229,14 +318,21 @@ def _store(
     M,
     stride_om,
     mask,
+    rope,
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    ROPE_HALF: tl.constexpr,
 ):
-    """The kernel's output: the rows as they are, or (GATED) their activation."""
+    """The kernel's output: the rows as they are, (GATED) their activation, or (ROPE_HALF > 0) q rotated and
+    k, v rotated and written to the KV cache."""
     if GATED:
         _store_gated(acc, bias_ptr, out_ptr, rows_n, offs_m, pid_n, N, M, stride_om, HAS_BIAS, BLOCK_M, BLOCK_N)
+    elif ROPE_HALF > 0:
+        _store_rotary(
+            acc, bias_ptr, out_ptr, rows_n, offs_m, pid_n, N, M, stride_om, rope, HAS_BIAS, BLOCK_M, BLOCK_N, ROPE_HALF
+        )
     else:
         _store_rows(acc, bias_ptr, out_ptr, rows_n, offs_m, offs_n, stride_om, mask, HAS_BIAS)
 
@@ -256,6 +352,7 @@ def _skinny_linear_kernel(
     stride_wn,
     stride_om,
     k_per_split,
+    rope,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -268,6 +365,7 @@ def _skinny_linear_kernel(
     USE_PDL: tl.constexpr = False,
     GATED: tl.constexpr = False,
     PRELOAD: tl.constexpr = 0,
+    ROPE_HALF: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -281,6 +379,10 @@ def _skinny_linear_kernel(
         # the epilogue holds both; offs_n stays the lane's index (workspace, masks) over N = 2 * intermediate.
         pair = tl.minimum(offs_n // 2, N // 2 - 1)
         rows_n = pair + (offs_n % 2) * (N // 2)
+    elif ROPE_HALF > 0:
+        # Lanes 2i and 2i + 1 compute the columns d and d + ROPE_HALF of one head (RoPE's rotate-half pair).
+        pair = tl.minimum(offs_n // 2, N // 2 - 1)
+        rows_n = (pair // ROPE_HALF) * (2 * ROPE_HALF) + pair % ROPE_HALF + (offs_n % 2) * ROPE_HALF
     else:
         rows_n = tl.minimum(offs_n, N - 1)
     w_rows = w_ptr + rows_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
@@ -421,10 +523,12 @@ def _skinny_linear_kernel(
             M,
             stride_om,
             mask,
+            rope,
             HAS_BIAS,
             GATED,
             BLOCK_M,
             BLOCK_N,
+            ROPE_HALF,
         )
     else:
         # fp32 partial into the workspace [SPLIT_K, M, N], summed in split order (deterministic) either by
@@ -455,10 +559,12 @@ def _skinny_linear_kernel(
                     M,
                     stride_om,
                     mask,
+                    rope,
                     HAS_BIAS,
                     GATED,
                     BLOCK_M,
                     BLOCK_N,
+                    ROPE_HALF,
                 )
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
 
@@ -597,6 +703,64 @@ def skinny_linear_supported(x: torch.Tensor, weight: torch.Tensor, *, gated: boo
     return x.stride(-1) == 1 and weight.stride(-1) == 1
 
 
+@dataclass(frozen=True)
+class _RopeOperands:
+    """What the rotary epilogue of a q|k|v projection reads and writes besides x and W (see `skinny_linear_rotary`)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    positions: torch.Tensor
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    q_out: torch.Tensor
+
+    def kernel_args(self) -> tuple:
+        kc, vc = self.k_cache, self.v_cache
+        return (
+            self.positions,
+            self.cos_cache,
+            self.sin_cache,
+            self.slot_mapping,
+            kc,
+            vc,
+            self.cos_cache.stride(0),
+            self.q_out.stride(1),
+            kc.stride(0),
+            kc.stride(1),
+            kc.stride(2),
+            vc.stride(0),
+            vc.stride(1),
+            vc.stride(2),
+            self.cos_cache.shape[0],
+            kc.shape[1],
+            self.num_heads,
+            self.num_kv_heads,
+        )
+
+    def unfused(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The same numbers from the projection's output [M, N]: the separate RoPE + KV-write kernel."""
+        from asyncspec.kernels.rotary_kv_write_triton import rotary_kv_write
+
+        t, h, kvh, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+        return rotary_kv_write(
+            q.view(t, h, d),
+            k.view(t, kvh, d),
+            v.view(t, kvh, d),
+            self.positions,
+            self.cos_cache,
+            self.sin_cache,
+            self.k_cache,
+            self.v_cache,
+            self.slot_mapping,
+            q_out=self.q_out,
+        )
+
+
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -606,6 +770,7 @@ def _launch(
     silu: bool,
     counters: torch.Tensor | None,
     gated: bool = False,
+    rope: _RopeOperands | None = None,
 ) -> torch.Tensor:
     if not skinny_linear_supported(x, weight, gated=silu):
         raise ValueError(
@@ -618,7 +783,9 @@ def _launch(
     if gated and n % 2:
         raise ValueError(f"a gate|up weight has an even number of rows, got {n}")
     out_n = n // 2 if gated else n
-    if out is None:
+    if rope is not None:
+        out = rope.q_out
+    elif out is None:
         out = torch.empty((m, out_n), dtype=x.dtype, device=x.device)
     elif out.shape != (m, out_n) or out.dtype != x.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be [{m}, {out_n}] {x.dtype} with a dense last dim, got {tuple(out.shape)}")
@@ -637,8 +804,12 @@ def _launch(
     if gated and (cfg.block_n % 2 or mode == 1):
         # The epilogue needs (gate, up) column pairs in one tile and the partials summed in-kernel.
         return silu_and_mul(_launch(x, weight, bias, None, cfg, False, counters), out=out)
+    if rope is not None and (cfg.block_n % 2 or mode == 1):
+        return rope.unfused(_launch(x, weight, bias, None, cfg, False, counters))
     ws = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     bias_arg = bias if bias is not None else x  # never read without HAS_BIAS
+    # Without the rotary epilogue its operands are never read (ROPE_HALF = 0): x and ones stand in for them.
+    rope_args = rope.kernel_args() if rope is not None else (x,) * 6 + (1,) * 12
     pdl = pdl_enabled(x.device)
     preload = min(preload_chunks(), 1) if cfg.use_dot else preload_chunks()
     _skinny_linear_kernel[grid](
@@ -655,6 +826,7 @@ def _launch(
         weight.stride(0),
         out.stride(0),
         k_per_split,
+        rope_args,
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -667,6 +839,7 @@ def _launch(
         USE_PDL=pdl,
         GATED=gated,
         PRELOAD=preload,
+        ROPE_HALF=rope.head_dim // 2 if rope is not None else 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_launch_options(pdl),
@@ -721,6 +894,78 @@ def skinny_linear_gated(
     row and the epilogue applies the activation, so gate|up never reaches memory (a K split without `counters`
     runs the plain kernel and then `silu_and_mul`: the same numbers)."""
     return _launch(x, weight, bias, out, config, silu=False, counters=counters, gated=True)
+
+
+def skinny_linear_rotary(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_out: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+    counters: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The attention's fused q|k|v projection, then RoPE and the KV-cache write: returns q rotated [M, H, D] and
+    writes k rotated and v to the cache slots of `slot_mapping` (none for a slot < 0), the numbers of
+    `skinny_linear` then `rotary_kv_write` bit for bit. weight is [(H + 2 * KVH) * D, K] (q rows, then k, then
+    v); positions, cos/sin caches [max_position, D / 2] (fp32), caches [blocks, block_size, KVH, D] and slots
+    as `rotary_kv_write` takes them.
+
+    In bf16 it is one kernel: each program's tile pairs the rows d and d + D / 2 of a head, and the epilogue
+    rotates and stores them, so the projection's output never reaches memory. Other dtypes, and a K split
+    without `counters`, run the two kernels (fp32 and fp16 products must not be contracted, which the rotary
+    kernel is compiled for and the projection's loop is not)."""
+    if not skinny_linear_supported(x, weight):
+        raise ValueError(
+            f"skinny_linear does not take x {tuple(x.shape)} {x.dtype} stride {x.stride()} on {x.device} with "
+            f"weight {tuple(weight.shape)} {weight.dtype} stride {weight.stride()} (see skinny_linear_supported)"
+        )
+    m = x.shape[0]
+    if num_heads <= 0 or num_kv_heads <= 0 or weight.shape[0] % (num_heads + 2 * num_kv_heads):
+        raise ValueError(
+            f"a q|k|v weight has (num_heads + 2 * num_kv_heads) * head_dim rows: {weight.shape[0]} rows for "
+            f"{num_heads} + 2 * {num_kv_heads} heads"
+        )
+    head_dim = weight.shape[0] // (num_heads + 2 * num_kv_heads)
+    if (
+        head_dim % 2
+        or cos_cache.shape != sin_cache.shape
+        or cos_cache.dim() != 2
+        or cos_cache.shape[1] != head_dim // 2
+    ):
+        raise ValueError(
+            f"RoPE needs an even head_dim ({head_dim}) and cos/sin caches [max_position, {head_dim // 2}], got "
+            f"{tuple(cos_cache.shape)} and {tuple(sin_cache.shape)}"
+        )
+    cache_shape = (num_kv_heads, head_dim)
+    if k_cache.dim() != 4 or k_cache.shape[2:] != cache_shape or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must be [blocks, block_size, {num_kv_heads}, {head_dim}], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if positions.dim() != 1 or slot_mapping.dim() != 1 or positions.shape[0] < m or slot_mapping.shape[0] < m:
+        raise ValueError(f"positions and slot_mapping need at least {m} entries (one per row of x)")
+    if q_out is None:
+        q_out = torch.empty((m, num_heads, head_dim), dtype=x.dtype, device=x.device)
+    elif q_out.shape != (m, num_heads, head_dim) or q_out.dtype != x.dtype:
+        raise ValueError(f"q_out must be [{m}, {num_heads}, {head_dim}] {x.dtype}, got {tuple(q_out.shape)}")
+    dense = (q_out, cos_cache, sin_cache, k_cache, v_cache, positions, slot_mapping)
+    if any(t.stride(-1) != 1 for t in dense):
+        raise ValueError("q_out, the cos/sin caches, the KV caches, positions and slot_mapping need a dense last dim")
+    rope = _RopeOperands(
+        num_heads, num_kv_heads, head_dim, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping, q_out
+    )
+    if x.dtype != torch.bfloat16:
+        return rope.unfused(_launch(x, weight, bias, None, config, False, counters))
+    return _launch(x, weight, bias, None, config, silu=False, counters=counters, rope=rope)
 
 
 def skinny_linear_silu(

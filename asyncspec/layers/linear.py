@@ -15,6 +15,7 @@ with every size the kernel takes and runs eager steps with calls of at most 2 ro
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,6 +39,10 @@ class SkinnyLinear:
     gated_kernel: Callable[..., torch.Tensor] | None = None
     """skinny_linear_gated(x, weight, bias, counters=...): the MLP's gate|up projection with the activation
     in its epilogue, [M, I] out (None: the projection, then the activation kernel)."""
+    rotary_kernel: Callable[..., torch.Tensor] | None = None
+    """skinny_linear_rotary(x, weight, bias, counters=..., num_heads=..., ...): the attention's q|k|v projection
+    with RoPE and the KV-cache write in its epilogue, q rotated [M, H, D] out (None: the projection, then the
+    rotary kernel)."""
 
 
 def linear(
@@ -70,6 +75,54 @@ def linear_silu_and_mul(
     return silu_and_mul(linear(x, weight, bias, skinny))
 
 
+ROTARY_IN_LINEAR_ENV = "ASYNCSPEC_ROTARY_IN_LINEAR"
+"""Set to 0 to run the q|k|v projection and the RoPE + KV-write kernel separately (an A/B switch, read when the
+kernel is set up)."""
+
+
+def linear_rotary_kv_write(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    skinny: SkinnyLinear | None,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor | None:
+    """q rotated [T, H, D] from one kernel that also rotates k and writes k and v to the cache, for a bf16
+    decode-sized x the kernel takes; None where it does not serve (the caller projects, then runs the rotary
+    kernel: bit for bit the same numbers, which the fused kernel keeps only in bf16)."""
+    if (
+        skinny is None
+        or skinny.rotary_kernel is None
+        or x.dim() != 2
+        or x.dtype != torch.bfloat16
+        or x.shape[0] > skinny.max_rows
+        or not skinny.supported(x, weight)
+    ):
+        return None
+    k_cache, v_cache = kv_cache
+    return skinny.rotary_kernel(
+        x,
+        weight,
+        bias,
+        counters=skinny.counters,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        positions=positions,
+        cos_cache=cos_cache,
+        sin_cache=sin_cache,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        slot_mapping=slot_mapping,
+    )
+
+
 class DecodeLinear(nn.Linear):
     """`nn.Linear` whose decode-sized calls take the skinny kernel once `skinny_linear` is set."""
 
@@ -89,6 +142,7 @@ def make_skinny_linear(device: torch.device, max_rows: int | None = None) -> Ski
         make_split_counters,
         skinny_linear,
         skinny_linear_gated,
+        skinny_linear_rotary,
         skinny_linear_supported,
     )
 
@@ -98,6 +152,7 @@ def make_skinny_linear(device: torch.device, max_rows: int | None = None) -> Ski
         skinny_linear,
         skinny_linear_supported,
         skinny_linear_gated,
+        None if os.environ.get(ROTARY_IN_LINEAR_ENV, "1") == "0" else skinny_linear_rotary,
     )
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from asyncspec.layers.activation import select_silu_and_mul
 from asyncspec.layers.attention import Attention
 from asyncspec.layers.attention_metadata import AttentionMetadata
-from asyncspec.layers.linear import DecodeLinear, SkinnyLinear, linear, linear_silu_and_mul
+from asyncspec.layers.linear import DecodeLinear, SkinnyLinear, linear, linear_rotary_kv_write, linear_silu_and_mul
 from asyncspec.layers.norm import RMSNorm
 from asyncspec.layers.rotary import RotaryEmbedding, RotaryInputs, apply_rotary, select_fused_rotary
 from asyncspec.layers.tensor_parallel import TensorParallel
@@ -55,6 +55,26 @@ class LlamaAttention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         T = x.shape[0]
+        fused_rotary = (rope.cos is None or rope.sin is None) and not self.qk_norm
+        if fused_rotary:
+            # Triton, bf16, a decode-sized x: the projection, RoPE and the K/V write in one kernel.
+            qkv = self.qkv_proj
+            q_rot = linear_rotary_kv_write(
+                x,
+                qkv.weight,
+                qkv.bias,
+                qkv.skinny_linear,
+                num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                positions=rope.positions,
+                cos_cache=rope.cos_cache,
+                sin_cache=rope.sin_cache,
+                kv_cache=kv_cache,
+                slot_mapping=attn_metadata.slot_mapping,
+            )
+            if q_rot is not None:
+                o = self.attn.attend(q_rot, kv_cache, attn_metadata)
+                return self.tp.all_reduce(self.o_proj(o.reshape(T, self.q_size)))
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # Strided views of the fused output: the fused kernel reads them as they are.
         q = q.view(T, self.num_heads, self.head_dim)

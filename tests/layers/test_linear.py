@@ -4,6 +4,7 @@ plays the kernel; on a GPU the real Triton kernel runs inside the engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import pytest
@@ -13,7 +14,15 @@ import torch.nn.functional as F
 from asyncspec import LLM, SamplingParams
 from asyncspec.kernels.silu_and_mul import silu_and_mul_ref
 from asyncspec.kernels.skinny_linear import skinny_linear_gated_ref, skinny_linear_ref
-from asyncspec.layers.linear import DecodeLinear, SkinnyLinear, linear, linear_silu_and_mul, use_skinny_linear
+from asyncspec.layers.linear import (
+    ROTARY_IN_LINEAR_ENV,
+    DecodeLinear,
+    SkinnyLinear,
+    linear,
+    linear_rotary_kv_write,
+    linear_silu_and_mul,
+    use_skinny_linear,
+)
 from asyncspec.worker.model_runner import SKINNY_LINEAR_ENV
 from tests.conftest import DRAFT_MODEL, TARGET_MODEL, load_prompts
 from tests.spec.spec_helpers import assert_same_outputs
@@ -73,6 +82,44 @@ def test_gated_projection_takes_the_activation_only_where_the_kernel_serves() ->
     torch.testing.assert_close(linear_silu_and_mul(x, weight, None, None, silu_and_mul_ref), expected)
 
 
+def test_rotary_projection_takes_the_kernel_only_for_bf16_decode_sized_calls() -> None:
+    """The q|k|v projection with RoPE and the KV write goes to the rotary kernel (with the step's operands and
+    the shared counters) for a bf16 x of at most max_rows rows the kernel takes; otherwise None, and the layer
+    runs the projection then the rotary kernel."""
+    served: list[tuple[int, dict]] = []
+
+    def rotary(x, weight, bias, **kwargs):
+        served.append((x.shape[0], kwargs))
+        return torch.zeros(x.shape[0], kwargs["num_heads"], weight.shape[0] // 8)
+
+    skinny, _, _ = _stand_in()
+    skinny = dataclasses.replace(skinny, rotary_kernel=rotary)
+    weight = torch.randn(64, 16).bfloat16()
+    k_cache, v_cache = torch.zeros(4, 2, 2, 8), torch.zeros(4, 2, 2, 8)
+    rope = dict(
+        num_heads=4,
+        num_kv_heads=2,
+        positions=torch.arange(3),
+        cos_cache=torch.ones(8, 4),
+        sin_cache=torch.zeros(8, 4),
+        kv_cache=(k_cache, v_cache),
+        slot_mapping=torch.arange(3),
+    )
+    for rows, dtype in ((1, torch.bfloat16), (2, torch.bfloat16), (3, torch.bfloat16), (1, torch.float32)):
+        x = torch.randn(rows, 16).to(dtype)
+        got = linear_rotary_kv_write(x, weight.to(dtype), None, skinny, **rope)
+        assert (got is not None) == (rows <= 2 and dtype == torch.bfloat16)
+    assert [rows for rows, _ in served] == [1, 2]
+    kwargs = served[0][1]
+    assert kwargs["k_cache"] is k_cache and kwargs["v_cache"] is v_cache and kwargs["counters"] is skinny.counters
+    x = torch.randn(1, 16).bfloat16()
+    assert linear_rotary_kv_write(x, weight, None, dataclasses.replace(skinny, rotary_kernel=None), **rope) is None
+    assert linear_rotary_kv_write(x, weight, None, None, **rope) is None
+    refusing = dataclasses.replace(skinny, supported=lambda x, w: False)
+    assert linear_rotary_kv_write(x, weight, None, refusing, **rope) is None
+    assert len(served) == 2
+
+
 @pytest.mark.parametrize("spec", [False, True], ids=["plain", "draft"])
 def test_switched_model_generates_the_same_tokens(spec: bool) -> None:
     """Every projection and the logits of the target (and the draft) take the kernel for their decode
@@ -122,12 +169,33 @@ def test_skinny_linear_in_the_engine_on_gpu(spec: bool, monkeypatch) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "draft"])
+def test_rotary_in_the_projection_keeps_bf16_tokens_on_gpu(spec: bool, monkeypatch) -> None:
+    """bf16, graphs on: the q|k|v projection with RoPE and the KV write in its epilogue computes the numbers of
+    the projection then the rotary kernel, so greedy tokens equal the run with it switched off."""
+    kwargs = dict(device="cuda", dtype="bfloat16", max_model_len=512, max_num_seqs=8, gpu_memory_utilization=0.3)
+    if spec:
+        kwargs.update(speculative_method="draft_model", draft_model=str(DRAFT_MODEL), num_speculative_tokens=4)
+    prompts = load_prompts(6)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    monkeypatch.setenv(ROTARY_IN_LINEAR_ENV, "0")
+    ref_llm = LLM(str(TARGET_MODEL), **kwargs)
+    assert ref_llm.engine.engine_core.runner.model.skinny_linear.rotary_kernel is None
+    ref = ref_llm.generate(prompts, params)
+    del ref_llm
+    gc.collect()
+    monkeypatch.delenv(ROTARY_IN_LINEAR_ENV)
+    llm = LLM(str(TARGET_MODEL), **kwargs)
+    assert llm.engine.engine_core.runner.model.skinny_linear.rotary_kernel is not None
+    assert_same_outputs(ref, llm.generate(prompts, params), "RoPE and the KV write in the q|k|v projection")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_graphs_take_the_kernel_up_to_its_rows_and_eager_steps_compile_none(monkeypatch, async_scheduling) -> None:
     """The graphs are captured with the kernel serving every batch bucket (rows 1 to 8 here, and the
     verification graphs' k + 1 rows per request); an eager step (the prefills of short prompts) keeps it to
     its 2 rows and compiles no kernel variant mid-run, in either loop. Greedy fp32 tokens equal cuBLAS's."""
-    import dataclasses
 
     triton = pytest.importorskip("triton")
     from asyncspec.worker import model_runner
