@@ -44,7 +44,7 @@ def make_operands(gen: torch.Generator, m: int, heads: int, kv_heads: int, head_
     """x, W, bias, positions (a garbage one past the cache), cos/sin caches, NaN-poisoned caches, slots (-1 on one
     row: a padding row writes nothing)."""
     n = (heads + 2 * kv_heads) * head_dim
-    max_position, blocks, block_size = 64, 6, 4
+    max_position, blocks, block_size = 64, m + 4, 4  # more slots than rows
     ops = dict(
         x=(torch.randn(m, k, generator=gen) + 0.1).to(dtype),
         weight=(torch.randn(n, k, generator=gen) * k**-0.5 * 3).to(dtype),
