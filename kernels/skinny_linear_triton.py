@@ -33,6 +33,13 @@ the FMA and the tensor-core kernel alike, so the program that stores a column pa
 to the dtype as the plain output would be, and writes silu(gate) * up; gate|up never reaches memory. Only a
 split summed by the second kernel runs the plain kernel and then `silu_and_mul` instead: the same numbers.
 
+`skinny_linear_rotary` is the attention's q|k|v projection with RoPE and the KV-cache write in its epilogue: the
+lanes pair a head's rows d and d + D / 2 (the rotate-half pair), so the storing program rotates q and k at the
+token's position, with `rotary_kv_write`'s roundings, stores q and writes k and v to the token's cache slot. It is
+fused in bf16 only: fp32 and fp16 products must not be contracted into FMAs there, which the rotary kernel is
+compiled for (enable_fp_fusion=False) and this kernel's loop is not; bf16's rounding by hand on the bits leaves
+nothing to contract.
+
 `skinny_linear_silu` is the down projection of the MLP's gate|up tensor. At M = 1 it is this kernel applying
 silu(gate) * up while loading x; above, the activation kernel runs first (measured faster). Either way the
 activation has exactly the two roundings of `silu_and_mul` (silu in fp32 rounded to the dtype, the product
