@@ -258,6 +258,7 @@ def _store_rotary(
         kc_ptr,
         vc_ptr,
         cos_stride,
+        sin_stride,
         qo_stride_h,
         kc_stride_b,
         kc_stride_s,
@@ -282,9 +283,10 @@ def _store_rotary(
     # A position past the cache can only be a padding row's garbage: clamped, so that no load strays.
     pos = tl.load(pos_ptr + offs_m, mask=row_ok, other=0).to(tl.int64)
     pos = tl.minimum(tl.maximum(pos, 0), max_position - 1)
-    cs_offs = pos[:, None] * cos_stride + d[None, :]
-    cos = _rounded(tl.load(cos_ptr + cs_offs, mask=pair_ok[None, :], other=0.0).to(tl.float32), dtype)
-    sin = _rounded(tl.load(sin_ptr + cs_offs, mask=pair_ok[None, :], other=0.0).to(tl.float32), dtype)
+    cos_ptrs = cos_ptr + pos[:, None] * cos_stride + d[None, :]
+    sin_ptrs = sin_ptr + pos[:, None] * sin_stride + d[None, :]
+    cos = _rounded(tl.load(cos_ptrs, mask=pair_ok[None, :], other=0.0).to(tl.float32), dtype)
+    sin = _rounded(tl.load(sin_ptrs, mask=pair_ok[None, :], other=0.0).to(tl.float32), dtype)
     r_lo = _rounded(_rounded(lo * cos, dtype) + _rounded(-hi * sin, dtype), dtype)
     r_hi = _rounded(_rounded(hi * cos, dtype) + _rounded(lo * sin, dtype), dtype)
     is_q = (head < num_heads) & pair_ok
@@ -735,6 +737,7 @@ class _RopeOperands:
             kc,
             vc,
             self.cos_cache.stride(0),
+            self.sin_cache.stride(0),
             self.q_out.stride(1),
             kc.stride(0),
             kc.stride(1),
@@ -816,7 +819,7 @@ def _launch(
     ws = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     bias_arg = bias if bias is not None else x  # never read without HAS_BIAS
     # Without the rotary epilogue its operands are never read (ROPE_HALF = 0): x and ones stand in for them.
-    rope_args = rope.kernel_args() if rope is not None else (x,) * 6 + (1,) * 12
+    rope_args = rope.kernel_args() if rope is not None else (x,) * 6 + (1,) * 13
     pdl = pdl_enabled(x.device)
     preload = min(preload_chunks(), 1) if cfg.use_dot else preload_chunks()
     _skinny_linear_kernel[grid](
@@ -962,11 +965,22 @@ def skinny_linear_rotary(
         raise ValueError(f"positions and slot_mapping need at least {m} entries (one per row of x)")
     if q_out is None:
         q_out = torch.empty((m, num_heads, head_dim), dtype=x.dtype, device=x.device)
-    elif q_out.shape != (m, num_heads, head_dim) or q_out.dtype != x.dtype:
-        raise ValueError(f"q_out must be [{m}, {num_heads}, {head_dim}] {x.dtype}, got {tuple(q_out.shape)}")
-    dense = (q_out, cos_cache, sin_cache, k_cache, v_cache, positions, slot_mapping)
-    if any(t.stride(-1) != 1 for t in dense):
-        raise ValueError("q_out, the cos/sin caches, the KV caches, positions and slot_mapping need a dense last dim")
+    elif q_out.shape != (m, num_heads, head_dim) or q_out.dtype != x.dtype or q_out.stride(-1) != 1:
+        raise ValueError(
+            f"q_out must be [{m}, {num_heads}, {head_dim}] {x.dtype} with a dense last dim, got "
+            f"{tuple(q_out.shape)} {q_out.dtype} stride {q_out.stride()}"
+        )
+    dense = {
+        "cos_cache": cos_cache,
+        "sin_cache": sin_cache,
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "positions": positions,
+        "slot_mapping": slot_mapping,
+    }
+    for name, t in dense.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a dense last dim, got stride {t.stride()}")
     rope = _RopeOperands(
         num_heads, num_kv_heads, head_dim, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping, q_out
     )

@@ -43,11 +43,15 @@ def recorded_spec_plans(scheduler) -> Iterator[list[tuple[int, int]]]:
             plans.append((out.num_speculative_tokens, out.num_proposals))
         return out
 
+    wrapped = "schedule" in vars(scheduler)  # an instance attribute already (another wrapper): put it back
     scheduler.schedule = recording_schedule
     try:
         yield plans
     finally:
-        del scheduler.schedule
+        if wrapped:
+            scheduler.schedule = schedule
+        else:
+            del scheduler.schedule
 
 
 @pytest.fixture(scope="session")

@@ -51,14 +51,16 @@ def make_operands(gen: torch.Generator, m: int, heads: int, kv_heads: int, head_
         bias=torch.randn(n, generator=gen).to(dtype),
         positions=torch.randint(0, max_position, (m + 2,), generator=gen),
         cos_cache=torch.randn(max_position, head_dim // 2, generator=gen),
-        sin_cache=torch.randn(max_position, head_dim // 2, generator=gen),
+        # A view of wider rows: its row stride is not cos's.
+        sin_cache=torch.randn(max_position, head_dim, generator=gen)[:, : head_dim // 2],
         k_cache=torch.full((blocks, block_size, kv_heads, head_dim), NAN, dtype=dtype),
         v_cache=torch.full((blocks, block_size, kv_heads, head_dim), NAN, dtype=dtype),
         slot_mapping=torch.randperm(blocks * block_size, generator=gen)[: m + 2],
     )
     if m > 1:
         ops["slot_mapping"][m - 1] = -1
-        ops["positions"][0] = 10**6  # clamped, as the rotary kernel clamps it
+        ops["positions"][0] = 10**6  # clamped, as the rotary kernel clamps them
+        ops["positions"][m - 1] = -5
     return {name: t.to(device) for name, t in ops.items()}
 
 
@@ -112,6 +114,21 @@ def fused(ops: dict, heads: int, kv_heads: int, config=None, with_bias=True, q_o
     return q_rot, k_cache, v_cache
 
 
+def _count_unfused(monkeypatch) -> list[int]:
+    """Records each call that fell back to the two kernels (`_RopeOperands.unfused`)."""
+    from asyncspec.kernels import skinny_linear_triton
+
+    calls: list[int] = []
+    unfused = skinny_linear_triton._RopeOperands.unfused
+
+    def counting(self, qkv):
+        calls.append(qkv.shape[0])
+        return unfused(self, qkv)
+
+    monkeypatch.setattr(skinny_linear_triton._RopeOperands, "unfused", counting)
+    return calls
+
+
 def assert_bit_equal(got: tuple, expected: tuple) -> None:
     for a, b in zip(got, expected, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype
@@ -130,22 +147,37 @@ class TestInterpreted:
     @pytest.mark.parametrize("config", CONFIGS, ids=str)
     @pytest.mark.parametrize("m", [1, 3, 5])
     @pytest.mark.parametrize("with_bias", [False, True])
-    def test_equals_the_projection_then_the_rotary_kernel(self, config, m: int, with_bias: bool) -> None:
-        """q rotated, and k rotated and v in their slots, bit for bit; a slot of -1 keeps its NaNs."""
+    def test_equals_the_projection_then_the_rotary_kernel(self, config, m: int, with_bias: bool, monkeypatch) -> None:
+        """q rotated, and k rotated and v in their slots, bit for bit, from one kernel (two only for a split
+        summed by a second kernel); a slot of -1 keeps its NaNs."""
+        unfused = _count_unfused(monkeypatch)
         ops = make_operands(torch.Generator().manual_seed(m), m, 4, 2, 16, 96, torch.bfloat16)
         got = fused(ops, 4, 2, config, with_bias)
+        assert len(unfused) == (config is not None and config.split_k > 1 and not config.serial_split)
         expected = two_kernels(ops, 4, 2, config, with_bias)
         assert_bit_equal(got, expected)
         assert not got[0].isnan().any()
         written = int((ops["slot_mapping"][:m] >= 0).sum())
         assert int((~got[1].isnan()).all(-1).all(-1).sum()) == written  # k of every real row, and no other slot
 
-    @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 8, 8), (6, 2, 32), (2, 1, 64)])
-    def test_head_layouts(self, heads: int, kv_heads: int, head_dim: int) -> None:
-        """No GQA, a group of 3, one KV head of 64 (each pair's head and column come from the lane's index)."""
+    @pytest.mark.parametrize(
+        ("heads", "kv_heads", "head_dim"), [(8, 8, 8), (6, 2, 32), (2, 1, 64), (3, 1, 16), (2, 1, 80)]
+    )
+    def test_head_layouts(self, heads: int, kv_heads: int, head_dim: int, monkeypatch) -> None:
+        """No GQA, a group of 3, one KV head of 64, N = 80 (a ragged last column block of 32-wide tiles), heads of
+        80 (a tile spans two heads): each pair's head and column come from the lane's index."""
+        unfused = _count_unfused(monkeypatch)
         ops = make_operands(torch.Generator().manual_seed(head_dim), 2, heads, kv_heads, head_dim, 64, torch.bfloat16)
-        for config in (None, SkinnyConfig(block_n=16, block_k=32, use_dot=True)):
+        configs = (
+            None,
+            SkinnyConfig(block_n=32, block_k=32),
+            SkinnyConfig(block_n=32, block_k=32, split_k=2),
+            SkinnyConfig(block_n=16, block_k=32, use_dot=True),
+            SkinnyConfig(block_n=64, block_k=32, use_dot=True),
+        )
+        for config in configs:
             assert_bit_equal(fused(ops, heads, kv_heads, config), two_kernels(ops, heads, kv_heads, config))
+        assert unfused == []
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
     def test_other_dtypes_run_the_two_kernels(self, dtype) -> None:
@@ -153,11 +185,14 @@ class TestInterpreted:
         assert_bit_equal(fused(ops, 4, 2), two_kernels(ops, 4, 2))
 
     def test_q_out_is_written_in_place(self) -> None:
+        """A q_out whose heads are strided (a view of wider rows): written through its strides, nothing else."""
         ops = make_operands(torch.Generator().manual_seed(8), 2, 4, 2, 16, 96, torch.bfloat16)
-        q_out = torch.full((2, 4, 16), NAN, dtype=torch.bfloat16)
+        wide = torch.full((2, 4, 40), NAN, dtype=torch.bfloat16)
+        q_out = wide[:, :, 4:20]
         got = fused(ops, 4, 2, q_out=q_out)
         assert got[0] is q_out
         assert_bit_equal(got, two_kernels(ops, 4, 2))
+        assert wide[:, :, :4].isnan().all() and wide[:, :, 20:].isnan().all()
 
     def test_bad_operands_raise_and_write_nothing(self) -> None:
         from asyncspec.kernels import skinny_linear_triton
@@ -177,7 +212,10 @@ class TestInterpreted:
             "k_cache and v_cache must be": dict(v_cache=ops["v_cache"][:, :, :1]),
             "at least 2 entries": dict(positions=ops["positions"][:1]),
             "q_out must be": dict(q_out=torch.empty(2, 4, 8, dtype=torch.bfloat16)),
-            "dense last dim": dict(cos_cache=ops["cos_cache"].t().contiguous().t()),
+            "with a dense last dim, got (2, 4, 16)": dict(
+                q_out=torch.empty(2, 16, 4, dtype=torch.bfloat16).transpose(1, 2)
+            ),
+            "cos_cache needs a dense last dim": dict(cos_cache=ops["cos_cache"].t().contiguous().t()),
         }
         for message, changes in bad.items():
             with pytest.raises(ValueError, match=re.escape(message)):
