@@ -16,6 +16,9 @@
 #   closed the 128-stream closed batch with the draft: the adaptive policy against a fixed k = 1 and k = 2 for the
 #          whole batch, beside the plain engine (plan_trace.py --fixed-k), and the windows' union busy time
 #          (gpu_step_speed.py, bundled and 1B, async, batches 1 and 64): ~5 min
+#   epilogues  the projections' epilogues of 2026-12-03 (SiLU-and-multiply on tensor-core tiles, RoPE + KV write in
+#          q|k|v): their kernel tests, the bf16 engine tests that take them, and the 1B/8B graph-replay A/B of the
+#          rotary epilogue against ASYNCSPEC_ROTARY_IN_LINEAR=0: ~6 min
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
 # their wheels; the device README says how).
 set -uo pipefail
@@ -40,6 +43,16 @@ fi
 if [[ " $parts " == *" tp "* ]]; then
     timeout 560 python3 -m pytest -q -p no:cacheprovider tests/worker/test_symm_all_reduce_gpu.py \
         tests/worker/test_tensor_parallel_gpu.py 2>&1 | tail -15
+fi
+
+if [[ " $parts " == *" epilogues "* ]]; then
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_skinny_linear_rotary.py \
+        tests/kernels/test_skinny_linear.py -k "rotary or gpu_gated" 2>&1 | tail -4
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/layers/test_linear.py tests/engine/test_gpu_engine.py \
+        tests/worker/test_cuda_graphs.py -k "rotary or bf16 or no_host_sync or async_loop_equals" 2>&1 | tail -6
+    timeout 150 python3 benchmarks/graph_replay.py --models llama-1b,llama-8b \
+        --switches "ASYNCSPEC_PDL=1+ASYNCSPEC_ROTARY_IN_LINEAR=0,ASYNCSPEC_PDL=1" --output "$out/graph_replay_rotary.json" \
+        2>&1 | tail -6
 fi
 
 if [[ " $parts " == *" step "* ]]; then
