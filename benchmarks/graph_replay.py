@@ -37,7 +37,8 @@ of in the projection's epilogue; `m1_wide` gives every one-row call the 8 x 512 
 the activation kernel, as before 2026-12-03; `rowpar_16` gives the row-parallel shapes at M = 16, 32 the 16 x 256
 tensor-core tiles they took before 2026-12-03. Timing only (the outputs are wrong; they bound what fusing a kernel
 away could give): `no_combine` launches no split-KV combine kernel, `no_norm` no residual-add + RMSNorm kernel (each
-returns its input), `no_rotary` no RoPE + KV-write kernel (q passes through unrotated), `no_attention` no attention
+returns its input), `no_rotary` no RoPE + KV-write kernel (q passes through unrotated; with
+ASYNCSPEC_ROTARY_IN_LINEAR=0, since the default does that work in the q|k|v projection), `no_attention` no attention
 kernels (the output is q), `no_small` the first three together (what fusing every small kernel of a layer away could
 give)."""
 

@@ -20,20 +20,15 @@ import triton
 import triton.language as tl
 
 from asyncspec.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
-from asyncspec.kernels.triton_rounding import round_to_dtype
+from asyncspec.kernels.triton_rounding import round_to_dtype, rounded_fp32
 
 
 @triton.jit
-def _round(x, DTYPE: tl.constexpr):
-    """x (fp32) rounded to DTYPE and widened back, to go on computing in fp32 with the rounded value."""
-    return round_to_dtype(x, DTYPE).to(tl.float32)
-
-
-@triton.jit
-def _rotate_halves(x1, x2, cos, sin, DTYPE: tl.constexpr):
-    """(x1 * cos + (-x2) * sin, x2 * cos + x1 * sin) in DTYPE, each product and each sum rounded to DTYPE."""
-    lo = _round(_round(x1 * cos, DTYPE) + _round(-x2 * sin, DTYPE), DTYPE)
-    hi = _round(_round(x2 * cos, DTYPE) + _round(x1 * sin, DTYPE), DTYPE)
+def rotate_halves(x1, x2, cos, sin, DTYPE: tl.constexpr):
+    """(x1 * cos + (-x2) * sin, x2 * cos + x1 * sin) in DTYPE, each product and each sum rounded to DTYPE (also
+    the rotary epilogue of skinny_linear_rotary)."""
+    lo = rounded_fp32(rounded_fp32(x1 * cos, DTYPE) + rounded_fp32(-x2 * sin, DTYPE), DTYPE)
+    hi = rounded_fp32(rounded_fp32(x2 * cos, DTYPE) + rounded_fp32(x1 * sin, DTYPE), DTYPE)
     return lo, hi
 
 
@@ -83,8 +78,8 @@ def _rotary_kv_write_kernel(
     pos = tl.minimum(tl.maximum(pos, 0), max_position - 1)
     d = tl.arange(0, BLOCK_HALF)
     d_mask = d < half_dim
-    cos = _round(tl.load(cos_ptr + pos * cos_stride + d, mask=d_mask, other=0.0).to(tl.float32), DTYPE)[None, :]
-    sin = _round(tl.load(sin_ptr + pos * sin_stride + d, mask=d_mask, other=0.0).to(tl.float32), DTYPE)[None, :]
+    cos = rounded_fp32(tl.load(cos_ptr + pos * cos_stride + d, mask=d_mask, other=0.0).to(tl.float32), DTYPE)[None, :]
+    sin = rounded_fp32(tl.load(sin_ptr + pos * sin_stride + d, mask=d_mask, other=0.0).to(tl.float32), DTYPE)[None, :]
     # Compiled, both branches are one scf.if: a name bound in both must have one type, hence q_ / kv_ names.
     if tl.program_id(1) == 0:
         q_h = tl.arange(0, BLOCK_H)[:, None]
@@ -93,7 +88,7 @@ def _rotary_kv_write_kernel(
         q_src = q_ptr + t * q_stride_t + q_h * q_stride_h + d[None, :]
         q1 = tl.load(q_src, mask=q_mask, other=0.0).to(tl.float32)
         q2 = tl.load(q_src + half_dim, mask=q_mask, other=0.0).to(tl.float32)
-        q_lo, q_hi = _rotate_halves(q1, q2, cos, sin, DTYPE)
+        q_lo, q_hi = rotate_halves(q1, q2, cos, sin, DTYPE)
         q_dst = q_out_ptr + t * qo_stride_t + q_h * qo_stride_h + d[None, :]
         tl.store(q_dst, q_lo.to(q_out_ptr.dtype.element_ty), mask=q_mask)
         tl.store(q_dst + half_dim, q_hi.to(q_out_ptr.dtype.element_ty), mask=q_mask)
@@ -108,7 +103,7 @@ def _rotary_kv_write_kernel(
         k_src = k_ptr + t * k_stride_t + kv_h * k_stride_h + d[None, :]
         k1 = tl.load(k_src, mask=kv_mask, other=0.0).to(tl.float32)
         k2 = tl.load(k_src + half_dim, mask=kv_mask, other=0.0).to(tl.float32)
-        k_lo, k_hi = _rotate_halves(k1, k2, cos, sin, DTYPE)
+        k_lo, k_hi = rotate_halves(k1, k2, cos, sin, DTYPE)
         # The values are exact in DTYPE; one rounding to the cache dtype is torch's `.to(k_cache.dtype)`.
         kc = k_cache_ptr + blk * kc_stride_b + off * kc_stride_s + kv_h * kc_stride_h + d[None, :]
         tl.store(kc, round_to_dtype(k_lo, k_cache_ptr.dtype.element_ty), mask=kv_mask)

@@ -59,8 +59,9 @@ import triton.language as tl
 
 from asyncspec.kernels.paged_attention_triton import _patch_interpreter
 from asyncspec.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
+from asyncspec.kernels.rotary_kv_write_triton import rotary_kv_write, rotate_halves
 from asyncspec.kernels.silu_and_mul_triton import silu_and_mul, silu_mul
-from asyncspec.kernels.triton_rounding import round_to_dtype
+from asyncspec.kernels.triton_rounding import round_to_dtype, rounded_fp32
 
 if triton.knobs.runtime.interpret:
     _patch_interpreter()  # tensor loop bounds and bf16 tl.dot under TRITON_INTERPRET=1 (idempotent)
@@ -224,12 +225,6 @@ def _store_gated(
 
 
 @triton.jit
-def _rounded(x, DTYPE: tl.constexpr):
-    """x (fp32) rounded to DTYPE and widened back."""
-    return round_to_dtype(x, DTYPE).to(tl.float32)
-
-
-@triton.jit
 def _store_rotary(
     acc,
     bias_ptr,
@@ -274,7 +269,7 @@ def _store_rotary(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows_n).to(tl.float32)[None, :]
     dtype = out_ptr.dtype.element_ty
-    lo, hi = tl.split(tl.reshape(_rounded(acc, dtype), [BLOCK_M, BLOCK_N // 2, 2]))
+    lo, hi = tl.split(tl.reshape(rounded_fp32(acc, dtype), [BLOCK_M, BLOCK_N // 2, 2]))
     pairs = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     pair_ok = pairs < N // 2
     head = pairs // HALF
@@ -285,10 +280,9 @@ def _store_rotary(
     pos = tl.minimum(tl.maximum(pos, 0), max_position - 1)
     cos_ptrs = cos_ptr + pos[:, None] * cos_stride + d[None, :]
     sin_ptrs = sin_ptr + pos[:, None] * sin_stride + d[None, :]
-    cos = _rounded(tl.load(cos_ptrs, mask=pair_ok[None, :], other=0.0).to(tl.float32), dtype)
-    sin = _rounded(tl.load(sin_ptrs, mask=pair_ok[None, :], other=0.0).to(tl.float32), dtype)
-    r_lo = _rounded(_rounded(lo * cos, dtype) + _rounded(-hi * sin, dtype), dtype)
-    r_hi = _rounded(_rounded(hi * cos, dtype) + _rounded(lo * sin, dtype), dtype)
+    cos = rounded_fp32(tl.load(cos_ptrs, mask=pair_ok[None, :], other=0.0).to(tl.float32), dtype)
+    sin = rounded_fp32(tl.load(sin_ptrs, mask=pair_ok[None, :], other=0.0).to(tl.float32), dtype)
+    r_lo, r_hi = rotate_halves(lo, hi, cos, sin, dtype)
     is_q = (head < num_heads) & pair_ok
     is_k = (head >= num_heads) & (head < num_heads + num_kv_heads) & pair_ok
     is_v = (head >= num_heads + num_kv_heads) & pair_ok
@@ -753,8 +747,6 @@ class _RopeOperands:
 
     def unfused(self, qkv: torch.Tensor) -> torch.Tensor:
         """The same numbers from the projection's output [M, N]: the separate RoPE + KV-write kernel."""
-        from asyncspec.kernels.rotary_kv_write_triton import rotary_kv_write
-
         t, h, kvh, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
         return rotary_kv_write(

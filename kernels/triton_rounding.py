@@ -1,4 +1,4 @@
-"""A Triton helper shared by the fused kernels: fp32 -> storage dtype with round-to-nearest-even."""
+"""Triton helpers shared by the fused kernels: fp32 -> storage dtype with round-to-nearest-even."""
 
 from __future__ import annotations
 
@@ -16,3 +16,9 @@ def round_to_dtype(x, DTYPE: tl.constexpr):
         return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(DTYPE)
+
+
+@triton.jit
+def rounded_fp32(x, DTYPE: tl.constexpr):
+    """x (fp32) rounded to DTYPE and widened back, to go on computing in fp32 with the rounded value."""
+    return round_to_dtype(x, DTYPE).to(tl.float32)

@@ -146,26 +146,39 @@ def test_switched_model_generates_the_same_tokens(spec: bool) -> None:
     assert use_skinny_linear(runner.model, None) == 4 * num_layers + 1
 
 
+def _tokens_equal_with_switch_off_and_on(monkeypatch, env: str, dtype: str, spec: bool, is_on, what: str) -> None:
+    """Greedy tokens of the bundled target (graphs on; with the draft if `spec`) with `env`=0 and with the
+    default: equal. `is_on(runner)` says whether the switched path is set up."""
+    kwargs = dict(device="cuda", dtype=dtype, max_model_len=512, max_num_seqs=8, gpu_memory_utilization=0.3)
+    if spec:
+        kwargs.update(speculative_method="draft_model", draft_model=str(DRAFT_MODEL), num_speculative_tokens=4)
+    prompts = load_prompts(6)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    monkeypatch.setenv(env, "0")
+    ref_llm = LLM(str(TARGET_MODEL), **kwargs)
+    assert not is_on(ref_llm.engine.engine_core.runner)
+    ref = ref_llm.generate(prompts, params)
+    del ref_llm  # its KV pool would count against the next engine's share of the card
+    gc.collect()
+    monkeypatch.delenv(env)  # the default
+    llm = LLM(str(TARGET_MODEL), **kwargs)
+    assert is_on(llm.engine.engine_core.runner)
+    assert_same_outputs(ref, llm.generate(prompts, params), what)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("spec", [False, True], ids=["plain", "draft"])
 def test_skinny_linear_in_the_engine_on_gpu(spec: bool, monkeypatch) -> None:
     """The Triton kernel inside the engine (its default on CUDA, graphs on): fp32 greedy tokens equal the
     run with it switched off (cuBLAS)."""
-    kwargs = dict(device="cuda", dtype="float32", max_model_len=512, max_num_seqs=8, gpu_memory_utilization=0.3)
-    if spec:
-        kwargs.update(speculative_method="draft_model", draft_model=str(DRAFT_MODEL), num_speculative_tokens=4)
-    prompts = load_prompts(6)
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    monkeypatch.setenv(SKINNY_LINEAR_ENV, "0")
-    ref_llm = LLM(str(TARGET_MODEL), **kwargs)
-    assert ref_llm.engine.engine_core.runner.model.skinny_linear is None
-    ref = ref_llm.generate(prompts, params)
-    del ref_llm  # its KV pool would count against the next engine's share of the card
-    gc.collect()
-    monkeypatch.delenv(SKINNY_LINEAR_ENV)  # the default: the kernel
-    llm = LLM(str(TARGET_MODEL), **kwargs)
-    assert llm.engine.engine_core.runner.model.skinny_linear is not None
-    assert_same_outputs(ref, llm.generate(prompts, params), "the decode-shaped kernel on the GPU")
+    _tokens_equal_with_switch_off_and_on(
+        monkeypatch,
+        SKINNY_LINEAR_ENV,
+        "float32",
+        spec,
+        lambda runner: runner.model.skinny_linear is not None,
+        "the decode-shaped kernel on the GPU",
+    )
 
 
 @pytest.mark.gpu
@@ -173,21 +186,14 @@ def test_skinny_linear_in_the_engine_on_gpu(spec: bool, monkeypatch) -> None:
 def test_rotary_in_the_projection_keeps_bf16_tokens_on_gpu(spec: bool, monkeypatch) -> None:
     """bf16, graphs on: the q|k|v projection with RoPE and the KV write in its epilogue computes the numbers of
     the projection then the rotary kernel, so greedy tokens equal the run with it switched off."""
-    kwargs = dict(device="cuda", dtype="bfloat16", max_model_len=512, max_num_seqs=8, gpu_memory_utilization=0.3)
-    if spec:
-        kwargs.update(speculative_method="draft_model", draft_model=str(DRAFT_MODEL), num_speculative_tokens=4)
-    prompts = load_prompts(6)
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    monkeypatch.setenv(ROTARY_IN_LINEAR_ENV, "0")
-    ref_llm = LLM(str(TARGET_MODEL), **kwargs)
-    assert ref_llm.engine.engine_core.runner.model.skinny_linear.rotary_kernel is None
-    ref = ref_llm.generate(prompts, params)
-    del ref_llm
-    gc.collect()
-    monkeypatch.delenv(ROTARY_IN_LINEAR_ENV)
-    llm = LLM(str(TARGET_MODEL), **kwargs)
-    assert llm.engine.engine_core.runner.model.skinny_linear.rotary_kernel is not None
-    assert_same_outputs(ref, llm.generate(prompts, params), "RoPE and the KV write in the q|k|v projection")
+    _tokens_equal_with_switch_off_and_on(
+        monkeypatch,
+        ROTARY_IN_LINEAR_ENV,
+        "bfloat16",
+        spec,
+        lambda runner: runner.model.skinny_linear.rotary_kernel is not None,
+        "RoPE and the KV write in the q|k|v projection",
+    )
 
 
 @pytest.mark.gpu
