@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -449,3 +450,19 @@ def test_decode_windows_outlast_multi_step_plans() -> None:
     window = gss.decode_window(llm, asyncspec, 2, s, profiled=True)
     assert window["tokens_per_step_per_seq"] > 1  # multi-step plans ran
     assert window["finished_during_windows"] == 0 and "window_warning" not in window
+
+
+def test_persistent_mlp_matches_its_reference_under_the_interpreter() -> None:
+    """The experiment's persistent kernel (one program, both barriers) equals its fp32 reference; the script
+    exits non-zero otherwise, or when a barrier's arrivals are not counted once per program."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/persistent_mlp.py", "--cpu"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=240,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "counter barrier" in proc.stdout and "flag barrier" in proc.stdout
