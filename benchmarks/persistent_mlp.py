@@ -54,8 +54,10 @@ def _grid_barrier(counter_ptr, target):
 
 
 @triton.jit
-def _flag_barrier(flags_ptr, pid, epoch, NUM_PROGS: tl.constexpr, NP2: tl.constexpr):
-    """Each program stores its epoch in its own flag (no contended atomic), then polls all flags in one load."""
+def _flag_barrier(flags_ptr, pid, epoch, NUM_PROGS: tl.constexpr, NP2: tl.constexpr, ASM_FENCE: tl.constexpr):
+    """Each program stores its epoch in its own flag (no contended atomic), then polls all flags in one load.
+    The polls are relaxed reads, so an acquire fence after them orders this program's later reads after the
+    other programs' releases (an acquire RMW on its own flag would pair with nothing but its own release)."""
     tl.debug_barrier()
     tl.atomic_xchg(flags_ptr + pid, epoch, sem="release", scope="gpu")
     offs = tl.arange(0, NP2)
@@ -63,14 +65,26 @@ def _flag_barrier(flags_ptr, pid, epoch, NUM_PROGS: tl.constexpr, NP2: tl.conste
     seen = tl.min(tl.load(flags_ptr + offs, mask=live, other=epoch, volatile=True), axis=0)
     while seen < epoch:
         seen = tl.min(tl.load(flags_ptr + offs, mask=live, other=epoch, volatile=True), axis=0)
-    tl.atomic_add(flags_ptr + pid, 0, sem="acquire", scope="gpu")
+    if ASM_FENCE:  # the interpreter runs one program at a time and needs no fence (nor takes inline PTX)
+        tl.inline_asm_elementwise(
+            "fence.acq_rel.gpu;\n\tmov.u32 $0, $1;", "=r,r", [seen], dtype=tl.int32, is_pure=False, pack=1
+        )
     tl.debug_barrier()
 
 
 @triton.jit
-def _barrier(counter_ptr, flags_ptr, pid, epoch, NUM_PROGS: tl.constexpr, NP2: tl.constexpr, FLAGS: tl.constexpr):
+def _barrier(
+    counter_ptr,
+    flags_ptr,
+    pid,
+    epoch,
+    NUM_PROGS: tl.constexpr,
+    NP2: tl.constexpr,
+    FLAGS: tl.constexpr,
+    ASM_FENCE: tl.constexpr,
+):
     if FLAGS:
-        _flag_barrier(flags_ptr, pid, epoch, NUM_PROGS, NP2)
+        _flag_barrier(flags_ptr, pid, epoch, NUM_PROGS, NP2, ASM_FENCE)
     else:
         _grid_barrier(counter_ptr, epoch * NUM_PROGS)
 
@@ -99,6 +113,7 @@ def _persistent_mlp_kernel(
     FLAGS: tl.constexpr = False,  # one flag per program instead of one arrival counter
     NP2: tl.constexpr = 1,  # NUM_PROGS rounded up to a power of two
     STAGES: tl.constexpr = 1,  # software pipelining of the K loops' loads
+    ASM_FENCE: tl.constexpr = True,  # the flag barrier's acquire fence (off under the interpreter)
 ):
     pid = tl.program_id(0)
     offs_p = tl.arange(0, BP)
@@ -128,7 +143,7 @@ def _persistent_mlp_kernel(
             u = rounded_fp32(tl.sum(acc_u, axis=1) * rstd, tl.bfloat16)
             silu = rounded_fp32(g / (1.0 + tl.exp(-g)), tl.bfloat16)
             tl.store(act_ptr + cols, round_to_dtype(silu * u, tl.bfloat16), mask=(offs_p < BP) & live)
-        _barrier(counter_ptr, flags_ptr, pid, 2 * layer + 1, NUM_PROGS, NP2, FLAGS)
+        _barrier(counter_ptr, flags_ptr, pid, 2 * layer + 1, NUM_PROGS, NP2, FLAGS, ASM_FENCE)
         # down, the residual add, and the next layer's norm inputs.
         nw_next = nw_ptr + (layer + 1) * H
         sumsq = tl.sum(tl.zeros([BN2], dtype=tl.float32), axis=0)
@@ -149,7 +164,7 @@ def _persistent_mlp_kernel(
             sumsq += tl.sum(s * s, axis=0)
             tl.store(xw_ptr + rows, tl.load(nw_next + rows).to(tl.float32) * s, mask=store)
         tl.atomic_add(sumsq_ptr + layer + 1, sumsq, sem="relaxed", scope="gpu")
-        _barrier(counter_ptr, flags_ptr, pid, 2 * layer + 2, NUM_PROGS, NP2, FLAGS)
+        _barrier(counter_ptr, flags_ptr, pid, 2 * layer + 2, NUM_PROGS, NP2, FLAGS, ASM_FENCE)
         wgu += 2 * INTER * H
         wd += H * INTER
 
@@ -195,6 +210,7 @@ class PersistentMLP:
             FLAGS=flags,
             NP2=triton.next_power_of_2(num_progs),
             STAGES=stages,
+            ASM_FENCE=not triton.knobs.runtime.interpret,
         )
         if self.inter % bp or self.hidden % bk1 or self.hidden % bn2 or self.inter % bk2:
             raise ValueError(f"tiles {self.meta} do not divide H={self.hidden}, I={self.inter}")
@@ -211,8 +227,10 @@ class PersistentMLP:
         props = torch.cuda.get_device_properties(residual.device)
         per_sm = -(-self.meta["NUM_PROGS"] // props.multi_processor_count)
         threads = self.meta["num_warps"] * 32
-        regs = kernel.n_regs * threads * per_sm
-        smem = kernel.metadata.shared * per_sm
+        # Registers are allocated in units of 8 a thread, and each block reserves 1 KB of shared memory. This
+        # assumes nothing else occupies the SMs during the launch (true here: stream order, no PDL).
+        regs = -(-kernel.n_regs // 8) * 8 * threads * per_sm
+        smem = (kernel.metadata.shared + 1024) * per_sm
         self.n_regs, self.n_spills = kernel.n_regs, kernel.n_spills
         if regs > props.regs_per_multiprocessor or threads * per_sm > 2048 or smem > 227 * 1024 or per_sm > 32:
             return f"{per_sm} programs a SM need {regs} registers and {smem} B of shared memory"
@@ -319,7 +337,17 @@ def read_bandwidth_gbps() -> float:
 
 # programs per SM, BP, BK1, BN2, BK2, warps, barriers only, flag barrier, pipeline stages
 CONFIG_SETS = {
-    # 2026-12-03 call 6: the barriers' cost, and K loops of 512-1024-wide chunks
+    # 2026-12-03 call 5 (counter barriers)
+    "first": [
+        (1, 8, 512, 4, 1024, 4, False, False, 1),
+        (2, 8, 512, 4, 1024, 4, False, False, 1),
+        (4, 8, 512, 4, 1024, 4, False, False, 1),
+        (1, 8, 512, 8, 1024, 8, False, False, 1),
+        (2, 4, 512, 4, 512, 4, False, False, 1),
+        (1, 8, 512, 4, 1024, 4, True, False, 1),
+        (4, 8, 512, 4, 1024, 4, True, False, 1),
+    ],
+    # call 6: the barriers' cost, and K loops of 512-1024-wide chunks
     "chunks": [
         (1, 8, 512, 4, 1024, 4, True, False, 1),
         (1, 8, 512, 4, 1024, 4, True, True, 1),
@@ -331,7 +359,7 @@ CONFIG_SETS = {
         (1, 8, 256, 4, 512, 4, False, True, 4),
         (3, 4, 512, 4, 512, 4, False, True, 1),
     ],
-    # more bytes in flight a program: a gate|up tile's whole K in one load, wide down chunks
+    # call 7: more bytes in flight a program (a gate|up tile's whole K in one load, wide down chunks)
     "whole_k": [
         (1, 8, 512, 4, 1024, 4, True, True, 1),
         (2, 4, 2048, 4, 2048, 4, False, True, 1),
@@ -340,6 +368,16 @@ CONFIG_SETS = {
         (2, 8, 2048, 8, 2048, 8, False, True, 1),
         (4, 2, 2048, 2, 2048, 2, False, True, 1),
         (6, 2, 2048, 2, 2048, 2, False, True, 1),
+    ],
+    # after the review: the flag barrier with its acquire fence; the barriers' cost at the best variant's shape
+    "recheck": [
+        (1, 8, 512, 4, 1024, 4, True, False, 1),
+        (1, 8, 512, 4, 1024, 4, True, True, 1),
+        (2, 8, 2048, 8, 2048, 8, True, False, 1),
+        (2, 8, 2048, 8, 2048, 8, True, True, 1),
+        (2, 8, 2048, 8, 2048, 8, False, False, 1),
+        (2, 8, 2048, 8, 2048, 8, False, True, 1),
+        (1, 8, 256, 4, 512, 4, False, True, 4),
     ],
 }
 
@@ -353,7 +391,7 @@ def run_cpu() -> None:
         print(f"interpreter, one program, {'flag' if flags else 'counter'} barrier:", err)
         # Only the fp32 sums' order differs from the reference: a rare one-ulp flip, nothing more.
         arrivals = int(mlp.flags.min().item() if flags else mlp.counter.item())  # two barriers a layer
-        if err["rel_l2_err"] > 2e-3 or arrivals != 2 * wd.shape[0]:
+        if err["rel_l2_err"] > 5e-4 or arrivals != 2 * wd.shape[0]:
             raise SystemExit(f"persistent kernel disagrees with the reference: {err}")
 
 
@@ -362,7 +400,9 @@ def run_gpu(args) -> dict:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     residual, nw, wgu, wd = make_layers(layers, hidden, inter, "cuda")
     eps = 1e-5
-    ref = reference_mlp(residual, nw, wgu, wd, eps)
+    ref = reference_mlp(residual, nw, wgu, wd, eps)  # the engine's roundings: what the chain is checked against
+    # The persistent kernel computes exactly this but for the fp32 sums' order.
+    ref_unrounded = reference_mlp(residual, nw, wgu, wd, eps, round_normed=False)
     from asyncspec.kernels.skinny_linear_triton import make_split_counters
 
     counters = make_split_counters("cuda")
@@ -404,9 +444,13 @@ def run_gpu(args) -> dict:
                 stages=stages,
             )
             row: dict = {"variant": name, "round": rnd}
-            why = mlp.residency_error(work)
+            try:
+                why = mlp.residency_error(work)
+            except Exception as exc:  # a variant that does not compile costs its row, not the call
+                why = f"did not compile: {type(exc).__name__}: {str(exc)[:200]}"
             if why:
                 print(f"{name}: skipped, {why}")
+                rows.append({**row, "skipped": why})
                 continue
             row["regs"], row["spills"] = mlp.n_regs, mlp.n_spills
             if rnd == 0:
@@ -414,8 +458,9 @@ def run_gpu(args) -> dict:
                 got = mlp(residual.clone())
                 torch.cuda.synchronize()
                 row["first_call_s"] = time.perf_counter() - t0
-                row["check"] = close(got, ref if not only else residual)
-                row["wrong"] = row["check"]["rel_l2_err"] > 0.05  # the chain itself is at ~0.013
+                row["check"] = close(got, ref_unrounded if not only else residual)
+                # Sum-order flips only; a race or a stale read would show far above this.
+                row["wrong"] = row["check"]["rel_l2_err"] > 5e-3
                 row["arrivals"] = int(mlp.flags.min().item()) if flags else int(mlp.counter.item())
                 row["arrivals_expected"] = 2 * layers * (1 if flags else per_sm * sms)
             ms = graph_ms(lambda mlp=mlp: mlp(work))
@@ -427,6 +472,8 @@ def run_gpu(args) -> dict:
         f" chain check {result['chain_check']}"
     )
     for row in rows:
+        if "skipped" in row:
+            continue
         extra = (
             f" {'WRONG ' if row.get('wrong') else ''}check {row['check']}"
             f" arrivals {row['arrivals']}/{row['arrivals_expected']}"
@@ -444,7 +491,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="check the kernel under TRITON_INTERPRET=1 on a tiny shape")
     parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--configs", default="whole_k", choices=sorted(CONFIG_SETS), help="persistent variants")
+    parser.add_argument("--configs", default="recheck", choices=sorted(CONFIG_SETS), help="persistent variants")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--output", default="")
     args = parser.parse_args()

@@ -454,7 +454,9 @@ def test_decode_windows_outlast_multi_step_plans() -> None:
 
 def test_persistent_mlp_matches_its_reference_under_the_interpreter() -> None:
     """The experiment's persistent kernel (one program, both barriers) equals its fp32 reference; the script
-    exits non-zero otherwise, or when a barrier's arrivals are not counted once per program."""
+    exits non-zero otherwise, or when a barrier's arrivals are not counted once per program. The interpreter
+    runs programs one after another, so a barrier that waits too little (or memory ordering) cannot show here:
+    the GPU run checks every variant against the same reference."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
         [sys.executable, "benchmarks/persistent_mlp.py", "--cpu"],
