@@ -50,7 +50,8 @@ def measure(model: str, profiler: bool, smoke: bool) -> dict[str, Any]:
         kwargs["load_format"] = "dummy"
     llm = asyncspec.LLM(gss.model_dir(model), **kwargs)
     prompt = [p[:32] for p in gss.load_prompts(1)] if smoke else gss.load_prompts(1)
-    new_tokens, pairs, warm = (8, 2, 1) if smoke else (128, 9, 3)
+    # Five smoke pairs: the median outlasts a stalled run on a busy CI core (two gave a negative TPOT once).
+    new_tokens, pairs, warm = (8, 5, 1) if smoke else (128, 9, 3)
     full = asyncspec.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     one = asyncspec.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     llm.generate(prompt, one)

@@ -38,6 +38,9 @@ def _patch_interpreter() -> None:
     - Scalars are 1-element arrays converted with `int(array)`, which NumPy >= 2.3 rejects, so a loop
       with tensor bounds (`range(kv_begin, kv_end, ...)`) fails.
     - `tl.dot` multiplies bf16 operands as their raw uint16 bit patterns.
+    - `tl.dot` of fp32 operands is an fp32 BLAS matmul, whose rounding depends on a row's place in the tile on
+      some OpenBLAS kernels (OPENBLAS_CORETYPE=Haswell on an AMD EPYC): two tiles holding the same row summed it
+      differently. The products are summed in fp64 and rounded once, so a row's result is its own.
     """
     import numpy as np
     from triton.runtime import interpreter
@@ -60,7 +63,11 @@ def _patch_interpreter() -> None:
         return interpreter.TensorHandle(data.reshape(h.data.shape), tl.float32)
 
     def patched_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return create_dot(self, as_fp32(a), as_fp32(b), d, input_precision, max_num_imprecise_acc)
+        a, b = as_fp32(a), as_fp32(b)
+        if a.dtype.scalar == tl.float32 and b.dtype.scalar == tl.float32 and d.dtype.scalar == tl.float32:
+            product = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)).astype(np.float32)
+            return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+        return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
     interpreter._patch_lang_tensor = patched_tensor
     builder.create_dot = patched_dot
