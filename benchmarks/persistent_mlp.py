@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,8 @@ import triton.language as tl
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+if str(REPO / "benchmarks") not in sys.path:
+    sys.path.insert(0, str(REPO / "benchmarks"))  # skinny_linear.py's timing and bandwidth
 
 from asyncspec.kernels.triton_rounding import round_to_dtype, rounded_fp32  # noqa: E402
 
@@ -305,34 +306,10 @@ def close(got: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
 
 
 def graph_ms(fn, reps: int = 20) -> float:
-    """Median ms of one CUDA-graph replay holding one call of fn (warmed up and compiled outside the capture)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median ms of one CUDA-graph replay holding one call of fn (skinny_linear.py's timing)."""
+    from skinny_linear import graph_us
 
-
-def read_bandwidth_gbps() -> float:
-    big = torch.randn(2**29, device="cuda", dtype=torch.bfloat16)
-    ms = graph_ms(lambda: [big.sum() for _ in range(5)]) / 5
-    return big.numel() * 2 / ms / 1e6
+    return graph_us([fn], reps=reps) / 1e3
 
 
 # programs per SM, BP, BK1, BN2, BK2, warps, barriers only, flag barrier, pipeline stages
@@ -416,7 +393,9 @@ def run_gpu(args) -> dict:
         "triton": triton.__version__,
     }
     result["configs"] = args.configs
-    result["read_GBps"] = read_bandwidth_gbps()
+    from skinny_linear import reference_bandwidths
+
+    result["read_GBps"] = reference_bandwidths()["read_GBps"]
     layer_bytes = 3 * hidden * inter * 2
     result["floor_us_per_layer"] = layer_bytes / result["read_GBps"] / 1e3
     work = residual.clone()
