@@ -40,7 +40,8 @@ away could give): `no_combine` launches no split-KV combine kernel, `no_norm` no
 returns its input), `no_rotary` no RoPE + KV-write kernel (q passes through unrotated; with
 ASYNCSPEC_ROTARY_IN_LINEAR=0, since the default does that work in the q|k|v projection), `no_attention` no attention
 kernels (the output is q), `no_small` the first three together (what fusing every small kernel of a layer away could
-give)."""
+give). `l2_prefetch` launches an L2 prefetch of later weights in each layer (benchmarks/l2_prefetch.py, whose
+GRAPH_REPLAY_L2_PREFETCH says what and where; the outputs do not change)."""
 
 
 def _apply_patches(patches: set[str]) -> None:
@@ -114,6 +115,10 @@ def _apply_patches(patches: set[str]) -> None:
             return x, (x if residual is None else residual)
 
         fused_add_rms_norm_triton.fused_add_rms_norm = _no_norm  # type: ignore[assignment]
+    if "l2_prefetch" in patches:
+        import l2_prefetch
+
+        l2_prefetch.install(os.environ.get(l2_prefetch.SPEC_ENV, ""))
     if "skinny_m2" in patches:
         make2 = model_runner.make_skinny_linear
         model_runner.make_skinny_linear = lambda device, max_rows=None: make2(device, 2)  # type: ignore[assignment]

@@ -438,8 +438,10 @@ def run_gpu(args) -> dict:
                 torch.cuda.synchronize()
                 row["first_call_s"] = time.perf_counter() - t0
                 row["check"] = close(got, ref_unrounded if not only else residual)
-                # Sum-order flips only; a race or a stale read would show far above this.
-                row["wrong"] = row["check"]["rel_l2_err"] > 5e-3
+                # The chain differs from its own reference only in the fp32 sums' order, like this kernel from
+                # its reference, and 16 layers of bf16 roundings amplify such flips to ~1 %: the chain's error
+                # sets the noise level. A race or a stale read would show far above it.
+                row["wrong"] = row["check"]["rel_l2_err"] > max(2 * result["chain_check"]["rel_l2_err"], 5e-3)
                 row["arrivals"] = int(mlp.flags.min().item()) if flags else int(mlp.counter.item())
                 row["arrivals_expected"] = 2 * layers * (1 if flags else per_sm * sms)
             ms = graph_ms(lambda mlp=mlp: mlp(work))

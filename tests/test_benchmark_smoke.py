@@ -468,3 +468,35 @@ def test_persistent_mlp_matches_its_reference_under_the_interpreter() -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "counter barrier" in proc.stdout and "flag barrier" in proc.stdout
+
+
+def test_l2_prefetch_spec_and_regions() -> None:
+    """The L2-prefetch experiment's switch parses into what it prefetches, and refuses what it cannot do (its
+    kernels are PTX, so only the GPU run executes them)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        l2 = _load(REPO / "benchmarks" / "l2_prefetch.py", "l2_prefetch")
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    spec = l2.parse("point=attend;targets=o/down;mb=0.5;mode=line;programs=132")
+    assert (spec.point, spec.targets, spec.mb, spec.mode, spec.programs) == ("attend", ("o", "down"), 0.5, "line", 132)
+    for bad in ("point=mlp", "mode=tma", "targets=o/qkv", "chunk=100"):
+        with pytest.raises(ValueError, match="bad prefetch spec"):
+            l2.parse(bad)
+
+    def lin(rows: int, cols: int) -> SimpleNamespace:
+        return SimpleNamespace(weight=torch.empty(rows, cols, dtype=torch.bfloat16))
+
+    layer = SimpleNamespace(
+        self_attn=SimpleNamespace(o_proj=lin(64, 64)),
+        mlp=SimpleNamespace(gate_up_proj=lin(4096, 64), down_proj=lin(64, 2048)),
+    )
+    regions = l2._regions(layer, l2.parse("targets=o/gu;mb=0.25"))
+    assert [(w is layer.self_attn.o_proj.weight, n) for w, n in regions] == [(True, 64 * 64 * 2), (False, 2**18)]
+    assert regions[1][0] is layer.mlp.gate_up_proj.weight
+    # A megabyte count past the tensor takes the whole tensor.
+    assert l2._regions(layer, l2.parse("targets=down;mb=64"))[0][1] == 64 * 2048 * 2

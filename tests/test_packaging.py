@@ -48,3 +48,45 @@ def test_built_wheel_places_kernels_inside_the_package(tmp_path):
     assert "asyncspec/kernels/__init__.py" in names
     assert "asyncspec/kernels/paged_attention.py" in names
     assert not any(n.startswith("kernels/") for n in names)
+
+
+_SHADOW_PROBE = """
+import sys
+sys.path[:0] = [sys.argv[1], sys.argv[2]]  # the checkout's root first, as under pytest, then site-packages
+import asyncspec.kernels.paged_attention
+try:
+    import kernels
+except ModuleNotFoundError as exc:
+    print("missing=" + str(exc.name))
+else:
+    from kernels.layer import WHERE
+    print("kernels=" + kernels.__file__)
+    print("layer=" + WHERE)
+"""
+
+
+def _probe_top_level_kernels(tmp_path: Path, site: Path) -> dict[str, str]:
+    out = subprocess.run(
+        [sys.executable, "-c", _SHADOW_PROBE, str(REPO), str(site)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return dict(line.split("=", 1) for line in out.stdout.strip().splitlines())
+
+
+def test_checkout_on_sys_path_hands_top_level_kernels_to_the_installed_package(tmp_path):
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("")
+    (site / "kernels" / "layer.py").write_text("WHERE = 'installed'\n")
+    lines = _probe_top_level_kernels(tmp_path, site)
+    assert Path(lines["kernels"]).resolve() == (site / "kernels" / "__init__.py").resolve()
+    assert lines["layer"] == "installed"
+
+
+def test_checkout_on_sys_path_without_the_package_reports_kernels_missing(tmp_path):
+    site = tmp_path / "empty-site"
+    site.mkdir()
+    assert _probe_top_level_kernels(tmp_path, site) == {"missing": "kernels"}
