@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import NamedTuple
 
 import torch
@@ -113,31 +112,6 @@ def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
     return lo
 
 
-HIDE_LATENCY_ENV = "ASYNCSPEC_ATTN_HIDE_LATENCY"  # 1: `_find_request_wide` and the block table a step ahead
-_FIND_CHUNK = tl.constexpr(128)  # requests whose first tile ids `_find_request_wide` loads at once
-
-
-@triton.jit
-def _find_request_wide(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
-    """`_find_request` by counting: first tile ids strictly increase with b, so the owner is the number of b in
-    [0, num_reqs] whose first tile id is <= pid, minus one. One load round trip per 128 requests instead of the
-    binary search's log2(num_reqs) dependent ones."""
-    count = 0 * pid
-    for base in range(0, num_reqs + 1, _FIND_CHUNK):
-        b = base + tl.arange(0, _FIND_CHUNK)
-        ok = b <= num_reqs
-        starts = tl.load(qsl_ptr + b, mask=ok, other=0) // BLOCK_Q + b
-        count += tl.sum((ok & (starts <= pid)).to(tl.int32), axis=0)
-    return count - 1
-
-
-@triton.jit
-def _request_of(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr, HIDE_LATENCY: tl.constexpr):
-    if HIDE_LATENCY:
-        return _find_request_wide(qsl_ptr, pid, num_reqs, BLOCK_Q)
-    return _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q)
-
-
 @triton.jit
 def _attend_keys(
     q,
@@ -164,7 +138,6 @@ def _attend_keys(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    HIDE_LATENCY: tl.constexpr = False,
 ):
     """Online softmax of the query rows over keys [kv_begin, kv_end) (kv_begin a multiple of BLOCK_N).
 
@@ -174,22 +147,11 @@ def _attend_keys(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    # With HIDE_LATENCY the next step's block-table entries load one step ahead, so the K/V loads never wait on
-    # them (defined either way: the loop's carried values are read off its body).
-    block_next = tl.zeros([BLOCK_N], dtype=bt_row.dtype.element_ty)
-    if HIDE_LATENCY:
-        first = kv_begin + offs_n
-        block_next = tl.load(bt_row + first // block_size, mask=first < kv_end, other=0)
     for start_n in range(kv_begin, kv_end, BLOCK_N):
         k_pos = start_n + offs_n
         k_ok = k_pos < kv_end
         # Physical slot of every key: its block from the block table, its offset within the block.
-        if HIDE_LATENCY:
-            block = block_next.to(tl.int64)
-            ahead = k_pos + BLOCK_N
-            block_next = tl.load(bt_row + ahead // block_size, mask=ahead < kv_end, other=0)
-        else:
-            block = tl.load(bt_row + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
+        block = tl.load(bt_row + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
         in_block = k_pos % block_size
         k_ptrs = (
             k_cache_ptr
@@ -271,13 +233,12 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs: TF32 would cost ~1e-3 relative error
     USE_PDL: tl.constexpr = False,
-    HIDE_LATENCY: tl.constexpr = False,
 ):
     """Single pass: each program walks all visible keys of its (query tile, KV head) and writes `out`."""
     pdl_start(USE_PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-    req = _request_of(qsl_ptr, pid, num_reqs, BLOCK_Q, HIDE_LATENCY)
+    req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q)
     q_start = tl.load(qsl_ptr + req)
     q_tile = pid - _tile_start(qsl_ptr, req, BLOCK_Q)
 
@@ -335,7 +296,6 @@ def _paged_attention_kernel(
         BLOCK_N,
         BLOCK_D,
         DOT_PRECISION,
-        HIDE_LATENCY,
     )
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -378,7 +338,6 @@ def _paged_attention_split_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr = False,
-    HIDE_LATENCY: tl.constexpr = False,
 ):
     """Split pass: program (query tile, KV head, split) attends to the split-th share of the tile's visible
     keys and writes its partial (m, l, acc) for every real row, even when its share is empty, so the
@@ -387,7 +346,7 @@ def _paged_attention_split_kernel(
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    req = _request_of(qsl_ptr, pid, num_reqs, BLOCK_Q, HIDE_LATENCY)
+    req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q)
     if req == num_reqs:
         return  # the padding tail is zeroed by the combine kernel
     q_start = tl.load(qsl_ptr + req)
@@ -442,7 +401,6 @@ def _paged_attention_split_kernel(
         BLOCK_N,
         BLOCK_D,
         DOT_PRECISION,
-        HIDE_LATENCY,
     )
 
     part = (t * num_heads + head) * num_splits + split  # int64 [BLOCK_M]
@@ -645,7 +603,6 @@ def paged_attention(
     window = sliding_window if sliding_window is not None else 0
 
     pdl = pdl_enabled(query.device)
-    hide_latency = os.environ.get(HIDE_LATENCY_ENV, "0") == "1"
     if num_splits == 1:
         _paged_attention_kernel[(num_tiles, num_kv_heads)](
             query,
@@ -679,7 +636,6 @@ def paged_attention(
             BLOCK_D=block_d,
             DOT_PRECISION=dot_precision,
             USE_PDL=pdl,
-            HIDE_LATENCY=hide_latency,
             num_warps=num_warps,
             num_stages=num_stages,
             **pdl_launch_options(pdl),
@@ -725,7 +681,6 @@ def paged_attention(
         BLOCK_D=block_d,
         DOT_PRECISION=dot_precision,
         USE_PDL=pdl,
-        HIDE_LATENCY=hide_latency,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch_options(pdl),
