@@ -115,7 +115,6 @@ def _persistent_mlp_kernel(
     NP2: tl.constexpr = 1,  # NUM_PROGS rounded up to a power of two
     STAGES: tl.constexpr = 1,  # software pipelining of the K loops' loads
     ASM_FENCE: tl.constexpr = True,  # the flag barrier's acquire fence (off under the interpreter)
-    PRELOAD: tl.constexpr = False,  # load the first W chunk after each barrier before it (weights are constant)
 ):
     pid = tl.program_id(0)
     offs_p = tl.arange(0, BP)
@@ -124,15 +123,6 @@ def _persistent_mlp_kernel(
     offs_k2 = tl.arange(0, BK2)
     wgu = wgu_ptr
     wd = wd_ptr
-    # With PRELOAD, the chunk of W each phase's first tile starts with is loaded before the barrier that opens the
-    # phase, so its DRAM latency overlaps the wait (defined either way: loop-carried values).
-    first_cols = tl.minimum(pid, INTER // BP - 1) * BP + offs_p
-    first_rows = tl.minimum(pid, H // BN2 - 1) * BN2 + offs_n2
-    g_pre = tl.zeros([BP, BK1], dtype=wgu_ptr.dtype.element_ty)
-    u_pre = tl.zeros([BP, BK1], dtype=wgu_ptr.dtype.element_ty)
-    if PRELOAD:
-        g_pre = tl.load(wgu + first_cols.to(tl.int64)[:, None] * H + offs_k1[None, :])
-        u_pre = tl.load(wgu + (first_cols.to(tl.int64) + INTER)[:, None] * H + offs_k1[None, :])
     for layer in range(NUM_LAYERS):
         # gate|up: the normalised x is rstd * (norm weight * residual); rstd multiplies the sums.
         rstd = 1.0 / tl.sqrt(tl.load(sumsq_ptr + layer, volatile=True) / H + eps)
@@ -148,23 +138,12 @@ def _persistent_mlp_kernel(
             acc_u = tl.zeros([BP, BK1], dtype=tl.float32)
             for k0 in tl.range(0, H, BK1, num_stages=STAGES):
                 x = tl.load(xw_ptr + k0 + offs_k1, cache_modifier=".cg")[None, :]
-                if PRELOAD:
-                    # The first tile's first chunk was loaded before the barrier: its loads here are masked off.
-                    first = (i == 0) & (k0 == 0)
-                    g_w = tl.load(g_rows + k0 + offs_k1[None, :], mask=(offs_p[:, None] >= 0) & ~first, other=0.0)
-                    u_w = tl.load(u_rows + k0 + offs_k1[None, :], mask=(offs_p[:, None] >= 0) & ~first, other=0.0)
-                    acc_g += tl.where(first, g_pre, g_w).to(tl.float32) * x
-                    acc_u += tl.where(first, u_pre, u_w).to(tl.float32) * x
-                else:
-                    acc_g += tl.load(g_rows + k0 + offs_k1[None, :]).to(tl.float32) * x
-                    acc_u += tl.load(u_rows + k0 + offs_k1[None, :]).to(tl.float32) * x
+                acc_g += tl.load(g_rows + k0 + offs_k1[None, :]).to(tl.float32) * x
+                acc_u += tl.load(u_rows + k0 + offs_k1[None, :]).to(tl.float32) * x
             g = rounded_fp32(tl.sum(acc_g, axis=1) * rstd, tl.bfloat16)
             u = rounded_fp32(tl.sum(acc_u, axis=1) * rstd, tl.bfloat16)
             silu = rounded_fp32(g / (1.0 + tl.exp(-g)), tl.bfloat16)
             tl.store(act_ptr + cols, round_to_dtype(silu * u, tl.bfloat16), mask=(offs_p < BP) & live)
-        d_pre = tl.zeros([BN2, BK2], dtype=wd_ptr.dtype.element_ty)
-        if PRELOAD:
-            d_pre = tl.load(wd + first_rows.to(tl.int64)[:, None] * INTER + offs_k2[None, :])
         _barrier(counter_ptr, flags_ptr, pid, 2 * layer + 1, NUM_PROGS, NP2, FLAGS, ASM_FENCE)
         # down, the residual add, and the next layer's norm inputs.
         nw_next = nw_ptr + (layer + 1) * H
@@ -178,12 +157,7 @@ def _persistent_mlp_kernel(
             acc = tl.zeros([BN2, BK2], dtype=tl.float32)
             for k0 in tl.range(0, INTER, BK2, num_stages=STAGES):
                 a = tl.load(act_ptr + k0 + offs_k2, cache_modifier=".cg").to(tl.float32)[None, :]
-                if PRELOAD:
-                    first = (i == 0) & (k0 == 0)
-                    d_w = tl.load(w_rows + k0 + offs_k2[None, :], mask=(offs_n2[:, None] >= 0) & ~first, other=0.0)
-                    acc += tl.where(first, d_pre, d_w).to(tl.float32) * a
-                else:
-                    acc += tl.load(w_rows + k0 + offs_k2[None, :]).to(tl.float32) * a
+                acc += tl.load(w_rows + k0 + offs_k2[None, :]).to(tl.float32) * a
             out = rounded_fp32(tl.sum(acc, axis=1), tl.bfloat16)
             summed = round_to_dtype(out + tl.load(res_ptr + rows).to(tl.float32), tl.bfloat16)
             tl.store(res_ptr + rows, summed, mask=store)
@@ -191,11 +165,6 @@ def _persistent_mlp_kernel(
             sumsq += tl.sum(s * s, axis=0)
             tl.store(xw_ptr + rows, tl.load(nw_next + rows).to(tl.float32) * s, mask=store)
         tl.atomic_add(sumsq_ptr + layer + 1, sumsq, sem="relaxed", scope="gpu")
-        if PRELOAD:
-            # The next layer's (the last layer re-reads its own: a harmless L2 hit).
-            nxt = wgu + tl.where(layer + 1 < NUM_LAYERS, 2 * INTER * H, 0)
-            g_pre = tl.load(nxt + first_cols.to(tl.int64)[:, None] * H + offs_k1[None, :])
-            u_pre = tl.load(nxt + (first_cols.to(tl.int64) + INTER)[:, None] * H + offs_k1[None, :])
         _barrier(counter_ptr, flags_ptr, pid, 2 * layer + 2, NUM_PROGS, NP2, FLAGS, ASM_FENCE)
         wgu += 2 * INTER * H
         wd += H * INTER
@@ -220,7 +189,6 @@ class PersistentMLP:
         barriers_only: bool = False,
         flags: bool = False,
         stages: int = 1,
-        preload: bool = False,
     ) -> None:
         self.num_layers, self.hidden = wd.shape[0], wd.shape[1]
         self.inter = wd.shape[2]
@@ -244,7 +212,6 @@ class PersistentMLP:
             NP2=triton.next_power_of_2(num_progs),
             STAGES=stages,
             ASM_FENCE=not triton.knobs.runtime.interpret,
-            PRELOAD=preload,
         )
         if self.inter % bp or self.hidden % bk1 or self.hidden % bn2 or self.inter % bk2:
             raise ValueError(f"tiles {self.meta} do not divide H={self.hidden}, I={self.inter}")
@@ -345,7 +312,7 @@ def graph_ms(fn, reps: int = 20) -> float:
     return graph_us([fn], reps=reps) / 1e3
 
 
-# programs per SM, BP, BK1, BN2, BK2, warps, barriers only, flag barrier, pipeline stages[, first chunks preloaded]
+# programs per SM, BP, BK1, BN2, BK2, warps, barriers only, flag barrier, pipeline stages
 CONFIG_SETS = {
     # 2026-12-03 call 5 (counter barriers)
     "first": [
@@ -389,30 +356,16 @@ CONFIG_SETS = {
         (2, 8, 2048, 8, 2048, 8, False, True, 1),
         (1, 8, 256, 4, 512, 4, False, True, 4),
     ],
-    # session 23: each phase's first W chunk loaded before the barrier that opens it, against the same shapes without
-    "preload": [
-        (2, 8, 2048, 8, 2048, 8, False, True, 1),
-        (2, 8, 2048, 8, 2048, 8, False, True, 1, True),
-        (2, 8, 1024, 8, 2048, 8, False, True, 1),
-        (2, 8, 1024, 8, 2048, 8, False, True, 1, True),
-        (2, 8, 512, 8, 2048, 8, False, True, 1),
-        (2, 8, 512, 8, 2048, 8, False, True, 1, True),
-        (2, 8, 512, 4, 1024, 4, False, True, 1),
-        (2, 8, 512, 4, 1024, 4, False, True, 1, True),
-    ],
 }
 
 
 def run_cpu() -> None:
     residual, nw, wgu, wd = make_layers(3, 64, 128, "cpu")
     ref = reference_mlp(residual, nw, wgu, wd, 1e-5, round_normed=False)
-    for flags, preload in ((False, False), (True, False), (True, True)):
-        mlp = PersistentMLP(
-            nw, wgu, wd, 1e-5, num_progs=1, bp=8, bk1=32, bn2=4, bk2=64, num_warps=4, flags=flags, preload=preload
-        )
+    for flags in (False, True):
+        mlp = PersistentMLP(nw, wgu, wd, 1e-5, num_progs=1, bp=8, bk1=32, bn2=4, bk2=64, num_warps=4, flags=flags)
         err = close(mlp(residual.clone()), ref)
-        label = f"{'flag' if flags else 'counter'} barrier{', first chunks preloaded' if preload else ''}"
-        print(f"interpreter, one program, {label}:", err)
+        print(f"interpreter, one program, {'flag' if flags else 'counter'} barrier:", err)
         # Only the fp32 sums' order differs from the reference: a rare one-ulp flip, nothing more.
         arrivals = int(mlp.flags.min().item() if flags else mlp.counter.item())  # two barriers a layer
         if err["rel_l2_err"] > 5e-4 or arrivals != 2 * wd.shape[0]:
@@ -451,10 +404,9 @@ def run_gpu(args) -> dict:
     for rnd in range(args.rounds):
         ms = graph_ms(lambda: chain_mlp(work, nw, wgu, wd, eps, counters))
         rows.append({"variant": "chain", "round": rnd, "us_per_layer": ms * 1e3 / layers})
-        for per_sm, bp, bk1, bn2, bk2, warps, only, flags, stages, *rest in CONFIG_SETS[args.configs]:
-            preload = bool(rest and rest[0])
+        for per_sm, bp, bk1, bn2, bk2, warps, only, flags, stages in CONFIG_SETS[args.configs]:
             kind = f"{'barriers' if only else 'persistent'} {'flags' if flags else 'counter'}"
-            name = f"{kind} {per_sm}/SM BP{bp}x{bk1} BN{bn2}x{bk2} w{warps} s{stages}{' pre' if preload else ''}"
+            name = f"{kind} {per_sm}/SM BP{bp}x{bk1} BN{bn2}x{bk2} w{warps} s{stages}"
             mlp = PersistentMLP(
                 nw,
                 wgu,
@@ -469,7 +421,6 @@ def run_gpu(args) -> dict:
                 barriers_only=only,
                 flags=flags,
                 stages=stages,
-                preload=preload,
             )
             row: dict = {"variant": name, "round": rnd}
             try:
