@@ -41,7 +41,9 @@ returns its input), `no_rotary` no RoPE + KV-write kernel (q passes through unro
 ASYNCSPEC_ROTARY_IN_LINEAR=0, since the default does that work in the q|k|v projection), `no_attention` no attention
 kernels (the output is q), `no_small` the first three together (what fusing every small kernel of a layer away could
 give). `l2_prefetch` launches an L2 prefetch of later weights in each layer (benchmarks/l2_prefetch.py, whose
-GRAPH_REPLAY_L2_PREFETCH says what and where; the outputs do not change)."""
+GRAPH_REPLAY_L2_PREFETCH says what and where; the outputs do not change). `gluon_mlp` runs each one-row layer's
+post-attention norm and MLP as one warp-specialised Gluon kernel (benchmarks/gluon_layer_mlp.py, configured by
+GRAPH_REPLAY_GLUON_MLP, e.g. `s12/d2/w8/pdl1`)."""
 
 
 def _apply_patches(patches: set[str]) -> None:
@@ -119,6 +121,10 @@ def _apply_patches(patches: set[str]) -> None:
         import l2_prefetch
 
         l2_prefetch.install(os.environ.get(l2_prefetch.SPEC_ENV, ""))
+    if "gluon_mlp" in patches:
+        import gluon_layer_mlp
+
+        gluon_layer_mlp.install(os.environ.get(gluon_layer_mlp.SPEC_ENV, ""))
     if "skinny_m2" in patches:
         make2 = model_runner.make_skinny_linear
         model_runner.make_skinny_linear = lambda device, max_rows=None: make2(device, 2)  # type: ignore[assignment]
