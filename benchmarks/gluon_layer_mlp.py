@@ -37,6 +37,7 @@ for path in (str(REPO), str(REPO / "benchmarks")):
         sys.path.insert(0, path)
 
 SPEC_ENV = "GRAPH_REPLAY_GLUON_MLP"
+O_SPEC_ENV = "GRAPH_REPLAY_GLUON_O"
 SLOT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
 
 
@@ -50,18 +51,23 @@ class LayerMLPConfig:
     """Consumer warps (the loader is one more)."""
     pdl: bool = True
     """Launched with programmatic dependent launch; the loader starts before the wait."""
+    early: bool = False
+    """Lets the successor launch before this kernel's PDL wait (else right after it, as the engine's kernels)."""
+    maxnreg: int = 0
+    """Registers a thread at launch (0: Triton's choice, which for a warp-specialised kernel takes the whole
+    register file and so keeps every other kernel's programs off the SM while one of these runs)."""
 
 
 def parse(spec: str) -> LayerMLPConfig:
-    """`s12,d2,w8,pdl1` or `s12/d2/w8/pdl1` (any subset, any order)."""
+    """`s12,d2,w8,pdl1,r64,early0` or `s12/d2/w8/pdl1/r64/early0` (any subset, any order)."""
     cfg = LayerMLPConfig()
-    fields = {"s": "stages", "d": "d", "w": "warps", "pdl": "pdl"}
+    fields = {"s": "stages", "d": "d", "w": "warps", "pdl": "pdl", "r": "maxnreg", "early": "early"}
     for part in filter(None, spec.replace("/", ",").split(",")):
         key = part.rstrip("0123456789")
         if key not in fields or key == part:
             raise ValueError(f"{SPEC_ENV}: cannot read {part!r}; expected e.g. s12,d2,w8,pdl1")
         value = int(part[len(key) :])
-        cfg = LayerMLPConfig(**{**cfg.__dict__, fields[key]: bool(value) if key == "pdl" else value})
+        cfg = LayerMLPConfig(**{**cfg.__dict__, fields[key]: bool(value) if key in ("pdl", "early") else value})
     return cfg
 
 
@@ -78,6 +84,16 @@ def _ring_next(s, ph, STAGES: gl.constexpr):
 def _gdc(x, op: gl.constexpr):
     """griddepcontrol.wait / .launch_dependents (x: any scalar, for the asm's operand)."""
     return gl.inline_asm_elementwise(op + ";\n\tmov.u32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _pdl_wait(pid, USE_PDL: gl.constexpr, EARLY: gl.constexpr):
+    if USE_PDL:
+        if EARLY:
+            _gdc(pid, "griddepcontrol.launch_dependents")
+        _gdc(pid, "griddepcontrol.wait")
+        if not EARLY:
+            _gdc(pid, "griddepcontrol.launch_dependents")
 
 
 @gluon.jit
@@ -195,6 +211,7 @@ def _consumer(
     D: gl.constexpr,
     WARPS: gl.constexpr,
     USE_PDL: gl.constexpr,
+    EARLY: gl.constexpr,
 ):
     pid = gl.program_id(0)
     w_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
@@ -206,9 +223,7 @@ def _consumer(
     i_at = gl.arange(0, INTER // 256, layout=r_layout)[:, None] * 256 + cols[None, :]
     act_cols = gl.arange(0, 8, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
     nw = gl.load(nw_ptr + h_at).to(gl.float32)
-    if USE_PDL:
-        _gdc(pid, "griddepcontrol.wait")
-        _gdc(pid, "griddepcontrol.launch_dependents")
+    _pdl_wait(pid, USE_PDL, EARLY)
     # The residual add and RMSNorm as fused_add_rms_norm rounds them; every program normalises the whole row.
     summed = (gl.load(x_ptr + h_at).to(gl.float32) + gl.load(res_ptr + h_at).to(gl.float32)).to(gl.bfloat16)
     if pid == 0:
@@ -260,6 +275,7 @@ def _layer_mlp_kernel(
     D: gl.constexpr,
     WARPS: gl.constexpr,
     USE_PDL: gl.constexpr,
+    EARLY: gl.constexpr,
 ):
     TA: gl.constexpr = INTER // 8
     TB: gl.constexpr = H // 16
@@ -305,6 +321,7 @@ def _layer_mlp_kernel(
                     D,
                     WARPS,
                     USE_PDL,
+                    EARLY,
                 ),
             ),
             (_loader, (wgu_desc, wd_desc, ring, ready, empty, num_a, num_b, H, INTER, NUM_PROGS, STAGES, D)),
@@ -364,10 +381,171 @@ class LayerMLP:
             D=self.cfg.d,
             WARPS=self.cfg.warps,
             USE_PDL=self.cfg.pdl,
+            EARLY=self.cfg.early,
             num_warps=self.cfg.warps,
             **({"launch_pdl": True} if self.cfg.pdl else {}),
+            **({"maxnreg": self.cfg.maxnreg} if self.cfg.maxnreg else {}),
         )
         return out, res_out
+
+
+@gluon.jit
+def _gemv_loader(
+    w_desc, ring, ready, empty, num_t, K: gl.constexpr, NUM_PROGS: gl.constexpr, STAGES: gl.constexpr, D: gl.constexpr
+):
+    pid = gl.program_id(0)
+    s = pid * 0
+    ph = pid * 0
+    for i in range(num_t):
+        row = (pid + i * NUM_PROGS) * 16
+        for kc in range(K // (256 * D)):
+            mbarrier.wait(empty.index(s), ph ^ 1)
+            mbarrier.expect(ready.index(s), D * 16 * 256 * 2)
+            for d in gl.static_range(D):
+                tma.async_copy_global_to_shared(
+                    w_desc, [row, (kc * D + d) * 256], ready.index(s), ring.index(s * D + d)
+                )
+            s, ph = _ring_next(s, ph, STAGES)
+
+
+@gluon.jit
+def _gemv_consumer(
+    ring,
+    ready,
+    empty,
+    x_smem,
+    x_ptr,
+    out_ptr,
+    num_t,
+    K: gl.constexpr,
+    NUM_PROGS: gl.constexpr,
+    STAGES: gl.constexpr,
+    D: gl.constexpr,
+    WARPS: gl.constexpr,
+    USE_PDL: gl.constexpr,
+    EARLY: gl.constexpr,
+):
+    pid = gl.program_id(0)
+    w_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
+    r_layout: gl.constexpr = gl.SliceLayout(1, w_layout)
+    offs_r = gl.arange(0, 16, layout=r_layout)
+    k_at = (
+        gl.arange(0, K // 256, layout=r_layout)[:, None] * 256
+        + gl.arange(0, 256, layout=gl.SliceLayout(0, w_layout))[None, :]
+    )
+    _pdl_wait(pid, USE_PDL, EARLY)
+    x_smem.store(gl.load(x_ptr + k_at))
+    gl.thread_barrier()
+    s = pid * 0
+    ph = pid * 0
+    for i in range(num_t):
+        tile = pid + i * NUM_PROGS
+        out, s, ph = _tile(ring, ready, empty, x_smem, s, ph, K // (256 * D), STAGES, D, w_layout)
+        gl.store(out_ptr + 16 * tile + offs_r, out.to(gl.bfloat16))
+
+
+@gluon.jit
+def _gemv_kernel(
+    w_desc,  # [N, K] bf16, box [16, 256]
+    x_ptr,  # [K] bf16
+    out_ptr,  # [N] bf16
+    N: gl.constexpr,
+    K: gl.constexpr,
+    NUM_PROGS: gl.constexpr,
+    STAGES: gl.constexpr,
+    D: gl.constexpr,
+    WARPS: gl.constexpr,
+    USE_PDL: gl.constexpr,
+    EARLY: gl.constexpr,
+):
+    """One row times W^T, warp-specialised: the loader streams this program's 16-row tiles from the start,
+    before the PDL wait, so with a ring as large as its share the whole weight is in shared memory by then."""
+    pid = gl.program_id(0)
+    num_t = gl.maximum((N // 16 - pid + NUM_PROGS - 1) // NUM_PROGS, 0)
+    flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES * D, 16, 256], SLOT_LAYOUT)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [K // 256, 256], flat2)
+    for st in gl.static_range(STAGES):
+        mbarrier.init(ready.index(st), count=1)
+        mbarrier.init(empty.index(st), count=1)
+    fence_async_shared()
+    gl.warp_specialize(
+        [
+            (
+                _gemv_consumer,
+                (ring, ready, empty, x_smem, x_ptr, out_ptr, num_t, K, NUM_PROGS, STAGES, D, WARPS, USE_PDL, EARLY),
+            ),
+            (_gemv_loader, (w_desc, ring, ready, empty, num_t, K, NUM_PROGS, STAGES, D)),
+        ],
+        [1],
+        [40],
+    )
+
+
+class Gemv:
+    """Batch-1 `x @ W^T` for weights of any [N, K] with N % 16 == 0 and K % (256 d) == 0 (no bias)."""
+
+    def __init__(self, device: torch.device, cfg: LayerMLPConfig) -> None:
+        self.cfg = cfg
+        self.num_progs = torch.cuda.get_device_properties(device).multi_processor_count
+        self._descs: dict[int, object] = {}
+
+    def supports(self, w: torch.Tensor) -> bool:
+        return w.dtype == torch.bfloat16 and w.shape[0] % 16 == 0 and w.shape[1] % (256 * self.cfg.d) == 0
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        key = w.data_ptr()
+        if key not in self._descs:
+            self._descs[key] = TensorDescriptor.from_tensor(w, [16, 256], SLOT_LAYOUT)
+        n, k = w.shape
+        out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+        _gemv_kernel[(self.num_progs,)](
+            self._descs[key],
+            x,
+            out,
+            N=n,
+            K=k,
+            NUM_PROGS=self.num_progs,
+            STAGES=self.cfg.stages,
+            D=self.cfg.d,
+            WARPS=self.cfg.warps,
+            USE_PDL=self.cfg.pdl,
+            EARLY=self.cfg.early,
+            num_warps=self.cfg.warps,
+            **({"launch_pdl": True} if self.cfg.pdl else {}),
+            **({"maxnreg": self.cfg.maxnreg} if self.cfg.maxnreg else {}),
+        )
+        return out
+
+
+def install_o_proj(spec_text: str) -> LayerMLPConfig:
+    """Patches DecodeLinear so that one-row CUDA calls of the attention's o_proj (marked here) run the Gemv."""
+    from asyncspec.layers import linear
+    from asyncspec.models import llama
+
+    cfg = parse(spec_text)
+    gemvs: dict[torch.device, Gemv] = {}
+    original_attn = llama.LlamaAttention.forward
+    original_linear = linear.DecodeLinear.forward
+
+    def attn_forward(self, x, rope, kv_cache, attn_metadata):
+        self.o_proj._gemv_eligible = x.shape[0] == 1 and x.is_cuda and not self.tp.enabled and self.o_proj.bias is None
+        return original_attn(self, x, rope, kv_cache, attn_metadata)
+
+    def linear_forward(self, x):
+        if getattr(self, "_gemv_eligible", False) and x.shape[0] == 1:
+            gemv = gemvs.setdefault(x.device, Gemv(x.device, cfg))
+            if gemv.supports(self.weight):
+                return gemv(x.contiguous(), self.weight)
+        return original_linear(self, x)
+
+    llama.LlamaAttention.forward = attn_forward  # type: ignore[method-assign]
+    linear.DecodeLinear.forward = linear_forward  # type: ignore[method-assign]
+    return cfg
 
 
 def install(spec_text: str) -> LayerMLPConfig:
@@ -433,19 +611,26 @@ def run_gpu(args) -> dict:
         return _chain(x, r, n, a, b, e, counters)
 
     want_out, want_res = stack(chain)
+    want1_out, want1_res = chain(x0, r0, nw[0], wgu[0], wd[0], eps)
     rows = []
     for spec in args.configs.split(";"):
         cfg = parse(spec)
         mlp = LayerMLP(hidden, inter, torch.device("cuda"), cfg)
+        got1_out, got1_res = mlp(x0, r0, nw[0], wgu[0], wd[0], eps)
         got_out, got_res = stack(mlp)
         torch.cuda.synchronize()
         row = {
             "config": spec,
-            "out": close(got_out.view(-1), want_out.view(-1)),
-            "residual_equal": bool(torch.equal(got_res, want_res)),
+            "layer0_out": close(got1_out.view(-1), want1_out.view(-1)),
+            "layer0_residual_equal": bool(torch.equal(got1_res, want1_res)),
+            "stack_out": close(got_out.view(-1), want_out.view(-1)),
+            "stack_residual": close(got_res.view(-1), want_res.view(-1)),
             "flags": sorted(set(mlp.flags.tolist())),
         }
-        row["wrong"] = row["out"]["rel_l2_err"] > 0.02 or not row["residual_equal"] or len(row["flags"]) != 1
+        # One layer: both round every intermediate to bf16 alike and differ only in fp32 sum order.
+        row["wrong"] = (
+            row["layer0_out"]["rel_l2_err"] > 0.01 or not row["layer0_residual_equal"] or row["flags"] != [17]
+        )
         rows.append(row)
     for rnd in range(args.rounds):
         rows.append({"config": "chain", "round": rnd, "us_per_layer": graph_ms(lambda: stack(chain)) * 1e3 / layers})
@@ -454,6 +639,16 @@ def run_gpu(args) -> dict:
             ms = graph_ms(lambda mlp=mlp: stack(mlp))
             rows.append({"config": spec, "round": rnd, "us_per_layer": ms * 1e3 / layers})
     result["rows"] = rows
+    gemv_checks = []
+    for n, k in ((2048, 2048), (3072, 2048), (2048, 8192)):
+        w, x = rand(n, k, scale=k**-0.5), rand(1, k, scale=1.0)
+        want = (x.float() @ w.float().T).to(torch.bfloat16)
+        for spec in ("s8,d1,w4,r64", "s8,d1,w4,r64,early1"):
+            got = Gemv(torch.device("cuda"), parse(spec))(x, w)
+            gemv_checks.append({"shape": [n, k], "config": spec, **close(got.view(-1), want.view(-1))})
+    result["gemv_checks"] = gemv_checks
+    for row in gemv_checks:
+        print(json.dumps(row))
     print(f"{result['device']}, read {result['read_GBps']:.0f} GB/s, floor {result['floor_us_per_layer']:.2f} us/layer")
     for row in rows:
         print(json.dumps(row))
@@ -462,7 +657,7 @@ def run_gpu(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default="s12,d2,w8,pdl1;s12,d2,w8,pdl0;s16,d1,w4,pdl1;s8,d2,w8,pdl1")
+    parser.add_argument("--configs", default="s12,d2,w8;s16,d1,w4;s8,d2,w8,r64;s16,d1,w4,r64;s8,d1,w4,r64")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--output", default="")
     args = parser.parse_args()

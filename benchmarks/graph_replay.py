@@ -43,7 +43,8 @@ kernels (the output is q), `no_small` the first three together (what fusing ever
 give). `l2_prefetch` launches an L2 prefetch of later weights in each layer (benchmarks/l2_prefetch.py, whose
 GRAPH_REPLAY_L2_PREFETCH says what and where; the outputs do not change). `gluon_mlp` runs each one-row layer's
 post-attention norm and MLP as one warp-specialised Gluon kernel (benchmarks/gluon_layer_mlp.py, configured by
-GRAPH_REPLAY_GLUON_MLP, e.g. `s12/d2/w8/pdl1`)."""
+GRAPH_REPLAY_GLUON_MLP, e.g. `s12/d2/w8/pdl1`); `gluon_o` runs one-row o projections as a warp-specialised Gluon
+GEMV whose loader streams the weights from its start, before the PDL wait (GRAPH_REPLAY_GLUON_O)."""
 
 
 def _apply_patches(patches: set[str]) -> None:
@@ -125,6 +126,10 @@ def _apply_patches(patches: set[str]) -> None:
         import gluon_layer_mlp
 
         gluon_layer_mlp.install(os.environ.get(gluon_layer_mlp.SPEC_ENV, ""))
+    if "gluon_o" in patches:
+        import gluon_layer_mlp
+
+        gluon_layer_mlp.install_o_proj(os.environ.get(gluon_layer_mlp.O_SPEC_ENV, ""))
     if "skinny_m2" in patches:
         make2 = model_runner.make_skinny_linear
         model_runner.make_skinny_linear = lambda device, max_rows=None: make2(device, 2)  # type: ignore[assignment]
