@@ -44,7 +44,11 @@ give). `l2_prefetch` launches an L2 prefetch of later weights in each layer (ben
 GRAPH_REPLAY_L2_PREFETCH says what and where; the outputs do not change). `gluon_mlp` runs each one-row layer's
 post-attention norm and MLP as one warp-specialised Gluon kernel (benchmarks/gluon_layer_mlp.py, configured by
 GRAPH_REPLAY_GLUON_MLP, e.g. `s12/d2/w8/pdl1`); `gluon_o` runs one-row o projections as a warp-specialised Gluon
-GEMV whose loader streams the weights from its start, before the PDL wait (GRAPH_REPLAY_GLUON_O)."""
+GEMV whose loader streams the weights from its start, before the PDL wait (GRAPH_REPLAY_GLUON_O).
+`pdl_early_attention` makes the attention kernels let their successor launch before their own PDL wait instead of
+after it (so the o projection's programs can start during attention); `pdl_early_all` does so for every Triton
+kernel of the decode path. The trigger's place cannot change the numbers: a successor still waits for its
+predecessor's completion in its own `griddepcontrol.wait`."""
 
 
 def _apply_patches(patches: set[str]) -> None:
@@ -130,6 +134,28 @@ def _apply_patches(patches: set[str]) -> None:
         import gluon_layer_mlp
 
         gluon_layer_mlp.install_o_proj(os.environ.get(gluon_layer_mlp.O_SPEC_ENV, ""))
+    if "pdl_early_attention" in patches or "pdl_early_all" in patches:
+        import triton
+        import triton.language as tl
+
+        from asyncspec.kernels import (
+            fused_add_rms_norm_triton,
+            paged_attention_triton,
+            rotary_kv_write_triton,
+            skinny_linear_triton,
+        )
+
+        @triton.jit
+        def _pdl_start_early(USE_PDL: tl.constexpr):
+            if USE_PDL:
+                tl.extra.cuda.gdc_launch_dependents()
+                tl.extra.cuda.gdc_wait()
+
+        modules = [paged_attention_triton]
+        if "pdl_early_all" in patches:
+            modules += [fused_add_rms_norm_triton, rotary_kv_write_triton, skinny_linear_triton]
+        for module in modules:
+            module.pdl_start = _pdl_start_early  # type: ignore[attr-defined]
     if "skinny_m2" in patches:
         make2 = model_runner.make_skinny_linear
         model_runner.make_skinny_linear = lambda device, max_rows=None: make2(device, 2)  # type: ignore[assignment]
