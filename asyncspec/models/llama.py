@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,9 @@ from asyncspec.layers.rotary import RotaryEmbedding, RotaryInputs, apply_rotary,
 from asyncspec.layers.tensor_parallel import TensorParallel
 from asyncspec.models.checkpoint import WeightTarget, sliced, whole
 from asyncspec.models.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from asyncspec.kernels.streamed_mlp_gluon import StreamedMLP
 
 
 class LlamaAttention(nn.Module):
@@ -124,6 +127,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.streamed_mlp: StreamedMLP | None = None
+        """The post-attention norm and MLP as one kernel for the calls it serves (layers/streamed_mlp.py)."""
 
     def forward(
         self,
@@ -136,7 +141,10 @@ class LlamaDecoderLayer(nn.Module):
         """(this block's MLP output, the residual stream before it): the next norm adds them, fused."""
         x, residual = self.input_layernorm.forward_residual(h, residual)
         x = self.self_attn(x, rope, kv_cache, attn_metadata)
-        x, residual = self.post_attention_layernorm.forward_residual(x, residual)
+        streamed, norm, mlp = self.streamed_mlp, self.post_attention_layernorm, self.mlp
+        if streamed is not None and streamed.applies(x, norm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight):
+            return streamed(x, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight, mlp.down_proj.weight)
+        x, residual = norm.forward_residual(x, residual)
         return self.mlp(x), residual
 
 

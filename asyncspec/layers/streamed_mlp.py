@@ -1,0 +1,102 @@
+"""The streamed MLP (kernels/streamed_mlp_gluon.py) for a model's decoder layers: when it serves, and setting it up.
+
+A decoder layer whose post-attention half it serves has a `streamed_mlp` attribute (None: the chain of kernels);
+`use_streamed_mlp` points those at one `StreamedMLP`. It takes one-row bf16 calls on Hopper without tensor
+parallelism or MLP biases: the batch-1 decode step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from asyncspec.kernels.streamed_mlp_gluon import StreamedMLP
+
+logger = logging.getLogger(__name__)
+
+STREAMED_MLP_ENV = "ASYNCSPEC_STREAMED_MLP"
+"""Set to 1 to run batch-1 decode layers' post-attention norm and MLP as one Gluon kernel on Hopper (off by
+default until it is verified on a GPU in the engine: docs/benchmarks.md, 2026-12-04). The kernel holds one program
+on every SM at once; do not turn it on under an MPS active-thread percentage below 100."""
+
+
+class StreamedMLPSettingError(ValueError):
+    """ASYNCSPEC_STREAMED_MLP holds a value other than 0 or 1."""
+
+
+def streamed_mlp_requested() -> bool:
+    """ASYNCSPEC_STREAMED_MLP read: 0 or unset is off, 1 is on; anything else is an error."""
+    value = os.environ.get(STREAMED_MLP_ENV, "0").strip()
+    if value not in ("0", "1"):
+        raise StreamedMLPSettingError(f"{STREAMED_MLP_ENV}={value!r}: set it to 0 (off, the default) or 1 (on)")
+    return value == "1"
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why the kernel cannot run on `device` (None: it can): it needs CUDA on compute capability 9.x (TMA, warp
+    specialisation, register reallocation), Triton's Gluon, and no interpreter."""
+    if device.type != "cuda":
+        return f"{device} is not a CUDA device"
+    import triton
+
+    if triton.knobs.runtime.interpret:
+        return "the Triton interpreter is on"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    if major != 9:
+        return f"compute capability {major}.{minor}: the kernel is written for 9.x (Hopper)"
+    try:
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError as exc:
+        return f"this Triton has no Gluon ({exc})"
+    return None
+
+
+def served_shapes(model: nn.Module) -> set[tuple[int, int]]:
+    """(hidden, intermediate) of every decoder layer with a `streamed_mlp` slot whose MLP the kernel can take:
+    no tensor parallelism, no biases."""
+    shapes = set()
+    for module in model.modules():
+        if "streamed_mlp" not in vars(module):
+            continue
+        mlp = getattr(module, "mlp", None)
+        if mlp is None or mlp.tp.enabled or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
+            continue
+        shapes.add((mlp.down_proj.weight.shape[0], mlp.down_proj.weight.shape[1]))
+    return shapes
+
+
+def make_streamed_mlp(model: nn.Module, device: torch.device) -> StreamedMLP | None:
+    """The kernel for `model`'s layers on `device` when ASYNCSPEC_STREAMED_MLP=1 asks for it and it can serve
+    them; otherwise None (logged when it was asked for)."""
+    if not streamed_mlp_requested():
+        return None
+    reason = unavailable_reason(device)
+    from asyncspec.kernels.streamed_mlp import StreamedMLPConfig, shape_supported
+
+    config = StreamedMLPConfig()
+    shapes = {shape for shape in served_shapes(model) if shape_supported(config, *shape)}
+    if reason is None and not shapes:
+        reason = "no decoder layer has an MLP shape it takes (hidden and intermediate multiples of 512, no TP)"
+    if reason is not None:
+        logger.warning("%s=1 but the streamed MLP is off: %s", STREAMED_MLP_ENV, reason)
+        return None
+    from asyncspec.kernels.streamed_mlp_gluon import StreamedMLP
+
+    logger.info("streamed MLP on for batch-1 decode, shapes %s", sorted(shapes))
+    return StreamedMLP(device, shapes, config)
+
+
+def use_streamed_mlp(model: nn.Module, streamed: StreamedMLP | None) -> int:
+    """Points every decoder layer of `model` with a `streamed_mlp` slot at `streamed`; returns how many."""
+    count = 0
+    for module in model.modules():
+        if "streamed_mlp" in vars(module):
+            setattr(module, "streamed_mlp", streamed)  # noqa: B010 - mypy types nn.Module attributes as Tensor | Module
+            count += 1
+    return count

@@ -1,0 +1,419 @@
+"""One row's post-attention residual add, RMSNorm and SwiGLU MLP as one warp-specialised Gluon kernel (Hopper).
+
+A batch-1 decode step reads every weight once, and on a chain of small kernels DRAM idles at every kernel boundary:
+a kernel's loads can only start after its predecessor completes. Here each program (one an SM) has a loader warp
+that streams the program's share of the weights by TMA into a ring of shared-memory slots, from the kernel's
+first instruction: before the PDL wait (weights are constant through a step) and through the kernel's one grid
+barrier, so DRAM keeps streaming while the consumer warps wait. The consumer warps normalise the whole row (each
+program itself, so the norm needs no barrier), multiply their gate|up tiles (8 gate rows and the same columns' 8 up
+rows a tile), write the activations, meet every program at the barrier, then multiply their down tiles. Every
+intermediate is rounded as the engine's chain of kernels rounds it (`streamed_mlp.streamed_mlp_ref`).
+
+The grid barrier needs every program resident at once: one program an SM, as many as the device has SMs. It holds
+as long as nothing keeps an SM's shared memory forever (under MPS, an active-thread percentage below 100 would
+break it). Its flags need no reset between launches or graph replays: a program reads its own flag, the epoch all
+programs last reached, and waits until every flag is one past it, compared wrap-safe.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from asyncspec.kernels.pdl import pdl_enabled, pdl_launch_options
+from asyncspec.kernels.streamed_mlp import (
+    StreamedMLPConfig,
+    StreamedMLPError,
+    shape_supported,
+    stages_for,
+    vector_rows,
+)
+
+SLOT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+LOADER_REGISTERS = gl.constexpr(40)  # the loader warp holds loop counters and coordinates only
+
+
+@gluon.jit
+def _ring_next(s, ph, STAGES: gl.constexpr):
+    """The slot after s, and the parity that slot's next fill completes."""
+    s += 1
+    if s == STAGES:
+        s = 0
+        ph ^= 1
+    return s, ph
+
+
+@gluon.jit
+def _asm(x, op: gl.constexpr):
+    """An instruction without operands, kept in place (x: any scalar, for the asm's one operand)."""
+    return gl.inline_asm_elementwise(op + ";\n\tmov.u32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _grid_barrier(flags_ptr, pid, NUM_PROGS: gl.constexpr, NP2: gl.constexpr, WARPS: gl.constexpr):
+    """Each program stores one past its own flag (release), polls every flag in one load until none is behind,
+    then fences (acquire): the polls are relaxed reads."""
+    gl.thread_barrier()
+    epoch = gl.load(flags_ptr + pid, volatile=True) + 1
+    gl.atomic_xchg(flags_ptr + pid, epoch, sem="release", scope="gpu")
+    offs = gl.arange(0, NP2, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+    live = offs < NUM_PROGS
+    behind = gl.min(gl.load(flags_ptr + offs, mask=live, other=epoch, volatile=True) - epoch, axis=0)
+    while behind < 0:
+        behind = gl.min(gl.load(flags_ptr + offs, mask=live, other=epoch, volatile=True) - epoch, axis=0)
+    _asm(behind, "fence.acq_rel.gpu")
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _loader(
+    wgu_desc,
+    wd_desc,
+    ring,
+    ready,
+    empty,
+    num_a,
+    num_b,
+    H: gl.constexpr,
+    INTER: gl.constexpr,
+    NUM_PROGS: gl.constexpr,
+    STAGES: gl.constexpr,
+    D: gl.constexpr,
+):
+    """One warp: this program's gate|up slots, then its down slots, each as soon as its slot is free."""
+    pid = gl.program_id(0)
+    s = pid * 0
+    ph = pid * 0
+    for i in range(num_a):
+        row = (pid + i * NUM_PROGS) * 8
+        for kc in range(H // (256 * D)):
+            mbarrier.wait(empty.index(s), ph ^ 1)
+            mbarrier.expect(ready.index(s), D * 16 * 256 * 2)
+            for d in gl.static_range(D):
+                box = ring.index(s * D + d)
+                col = (kc * D + d) * 256
+                tma.async_copy_global_to_shared(wgu_desc, [row, col], ready.index(s), box.slice(0, 8))
+                tma.async_copy_global_to_shared(wgu_desc, [INTER + row, col], ready.index(s), box.slice(8, 8))
+            s, ph = _ring_next(s, ph, STAGES)
+    for i in range(num_b):
+        row = (pid + i * NUM_PROGS) * 16
+        for kc in range(INTER // (256 * D)):
+            mbarrier.wait(empty.index(s), ph ^ 1)
+            mbarrier.expect(ready.index(s), D * 16 * 256 * 2)
+            for d in gl.static_range(D):
+                tma.async_copy_global_to_shared(
+                    wd_desc, [row, (kc * D + d) * 256], ready.index(s), ring.index(s * D + d)
+                )
+            s, ph = _ring_next(s, ph, STAGES)
+
+
+@gluon.jit
+def _tile(
+    ring,
+    ready,
+    empty,
+    v_smem,
+    s,
+    ph,
+    NUM_CHUNKS: gl.constexpr,
+    STAGES: gl.constexpr,
+    D: gl.constexpr,
+    VR: gl.constexpr,
+    w_layout: gl.constexpr,
+):
+    """One 16-row tile: NUM_CHUNKS slots times the staged vector v_smem (NUM_CHUNKS * D rows of 256 in blocks of
+    VR); the row sums."""
+    acc = gl.zeros([16, 256], gl.float32, w_layout)
+    for kc in gl.static_range(NUM_CHUNKS):
+        mbarrier.wait(ready.index(s), ph)
+        for d in gl.static_range(D):
+            w = ring.index(s * D + d).load(w_layout).to(gl.float32)
+            v = v_smem.index((kc * D + d) // VR).slice((kc * D + d) % VR, 1)
+            acc += w * v.load(w_layout).to(gl.float32)
+        # Every warp holds its rows of the slot before the loader may refill it.
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(s), count=1)
+        s, ph = _ring_next(s, ph, STAGES)
+    return gl.sum(acc, axis=1), s, ph
+
+
+@gluon.jit
+def _consumer(
+    ring,
+    ready,
+    empty,
+    x_smem,
+    a_smem,
+    x_ptr,
+    res_ptr,
+    nw_ptr,
+    out_ptr,
+    res_out_ptr,
+    gu_ptr,
+    act_ptr,
+    flags_ptr,
+    eps,
+    num_a,
+    num_b,
+    H: gl.constexpr,
+    INTER: gl.constexpr,
+    NUM_PROGS: gl.constexpr,
+    NP2: gl.constexpr,
+    STAGES: gl.constexpr,
+    D: gl.constexpr,
+    WARPS: gl.constexpr,
+    USE_PDL: gl.constexpr,
+    VR: gl.constexpr,
+):
+    pid = gl.program_id(0)
+    w_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
+    r_layout: gl.constexpr = gl.SliceLayout(1, w_layout)
+    cols = gl.arange(0, 256, layout=gl.SliceLayout(0, w_layout))
+    offs_r = gl.arange(0, 16, layout=r_layout)
+    # The vectors move in blocks of VR rows of 256 (a power of two dividing both widths).
+    at = gl.arange(0, VR, layout=r_layout)[:, None] * 256 + cols[None, :]
+    act_cols = gl.arange(0, 8, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+    if USE_PDL:
+        _asm(pid, "griddepcontrol.wait")
+        _asm(pid, "griddepcontrol.launch_dependents")
+    # fused_add_rms_norm's roundings: the sum, the normalised row, the weight's product. Each program normalises
+    # the whole row; the sum waits in x_smem for the row's norm.
+    sumsq = gl.sum(gl.zeros([16], gl.float32, r_layout), axis=0)
+    for c in gl.static_range(H // (256 * VR)):
+        off = c * 256 * VR
+        summed = (gl.load(x_ptr + off + at).to(gl.float32) + gl.load(res_ptr + off + at).to(gl.float32)).to(gl.bfloat16)
+        if pid == 0:
+            gl.store(res_out_ptr + off + at, summed)
+        h = summed.to(gl.float32)
+        sumsq += gl.sum(gl.sum(h * h, axis=1), axis=0)
+        x_smem.index(c).store(h)
+    rstd = gl.rsqrt(sumsq / H + eps)
+    gl.thread_barrier()
+    for c in gl.static_range(H // (256 * VR)):
+        h = x_smem.index(c).load(w_layout)
+        nw = gl.load(nw_ptr + c * 256 * VR + at).to(gl.float32)
+        x_smem.index(c).store(((h * rstd).to(gl.bfloat16).to(gl.float32) * nw).to(gl.bfloat16).to(gl.float32))
+    gl.thread_barrier()
+    s = pid * 0
+    ph = pid * 0
+    for i in range(num_a):
+        tile = pid + i * NUM_PROGS
+        out, s, ph = _tile(ring, ready, empty, x_smem, s, ph, H // (256 * D), STAGES, D, VR, w_layout)
+        gl.store(gu_ptr + tile * 16 + offs_r, out.to(gl.bfloat16).to(gl.float32))
+    gl.thread_barrier()
+    for i in range(num_a):
+        tile = pid + i * NUM_PROGS
+        gate = gl.load(gu_ptr + tile * 16 + act_cols)
+        up = gl.load(gu_ptr + tile * 16 + 8 + act_cols)
+        silu = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
+        gl.store(act_ptr + tile * 8 + act_cols, (silu * up).to(gl.bfloat16))
+    _grid_barrier(flags_ptr, pid, NUM_PROGS, NP2, WARPS)
+    for c in gl.static_range(INTER // (256 * VR)):
+        a_smem.index(c).store(gl.load(act_ptr + c * 256 * VR + at, cache_modifier=".cg"))
+    gl.thread_barrier()
+    for i in range(num_b):
+        tile = pid + i * NUM_PROGS
+        out, s, ph = _tile(ring, ready, empty, a_smem, s, ph, INTER // (256 * D), STAGES, D, VR, w_layout)
+        gl.store(out_ptr + 16 * tile + offs_r, out.to(gl.bfloat16))
+
+
+@gluon.jit
+def _streamed_mlp_kernel(
+    wgu_desc,  # [2 I, H] bf16 (gate rows, then up rows), box [8, 256]
+    wd_desc,  # [H, I] bf16, box [16, 256]
+    x_ptr,  # [H] bf16: the attention block's output
+    res_ptr,  # [H] bf16: the residual stream before it
+    nw_ptr,  # [H] bf16: the post-attention norm's weight
+    out_ptr,  # [H] bf16: the MLP's output
+    res_out_ptr,  # [H] bf16: x + residual
+    gu_ptr,  # [2 I] fp32 scratch: gate|up outputs, 8 gate then 8 up a tile
+    act_ptr,  # [I] bf16 scratch: the activations
+    flags_ptr,  # [NUM_PROGS] int32: the grid barrier's epochs (all equal between launches)
+    eps,
+    H: gl.constexpr,
+    INTER: gl.constexpr,
+    NUM_PROGS: gl.constexpr,
+    NP2: gl.constexpr,
+    STAGES: gl.constexpr,
+    D: gl.constexpr,
+    WARPS: gl.constexpr,
+    USE_PDL: gl.constexpr,
+    VR: gl.constexpr,  # rows of 256 a block of the vectors moves in
+):
+    pid = gl.program_id(0)
+    num_a = gl.maximum((INTER // 8 - pid + NUM_PROGS - 1) // NUM_PROGS, 0)
+    num_b = gl.maximum((H // 16 - pid + NUM_PROGS - 1) // NUM_PROGS, 0)
+    rows: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES * D, 16, 256], SLOT_LAYOUT)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # Blocks of VR rows of 256: a block's shape must be a power of two, their count need not.
+    x_smem = gl.allocate_shared_memory(gl.float32, [H // (256 * VR), VR, 256], rows)
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [INTER // (256 * VR), VR, 256], rows)
+    for st in gl.static_range(STAGES):
+        mbarrier.init(ready.index(st), count=1)
+        mbarrier.init(empty.index(st), count=1)
+    fence_async_shared()
+    gl.warp_specialize(
+        [
+            (
+                _consumer,
+                (
+                    ring,
+                    ready,
+                    empty,
+                    x_smem,
+                    a_smem,
+                    x_ptr,
+                    res_ptr,
+                    nw_ptr,
+                    out_ptr,
+                    res_out_ptr,
+                    gu_ptr,
+                    act_ptr,
+                    flags_ptr,
+                    eps,
+                    num_a,
+                    num_b,
+                    H,
+                    INTER,
+                    NUM_PROGS,
+                    NP2,
+                    STAGES,
+                    D,
+                    WARPS,
+                    USE_PDL,
+                    VR,
+                ),
+            ),
+            (_loader, (wgu_desc, wd_desc, ring, ready, empty, num_a, num_b, H, INTER, NUM_PROGS, STAGES, D)),
+        ],
+        [1],
+        [LOADER_REGISTERS],
+    )
+
+
+def _constexprs(config: StreamedMLPConfig, hidden: int, intermediate: int, num_progs: int, pdl: bool) -> dict:
+    return {
+        "H": hidden,
+        "INTER": intermediate,
+        "NUM_PROGS": num_progs,
+        "NP2": triton.next_power_of_2(num_progs),
+        "STAGES": stages_for(config, hidden, intermediate),
+        "D": config.boxes,
+        "WARPS": config.warps,
+        "USE_PDL": pdl,
+        "VR": vector_rows(hidden, intermediate),
+    }
+
+
+def compile_for_hopper(config: StreamedMLPConfig, hidden: int, intermediate: int, num_progs: int = 132) -> Any:
+    """The kernel compiled for sm_90 without a GPU (Triton's own ptxas): a start-up-free check of a config and a
+    shape; the result's `metadata.shared` is the shared memory a program holds."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    if not shape_supported(config, hidden, intermediate):
+        raise StreamedMLPError(f"hidden={hidden}, intermediate={intermediate}: not a shape {config} takes")
+    wgu = f"tensordesc<bf16[8,256],{SLOT_LAYOUT!r}>"
+    wd = f"tensordesc<bf16[16,256],{SLOT_LAYOUT!r}>"
+    signature = {
+        "wgu_desc": wgu,
+        "wd_desc": wd,
+        **{name: "*bf16" for name in ("x_ptr", "res_ptr", "nw_ptr", "out_ptr", "res_out_ptr")},
+        "gu_ptr": "*fp32",
+        "act_ptr": "*bf16",
+        "flags_ptr": "*i32",
+        "eps": "fp32",
+    }
+    constexprs = _constexprs(config, hidden, intermediate, num_progs, True)
+    source = GluonASTSource(_streamed_mlp_kernel, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs)
+    options = {"num_warps": config.warps, "maxnreg": config.registers}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+class StreamedMLP:
+    """The kernel's scratch, descriptors and launch on one device, for every layer of the shapes it was made for
+    (the layers' launches follow each other on one stream, so they share the scratch and the barrier's flags)."""
+
+    def __init__(self, device: torch.device, shapes: set[tuple[int, int]], config: StreamedMLPConfig) -> None:
+        for hidden, intermediate in shapes:
+            if not shape_supported(config, hidden, intermediate):
+                raise StreamedMLPError(f"hidden={hidden}, intermediate={intermediate}: not a shape {config} takes")
+        self.device = device
+        self.config = config
+        self.shapes = frozenset(shapes)
+        self.num_progs = torch.cuda.get_device_properties(device).multi_processor_count
+        widest = max((i for _, i in shapes), default=0)
+        self._gate_up = torch.empty(2 * widest, dtype=torch.float32, device=device)
+        self._act = torch.empty(widest, dtype=torch.bfloat16, device=device)
+        self._flags = torch.zeros(self.num_progs, dtype=torch.int32, device=device)
+        self._descriptors: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+    def applies(
+        self, x: torch.Tensor, norm_weight: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor
+    ) -> bool:
+        """Whether this call is one the kernel serves: one contiguous bf16 row on this device, bf16 weights of a
+        shape it was made for."""
+        return (
+            x.dim() == 2
+            and norm_weight.dtype == torch.bfloat16
+            and x.shape[0] == 1
+            and x.dtype == torch.bfloat16
+            and x.device == self.device
+            and x.is_contiguous()
+            and gate_up_weight.dtype == torch.bfloat16
+            and down_weight.dtype == torch.bfloat16
+            and tuple(down_weight.shape) in self.shapes
+            and tuple(gate_up_weight.shape) == (2 * down_weight.shape[1], down_weight.shape[0])
+        )
+
+    def _descriptors_for(self, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> tuple[Any, Any]:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        key = (gate_up_weight.data_ptr(), down_weight.data_ptr())
+        if key not in self._descriptors:
+            self._descriptors[key] = (
+                TensorDescriptor.from_tensor(gate_up_weight, [8, 256], SLOT_LAYOUT),
+                TensorDescriptor.from_tensor(down_weight, [16, 256], SLOT_LAYOUT),
+            )
+        return self._descriptors[key]
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        gate_up_weight: torch.Tensor,
+        down_weight: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, x + residual), as `streamed_mlp_ref`; the caller has checked `applies`."""
+        hidden, intermediate = down_weight.shape
+        wgu_desc, wd_desc = self._descriptors_for(gate_up_weight, down_weight)
+        out = torch.empty_like(x)
+        residual_out = torch.empty_like(x)
+        pdl = pdl_enabled(x.device)
+        _streamed_mlp_kernel[(self.num_progs,)](
+            wgu_desc,
+            wd_desc,
+            x,
+            residual.contiguous(),
+            norm_weight,
+            out,
+            residual_out,
+            self._gate_up,
+            self._act,
+            self._flags,
+            eps,
+            **_constexprs(self.config, hidden, intermediate, self.num_progs, pdl),
+            num_warps=self.config.warps,
+            maxnreg=self.config.registers,
+            **pdl_launch_options(pdl),
+        )
+        return out, residual_out

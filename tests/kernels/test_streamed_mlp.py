@@ -1,0 +1,148 @@
+"""The streamed MLP: its reference against the engine's chain of references, its configs and shapes, the kernel
+compiled for sm_90 without a GPU, and (on a Hopper GPU) its numbers against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncspec.kernels.fused_add_rms_norm import fused_add_rms_norm_ref
+from asyncspec.kernels.silu_and_mul import silu_and_mul_ref
+from asyncspec.kernels.streamed_mlp import (
+    SHARED_MEMORY_BYTES,
+    StreamedMLPConfig,
+    StreamedMLPError,
+    shape_supported,
+    stages_for,
+    streamed_mlp_ref,
+)
+
+
+def _layer(hidden: int, inter: int, device: str, dtype=torch.bfloat16, seed: int = 0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*shape, scale):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+
+    x, residual = rand(1, hidden, scale=1.0), rand(1, hidden, scale=1.0)
+    norm_weight = (1.0 + 0.1 * torch.randn(hidden, generator=gen, device=device)).to(dtype)
+    gate_up = rand(2 * inter, hidden, scale=hidden**-0.5)
+    down = rand(hidden, inter, scale=inter**-0.5)
+    return x, residual, norm_weight, gate_up, down
+
+
+def test_reference_is_the_chain_of_the_engines_references() -> None:
+    x, residual, nw, gate_up, down = _layer(64, 96, "cpu")
+    out, summed = streamed_mlp_ref(x, residual, nw, 1e-5, gate_up, down)
+    normed, want_summed = fused_add_rms_norm_ref(x, residual, nw, 1e-5)
+    act = silu_and_mul_ref((normed.float() @ gate_up.float().T).to(torch.bfloat16))
+    want = (act.float() @ down.float().T).to(torch.bfloat16)
+    assert torch.equal(summed, want_summed)
+    assert torch.equal(out, want)
+    # Not the unrounded computation: the roundings are the point.
+    h = (x.float() + residual.float()).to(torch.bfloat16).float()
+    exact_normed = nw.float() * h * torch.rsqrt(h.pow(2).mean() + 1e-5)
+    g, u = (exact_normed @ gate_up.float().T).chunk(2, dim=-1)
+    exact = torch.nn.functional.silu(g) * u @ down.float().T
+    assert not torch.equal(out.float(), exact)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"stages": 1}, "at least 2"),
+        ({"boxes": 3}, "use 1, 2 or 4"),
+        ({"warps": 2}, "use 4 or 8"),
+        ({"registers": 60}, "multiple of 8"),
+        ({"registers": 32}, "from 40 to 256"),
+    ],
+)
+def test_config_rejects_what_cannot_launch(kwargs: dict, message: str) -> None:
+    with pytest.raises(StreamedMLPError, match=message):
+        StreamedMLPConfig(**kwargs)
+
+
+def test_ring_shrinks_to_fit_shared_memory() -> None:
+    config = StreamedMLPConfig()
+    assert stages_for(config, 2048, 8192) == 12  # Llama-1B: the full ring fits
+    eight_b = stages_for(config, 4096, 14336)  # Llama-8B: its vectors take 44 KiB
+    assert 2 <= eight_b < 12
+    assert shape_supported(config, 4096, 14336)
+    assert not shape_supported(config, 2048, 8192 + 256)  # not whole 512-column slots
+    assert not shape_supported(StreamedMLPConfig(boxes=1), 256, 120_000)  # the vectors alone overflow
+
+
+@pytest.mark.parametrize(
+    ("config", "hidden", "inter"),
+    [
+        (StreamedMLPConfig(), 2048, 8192),
+        (StreamedMLPConfig(), 4096, 14336),
+        (StreamedMLPConfig(stages=16, boxes=1, warps=4), 2048, 8192),
+        (StreamedMLPConfig(boxes=4, stages=6), 1024, 4096),
+    ],
+)
+def test_compiles_for_hopper_within_shared_memory(config: StreamedMLPConfig, hidden: int, inter: int) -> None:
+    pytest.importorskip("triton.experimental.gluon")
+    from asyncspec.kernels.streamed_mlp_gluon import compile_for_hopper
+
+    kernel = compile_for_hopper(config, hidden, inter)
+    assert kernel.metadata.shared <= SHARED_MEMORY_BYTES
+    ptx = kernel.asm["ptx"]
+    assert "cp.async.bulk.tensor.2d" in ptx  # the loader's TMA copies
+    assert "griddepcontrol.wait" in ptx
+    assert f".maxnreg {config.registers}" in ptx
+
+
+def test_compile_rejects_an_unsupported_shape() -> None:
+    pytest.importorskip("triton.experimental.gluon")
+    from asyncspec.kernels.streamed_mlp_gluon import compile_for_hopper
+
+    with pytest.raises(StreamedMLPError, match="hidden=2048, intermediate=8000"):
+        compile_for_hopper(StreamedMLPConfig(), 2048, 8000)
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("pdl", ["0", "1"])
+@pytest.mark.parametrize(
+    ("config", "hidden", "inter"),
+    [
+        (StreamedMLPConfig(), 2048, 8192),
+        (StreamedMLPConfig(), 4096, 14336),
+        (StreamedMLPConfig(stages=16, boxes=1, warps=4), 2048, 8192),
+    ],
+)
+def test_matches_reference_on_hopper(monkeypatch, pdl: str, config: StreamedMLPConfig, hidden: int, inter: int):
+    from asyncspec.kernels.streamed_mlp_gluon import StreamedMLP
+
+    monkeypatch.setenv("ASYNCSPEC_PDL", pdl)
+    device = torch.device("cuda")
+    streamed = StreamedMLP(device, {(hidden, inter)}, config)
+    for seed in range(3):  # the barrier's flags carry over between launches
+        x, residual, nw, gate_up, down = _layer(hidden, inter, "cuda", seed=seed)
+        assert streamed.applies(x, nw, gate_up, down)
+        out, summed = streamed(x, residual, nw, 1e-5, gate_up, down)
+        want_out, want_summed = streamed_mlp_ref(x, residual, nw, 1e-5, gate_up, down)
+        assert torch.equal(summed, want_summed)
+        # bf16 outputs of fp32 sums taken in another order: a few differ by an ulp or two.
+        err = (out.float() - want_out.float()).norm() / want_out.float().norm()
+        assert err < 0.01, err
+    assert set(streamed._flags.tolist()) == {3}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+def test_applies_only_to_what_it_serves() -> None:
+    from asyncspec.kernels.streamed_mlp_gluon import StreamedMLP
+
+    streamed = StreamedMLP(torch.device("cuda"), {(2048, 8192)}, StreamedMLPConfig())
+    x, _, nw, gate_up, down = _layer(2048, 8192, "cuda")
+    assert streamed.applies(x, nw, gate_up, down)
+    assert not streamed.applies(torch.cat([x, x]), nw, gate_up, down)  # two rows
+    assert not streamed.applies(x.float(), nw, gate_up, down)
+    assert not streamed.applies(x, nw, gate_up[:-16], down)  # another shape
+    assert not streamed.applies(x.cpu(), nw, gate_up, down)

@@ -1,0 +1,125 @@
+"""When the streamed MLP serves a decoder layer, how it is set up, and what the layer does with it (no GPU)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from asyncspec.layers.streamed_mlp import (
+    STREAMED_MLP_ENV,
+    StreamedMLPSettingError,
+    make_streamed_mlp,
+    served_shapes,
+    streamed_mlp_requested,
+    unavailable_reason,
+    use_streamed_mlp,
+)
+from asyncspec.models.llama import LlamaDecoderLayer
+from asyncspec.models.model_config import ModelConfig
+
+
+def _config(**overrides) -> ModelConfig:
+    return ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 32,
+            "hidden_size": 512,
+            "intermediate_size": 1024,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 64,
+            "rms_norm_eps": 1e-5,
+            **overrides,
+        }
+    )
+
+
+class _Layers(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+
+
+def test_setting_is_off_unless_asked(monkeypatch) -> None:
+    monkeypatch.delenv(STREAMED_MLP_ENV, raising=False)
+    assert not streamed_mlp_requested()
+    monkeypatch.setenv(STREAMED_MLP_ENV, "1")
+    assert streamed_mlp_requested()
+    monkeypatch.setenv(STREAMED_MLP_ENV, "yes")
+    with pytest.raises(StreamedMLPSettingError, match="set it to 0 .* or 1"):
+        streamed_mlp_requested()
+
+
+def test_not_on_the_cpu(monkeypatch, caplog) -> None:
+    assert "not a CUDA device" in (unavailable_reason(torch.device("cpu")) or "")
+    model = _Layers(_config())
+    monkeypatch.delenv(STREAMED_MLP_ENV, raising=False)
+    assert make_streamed_mlp(model, torch.device("cpu")) is None
+    monkeypatch.setenv(STREAMED_MLP_ENV, "1")
+    with caplog.at_level(logging.WARNING, logger="asyncspec.layers.streamed_mlp"):
+        assert make_streamed_mlp(model, torch.device("cpu")) is None
+    assert "streamed MLP is off: cpu is not a CUDA device" in caplog.text
+
+
+def test_served_shapes_skip_biased_mlps() -> None:
+    assert served_shapes(_Layers(_config())) == {(512, 1024)}
+    assert served_shapes(_Layers(_config(mlp_bias=True))) == set()
+
+
+class _Recording:
+    """Stands in for StreamedMLP: serves what `serves` says, returns marked tensors and records its calls."""
+
+    def __init__(self, serves: bool) -> None:
+        self.serves = serves
+        self.calls: list[tuple] = []
+
+    def applies(self, x, norm_weight, gate_up_weight, down_weight) -> bool:
+        return self.serves
+
+    def __call__(self, x, residual, norm_weight, eps, gate_up_weight, down_weight):
+        self.calls.append((x.clone(), residual.clone(), eps, gate_up_weight.shape, down_weight.shape))
+        return torch.full_like(x, 7.0), torch.full_like(x, -7.0)
+
+
+class _PassThrough(nn.Module):
+    def forward(self, x, rope, kv_cache, attn_metadata):
+        return 2 * x
+
+
+@torch.no_grad()
+def test_layer_takes_the_streamed_half_only_where_it_applies() -> None:
+    config = _config()
+    model = _Layers(config)
+    for layer in model.layers:
+        layer.self_attn = _PassThrough()
+        for p in layer.parameters():
+            p.normal_(0.0, 0.05)
+    layer = model.layers[0]
+    h, residual = torch.randn(1, 512), torch.randn(1, 512)
+    want = layer(h, residual, None, None, None)
+
+    declining = _Recording(serves=False)
+    assert use_streamed_mlp(model, declining) == 2  # type: ignore[arg-type]
+    got = layer(h, residual, None, None, None)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert declining.calls == []
+
+    serving = _Recording(serves=True)
+    use_streamed_mlp(model, serving)  # type: ignore[arg-type]
+    out, res = layer(h, residual, None, None, None)
+    assert torch.equal(out, torch.full_like(h, 7.0)) and torch.equal(res, torch.full_like(h, -7.0))
+    # It is handed the attention's output and the stream after the input norm, as the chain would be.
+    x_in, residual_in, eps, gu_shape, down_shape = serving.calls[0]
+    _, stream = layer.input_layernorm.forward_residual(h, residual)
+    assert torch.equal(residual_in, stream)
+    assert torch.equal(x_in, 2 * layer.input_layernorm.forward_residual(h, residual)[0])
+    assert eps == config.rms_norm_eps
+    assert (tuple(gu_shape), tuple(down_shape)) == ((2048, 512), (512, 1024))
+
+    use_streamed_mlp(model, None)
+    got = layer(h, residual, None, None, None)
+    assert torch.equal(got[0], want[0])
