@@ -345,14 +345,17 @@ class StreamedMLP:
         for hidden, intermediate in shapes:
             if not shape_supported(config, hidden, intermediate):
                 raise StreamedMLPError(f"hidden={hidden}, intermediate={intermediate}: not a shape {config} takes")
-        self.device = device
+        if device.type != "cuda":
+            raise StreamedMLPError(f"{device}: the streamed MLP runs on CUDA devices only")
+        # An index, so that it compares equal to a tensor's device ("cuda" does not equal "cuda:0").
+        self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         self.config = config
         self.shapes = frozenset(shapes)
-        self.num_progs = torch.cuda.get_device_properties(device).multi_processor_count
+        self.num_progs = torch.cuda.get_device_properties(self.device).multi_processor_count
         widest = max((i for _, i in shapes), default=0)
-        self._gate_up = torch.empty(2 * widest, dtype=torch.float32, device=device)
-        self._act = torch.empty(widest, dtype=torch.bfloat16, device=device)
-        self._flags = torch.zeros(self.num_progs, dtype=torch.int32, device=device)
+        self._gate_up = torch.empty(2 * widest, dtype=torch.float32, device=self.device)
+        self._act = torch.empty(widest, dtype=torch.bfloat16, device=self.device)
+        self._flags = torch.zeros(self.num_progs, dtype=torch.int32, device=self.device)
         self._descriptors: dict[tuple[int, int], tuple[Any, Any]] = {}
 
     def applies(

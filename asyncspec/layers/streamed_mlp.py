@@ -21,8 +21,9 @@ logger = logging.getLogger(__name__)
 
 STREAMED_MLP_ENV = "ASYNCSPEC_STREAMED_MLP"
 """Set to 1 to run batch-1 decode layers' post-attention norm and MLP as one Gluon kernel on Hopper (off by
-default until it is verified on a GPU in the engine: docs/benchmarks.md, 2026-12-04). The kernel holds one program
-on every SM at once; do not turn it on under an MPS active-thread percentage below 100."""
+default until it is verified on a GPU in the engine: docs/benchmarks.md, 2026-12-04). The kernel's grid barrier
+needs one program resident on every SM at once: do not turn it on under MPS (an active-thread percentage below 100,
+or two engines' kernels running side by side on one GPU, could leave programs waiting for each other for ever)."""
 
 
 class StreamedMLPSettingError(ValueError):

@@ -146,3 +146,13 @@ def test_applies_only_to_what_it_serves() -> None:
     assert not streamed.applies(x.float(), nw, gate_up, down)
     assert not streamed.applies(x, nw, gate_up[:-16], down)  # another shape
     assert not streamed.applies(x.cpu(), nw, gate_up, down)
+
+
+def test_runner_refuses_what_it_cannot_serve() -> None:
+    pytest.importorskip("triton.experimental.gluon")
+    from asyncspec.kernels.streamed_mlp_gluon import StreamedMLP
+
+    with pytest.raises(StreamedMLPError, match="hidden=2048, intermediate=8000"):
+        StreamedMLP(torch.device("cpu"), {(2048, 8000)}, StreamedMLPConfig())
+    with pytest.raises(StreamedMLPError, match="CUDA devices only"):
+        StreamedMLP(torch.device("cpu"), {(2048, 8192)}, StreamedMLPConfig())
