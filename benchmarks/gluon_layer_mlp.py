@@ -105,8 +105,8 @@ def _pdl_wait(pid, USE_PDL: gl.constexpr, EARLY: gl.constexpr):
 def _grid_barrier(flags_ptr, pid, NUM_PROGS: gl.constexpr, NP2: gl.constexpr, WARPS: gl.constexpr):
     """Every flag holds the epoch of the last barrier all programs passed; this one is one past it."""
     gl.thread_barrier()
-    epoch = gl.load(flags_ptr + pid, volatile=True) + 1
-    gl.atomic_xchg(flags_ptr + pid, epoch, sem="release", scope="gpu")
+    # One atomic for every thread's epoch (a per-thread read of the flag could race the update).
+    epoch = gl.atomic_add(flags_ptr + pid, 1, sem="release", scope="gpu") + 1
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     offs = gl.arange(0, NP2, layout=layout)
     live = offs < NUM_PROGS

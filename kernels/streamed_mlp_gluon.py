@@ -56,11 +56,12 @@ def _asm(x, op: gl.constexpr):
 
 @gluon.jit
 def _grid_barrier(flags_ptr, pid, NUM_PROGS: gl.constexpr, NP2: gl.constexpr, WARPS: gl.constexpr):
-    """Each program stores one past its own flag (release), polls every flag in one load until none is behind,
-    then fences (acquire): the polls are relaxed reads."""
+    """Each program moves its own flag one past the epoch all programs last reached (release), polls every flag
+    in one load until none is behind, then fences (acquire): the polls are relaxed reads."""
     gl.thread_barrier()
-    epoch = gl.load(flags_ptr + pid, volatile=True) + 1
-    gl.atomic_xchg(flags_ptr + pid, epoch, sem="release", scope="gpu")
+    # One atomic both moves this program's flag on and tells every thread the epoch: a separate read of the flag
+    # by each thread could land after the update in some warp and wait for an epoch no program will reach.
+    epoch = gl.atomic_add(flags_ptr + pid, 1, sem="release", scope="gpu") + 1
     offs = gl.arange(0, NP2, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
     live = offs < NUM_PROGS
     behind = gl.min(gl.load(flags_ptr + offs, mask=live, other=epoch, volatile=True) - epoch, axis=0)
@@ -332,14 +333,20 @@ def compile_for_hopper(config: StreamedMLPConfig, hidden: int, intermediate: int
         "eps": "fp32",
     }
     constexprs = _constexprs(config, hidden, intermediate, num_progs, True)
-    source = GluonASTSource(_streamed_mlp_kernel, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs)
+    names = _streamed_mlp_kernel.arg_names
+    # The launcher's hints for 16-byte aligned pointers, so that this compiles the binary a launch would run.
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in signature.items() if v.startswith("*")}
+    source = GluonASTSource(
+        _streamed_mlp_kernel, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs, attrs
+    )
     options = {"num_warps": config.warps, "maxnreg": config.registers}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 class StreamedMLP:
-    """The kernel's scratch, descriptors and launch on one device, for every layer of the shapes it was made for
-    (the layers' launches follow each other on one stream, so they share the scratch and the barrier's flags)."""
+    """The kernel's scratch, descriptors and launch on one device, for every layer of the shapes it was made for.
+    The layers share the scratch and the barrier's flags, so their launches must follow each other on one stream
+    (the engine's forward pass runs on one)."""
 
     def __init__(self, device: torch.device, shapes: set[tuple[int, int]], config: StreamedMLPConfig) -> None:
         for hidden, intermediate in shapes:
@@ -359,21 +366,24 @@ class StreamedMLP:
         self._descriptors: dict[tuple[int, int], tuple[Any, Any]] = {}
 
     def applies(
-        self, x: torch.Tensor, norm_weight: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        gate_up_weight: torch.Tensor,
+        down_weight: torch.Tensor,
     ) -> bool:
-        """Whether this call is one the kernel serves: one contiguous bf16 row on this device, bf16 weights of a
-        shape it was made for."""
+        """Whether this call is one the kernel serves: one contiguous bf16 row and its residual on this device,
+        contiguous bf16 weights of a shape it was made for."""
+        if x.dim() != 2 or x.shape[0] != 1 or tuple(down_weight.shape) not in self.shapes:
+            return False
+        hidden, intermediate = down_weight.shape
+        tensors = (x, residual, norm_weight, gate_up_weight, down_weight)
         return (
-            x.dim() == 2
-            and norm_weight.dtype == torch.bfloat16
-            and x.shape[0] == 1
-            and x.dtype == torch.bfloat16
-            and x.device == self.device
-            and x.is_contiguous()
-            and gate_up_weight.dtype == torch.bfloat16
-            and down_weight.dtype == torch.bfloat16
-            and tuple(down_weight.shape) in self.shapes
-            and tuple(gate_up_weight.shape) == (2 * down_weight.shape[1], down_weight.shape[0])
+            all(t.dtype == torch.bfloat16 and t.device == self.device and t.is_contiguous() for t in tensors)
+            and tuple(x.shape) == tuple(residual.shape) == (1, hidden)
+            and tuple(norm_weight.shape) == (hidden,)
+            and tuple(gate_up_weight.shape) == (2 * intermediate, hidden)
         )
 
     def _descriptors_for(self, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> tuple[Any, Any]:
@@ -406,7 +416,7 @@ class StreamedMLP:
             wgu_desc,
             wd_desc,
             x,
-            residual.contiguous(),
+            residual,
             norm_weight,
             out,
             residual_out,

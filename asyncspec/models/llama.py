@@ -142,8 +142,9 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.input_layernorm.forward_residual(h, residual)
         x = self.self_attn(x, rope, kv_cache, attn_metadata)
         streamed, norm, mlp = self.streamed_mlp, self.post_attention_layernorm, self.mlp
-        if streamed is not None and streamed.applies(x, norm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight):
-            return streamed(x, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight, mlp.down_proj.weight)
+        gate_up, down = mlp.gate_up_proj.weight, mlp.down_proj.weight
+        if streamed is not None and streamed.applies(x, residual, norm.weight, gate_up, down):
+            return streamed(x, residual, norm.weight, norm.eps, gate_up, down)
         x, residual = norm.forward_residual(x, residual)
         return self.mlp(x), residual
 

@@ -8,6 +8,7 @@ import torch
 
 from asyncspec.kernels.fused_add_rms_norm import fused_add_rms_norm_ref
 from asyncspec.kernels.silu_and_mul import silu_and_mul_ref
+from asyncspec.kernels.skinny_linear import skinny_linear_ref
 from asyncspec.kernels.streamed_mlp import (
     SHARED_MEMORY_BYTES,
     StreamedMLPConfig,
@@ -79,6 +80,8 @@ def test_ring_shrinks_to_fit_shared_memory() -> None:
         (StreamedMLPConfig(), 4096, 14336),
         (StreamedMLPConfig(stages=16, boxes=1, warps=4), 2048, 8192),
         (StreamedMLPConfig(boxes=4, stages=6), 1024, 4096),
+        (StreamedMLPConfig(), 3072, 8192),
+        (StreamedMLPConfig(), 512, 1024),
     ],
 )
 def test_compiles_for_hopper_within_shared_memory(config: StreamedMLPConfig, hidden: int, inter: int) -> None:
@@ -105,6 +108,12 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in units of b's last place (bf16), element-wise."""
+    ulp = torch.exp2(torch.floor(torch.log2(b.float().abs().clamp_min(2.0**-126))) - 7)
+    return (a.float() - b.float()).abs() / ulp
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 @pytest.mark.parametrize("pdl", ["0", "1"])
@@ -113,10 +122,14 @@ def _hopper() -> bool:
     [
         (StreamedMLPConfig(), 2048, 8192),
         (StreamedMLPConfig(), 4096, 14336),
+        (StreamedMLPConfig(), 3072, 8192),  # vectors in blocks of 4 rows: warps share rows
+        (StreamedMLPConfig(), 512, 1024),  # programs without a gate|up or a down tile
         (StreamedMLPConfig(stages=16, boxes=1, warps=4), 2048, 8192),
+        (StreamedMLPConfig(stages=6, boxes=4), 2048, 8192),
     ],
 )
 def test_matches_reference_on_hopper(monkeypatch, pdl: str, config: StreamedMLPConfig, hidden: int, inter: int):
+    from asyncspec.kernels.skinny_linear import skinny_linear_error_bound, skinny_linear_gated_ref
     from asyncspec.kernels.streamed_mlp_gluon import StreamedMLP
 
     monkeypatch.setenv("ASYNCSPEC_PDL", pdl)
@@ -124,14 +137,47 @@ def test_matches_reference_on_hopper(monkeypatch, pdl: str, config: StreamedMLPC
     streamed = StreamedMLP(device, {(hidden, inter)}, config)
     for seed in range(3):  # the barrier's flags carry over between launches
         x, residual, nw, gate_up, down = _layer(hidden, inter, "cuda", seed=seed)
-        assert streamed.applies(x, nw, gate_up, down)
+        assert streamed.applies(x, residual, nw, gate_up, down)
         out, summed = streamed(x, residual, nw, 1e-5, gate_up, down)
+        normed, want_summed = fused_add_rms_norm_ref(x, residual, nw, 1e-5)
+        assert torch.equal(summed, want_summed)
+        # Each stage against the reference of that stage on the kernel's own input to it: the activations from the
+        # reference's normalised row, the output from the kernel's own activations. Only the fp32 sums' order
+        # differs, so a bf16 result is off by at most one ulp, and rarely; a skipped rounding would show at once.
+        act = streamed._act[:inter].view(1, inter)
+        want_act = skinny_linear_gated_ref(normed, gate_up)
+        apart = _ulps_apart(act, want_act)
+        assert apart.max() <= 1.0 and (apart > 0).float().mean() < 0.02, (apart.max(), (apart > 0).float().mean())
+        want_out = skinny_linear_ref(act, down)
+        bound = skinny_linear_error_bound(act, down)
+        assert ((out.float() - want_out.float()).abs() <= bound).all()
+        assert (out != want_out).float().mean() < 0.02
+        err = (out.float() - streamed_mlp_ref(x, residual, nw, 1e-5, gate_up, down)[0].float()).norm()
+        assert err / out.float().norm() < 0.01
+    assert set(streamed._flags.tolist()) == {3}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+def test_replays_in_a_cuda_graph() -> None:
+    from asyncspec.kernels.streamed_mlp_gluon import StreamedMLP
+
+    streamed = StreamedMLP(torch.device("cuda"), {(2048, 8192)}, StreamedMLPConfig())
+    x, residual, nw, gate_up, down = _layer(2048, 8192, "cuda")
+    static_x, static_res = x.clone(), residual.clone()
+    streamed(static_x, static_res, nw, 1e-5, gate_up, down)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, summed = streamed(static_x, static_res, nw, 1e-5, gate_up, down)
+    for seed in range(1, 4):
+        x, residual, *_ = _layer(2048, 8192, "cuda", seed=seed)
+        static_x.copy_(x)
+        static_res.copy_(residual)
+        graph.replay()
         want_out, want_summed = streamed_mlp_ref(x, residual, nw, 1e-5, gate_up, down)
         assert torch.equal(summed, want_summed)
-        # bf16 outputs of fp32 sums taken in another order: a few differ by an ulp or two.
-        err = (out.float() - want_out.float()).norm() / want_out.float().norm()
-        assert err < 0.01, err
-    assert set(streamed._flags.tolist()) == {3}
+        assert (out.float() - want_out.float()).norm() / want_out.float().norm() < 0.01
+    assert set(streamed._flags.tolist()) == {4}
 
 
 @pytest.mark.gpu
@@ -140,12 +186,15 @@ def test_applies_only_to_what_it_serves() -> None:
     from asyncspec.kernels.streamed_mlp_gluon import StreamedMLP
 
     streamed = StreamedMLP(torch.device("cuda"), {(2048, 8192)}, StreamedMLPConfig())
-    x, _, nw, gate_up, down = _layer(2048, 8192, "cuda")
-    assert streamed.applies(x, nw, gate_up, down)
-    assert not streamed.applies(torch.cat([x, x]), nw, gate_up, down)  # two rows
-    assert not streamed.applies(x.float(), nw, gate_up, down)
-    assert not streamed.applies(x, nw, gate_up[:-16], down)  # another shape
-    assert not streamed.applies(x.cpu(), nw, gate_up, down)
+    x, residual, nw, gate_up, down = _layer(2048, 8192, "cuda")
+    assert streamed.applies(x, residual, nw, gate_up, down)
+    assert not streamed.applies(torch.cat([x, x]), torch.cat([residual, residual]), nw, gate_up, down)  # two rows
+    assert not streamed.applies(x.float(), residual, nw, gate_up, down)
+    assert not streamed.applies(x, residual.float(), nw, gate_up, down)
+    assert not streamed.applies(x, residual, nw, gate_up[:-16], down)  # another shape
+    assert not streamed.applies(x.cpu(), residual, nw, gate_up, down)
+    assert not streamed.applies(x, residual, nw, gate_up.t().contiguous().t(), down)  # strided weight
+    assert not streamed.applies(x, residual, nw[:-1], gate_up, down)
 
 
 def test_runner_refuses_what_it_cannot_serve() -> None:

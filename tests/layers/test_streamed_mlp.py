@@ -77,7 +77,7 @@ class _Recording:
         self.serves = serves
         self.calls: list[tuple] = []
 
-    def applies(self, x, norm_weight, gate_up_weight, down_weight) -> bool:
+    def applies(self, x, residual, norm_weight, gate_up_weight, down_weight) -> bool:
         return self.serves
 
     def __call__(self, x, residual, norm_weight, eps, gate_up_weight, down_weight):
