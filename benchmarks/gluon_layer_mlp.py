@@ -36,6 +36,9 @@ for path in (str(REPO), str(REPO / "benchmarks")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
+# The product kernel's helpers (kernels/streamed_mlp_gluon.py): the same loader, ring walk and grid barrier.
+from asyncspec.kernels.streamed_mlp_gluon import _asm, _grid_barrier, _loader, _ring_next  # noqa: E402
+
 SPEC_ENV = "GRAPH_REPLAY_GLUON_MLP"
 O_SPEC_ENV = "GRAPH_REPLAY_GLUON_O"
 SLOT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
@@ -77,90 +80,13 @@ def parse(spec: str) -> LayerMLPConfig:
 
 
 @gluon.jit
-def _ring_next(s, ph, STAGES: gl.constexpr):
-    s += 1
-    if s == STAGES:
-        s = 0
-        ph ^= 1
-    return s, ph
-
-
-@gluon.jit
-def _gdc(x, op: gl.constexpr):
-    """griddepcontrol.wait / .launch_dependents (x: any scalar, for the asm's operand)."""
-    return gl.inline_asm_elementwise(op + ";\n\tmov.u32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _pdl_wait(pid, USE_PDL: gl.constexpr, EARLY: gl.constexpr):
     if USE_PDL:
         if EARLY:
-            _gdc(pid, "griddepcontrol.launch_dependents")
-        _gdc(pid, "griddepcontrol.wait")
+            _asm(pid, "griddepcontrol.launch_dependents")
+        _asm(pid, "griddepcontrol.wait")
         if not EARLY:
-            _gdc(pid, "griddepcontrol.launch_dependents")
-
-
-@gluon.jit
-def _grid_barrier(flags_ptr, pid, NUM_PROGS: gl.constexpr, NP2: gl.constexpr, WARPS: gl.constexpr):
-    """Every flag holds the epoch of the last barrier all programs passed; this one is one past it."""
-    gl.thread_barrier()
-    # One atomic for every thread's epoch (a per-thread read of the flag could race the update).
-    epoch = gl.atomic_add(flags_ptr + pid, 1, sem="release", scope="gpu") + 1
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    offs = gl.arange(0, NP2, layout=layout)
-    live = offs < NUM_PROGS
-    # Differences, not values: wrap-safe once int32 epochs overflow.
-    behind = gl.min(gl.load(flags_ptr + offs, mask=live, other=epoch, volatile=True) - epoch, axis=0)
-    while behind < 0:
-        behind = gl.min(gl.load(flags_ptr + offs, mask=live, other=epoch, volatile=True) - epoch, axis=0)
-    gl.inline_asm_elementwise(
-        "fence.acq_rel.gpu;\n\tmov.u32 $0, $1;", "=r,r", [behind], dtype=gl.int32, is_pure=False, pack=1
-    )
-    gl.thread_barrier()
-
-
-@gluon.jit
-def _loader(
-    wgu_desc,
-    wd_desc,
-    ring,
-    ready,
-    empty,
-    num_a,
-    num_b,
-    H: gl.constexpr,
-    INTER: gl.constexpr,
-    NUM_PROGS: gl.constexpr,
-    STAGES: gl.constexpr,
-    D: gl.constexpr,
-):
-    """One warp: this program's gate|up slots (gate rows 8t.., up rows I + 8t..), then its down slots. It
-    waits for nothing but free slots: not for the predecessor kernel, not for the grid barrier."""
-    pid = gl.program_id(0)
-    s = pid * 0
-    ph = pid * 0
-    for i in range(num_a):
-        row = (pid + i * NUM_PROGS) * 8
-        for kc in range(H // (256 * D)):
-            mbarrier.wait(empty.index(s), ph ^ 1)
-            mbarrier.expect(ready.index(s), D * 16 * 256 * 2)
-            for d in gl.static_range(D):
-                box = ring.index(s * D + d)
-                col = (kc * D + d) * 256
-                tma.async_copy_global_to_shared(wgu_desc, [row, col], ready.index(s), box.slice(0, 8))
-                tma.async_copy_global_to_shared(wgu_desc, [INTER + row, col], ready.index(s), box.slice(8, 8))
-            s, ph = _ring_next(s, ph, STAGES)
-    for i in range(num_b):
-        row = (pid + i * NUM_PROGS) * 16
-        for kc in range(INTER // (256 * D)):
-            mbarrier.wait(empty.index(s), ph ^ 1)
-            mbarrier.expect(ready.index(s), D * 16 * 256 * 2)
-            for d in gl.static_range(D):
-                tma.async_copy_global_to_shared(
-                    wd_desc, [row, (kc * D + d) * 256], ready.index(s), ring.index(s * D + d)
-                )
-            s, ph = _ring_next(s, ph, STAGES)
+            _asm(pid, "griddepcontrol.launch_dependents")
 
 
 @gluon.jit
