@@ -37,7 +37,8 @@ for path in (str(REPO), str(REPO / "benchmarks")):
         sys.path.insert(0, path)
 
 # The product kernel's helpers (kernels/streamed_mlp_gluon.py): the same loader, ring walk and grid barrier.
-from asyncspec.kernels.streamed_mlp_gluon import _asm, _grid_barrier, _loader, _ring_next  # noqa: E402
+from asyncspec.kernels.streamed_mlp_gluon import _loader  # noqa: E402
+from asyncspec.kernels.streamed_ring_gluon import _asm, _grid_barrier, _ring_next  # noqa: E402
 
 SPEC_ENV = "GRAPH_REPLAY_GLUON_MLP"
 O_SPEC_ENV = "GRAPH_REPLAY_GLUON_O"

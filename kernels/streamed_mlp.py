@@ -1,5 +1,6 @@
 """Reference (pure torch) and rules of the streamed MLP: one row's post-attention residual add, RMSNorm, gate|up,
-SiLU-and-multiply and down projection, as `streamed_mlp_gluon.py` computes them in one kernel on Hopper."""
+SiLU-and-multiply and down projection, as `streamed_mlp_gluon.py` computes them on Hopper: in one kernel with a
+grid barrier, or split in two (gate|up, then the down projection as a streamed GEMV) without one."""
 
 from __future__ import annotations
 
@@ -9,14 +10,34 @@ import torch
 
 from asyncspec.kernels.fused_add_rms_norm import fused_add_rms_norm_ref
 from asyncspec.kernels.skinny_linear import skinny_linear_gated_ref, skinny_linear_ref
+from asyncspec.kernels.streamed_gemv import (
+    BOX_BYTES,
+    MBARRIER_BYTES,
+    PROGRAM_RESERVED_BYTES,
+    SHARED_MEMORY_BYTES,
+    SM_SHARED_MEMORY_BYTES,
+    StreamedKernelError,
+    check_stream_config,
+    gemv_vector_bytes,
+    vector_rows,
+)
 
-SHARED_MEMORY_BYTES = 232_448
-"""Shared memory one program may hold on compute capability 9.0 (227 KiB)."""
-BOX_BYTES = 16 * 256 * 2
-"""One TMA box: 16 rows x 256 columns of bf16."""
+__all__ = [
+    "BOX_BYTES",
+    "SHARED_MEMORY_BYTES",
+    "StreamedMLPConfig",
+    "StreamedMLPError",
+    "shape_supported",
+    "split_down_room",
+    "split_stages",
+    "stages_for",
+    "streamed_mlp_ref",
+    "vector_rows",
+    "vectors_bytes",
+]
 
 
-class StreamedMLPError(ValueError):
+class StreamedMLPError(StreamedKernelError):
     """A streamed-MLP setting or call that cannot run, with what to change."""
 
 
@@ -30,48 +51,56 @@ class StreamedMLPConfig:
     """Consumer warps a program (one loader warp more)."""
     registers: int = 64
     """Registers a thread at launch, so that other kernels' programs can share an SM with one of these."""
+    grid_barrier: bool = True
+    """True: one kernel, whose programs meet at a grid barrier between gate|up and down (every program must be
+    resident at once). False: two kernels, gate|up then down as a streamed GEMV whose loader starts during the
+    first kernel's tail; no barrier, so nothing can hang where an SM is kept from it."""
 
     def __post_init__(self) -> None:
-        if self.stages < 2:
-            raise StreamedMLPError(f"stages={self.stages}: the ring needs at least 2 slots")
-        if self.boxes not in (1, 2, 4):
-            raise StreamedMLPError(f"boxes={self.boxes}: use 1, 2 or 4")
-        if self.warps not in (4, 8):
-            raise StreamedMLPError(f"warps={self.warps}: use 4 or 8")
-        if self.registers % 8 or not 40 <= self.registers <= 256:
-            raise StreamedMLPError(f"registers={self.registers}: a multiple of 8 from 40 to 256")
+        check_stream_config(self.stages, self.boxes, self.warps, self.registers, StreamedMLPError)
 
 
-def vectors_bytes(hidden: int, intermediate: int) -> int:
-    """Shared memory a program holds besides its ring: the normalised row (fp32) and the activations (bf16)."""
-    return hidden * 4 + intermediate * 2 + 1024  # and the ring's mbarriers, rounded up
+def vectors_bytes(hidden: int, intermediate: int, grid_barrier: bool = True) -> int:
+    """Shared memory a program holds besides its ring: the normalised row (fp32), the activations (bf16; one
+    block when the down projection is a kernel of its own) and the mbarriers."""
+    activations = intermediate * 2 if grid_barrier else vector_rows(hidden, intermediate) * 256 * 2
+    return hidden * 4 + activations + MBARRIER_BYTES
+
+
+def split_stages(config: StreamedMLPConfig, hidden: int, intermediate: int) -> tuple[int, int]:
+    """Ring depths of the split form's two kernels (gate|up, down) such that a program of each fits one SM
+    together, so the down projection's loader can stream while the gate|up kernel finishes."""
+    both = SM_SHARED_MEMORY_BYTES - 2 * PROGRAM_RESERVED_BYTES
+    room = both - vectors_bytes(hidden, intermediate, False) - gemv_vector_bytes(intermediate)
+    stages = min(config.stages, max(room, 0) // (2 * config.boxes * BOX_BYTES))
+    return stages, stages
+
+
+def split_down_room(config: StreamedMLPConfig, hidden: int, intermediate: int) -> int:
+    """Shared memory the split form's down-projection program may hold: what an SM has left beside a gate|up
+    program."""
+    gate_up = stages_for(config, hidden, intermediate) * config.boxes * BOX_BYTES
+    return SM_SHARED_MEMORY_BYTES - 2 * PROGRAM_RESERVED_BYTES - gate_up - vectors_bytes(hidden, intermediate, False)
 
 
 def stages_for(config: StreamedMLPConfig, hidden: int, intermediate: int) -> int:
-    """The config's ring depth, reduced until the ring and the vectors fit one program's shared memory."""
+    """The (gate|up) kernel's ring depth: the config's, reduced until the ring and the vectors fit one program's
+    shared memory, or, split, until both kernels' programs fit an SM."""
+    if not config.grid_barrier:
+        return split_stages(config, hidden, intermediate)[0]
     room = SHARED_MEMORY_BYTES - vectors_bytes(hidden, intermediate)
     return min(config.stages, room // (config.boxes * BOX_BYTES))
 
 
-def vector_rows(hidden: int, intermediate: int) -> int:
-    """Rows of 256 a block of the normalised row and the activations moves in: the largest power of two up to 8
-    dividing both widths' row counts (8: one row a consumer warp, no warp holding another's copy)."""
-    rows = 8
-    while (hidden // 256) % rows or (intermediate // 256) % rows:
-        rows //= 2
-    return rows
-
-
 def shape_supported(config: StreamedMLPConfig, hidden: int, intermediate: int) -> bool:
-    """Whether the kernel takes an MLP of this shape: whole slots along both projections' columns, and a ring of
-    at least 2 slots beside the vectors."""
+    """Whether the kernel takes an MLP of this shape: whole slots along both projections' columns, and rings of
+    at least 2 slots beside the vectors (split: both kernels' rings, which share an SM)."""
     width = 256 * config.boxes
-    return (
-        hidden % width == 0
-        and intermediate % width == 0
-        and hidden >= 256
-        and stages_for(config, hidden, intermediate) >= 2
-    )
+    if hidden % width or intermediate % width or hidden < 256:
+        return False
+    if config.grid_barrier:
+        return stages_for(config, hidden, intermediate) >= 2
+    return min(split_stages(config, hidden, intermediate)) >= 2
 
 
 def streamed_mlp_ref(

@@ -26,49 +26,24 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from asyncspec.kernels.pdl import pdl_enabled, pdl_launch_options
+from asyncspec.kernels.streamed_gemv import StreamedGemvConfig
+from asyncspec.kernels.streamed_gemv_gluon import StreamedGemv
 from asyncspec.kernels.streamed_mlp import (
     StreamedMLPConfig,
     StreamedMLPError,
     shape_supported,
+    split_down_room,
     stages_for,
     vector_rows,
 )
-
-SLOT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-LOADER_REGISTERS = gl.constexpr(40)  # the loader warp holds loop counters and coordinates only
-
-
-@gluon.jit
-def _ring_next(s, ph, STAGES: gl.constexpr):
-    """The slot after s, and the parity that slot's next fill completes."""
-    s += 1
-    if s == STAGES:
-        s = 0
-        ph ^= 1
-    return s, ph
-
-
-@gluon.jit
-def _asm(x, op: gl.constexpr):
-    """An instruction without operands, kept in place (x: any scalar, for the asm's one operand)."""
-    return gl.inline_asm_elementwise(op + ";\n\tmov.u32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _grid_barrier(flags_ptr, pid, NUM_PROGS: gl.constexpr, NP2: gl.constexpr, WARPS: gl.constexpr):
-    """Each program moves its own flag one past the epoch all programs last reached (release), polls every flag
-    in one load until none is behind, then fences (acquire): the polls are relaxed reads."""
-    gl.thread_barrier()
-    # One atomic both moves this program's flag on and tells every thread the epoch: a separate read of the flag
-    # by each thread could land after the update in some warp and wait for an epoch no program will reach.
-    epoch = gl.atomic_add(flags_ptr + pid, 1, sem="release", scope="gpu") + 1
-    offs = gl.arange(0, NP2, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
-    live = offs < NUM_PROGS
-    behind = gl.min(gl.load(flags_ptr + offs, mask=live, other=epoch, volatile=True) - epoch, axis=0)
-    while behind < 0:
-        behind = gl.min(gl.load(flags_ptr + offs, mask=live, other=epoch, volatile=True) - epoch, axis=0)
-    _asm(behind, "fence.acq_rel.gpu")
-    gl.thread_barrier()
+from asyncspec.kernels.streamed_ring_gluon import (
+    LOADER_REGISTERS,
+    SLOT_LAYOUT,
+    _grid_barrier,
+    _pdl_start,
+    _ring_next,
+    _tile,
+)
 
 
 @gluon.jit
@@ -114,36 +89,6 @@ def _loader(
 
 
 @gluon.jit
-def _tile(
-    ring,
-    ready,
-    empty,
-    v_smem,
-    s,
-    ph,
-    NUM_CHUNKS: gl.constexpr,
-    STAGES: gl.constexpr,
-    D: gl.constexpr,
-    VR: gl.constexpr,
-    w_layout: gl.constexpr,
-):
-    """One 16-row tile: NUM_CHUNKS slots times the staged vector v_smem (NUM_CHUNKS * D rows of 256 in blocks of
-    VR); the row sums."""
-    acc = gl.zeros([16, 256], gl.float32, w_layout)
-    for kc in gl.static_range(NUM_CHUNKS):
-        mbarrier.wait(ready.index(s), ph)
-        for d in gl.static_range(D):
-            w = ring.index(s * D + d).load(w_layout).to(gl.float32)
-            v = v_smem.index((kc * D + d) // VR).slice((kc * D + d) % VR, 1)
-            acc += w * v.load(w_layout).to(gl.float32)
-        # Every warp holds its rows of the slot before the loader may refill it.
-        gl.thread_barrier()
-        mbarrier.arrive(empty.index(s), count=1)
-        s, ph = _ring_next(s, ph, STAGES)
-    return gl.sum(acc, axis=1), s, ph
-
-
-@gluon.jit
 def _consumer(
     ring,
     ready,
@@ -170,6 +115,7 @@ def _consumer(
     WARPS: gl.constexpr,
     USE_PDL: gl.constexpr,
     VR: gl.constexpr,
+    SPLIT: gl.constexpr,
 ):
     pid = gl.program_id(0)
     w_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
@@ -179,9 +125,7 @@ def _consumer(
     # The vectors move in blocks of VR rows of 256 (a power of two dividing both widths).
     at = gl.arange(0, VR, layout=r_layout)[:, None] * 256 + cols[None, :]
     act_cols = gl.arange(0, 8, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
-    if USE_PDL:
-        _asm(pid, "griddepcontrol.wait")
-        _asm(pid, "griddepcontrol.launch_dependents")
+    _pdl_start(pid, USE_PDL)
     # fused_add_rms_norm's roundings: the sum, the normalised row, the weight's product. Each program normalises
     # the whole row; the sum waits in x_smem for the row's norm.
     sumsq = gl.sum(gl.zeros([16], gl.float32, r_layout), axis=0)
@@ -213,14 +157,15 @@ def _consumer(
         up = gl.load(gu_ptr + tile * 16 + 8 + act_cols)
         silu = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
         gl.store(act_ptr + tile * 8 + act_cols, (silu * up).to(gl.bfloat16))
-    _grid_barrier(flags_ptr, pid, NUM_PROGS, NP2, WARPS)
-    for c in gl.static_range(INTER // (256 * VR)):
-        a_smem.index(c).store(gl.load(act_ptr + c * 256 * VR + at, cache_modifier=".cg"))
-    gl.thread_barrier()
-    for i in range(num_b):
-        tile = pid + i * NUM_PROGS
-        out, s, ph = _tile(ring, ready, empty, a_smem, s, ph, INTER // (256 * D), STAGES, D, VR, w_layout)
-        gl.store(out_ptr + 16 * tile + offs_r, out.to(gl.bfloat16))
+    if not SPLIT:  # split: the down projection is the next kernel, a streamed GEMV over act_ptr
+        _grid_barrier(flags_ptr, pid, NUM_PROGS, NP2, WARPS)
+        for c in gl.static_range(INTER // (256 * VR)):
+            a_smem.index(c).store(gl.load(act_ptr + c * 256 * VR + at, cache_modifier=".cg"))
+        gl.thread_barrier()
+        for i in range(num_b):
+            tile = pid + i * NUM_PROGS
+            out, s, ph = _tile(ring, ready, empty, a_smem, s, ph, INTER // (256 * D), STAGES, D, VR, w_layout)
+            gl.store(out_ptr + 16 * tile + offs_r, out.to(gl.bfloat16))
 
 
 @gluon.jit
@@ -245,17 +190,21 @@ def _streamed_mlp_kernel(
     WARPS: gl.constexpr,
     USE_PDL: gl.constexpr,
     VR: gl.constexpr,  # rows of 256 a block of the vectors moves in
+    SPLIT: gl.constexpr,  # gate|up and the activations only: the down projection is a kernel of its own
 ):
     pid = gl.program_id(0)
     num_a = gl.maximum((INTER // 8 - pid + NUM_PROGS - 1) // NUM_PROGS, 0)
     num_b = gl.maximum((H // 16 - pid + NUM_PROGS - 1) // NUM_PROGS, 0)
+    if SPLIT:
+        num_b = 0
     rows: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES * D, 16, 256], SLOT_LAYOUT)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     # Blocks of VR rows of 256: a block's shape must be a power of two, their count need not.
     x_smem = gl.allocate_shared_memory(gl.float32, [H // (256 * VR), VR, 256], rows)
-    a_smem = gl.allocate_shared_memory(gl.bfloat16, [INTER // (256 * VR), VR, 256], rows)
+    A_BLOCKS: gl.constexpr = 1 if SPLIT else INTER // (256 * VR)
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [A_BLOCKS, VR, 256], rows)
     for st in gl.static_range(STAGES):
         mbarrier.init(ready.index(st), count=1)
         mbarrier.init(empty.index(st), count=1)
@@ -290,6 +239,7 @@ def _streamed_mlp_kernel(
                     WARPS,
                     USE_PDL,
                     VR,
+                    SPLIT,
                 ),
             ),
             (_loader, (wgu_desc, wd_desc, ring, ready, empty, num_a, num_b, H, INTER, NUM_PROGS, STAGES, D)),
@@ -310,6 +260,7 @@ def _constexprs(config: StreamedMLPConfig, hidden: int, intermediate: int, num_p
         "WARPS": config.warps,
         "USE_PDL": pdl,
         "VR": vector_rows(hidden, intermediate),
+        "SPLIT": not config.grid_barrier,
     }
 
 
@@ -344,9 +295,10 @@ def compile_for_hopper(config: StreamedMLPConfig, hidden: int, intermediate: int
 
 
 class StreamedMLP:
-    """The kernel's scratch, descriptors and launch on one device, for every layer of the shapes it was made for.
-    The layers share the scratch and the barrier's flags, so their launches must follow each other on one stream
-    (the engine's forward pass runs on one)."""
+    """The kernel's scratch, descriptors and launch on one device, for every layer of the shapes it was made for
+    (split: the gate|up kernel, then the down projection's `StreamedGemv` over the activations' scratch). The
+    layers share the scratch and the barrier's flags, so their launches must follow each other on one stream (the
+    engine's forward pass runs on one)."""
 
     def __init__(self, device: torch.device, shapes: set[tuple[int, int]], config: StreamedMLPConfig) -> None:
         for hidden, intermediate in shapes:
@@ -364,6 +316,14 @@ class StreamedMLP:
         self._act = torch.empty(widest, dtype=torch.bfloat16, device=self.device)
         self._flags = torch.zeros(self.num_progs, dtype=torch.int32, device=self.device)
         self._descriptors: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self._down: dict[tuple[int, int], StreamedGemv] = {}
+        if not config.grid_barrier:
+            for hidden, intermediate in shapes:
+                down_config = StreamedGemvConfig(
+                    stages_for(config, hidden, intermediate), config.boxes, config.warps, config.registers
+                )
+                room = split_down_room(config, hidden, intermediate)
+                self._down[(hidden, intermediate)] = StreamedGemv(self.device, down_config, room)
 
     def applies(
         self,
@@ -429,4 +389,6 @@ class StreamedMLP:
             maxnreg=self.config.registers,
             **pdl_launch_options(pdl),
         )
+        if not self.config.grid_barrier:
+            out = self._down[(hidden, intermediate)](self._act[:intermediate].view(1, intermediate), down_weight)
         return out, residual_out

@@ -20,22 +20,40 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 STREAMED_MLP_ENV = "ASYNCSPEC_STREAMED_MLP"
-"""Set to 1 to run batch-1 decode layers' post-attention norm and MLP as one Gluon kernel on Hopper (off by
-default until it is verified on a GPU in the engine: docs/benchmarks.md, 2026-12-04). The kernel's grid barrier
-needs one program resident on every SM at once: do not turn it on under MPS (an active-thread percentage below 100,
-or two engines' kernels running side by side on one GPU, could leave programs waiting for each other for ever)."""
+"""Set to 1 to run batch-1 decode layers' post-attention norm and MLP as streamed Gluon kernels on Hopper (off by
+default until it is verified on a GPU in the engine: docs/benchmarks.md, 2026-12-04), in the default form;
+`barrier` or `split` names the form. `barrier` is one kernel whose grid barrier needs one program resident on every
+SM at once: do not use it under MPS (an active-thread percentage below 100, or two engines' kernels running side by
+side on one GPU, could leave programs waiting for each other for ever). `split` is two kernels without a barrier
+(gate|up, then the down projection as a streamed GEMV), which cannot hang."""
+STREAMED_MLP_FORMS = ("barrier", "split")
+DEFAULT_STREAMED_MLP_FORM = "barrier"
+"""The form `1` selects: the one measured faster in the engine's graphs."""
 
 
 class StreamedMLPSettingError(ValueError):
     """ASYNCSPEC_STREAMED_MLP holds a value other than 0 or 1."""
 
 
-def streamed_mlp_requested() -> bool:
-    """ASYNCSPEC_STREAMED_MLP read: 0 or unset is off, 1 is on; anything else is an error."""
+def streamed_mlp_form() -> str | None:
+    """ASYNCSPEC_STREAMED_MLP read: 0 or unset is off (None), 1 the default form, or a form by name; anything
+    else is an error."""
     value = os.environ.get(STREAMED_MLP_ENV, "0").strip()
-    if value not in ("0", "1"):
-        raise StreamedMLPSettingError(f"{STREAMED_MLP_ENV}={value!r}: set it to 0 (off, the default) or 1 (on)")
-    return value == "1"
+    if value == "0":
+        return None
+    if value == "1":
+        return DEFAULT_STREAMED_MLP_FORM
+    if value not in STREAMED_MLP_FORMS:
+        raise StreamedMLPSettingError(
+            f"{STREAMED_MLP_ENV}={value!r}: set it to 0 (off, the default), 1 (on, the {DEFAULT_STREAMED_MLP_FORM} "
+            f"form), barrier (one kernel with a grid barrier) or split (two kernels, no barrier)"
+        )
+    return value
+
+
+def streamed_mlp_requested() -> bool:
+    """Whether ASYNCSPEC_STREAMED_MLP asks for the streamed MLP in some form."""
+    return streamed_mlp_form() is not None
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -75,21 +93,22 @@ def served_shapes(model: nn.Module) -> set[tuple[int, int]]:
 def make_streamed_mlp(model: nn.Module, device: torch.device) -> StreamedMLP | None:
     """The kernel for `model`'s layers on `device` when ASYNCSPEC_STREAMED_MLP=1 asks for it and it can serve
     them; otherwise None (logged when it was asked for)."""
-    if not streamed_mlp_requested():
+    form = streamed_mlp_form()
+    if form is None:
         return None
     reason = unavailable_reason(device)
     from asyncspec.kernels.streamed_mlp import StreamedMLPConfig, shape_supported
 
-    config = StreamedMLPConfig()
+    config = StreamedMLPConfig(grid_barrier=form == "barrier")
     shapes = {shape for shape in served_shapes(model) if shape_supported(config, *shape)}
     if reason is None and not shapes:
         reason = "no decoder layer has an MLP shape it takes (hidden and intermediate multiples of 512, no TP)"
     if reason is not None:
-        logger.warning("%s=1 but the streamed MLP is off: %s", STREAMED_MLP_ENV, reason)
+        logger.warning("%s asks for it but the streamed MLP is off: %s", STREAMED_MLP_ENV, reason)
         return None
     from asyncspec.kernels.streamed_mlp_gluon import StreamedMLP
 
-    logger.info("streamed MLP on for batch-1 decode, shapes %s", sorted(shapes))
+    logger.info("streamed MLP (%s form) on for batch-1 decode, shapes %s", form, sorted(shapes))
     return StreamedMLP(device, shapes, config)
 
 

@@ -96,6 +96,28 @@ def test_compiles_for_hopper_within_shared_memory(config: StreamedMLPConfig, hid
     assert f".maxnreg {config.registers}" in ptx
 
 
+@pytest.mark.parametrize(("hidden", "inter"), [(2048, 8192), (4096, 14336), (3072, 8192), (512, 1024)])
+def test_split_kernels_share_an_sm(hidden: int, inter: int) -> None:
+    """The split form's down projection streams while the gate|up kernel finishes only if a program of each fits
+    one SM's shared memory together."""
+    pytest.importorskip("triton.experimental.gluon")
+    from asyncspec.kernels.streamed_gemv import PROGRAM_RESERVED_BYTES, SM_SHARED_MEMORY_BYTES, StreamedGemvConfig
+    from asyncspec.kernels.streamed_gemv_gluon import compile_for_hopper as compile_gemv
+    from asyncspec.kernels.streamed_mlp import split_down_room
+    from asyncspec.kernels.streamed_mlp_gluon import compile_for_hopper
+
+    config = StreamedMLPConfig(grid_barrier=False)
+    stages = stages_for(config, hidden, inter)
+    assert stages >= 2 and shape_supported(config, hidden, inter)
+    gate_up = compile_for_hopper(config, hidden, inter)
+    down_config = StreamedGemvConfig(stages, config.boxes, config.warps, config.registers)
+    down = compile_gemv(down_config, hidden, inter, room=split_down_room(config, hidden, inter))
+    assert gate_up.metadata.shared + down.metadata.shared + 2 * PROGRAM_RESERVED_BYTES <= SM_SHARED_MEMORY_BYTES
+    # The gate|up kernel alone: no grid barrier (no polling loop on the flags) and no down tiles.
+    assert "fence.acq_rel.gpu" not in gate_up.asm["ptx"]
+    assert "fence.acq_rel.gpu" in compile_for_hopper(StreamedMLPConfig(), hidden, inter).asm["ptx"]
+
+
 def test_compile_rejects_an_unsupported_shape() -> None:
     pytest.importorskip("triton.experimental.gluon")
     from asyncspec.kernels.streamed_mlp_gluon import compile_for_hopper
@@ -126,6 +148,10 @@ def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         (StreamedMLPConfig(), 512, 1024),  # programs without a gate|up or a down tile
         (StreamedMLPConfig(stages=16, boxes=1, warps=4), 2048, 8192),
         (StreamedMLPConfig(stages=6, boxes=4), 2048, 8192),
+        (StreamedMLPConfig(grid_barrier=False), 2048, 8192),
+        (StreamedMLPConfig(grid_barrier=False), 4096, 14336),
+        (StreamedMLPConfig(grid_barrier=False), 3072, 8192),
+        (StreamedMLPConfig(grid_barrier=False), 512, 1024),
     ],
 )
 def test_matches_reference_on_hopper(monkeypatch, pdl: str, config: StreamedMLPConfig, hidden: int, inter: int):
@@ -154,7 +180,8 @@ def test_matches_reference_on_hopper(monkeypatch, pdl: str, config: StreamedMLPC
         assert (out != want_out).float().mean() < 0.02
         err = (out.float() - streamed_mlp_ref(x, residual, nw, 1e-5, gate_up, down)[0].float()).norm()
         assert err / out.float().norm() < 0.01
-    assert set(streamed._flags.tolist()) == {3}
+    # Three launches moved every program's barrier flag on by three; the split form has no barrier.
+    assert set(streamed._flags.tolist()) == {3 if config.grid_barrier else 0}
 
 
 @pytest.mark.gpu

@@ -9,10 +9,12 @@ import torch
 from torch import nn
 
 from asyncspec.layers.streamed_mlp import (
+    DEFAULT_STREAMED_MLP_FORM,
     STREAMED_MLP_ENV,
     StreamedMLPSettingError,
     make_streamed_mlp,
     served_shapes,
+    streamed_mlp_form,
     streamed_mlp_requested,
     unavailable_reason,
     use_streamed_mlp,
@@ -49,8 +51,12 @@ def test_setting_is_off_unless_asked(monkeypatch) -> None:
     assert not streamed_mlp_requested()
     monkeypatch.setenv(STREAMED_MLP_ENV, "1")
     assert streamed_mlp_requested()
+    assert streamed_mlp_form() == DEFAULT_STREAMED_MLP_FORM
+    for form in ("barrier", "split"):
+        monkeypatch.setenv(STREAMED_MLP_ENV, form)
+        assert streamed_mlp_requested() and streamed_mlp_form() == form
     monkeypatch.setenv(STREAMED_MLP_ENV, "yes")
-    with pytest.raises(StreamedMLPSettingError, match="set it to 0 .* or 1"):
+    with pytest.raises(StreamedMLPSettingError, match="set it to 0 .* 1 .* barrier .* or split"):
         streamed_mlp_requested()
 
 
