@@ -18,10 +18,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from asyncspec.kernels.streamed_gemv_gluon import StreamedGemv
 
 
 @dataclass(frozen=True)
@@ -124,13 +128,18 @@ def linear_rotary_kv_write(
 
 
 class DecodeLinear(nn.Linear):
-    """`nn.Linear` whose decode-sized calls take the skinny kernel once `skinny_linear` is set."""
+    """`nn.Linear` whose decode-sized calls take the skinny kernel once `skinny_linear` is set, and whose one-row
+    calls take the streamed GEMV once `streamed_gemv` is set (layers/streamed_linear.py)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.skinny_linear: SkinnyLinear | None = None
+        self.streamed_gemv: StreamedGemv | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gemv = self.streamed_gemv
+        if gemv is not None and self.bias is None and gemv.applies(x, self.weight):
+            return gemv(x, self.weight)
         return linear(x, self.weight, self.bias, self.skinny_linear)
 
 

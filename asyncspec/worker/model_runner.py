@@ -37,6 +37,7 @@ from asyncspec.layers.sampler import (
     host_list_to_device,
     make_generator,
 )
+from asyncspec.layers.streamed_linear import make_streamed_o_proj, use_streamed_o_proj
 from asyncspec.layers.streamed_mlp import make_streamed_mlp, use_streamed_mlp
 from asyncspec.layers.tensor_parallel import TensorParallel
 from asyncspec.models.loader import load_model
@@ -322,6 +323,7 @@ class ModelRunner:
             self._use_skinny(self._skinny)
         # The target's batch-1 post-attention halves as one kernel, where ASYNCSPEC_STREAMED_MLP=1 asks for it.
         use_streamed_mlp(self.model, make_streamed_mlp(self.model, self.device))
+        use_streamed_o_proj(self.model, make_streamed_o_proj(self.model, self.device))
         self.cuda_graphs: CudaGraphForward | None = None
         """The target's graphs (captured with the KV cache); None runs every step eagerly."""
         self.draft_cuda_graphs: CudaGraphForward | None = None

@@ -1,0 +1,119 @@
+"""When the streamed GEMV serves an attention's o projection, how it is set up, and what `DecodeLinear` does with
+it (no GPU)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from asyncspec.layers.linear import DecodeLinear
+from asyncspec.layers.streamed_linear import (
+    STREAMED_O_PROJ_ENV,
+    StreamedLinearSettingError,
+    make_streamed_o_proj,
+    o_projections,
+    streamed_o_proj_requested,
+    use_streamed_o_proj,
+)
+from asyncspec.models.llama import LlamaAttention
+from asyncspec.models.model_config import ModelConfig
+
+
+def _config(**overrides) -> ModelConfig:
+    return ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 32,
+            "hidden_size": 512,
+            "intermediate_size": 1024,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 64,
+            "rms_norm_eps": 1e-5,
+            **overrides,
+        }
+    )
+
+
+class _Attentions(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(LlamaAttention(config, i) for i in range(config.num_hidden_layers))
+
+
+def test_setting_is_off_unless_asked(monkeypatch) -> None:
+    monkeypatch.delenv(STREAMED_O_PROJ_ENV, raising=False)
+    assert not streamed_o_proj_requested()
+    monkeypatch.setenv(STREAMED_O_PROJ_ENV, "1")
+    assert streamed_o_proj_requested()
+    monkeypatch.setenv(STREAMED_O_PROJ_ENV, "on")
+    with pytest.raises(StreamedLinearSettingError, match="set it to 0 .* or 1"):
+        streamed_o_proj_requested()
+
+
+def test_not_on_the_cpu(monkeypatch, caplog) -> None:
+    model = _Attentions(_config())
+    monkeypatch.delenv(STREAMED_O_PROJ_ENV, raising=False)
+    assert make_streamed_o_proj(model, torch.device("cpu")) is None
+    monkeypatch.setenv(STREAMED_O_PROJ_ENV, "1")
+    with caplog.at_level(logging.WARNING, logger="asyncspec.layers.streamed_linear"):
+        assert make_streamed_o_proj(model, torch.device("cpu")) is None
+    assert "streamed o projection is off: cpu is not a CUDA device" in caplog.text
+
+
+def test_finds_the_bias_free_o_projections_only() -> None:
+    model = _Attentions(_config())
+    assert [o is layer.o_proj for o, layer in zip(o_projections(model), model.layers, strict=True)] == [True, True]
+    assert o_projections(_Attentions(_config(attention_bias=True))) == []  # Llama: o_proj takes the bias too
+
+
+class _Recording:
+    """Stands in for StreamedGemv: serves what `serves` says, returns a marked tensor and records its calls."""
+
+    def __init__(self, serves: bool) -> None:
+        self.serves = serves
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return self.serves
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        self.calls.append((x.clone(), weight))
+        return torch.full((x.shape[0], weight.shape[0]), 7.0)
+
+
+@torch.no_grad()
+def test_decode_linear_takes_the_gemv_only_where_it_applies() -> None:
+    layer = DecodeLinear(512, 256, bias=False)
+    layer.weight.normal_(0.0, 0.05)
+    x = torch.randn(1, 512)
+    want = layer(x)
+
+    declining = _Recording(serves=False)
+    layer.streamed_gemv = declining  # type: ignore[assignment]
+    assert torch.equal(layer(x), want) and declining.calls == []
+
+    serving = _Recording(serves=True)
+    layer.streamed_gemv = serving  # type: ignore[assignment]
+    assert torch.equal(layer(x), torch.full((1, 256), 7.0))
+    ((x_in, weight_in),) = serving.calls
+    assert torch.equal(x_in, x) and weight_in is layer.weight
+
+    biased = DecodeLinear(512, 256, bias=True)
+    biased.streamed_gemv = serving  # type: ignore[assignment]
+    assert torch.equal(biased(x), torch.nn.functional.linear(x, biased.weight, biased.bias))  # never for a bias
+    assert len(serving.calls) == 1
+
+
+def test_use_points_every_o_projection_and_back() -> None:
+    model = _Attentions(_config())
+    stand_in = _Recording(serves=True)
+    assert use_streamed_o_proj(model, stand_in) == 2  # type: ignore[arg-type]
+    assert all(layer.o_proj.streamed_gemv is stand_in for layer in model.layers)
+    assert all(layer.qkv_proj.streamed_gemv is None for layer in model.layers)
+    use_streamed_o_proj(model, None)
+    assert all(layer.o_proj.streamed_gemv is None for layer in model.layers)
