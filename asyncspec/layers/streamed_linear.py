@@ -43,7 +43,7 @@ def streamed_o_proj_requested() -> bool:
 
 def o_projections(model: nn.Module) -> list[DecodeLinear]:
     """Every attention block's bias-free output projection in `model` (a module's `o_proj`)."""
-    found = []
+    found: list[DecodeLinear] = []
     for module in model.modules():
         o_proj = getattr(module, "o_proj", None)
         if isinstance(o_proj, DecodeLinear) and o_proj.bias is None:
