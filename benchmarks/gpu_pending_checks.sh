@@ -19,10 +19,10 @@
 #   epilogues  the projections' epilogues of 2026-12-03 (SiLU-and-multiply on tensor-core tiles, RoPE + KV write in
 #          q|k|v): their kernel tests, the bf16 engine tests that take them, and the 1B/8B graph-replay A/B of the
 #          rotary epilogue against ASYNCSPEC_ROTARY_IN_LINEAR=0: ~6 min
-#   streamed   the streamed MLP of 2026-12-04 (ASYNCSPEC_STREAMED_MLP=1): its kernel and engine GPU tests, the
-#          benchmark kernel's split form (no grid barrier) against its barrier form, and the 1B/8B graph-replay A/B
-#          of the product path, of the o projection as a streamed GEMV, and of attention kernels that let their
-#          successor launch before their own wait: ~7 min
+#   streamed   the streamed MLP (ASYNCSPEC_STREAMED_MLP=barrier|split) and o projection (ASYNCSPEC_STREAMED_O_PROJ=1)
+#          of 2026-12-04/05: their kernel and engine GPU tests, and the 1B/8B graph-replay A/B of each form, of the
+#          o projection's GEMV, and of attention kernels that let their successor launch before their own wait
+#          (the GEMV's loader then streams during the attention): ~9 min
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
 # their wheels; the device README says how).
 set -uo pipefail
@@ -60,15 +60,15 @@ if [[ " $parts " == *" epilogues "* ]]; then
 fi
 
 if [[ " $parts " == *" streamed "* ]]; then
-    timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_streamed_mlp.py \
-        tests/engine/test_gpu_streamed_mlp.py 2>&1 | tail -6
-    timeout 120 python3 benchmarks/gluon_layer_mlp.py --configs "s12,d2,w8,r64;s6,d2,w8,r64,split1;s4,d2,w8,r64,split1" \
-        --output "$out/gluon_layer_mlp_split.json" 2>&1 | grep -v '"flags"' | tail -12
-    on="ASYNCSPEC_PDL=1+ASYNCSPEC_STREAMED_MLP=1"
-    o="GRAPH_REPLAY_GLUON_O=s8/d1/w4/r64"
-    timeout 330 python3 benchmarks/graph_replay.py --models llama-1b,llama-8b --switches \
-        "ASYNCSPEC_PDL=1,$on,ASYNCSPEC_PDL=1+GRAPH_REPLAY_PATCH=gluon_o+$o,$on+GRAPH_REPLAY_PATCH=gluon_o:pdl_early_attention+$o" \
-        --output "$out/graph_replay_streamed.json" 2>&1 | tail -10
+    timeout 230 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_streamed_mlp.py \
+        tests/kernels/test_streamed_gemv.py tests/engine/test_gpu_streamed_mlp.py 2>&1 | tail -8
+    on="ASYNCSPEC_PDL=1+ASYNCSPEC_STREAMED_MLP"
+    o="ASYNCSPEC_STREAMED_O_PROJ=1"
+    timeout 200 python3 benchmarks/graph_replay.py --models llama-1b --switches \
+        "ASYNCSPEC_PDL=1,$on=barrier,$on=split,$on=split+$o,$on=split+$o+GRAPH_REPLAY_PATCH=pdl_early_attention" \
+        --output "$out/graph_replay_streamed_1b.json" 2>&1 | tail -9
+    timeout 140 python3 benchmarks/graph_replay.py --models llama-8b --switches "ASYNCSPEC_PDL=1,$on=barrier,$on=split+$o" \
+        --output "$out/graph_replay_streamed_8b.json" 2>&1 | tail -6
 fi
 
 if [[ " $parts " == *" step "* ]]; then
