@@ -77,10 +77,11 @@ def _gemv_consumer(
         gl.arange(0, VR, layout=r_layout)[:, None] * 256
         + gl.arange(0, 256, layout=gl.SliceLayout(0, w_layout))[None, :]
     )
-    # x is the predecessor's output: read only after the wait.
+    # x is the predecessor's output: read only after the wait, and from L2 (the previous launch's programs on this
+    # SM may have read the same scratch).
     _pdl_start(pid, USE_PDL)
     for c in gl.static_range(K // (256 * VR)):
-        x_smem.index(c).store(gl.load(x_ptr + c * 256 * VR + at))
+        x_smem.index(c).store(gl.load(x_ptr + c * 256 * VR + at, cache_modifier=".cg"))
     gl.thread_barrier()
     s = pid * 0
     ph = pid * 0

@@ -126,7 +126,8 @@ def _operands(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         (StreamedGemvConfig(stages=8, boxes=1, warps=4), 4096, 4096),
         (StreamedGemvConfig(stages=6, boxes=2, warps=8), 2048, 8192),
         (StreamedGemvConfig(stages=4, boxes=4, warps=8), 3072, 3072),
-        (StreamedGemvConfig(stages=8, boxes=1, warps=4), 1040, 512),  # programs without a tile, a ragged last round
+        (StreamedGemvConfig(stages=8, boxes=1, warps=4), 1040, 512),  # programs without a tile
+        (StreamedGemvConfig(stages=8, boxes=1, warps=4), 4240, 512),  # 2 rounds of tiles and one more
     ],
 )
 def test_matches_reference_on_hopper(monkeypatch, pdl: str, config: StreamedGemvConfig, n: int, k: int) -> None:
