@@ -177,6 +177,8 @@ class StreamedGemv:
     def __init__(self, device: torch.device, config: StreamedGemvConfig, room: int = SHARED_MEMORY_BYTES) -> None:
         if device.type != "cuda":
             raise StreamedGemvError(f"{device}: the streamed GEMV runs on CUDA devices only")
+        if not 0 < room <= SHARED_MEMORY_BYTES:
+            raise StreamedGemvError(f"room={room}: a program holds at most {SHARED_MEMORY_BYTES} bytes")
         # An index, so that it compares equal to a tensor's device ("cuda" does not equal "cuda:0").
         self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         self.config = config
@@ -192,6 +194,7 @@ class StreamedGemv:
         return (
             all(t.dtype == torch.bfloat16 and t.device == self.device and t.is_contiguous() for t in (x, weight))
             and x.data_ptr() % 16 == 0
+            and weight.data_ptr() % 16 == 0  # a TMA descriptor's base
             and gemv_shape_supported(self.config, weight.shape[0], weight.shape[1], self.room)
         )
 

@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 
 STREAMED_O_PROJ_ENV = "ASYNCSPEC_STREAMED_O_PROJ"
 """Set to 1 to run batch-1 decode layers' attention output projection as a streamed Gluon GEMV on Hopper (off by
-default until it is measured faster in the engine: docs/benchmarks.md). It has no grid barrier: safe under MPS."""
+default until it is measured faster in the engine: docs/benchmarks.md). It has no grid barrier: safe under MPS. Only
+the target model's one-row calls take it: a speculative verify step has k + 1 rows, and the draft keeps its kernels."""
 
 
 class StreamedLinearSettingError(ValueError):
@@ -42,11 +43,13 @@ def streamed_o_proj_requested() -> bool:
 
 
 def o_projections(model: nn.Module) -> list[DecodeLinear]:
-    """Every attention block's bias-free output projection in `model` (a module's `o_proj`)."""
+    """Every attention block's bias-free output projection in `model` (a module's `o_proj`), where the block is
+    not split by tensor parallelism (not measured there)."""
     found: list[DecodeLinear] = []
     for module in model.modules():
         o_proj = getattr(module, "o_proj", None)
-        if isinstance(o_proj, DecodeLinear) and o_proj.bias is None:
+        tp = getattr(module, "tp", None)
+        if isinstance(o_proj, DecodeLinear) and o_proj.bias is None and not (tp is not None and tp.enabled):
             found.append(o_proj)
     return found
 

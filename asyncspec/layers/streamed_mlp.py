@@ -32,13 +32,13 @@ DEFAULT_STREAMED_MLP_FORM = "barrier"
 
 
 class StreamedMLPSettingError(ValueError):
-    """ASYNCSPEC_STREAMED_MLP holds a value other than 0 or 1."""
+    """ASYNCSPEC_STREAMED_MLP holds a value other than 0, 1, barrier or split."""
 
 
 def streamed_mlp_form() -> str | None:
     """ASYNCSPEC_STREAMED_MLP read: 0 or unset is off (None), 1 the default form, or a form by name; anything
     else is an error."""
-    value = os.environ.get(STREAMED_MLP_ENV, "0").strip()
+    value = os.environ.get(STREAMED_MLP_ENV, "0").strip().lower()
     if value == "0":
         return None
     if value == "1":
@@ -102,7 +102,10 @@ def make_streamed_mlp(model: nn.Module, device: torch.device) -> StreamedMLP | N
     config = StreamedMLPConfig(grid_barrier=form == "barrier")
     shapes = {shape for shape in served_shapes(model) if shape_supported(config, *shape)}
     if reason is None and not shapes:
-        reason = "no decoder layer has an MLP shape it takes (hidden and intermediate multiples of 512, no TP)"
+        reason = (
+            f"no decoder layer has an MLP shape its {form} form takes (hidden and intermediate multiples of 512, "
+            "no TP, rings of 2 slots beside the vectors in shared memory)"
+        )
     if reason is not None:
         logger.warning("%s asks for it but the streamed MLP is off: %s", STREAMED_MLP_ENV, reason)
         return None

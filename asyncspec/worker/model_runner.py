@@ -321,7 +321,8 @@ class ModelRunner:
                 self._skinny_graphed, max_rows=min(self._skinny_graphed.max_rows, EAGER_SKINNY_ROWS)
             )
             self._use_skinny(self._skinny)
-        # The target's batch-1 post-attention halves as one kernel, where ASYNCSPEC_STREAMED_MLP=1 asks for it.
+        # The target's batch-1 post-attention halves and o projections as streamed kernels, where
+        # ASYNCSPEC_STREAMED_MLP and ASYNCSPEC_STREAMED_O_PROJ ask for them.
         use_streamed_mlp(self.model, make_streamed_mlp(self.model, self.device))
         use_streamed_o_proj(self.model, make_streamed_o_proj(self.model, self.device))
         self.cuda_graphs: CudaGraphForward | None = None

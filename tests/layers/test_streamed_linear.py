@@ -117,3 +117,21 @@ def test_use_points_every_o_projection_and_back() -> None:
     assert all(layer.qkv_proj.streamed_gemv is None for layer in model.layers)
     use_streamed_o_proj(model, None)
     assert all(layer.o_proj.streamed_gemv is None for layer in model.layers)
+
+
+def test_off_where_no_o_projection_has_a_shape_it_takes(monkeypatch, caplog) -> None:
+    from asyncspec.layers import streamed_linear
+
+    monkeypatch.setattr(streamed_linear, "unavailable_reason", lambda device: None)  # as on a Hopper GPU
+    monkeypatch.setenv(STREAMED_O_PROJ_ENV, "1")
+    model = _Attentions(_config(num_attention_heads=4, head_dim=32))  # o_proj [512, 128]: no 256-column box
+    with caplog.at_level(logging.WARNING, logger="asyncspec.layers.streamed_linear"):
+        assert make_streamed_o_proj(model, torch.device("cuda")) is None
+    assert "no bias-free o projection has a shape it takes" in caplog.text
+
+
+def test_skips_tensor_parallel_attention() -> None:
+    model = _Attentions(_config())
+    for layer in model.layers:
+        layer.tp = type("SplitTP", (), {"enabled": True})()
+    assert o_projections(model) == []
