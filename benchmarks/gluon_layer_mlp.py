@@ -29,7 +29,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 REPO = Path(__file__).resolve().parents[1]
 for path in (str(REPO), str(REPO / "benchmarks")):
@@ -37,6 +37,8 @@ for path in (str(REPO), str(REPO / "benchmarks")):
         sys.path.insert(0, path)
 
 # The product kernel's helpers (kernels/streamed_mlp_gluon.py): the same loader, ring walk and grid barrier.
+from asyncspec.kernels.streamed_gemv import StreamedGemvConfig  # noqa: E402
+from asyncspec.kernels.streamed_gemv_gluon import StreamedGemv  # noqa: E402
 from asyncspec.kernels.streamed_mlp_gluon import _loader  # noqa: E402
 from asyncspec.kernels.streamed_ring_gluon import _asm, _grid_barrier, _ring_next  # noqa: E402
 
@@ -58,7 +60,7 @@ class LayerMLPConfig:
     early: bool = False
     """Lets the successor launch before this kernel's PDL wait (else right after it, as the engine's kernels)."""
     split: bool = False
-    """No grid barrier: the kernel ends after gate|up and the activation, and the down projection is a Gemv
+    """No grid barrier: the kernel ends after gate|up and the activation, and the down projection is a StreamedGemv
     of the same config launched after it (its loader streams before its PDL wait, during this kernel)."""
     maxnreg: int = 0
     """Registers a thread at launch (0: Triton's choice, which for a warp-specialised kernel takes the whole
@@ -283,7 +285,7 @@ class LayerMLP:
         self.act = torch.empty(inter, dtype=torch.bfloat16, device=device)
         self.flags = torch.zeros(self.num_progs, dtype=torch.int32, device=device)
         self._descs: dict[int, tuple] = {}
-        self.down = Gemv(device, cfg)
+        self.down = _gemv(device, cfg)
 
     def descriptors(self, wgu: torch.Tensor, wd: torch.Tensor) -> tuple:
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -332,137 +334,10 @@ class LayerMLP:
         return out, res_out
 
 
-@gluon.jit
-def _gemv_loader(
-    w_desc, ring, ready, empty, num_t, K: gl.constexpr, NUM_PROGS: gl.constexpr, STAGES: gl.constexpr, D: gl.constexpr
-):
-    pid = gl.program_id(0)
-    s = pid * 0
-    ph = pid * 0
-    for i in range(num_t):
-        row = (pid + i * NUM_PROGS) * 16
-        for kc in range(K // (256 * D)):
-            mbarrier.wait(empty.index(s), ph ^ 1)
-            mbarrier.expect(ready.index(s), D * 16 * 256 * 2)
-            for d in gl.static_range(D):
-                tma.async_copy_global_to_shared(
-                    w_desc, [row, (kc * D + d) * 256], ready.index(s), ring.index(s * D + d)
-                )
-            s, ph = _ring_next(s, ph, STAGES)
-
-
-@gluon.jit
-def _gemv_consumer(
-    ring,
-    ready,
-    empty,
-    x_smem,
-    x_ptr,
-    out_ptr,
-    num_t,
-    K: gl.constexpr,
-    NUM_PROGS: gl.constexpr,
-    STAGES: gl.constexpr,
-    D: gl.constexpr,
-    WARPS: gl.constexpr,
-    USE_PDL: gl.constexpr,
-    EARLY: gl.constexpr,
-):
-    pid = gl.program_id(0)
-    w_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
-    r_layout: gl.constexpr = gl.SliceLayout(1, w_layout)
-    offs_r = gl.arange(0, 16, layout=r_layout)
-    k_at = (
-        gl.arange(0, K // 256, layout=r_layout)[:, None] * 256
-        + gl.arange(0, 256, layout=gl.SliceLayout(0, w_layout))[None, :]
-    )
-    _pdl_wait(pid, USE_PDL, EARLY)
-    x_smem.store(gl.load(x_ptr + k_at))
-    gl.thread_barrier()
-    s = pid * 0
-    ph = pid * 0
-    for i in range(num_t):
-        tile = pid + i * NUM_PROGS
-        out, s, ph = _tile(ring, ready, empty, x_smem, s, ph, K // (256 * D), STAGES, D, w_layout)
-        gl.store(out_ptr + 16 * tile + offs_r, out.to(gl.bfloat16))
-
-
-@gluon.jit
-def _gemv_kernel(
-    w_desc,  # [N, K] bf16, box [16, 256]
-    x_ptr,  # [K] bf16
-    out_ptr,  # [N] bf16
-    N: gl.constexpr,
-    K: gl.constexpr,
-    NUM_PROGS: gl.constexpr,
-    STAGES: gl.constexpr,
-    D: gl.constexpr,
-    WARPS: gl.constexpr,
-    USE_PDL: gl.constexpr,
-    EARLY: gl.constexpr,
-):
-    """One row times W^T, warp-specialised: the loader streams this program's 16-row tiles from the start,
-    before the PDL wait, so with a ring as large as its share the whole weight is in shared memory by then."""
-    pid = gl.program_id(0)
-    num_t = gl.maximum((N // 16 - pid + NUM_PROGS - 1) // NUM_PROGS, 0)
-    flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES * D, 16, 256], SLOT_LAYOUT)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [K // 256, 256], flat2)
-    for st in gl.static_range(STAGES):
-        mbarrier.init(ready.index(st), count=1)
-        mbarrier.init(empty.index(st), count=1)
-    fence_async_shared()
-    gl.warp_specialize(
-        [
-            (
-                _gemv_consumer,
-                (ring, ready, empty, x_smem, x_ptr, out_ptr, num_t, K, NUM_PROGS, STAGES, D, WARPS, USE_PDL, EARLY),
-            ),
-            (_gemv_loader, (w_desc, ring, ready, empty, num_t, K, NUM_PROGS, STAGES, D)),
-        ],
-        [1],
-        [40],
-    )
-
-
-class Gemv:
-    """Batch-1 `x @ W^T` for weights of any [N, K] with N % 16 == 0 and K % (256 d) == 0 (no bias)."""
-
-    def __init__(self, device: torch.device, cfg: LayerMLPConfig) -> None:
-        self.cfg = cfg
-        self.num_progs = torch.cuda.get_device_properties(device).multi_processor_count
-        self._descs: dict[int, object] = {}
-
-    def supports(self, w: torch.Tensor) -> bool:
-        return w.dtype == torch.bfloat16 and w.shape[0] % 16 == 0 and w.shape[1] % (256 * self.cfg.d) == 0
-
-    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-        key = w.data_ptr()
-        if key not in self._descs:
-            self._descs[key] = TensorDescriptor.from_tensor(w, [16, 256], SLOT_LAYOUT)
-        n, k = w.shape
-        out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-        _gemv_kernel[(self.num_progs,)](
-            self._descs[key],
-            x,
-            out,
-            N=n,
-            K=k,
-            NUM_PROGS=self.num_progs,
-            STAGES=self.cfg.stages,
-            D=self.cfg.d,
-            WARPS=self.cfg.warps,
-            USE_PDL=self.cfg.pdl,
-            EARLY=self.cfg.early,
-            num_warps=self.cfg.warps,
-            **({"launch_pdl": True} if self.cfg.pdl else {}),
-            **({"maxnreg": self.cfg.maxnreg} if self.cfg.maxnreg else {}),
-        )
-        return out
+def _gemv(device: torch.device, cfg: LayerMLPConfig) -> StreamedGemv:
+    """The product's streamed GEMV with this config's ring, warps and registers (it triggers its successor after
+    its PDL wait, as the engine's kernels; `early` applies to the layer kernel only)."""
+    return StreamedGemv(device, StreamedGemvConfig(cfg.stages, cfg.d, cfg.warps, cfg.maxnreg or 64))
 
 
 def install_o_proj(spec_text: str) -> LayerMLPConfig:
@@ -471,7 +346,7 @@ def install_o_proj(spec_text: str) -> LayerMLPConfig:
     from asyncspec.models import llama
 
     cfg = parse(spec_text)
-    gemvs: dict[torch.device, Gemv] = {}
+    gemvs: dict[torch.device, StreamedGemv] = {}
     original_attn = llama.LlamaAttention.forward
     original_linear = linear.DecodeLinear.forward
 
@@ -481,8 +356,8 @@ def install_o_proj(spec_text: str) -> LayerMLPConfig:
 
     def linear_forward(self, x):
         if getattr(self, "_gemv_eligible", False) and x.shape[0] == 1:
-            gemv = gemvs.setdefault(x.device, Gemv(x.device, cfg))
-            if gemv.supports(self.weight):
+            gemv = gemvs.setdefault(x.device, _gemv(x.device, cfg))
+            if gemv.applies(x.contiguous(), self.weight):
                 return gemv(x.contiguous(), self.weight)
         return original_linear(self, x)
 
@@ -588,8 +463,8 @@ def run_gpu(args) -> dict:
     for n, k in ((2048, 2048), (3072, 2048), (2048, 8192)):
         w, x = rand(n, k, scale=k**-0.5), rand(1, k, scale=1.0)
         want = (x.float() @ w.float().T).to(torch.bfloat16)
-        for spec in ("s8,d1,w4,r64", "s8,d1,w4,r64,early1"):
-            got = Gemv(torch.device("cuda"), parse(spec))(x, w)
+        for spec in ("s8,d1,w4,r64",):
+            got = _gemv(torch.device("cuda"), parse(spec))(x, w)
             gemv_checks.append({"shape": [n, k], "config": spec, **close(got.view(-1), want.view(-1))})
     result["gemv_checks"] = gemv_checks
     for row in gemv_checks:
