@@ -20,6 +20,7 @@ from asyncspec.models.checkpoint import WeightTarget, sliced, whole
 from asyncspec.models.model_config import ModelConfig
 
 if TYPE_CHECKING:
+    from asyncspec.kernels.streamed_attn_in_gluon import StreamedAttnIn
     from asyncspec.kernels.streamed_mlp_gluon import StreamedMLP
 
 
@@ -76,8 +77,7 @@ class LlamaAttention(nn.Module):
                 slot_mapping=attn_metadata.slot_mapping,
             )
             if q_rot is not None:
-                o = self.attn.attend(q_rot, kv_cache, attn_metadata)
-                return self.tp.all_reduce(self.o_proj(o.reshape(T, self.q_size)))
+                return self.attend_rotated(q_rot, kv_cache, attn_metadata)
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # Strided views of the fused output: the fused kernel reads them as they are.
         q = q.view(T, self.num_heads, self.head_dim)
@@ -94,6 +94,24 @@ class LlamaAttention(nn.Module):
             q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
             o = self.attn(q, k, v, kv_cache, attn_metadata)
         return self.tp.all_reduce(self.o_proj(o.reshape(T, self.q_size)))
+
+    def attend_rotated(
+        self, q_rot: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """The block's output from q already rotated [T, H, D], the step's K/V already in the cache."""
+        o = self.attn.attend(q_rot, kv_cache, attn_metadata)
+        return self.tp.all_reduce(self.o_proj(o.reshape(q_rot.shape[0], self.q_size)))
+
+    def streamable_input(self, rope: RotaryInputs) -> bool:
+        """Whether the streamed attention input may stand in for this block's q|k|v projection and RoPE: no q/k
+        norm, no bias, no tensor parallelism, and RoPE from the caches (the Triton path)."""
+        return (
+            rope.cos is None
+            and rope.sin is None
+            and not self.qk_norm
+            and self.qkv_proj.bias is None
+            and not self.tp.enabled
+        )
 
 
 class LlamaMLP(nn.Module):
@@ -129,6 +147,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.streamed_mlp: StreamedMLP | None = None
         """The post-attention norm and MLP as one kernel for the calls it serves (layers/streamed_mlp.py)."""
+        self.streamed_attn_in: StreamedAttnIn | None = None
+        """The input norm, q|k|v projection, RoPE and KV write as one kernel for the calls it serves
+        (layers/streamed_attn_in.py)."""
 
     def forward(
         self,
@@ -139,14 +160,47 @@ class LlamaDecoderLayer(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this block's MLP output, the residual stream before it): the next norm adds them, fused."""
-        x, residual = self.input_layernorm.forward_residual(h, residual)
-        x = self.self_attn(x, rope, kv_cache, attn_metadata)
+        streamed_input = self._streamed_input(h, residual, rope, kv_cache, attn_metadata)
+        if streamed_input is not None:
+            q_rot, residual = streamed_input
+            x = self.self_attn.attend_rotated(q_rot, kv_cache, attn_metadata)
+        else:
+            x, residual = self.input_layernorm.forward_residual(h, residual)
+            x = self.self_attn(x, rope, kv_cache, attn_metadata)
         streamed, norm, mlp = self.streamed_mlp, self.post_attention_layernorm, self.mlp
         gate_up, down = mlp.gate_up_proj.weight, mlp.down_proj.weight
         if streamed is not None and streamed.applies(x, residual, norm.weight, gate_up, down):
             return streamed(x, residual, norm.weight, norm.eps, gate_up, down)
         x, residual = norm.forward_residual(x, residual)
         return self.mlp(x), residual
+
+    def _streamed_input(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RotaryInputs,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(q rotated, the residual stream) from the streamed attention input where it serves this call, else
+        None (the norm, then the attention block's own projection)."""
+        streamed, attn, norm = self.streamed_attn_in, self.self_attn, self.input_layernorm
+        if streamed is None or not attn.streamable_input(rope):
+            return None
+        args = (
+            attn.qkv_proj.weight,
+            attn.num_heads,
+            attn.num_kv_heads,
+            rope.positions,
+            rope.cos_cache,
+            rope.sin_cache,
+            kv_cache[0],
+            kv_cache[1],
+            attn_metadata.slot_mapping,
+        )
+        if not streamed.applies(h, residual, norm.weight, *args):
+            return None
+        return streamed(h, residual, norm.weight, norm.eps, *args)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -37,6 +37,7 @@ from asyncspec.layers.sampler import (
     host_list_to_device,
     make_generator,
 )
+from asyncspec.layers.streamed_attn_in import make_streamed_attn_in, use_streamed_attn_in
 from asyncspec.layers.streamed_linear import make_streamed_o_proj, use_streamed_o_proj
 from asyncspec.layers.streamed_mlp import make_streamed_mlp, use_streamed_mlp
 from asyncspec.layers.tensor_parallel import TensorParallel
@@ -321,10 +322,11 @@ class ModelRunner:
                 self._skinny_graphed, max_rows=min(self._skinny_graphed.max_rows, EAGER_SKINNY_ROWS)
             )
             self._use_skinny(self._skinny)
-        # The target's batch-1 post-attention halves and o projections as streamed kernels, where
-        # ASYNCSPEC_STREAMED_MLP and ASYNCSPEC_STREAMED_O_PROJ ask for them.
+        # The target's batch-1 post-attention halves, o projections and attention inputs as streamed kernels,
+        # where ASYNCSPEC_STREAMED_MLP, ASYNCSPEC_STREAMED_O_PROJ and ASYNCSPEC_STREAMED_ATTN_IN ask for them.
         use_streamed_mlp(self.model, make_streamed_mlp(self.model, self.device))
         use_streamed_o_proj(self.model, make_streamed_o_proj(self.model, self.device))
+        use_streamed_attn_in(self.model, make_streamed_attn_in(self.model, self.device))
         self.cuda_graphs: CudaGraphForward | None = None
         """The target's graphs (captured with the KV cache); None runs every step eagerly."""
         self.draft_cuda_graphs: CudaGraphForward | None = None

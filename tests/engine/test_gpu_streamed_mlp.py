@@ -115,3 +115,47 @@ def test_streamed_o_proj_batch_1_bf16_close_to_hf(monkeypatch, enforce_eager: bo
         _assert_close_greedy(ours, our_top5, ref, ref_logprobs)
     if enforce_eager:  # every decode step's layers called it from Python (graph replays do not)
         assert calls.count(o_shape) >= 3 * 23 * len(o_projs)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_every_streamed_kernel_batch_1_bf16_close_to_hf(monkeypatch, enforce_eager: bool, tmp_path) -> None:
+    """ASYNCSPEC_STREAMED_ATTN_IN=1 beside the split streamed MLP and the streamed o projection: a batch-1 layer is
+    then three streamed kernels and the attention, and greedy decoding stays close to HF."""
+    from asyncspec.kernels.streamed_attn_in_gluon import StreamedAttnIn
+
+    monkeypatch.setenv("ASYNCSPEC_STREAMED_MLP", "split")
+    monkeypatch.setenv("ASYNCSPEC_STREAMED_O_PROJ", "1")
+    monkeypatch.setenv("ASYNCSPEC_STREAMED_ATTN_IN", "1")
+    residuals: list[bool] = []
+    original = StreamedAttnIn.__call__
+
+    def counting(self, x, residual, *args):
+        residuals.append(residual is not None)
+        return original(self, x, residual, *args)
+
+    monkeypatch.setattr(StreamedAttnIn, "__call__", counting)
+    hf = save_tiny_family_model(
+        "llama", tmp_path, torch.bfloat16, hidden_size=512, intermediate_size=1024, num_attention_heads=8, head_dim=64
+    )
+    hf = hf.cuda().eval()
+    llm = LLM(
+        str(tmp_path),
+        device="cuda",
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        max_num_batched_tokens=64,
+        enforce_eager=enforce_eager,
+    )
+    runner = llm.engine.engine_core.runner
+    layers = [m for m in runner.model.modules() if "streamed_attn_in" in vars(m)]
+    assert layers and all(m.streamed_attn_in is not None for m in layers)
+    assert True in residuals and False in residuals  # captured or warmed: the first layer has no residual
+    residuals.clear()
+    rng = random.Random(2)
+    for _ in range(3):
+        prompt = [rng.randrange(2, 512) for _ in range(rng.randrange(5, 80))]
+        ((ours, our_top5),) = _run_ours(llm, [prompt], 24)
+        ref, ref_logprobs = _hf_greedy_with_top5(hf, prompt, 24)
+        _assert_close_greedy(ours, our_top5, ref, ref_logprobs)
+    if enforce_eager:
+        assert len(residuals) >= 3 * 23 * len(layers)
