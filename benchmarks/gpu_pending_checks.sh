@@ -19,10 +19,9 @@
 #   epilogues  the projections' epilogues of 2026-12-03 (SiLU-and-multiply on tensor-core tiles, RoPE + KV write in
 #          q|k|v): their kernel tests, the bf16 engine tests that take them, and the 1B/8B graph-replay A/B of the
 #          rotary epilogue against ASYNCSPEC_ROTARY_IN_LINEAR=0: ~6 min
-#   streamed   the streamed MLP (ASYNCSPEC_STREAMED_MLP=barrier|split) and o projection (ASYNCSPEC_STREAMED_O_PROJ=1)
-#          of 2026-12-04/05: their kernel and engine GPU tests, and the 1B/8B graph-replay A/B of each form, of the
-#          o projection's GEMV, and of attention kernels that let their successor launch before their own wait
-#          (the GEMV's loader then streams during the attention): ~9 min
+#   streamed   the streamed MLP (ASYNCSPEC_STREAMED_MLP=barrier|split), o projection (ASYNCSPEC_STREAMED_O_PROJ=1)
+#          and attention input (ASYNCSPEC_STREAMED_ATTN_IN=1) of 2026-12-04/05: their kernel and engine GPU tests,
+#          and the 1B/8B graph-replay A/B of each, added one at a time: ~8.5 min
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
 # their wheels; the device README says how).
 set -uo pipefail
@@ -60,14 +59,16 @@ if [[ " $parts " == *" epilogues "* ]]; then
 fi
 
 if [[ " $parts " == *" streamed "* ]]; then
-    timeout 230 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_streamed_mlp.py \
-        tests/kernels/test_streamed_gemv.py tests/engine/test_gpu_streamed_mlp.py 2>&1 | tail -8
+    timeout 220 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_streamed_mlp.py \
+        tests/kernels/test_streamed_gemv.py tests/kernels/test_streamed_attn_in.py tests/engine/test_gpu_streamed_mlp.py \
+        2>&1 | tail -12
     on="ASYNCSPEC_PDL=1+ASYNCSPEC_STREAMED_MLP"
     o="ASYNCSPEC_STREAMED_O_PROJ=1"
-    timeout 200 python3 benchmarks/graph_replay.py --models llama-1b --switches \
-        "ASYNCSPEC_PDL=1,$on=barrier,$on=split,$on=split+$o,$on=split+$o+GRAPH_REPLAY_PATCH=pdl_early_attention" \
+    a="ASYNCSPEC_STREAMED_ATTN_IN=1"
+    timeout 170 python3 benchmarks/graph_replay.py --models llama-1b --switches \
+        "ASYNCSPEC_PDL=1,$on=barrier,$on=split,$on=split+$o,$on=split+$o+$a" \
         --output "$out/graph_replay_streamed_1b.json" 2>&1 | tail -9
-    timeout 140 python3 benchmarks/graph_replay.py --models llama-8b --switches "ASYNCSPEC_PDL=1,$on=barrier,$on=split+$o" \
+    timeout 110 python3 benchmarks/graph_replay.py --models llama-8b --switches "ASYNCSPEC_PDL=1,$on=barrier,$on=split+$o+$a" \
         --output "$out/graph_replay_streamed_8b.json" 2>&1 | tail -6
 fi
 
