@@ -117,14 +117,15 @@ def test_streamed_o_proj_batch_1_bf16_close_to_hf(monkeypatch, enforce_eager: bo
         assert calls.count(o_shape) >= 3 * 23 * len(o_projs)
 
 
+@pytest.mark.parametrize("others", [False, True])
 @pytest.mark.parametrize("enforce_eager", [False, True])
-def test_every_streamed_kernel_batch_1_bf16_close_to_hf(monkeypatch, enforce_eager: bool, tmp_path) -> None:
-    """ASYNCSPEC_STREAMED_ATTN_IN=1 beside the split streamed MLP and the streamed o projection: a batch-1 layer is
-    then three streamed kernels and the attention, and greedy decoding stays close to HF."""
+def test_streamed_attn_in_batch_1_bf16_close_to_hf(monkeypatch, enforce_eager: bool, others: bool, tmp_path) -> None:
+    """ASYNCSPEC_STREAMED_ATTN_IN=1, alone and beside the split streamed MLP and the streamed o projection (a
+    batch-1 layer is then three streamed kernels and the attention): greedy decoding stays close to HF."""
     from asyncspec.kernels.streamed_attn_in_gluon import StreamedAttnIn
 
-    monkeypatch.setenv("ASYNCSPEC_STREAMED_MLP", "split")
-    monkeypatch.setenv("ASYNCSPEC_STREAMED_O_PROJ", "1")
+    monkeypatch.setenv("ASYNCSPEC_STREAMED_MLP", "split" if others else "0")
+    monkeypatch.setenv("ASYNCSPEC_STREAMED_O_PROJ", "1" if others else "0")
     monkeypatch.setenv("ASYNCSPEC_STREAMED_ATTN_IN", "1")
     residuals: list[bool] = []
     original = StreamedAttnIn.__call__

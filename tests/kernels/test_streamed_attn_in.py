@@ -21,6 +21,7 @@ from asyncspec.kernels.streamed_attn_in import (
     streamed_attn_in_ref,
 )
 from asyncspec.kernels.streamed_gemv import SHARED_MEMORY_BYTES
+from tests.kernels.streamed_checks import assert_stage_within_an_ulp, normed_candidates
 
 EPS = 1e-5
 MAX_POSITION = 4096
@@ -220,12 +221,6 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """|a - b| in units of b's last place (bf16), element-wise."""
-    ulp = torch.exp2(torch.floor(torch.log2(b.float().abs().clamp_min(2.0**-126))) - 7)
-    return (a.float() - b.float()).abs() / ulp
-
-
 def _kernel_projection(streamed, shape: tuple[int, int, int, int]) -> torch.Tensor:
     """The kernel's own q|k|v projection [1, rows] in bf16, read back from its scratch: tile t holds 8 rows of a
     head's first half, then the same 8 rows of its second half."""
@@ -248,8 +243,9 @@ def _check(streamed, layer: _Layer, shape: tuple[int, int, int, int], residual: 
     normed, want_summed = fused_add_rms_norm_ref(layer.x, layer.residual if residual else None, layer.norm_weight, EPS)
     assert torch.equal(summed, want_summed)
     qkv = _kernel_projection(streamed, shape)
-    apart = _ulps_apart(qkv, skinny_linear_ref(normed, layer.qkv_weight))
-    assert apart.max() <= 1.0 and (apart > 0).float().mean() < 0.02, (apart.max(), (apart > 0).float().mean())
+    candidates = normed_candidates(layer.x, layer.residual if residual else None, layer.norm_weight, EPS)
+    assert torch.equal(candidates[0], normed)
+    assert_stage_within_an_ulp(qkv, candidates, lambda n: skinny_linear_ref(n, layer.qkv_weight))
     k_want, v_want = k_before.clone(), v_before.clone()
     q, k, v = qkv.split([nh * hd, kvh * hd, kvh * hd], dim=-1)
     pos = layer.positions.clamp(0, MAX_POSITION - 1)
