@@ -181,6 +181,8 @@ def test_ring_and_shapes() -> None:
         (StreamedAttnInConfig(), LLAMA_1B, False),
         (StreamedAttnInConfig(stages=8, boxes=1, warps=4), LLAMA_1B, True),
         (StreamedAttnInConfig(stages=4, boxes=4), LLAMA_8B, True),
+        (StreamedAttnInConfig(stages=6), LLAMA_1B, True),  # the engine's config (layers/streamed_attn_in.py)
+        (StreamedAttnInConfig(stages=6), LLAMA_8B, False),
     ],
 )
 def test_compiles_for_hopper_within_shared_memory(

@@ -128,3 +128,21 @@ def test_layer_takes_the_streamed_input_only_where_it_applies() -> None:
     eager_rope = RotaryInputs(rope.positions, cache, cache, torch.ones(1, 32), torch.zeros(1, 32))
     layer(h, residual, eager_rope, kv_cache, metadata)
     assert len(serving.calls) == 1
+
+
+def test_the_engines_ring_fits_beside_the_split_mlps_down_projection() -> None:
+    """RING_STAGES is chosen so that a program of the attention input fits an SM beside a program of the kernel
+    before it, the split streamed MLP's down projection (Llama-1B shapes, as compiled for sm_90)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from asyncspec.kernels.streamed_attn_in import StreamedAttnInConfig
+    from asyncspec.kernels.streamed_attn_in_gluon import compile_for_hopper
+    from asyncspec.kernels.streamed_gemv import PROGRAM_RESERVED_BYTES, SM_SHARED_MEMORY_BYTES, StreamedGemvConfig
+    from asyncspec.kernels.streamed_gemv_gluon import compile_for_hopper as compile_gemv
+    from asyncspec.kernels.streamed_mlp import StreamedMLPConfig, split_down_room, stages_for
+    from asyncspec.layers.streamed_attn_in import RING_STAGES
+
+    attn_in = compile_for_hopper(StreamedAttnInConfig(stages=RING_STAGES), 2048, 32, 8, 64)
+    mlp = StreamedMLPConfig(grid_barrier=False)
+    down_config = StreamedGemvConfig(stages_for(mlp, 2048, 8192), mlp.boxes, mlp.warps, mlp.registers)
+    down = compile_gemv(down_config, 2048, 8192, room=split_down_room(mlp, 2048, 8192))
+    assert attn_in.metadata.shared + down.metadata.shared + 2 * PROGRAM_RESERVED_BYTES <= SM_SHARED_MEMORY_BYTES
