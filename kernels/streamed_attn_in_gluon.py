@@ -31,7 +31,14 @@ from asyncspec.kernels.streamed_attn_in import (
     stages_for,
 )
 from asyncspec.kernels.streamed_gemv import vector_rows
-from asyncspec.kernels.streamed_ring_gluon import LOADER_REGISTERS, SLOT_LAYOUT, _pdl_start, _ring_next, _tile
+from asyncspec.kernels.streamed_ring_gluon import (
+    LOADER_REGISTERS,
+    SLOT_LAYOUT,
+    _normalise_row,
+    _pdl_start,
+    _ring_next,
+    _tile,
+)
 
 
 @gluon.jit
@@ -173,29 +180,7 @@ def _consumer(
     at = gl.arange(0, VR, layout=r_layout)[:, None] * 256 + cols[None, :]
     pair_cols = gl.arange(0, 8, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
     _pdl_start(pid, USE_PDL)
-    # fused_add_rms_norm's roundings: the sum, the normalised row, the weight's product. Each program normalises
-    # the whole row; the sum waits in x_smem for the row's norm. Without a residual the sum is x itself, which the
-    # caller returns as the new residual: nothing to store.
-    sumsq = gl.sum(gl.zeros([16], gl.float32, r_layout), axis=0)
-    for c in gl.static_range(H // (256 * VR)):
-        off = c * 256 * VR
-        if HAS_RESIDUAL:
-            x = gl.load(x_ptr + off + at).to(gl.float32)
-            summed = (x + gl.load(res_ptr + off + at).to(gl.float32)).to(gl.bfloat16)
-            if pid == 0:
-                gl.store(res_out_ptr + off + at, summed)
-        else:
-            summed = gl.load(x_ptr + off + at)
-        h = summed.to(gl.float32)
-        sumsq += gl.sum(gl.sum(h * h, axis=1), axis=0)
-        x_smem.index(c).store(h)
-    rstd = gl.rsqrt(sumsq / H + eps)
-    gl.thread_barrier()
-    for c in gl.static_range(H // (256 * VR)):
-        h = x_smem.index(c).load(w_layout)
-        nw = gl.load(nw_ptr + c * 256 * VR + at).to(gl.float32)
-        x_smem.index(c).store(((h * rstd).to(gl.bfloat16).to(gl.float32) * nw).to(gl.bfloat16).to(gl.float32))
-    gl.thread_barrier()
+    _normalise_row(x_smem, x_ptr, res_ptr, nw_ptr, res_out_ptr, eps, pid, at, H, VR, HAS_RESIDUAL, w_layout, r_layout)
     s = pid * 0
     ph = pid * 0
     for i in range(num_t):

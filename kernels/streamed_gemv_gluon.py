@@ -18,7 +18,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from asyncspec.kernels.pdl import pdl_enabled, pdl_launch_options
 from asyncspec.kernels.streamed_gemv import (
@@ -29,7 +29,7 @@ from asyncspec.kernels.streamed_gemv import (
     gemv_stages_for,
     vector_rows,
 )
-from asyncspec.kernels.streamed_ring_gluon import LOADER_REGISTERS, SLOT_LAYOUT, _pdl_start, _ring_next, _tile
+from asyncspec.kernels.streamed_ring_gluon import LOADER_REGISTERS, SLOT_LAYOUT, _load_tiles, _pdl_start, _tile
 
 
 @gluon.jit
@@ -38,18 +38,7 @@ def _gemv_loader(
 ):
     """One warp: this program's 16-row tiles of W, D column boxes a slot, each as soon as its slot is free."""
     pid = gl.program_id(0)
-    s = pid * 0
-    ph = pid * 0
-    for i in range(num_t):
-        row = (pid + i * NUM_PROGS) * 16
-        for kc in range(K // (256 * D)):
-            mbarrier.wait(empty.index(s), ph ^ 1)
-            mbarrier.expect(ready.index(s), D * 16 * 256 * 2)
-            for d in gl.static_range(D):
-                tma.async_copy_global_to_shared(
-                    w_desc, [row, (kc * D + d) * 256], ready.index(s), ring.index(s * D + d)
-                )
-            s, ph = _ring_next(s, ph, STAGES)
+    _load_tiles(w_desc, ring, ready, empty, pid * 0, pid * 0, num_t, K, NUM_PROGS, STAGES, D)
 
 
 @gluon.jit

@@ -40,6 +40,8 @@ from asyncspec.kernels.streamed_ring_gluon import (
     LOADER_REGISTERS,
     SLOT_LAYOUT,
     _grid_barrier,
+    _load_tiles,
+    _normalise_row,
     _pdl_start,
     _ring_next,
     _tile,
@@ -76,16 +78,7 @@ def _loader(
                 tma.async_copy_global_to_shared(wgu_desc, [row, col], ready.index(s), box.slice(0, 8))
                 tma.async_copy_global_to_shared(wgu_desc, [INTER + row, col], ready.index(s), box.slice(8, 8))
             s, ph = _ring_next(s, ph, STAGES)
-    for i in range(num_b):
-        row = (pid + i * NUM_PROGS) * 16
-        for kc in range(INTER // (256 * D)):
-            mbarrier.wait(empty.index(s), ph ^ 1)
-            mbarrier.expect(ready.index(s), D * 16 * 256 * 2)
-            for d in gl.static_range(D):
-                tma.async_copy_global_to_shared(
-                    wd_desc, [row, (kc * D + d) * 256], ready.index(s), ring.index(s * D + d)
-                )
-            s, ph = _ring_next(s, ph, STAGES)
+    _load_tiles(wd_desc, ring, ready, empty, s, ph, num_b, INTER, NUM_PROGS, STAGES, D)
 
 
 @gluon.jit
@@ -126,24 +119,7 @@ def _consumer(
     at = gl.arange(0, VR, layout=r_layout)[:, None] * 256 + cols[None, :]
     act_cols = gl.arange(0, 8, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
     _pdl_start(pid, USE_PDL)
-    # fused_add_rms_norm's roundings: the sum, the normalised row, the weight's product. Each program normalises
-    # the whole row; the sum waits in x_smem for the row's norm.
-    sumsq = gl.sum(gl.zeros([16], gl.float32, r_layout), axis=0)
-    for c in gl.static_range(H // (256 * VR)):
-        off = c * 256 * VR
-        summed = (gl.load(x_ptr + off + at).to(gl.float32) + gl.load(res_ptr + off + at).to(gl.float32)).to(gl.bfloat16)
-        if pid == 0:
-            gl.store(res_out_ptr + off + at, summed)
-        h = summed.to(gl.float32)
-        sumsq += gl.sum(gl.sum(h * h, axis=1), axis=0)
-        x_smem.index(c).store(h)
-    rstd = gl.rsqrt(sumsq / H + eps)
-    gl.thread_barrier()
-    for c in gl.static_range(H // (256 * VR)):
-        h = x_smem.index(c).load(w_layout)
-        nw = gl.load(nw_ptr + c * 256 * VR + at).to(gl.float32)
-        x_smem.index(c).store(((h * rstd).to(gl.bfloat16).to(gl.float32) * nw).to(gl.bfloat16).to(gl.float32))
-    gl.thread_barrier()
+    _normalise_row(x_smem, x_ptr, res_ptr, nw_ptr, res_out_ptr, eps, pid, at, H, VR, True, w_layout, r_layout)
     s = pid * 0
     ph = pid * 0
     for i in range(num_a):

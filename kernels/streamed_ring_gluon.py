@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 SLOT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
 LOADER_REGISTERS = gl.constexpr(40)  # the loader warp holds loop counters and coordinates only
@@ -86,3 +86,73 @@ def _tile(
         mbarrier.arrive(empty.index(s), count=1)
         s, ph = _ring_next(s, ph, STAGES)
     return gl.sum(acc, axis=1), s, ph
+
+
+@gluon.jit
+def _normalise_row(
+    x_smem,
+    x_ptr,
+    res_ptr,
+    nw_ptr,
+    res_out_ptr,
+    eps,
+    pid,
+    at,
+    H: gl.constexpr,
+    VR: gl.constexpr,
+    HAS_RESIDUAL: gl.constexpr,
+    w_layout: gl.constexpr,
+    r_layout: gl.constexpr,
+):
+    """One row's residual add and RMSNorm into x_smem ([H / (256 VR), VR, 256] fp32), with fused_add_rms_norm's
+    roundings: the sum, the normalised row, the weight's product. Every program normalises the whole row itself (no
+    barrier); program 0 stores the sum, the new residual stream. Without a residual the sum is x itself, which the
+    caller returns: nothing to store. `at` is a block's offsets [VR, 256] in w_layout."""
+    sumsq = gl.sum(gl.zeros([16], gl.float32, r_layout), axis=0)
+    for c in gl.static_range(H // (256 * VR)):
+        off = c * 256 * VR
+        if HAS_RESIDUAL:
+            x = gl.load(x_ptr + off + at).to(gl.float32)
+            summed = (x + gl.load(res_ptr + off + at).to(gl.float32)).to(gl.bfloat16)
+            if pid == 0:
+                gl.store(res_out_ptr + off + at, summed)
+        else:
+            summed = gl.load(x_ptr + off + at)
+        h = summed.to(gl.float32)
+        sumsq += gl.sum(gl.sum(h * h, axis=1), axis=0)
+        x_smem.index(c).store(h)
+    rstd = gl.rsqrt(sumsq / H + eps)
+    gl.thread_barrier()
+    for c in gl.static_range(H // (256 * VR)):
+        h = x_smem.index(c).load(w_layout)
+        nw = gl.load(nw_ptr + c * 256 * VR + at).to(gl.float32)
+        x_smem.index(c).store(((h * rstd).to(gl.bfloat16).to(gl.float32) * nw).to(gl.bfloat16).to(gl.float32))
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _load_tiles(
+    desc,
+    ring,
+    ready,
+    empty,
+    s,
+    ph,
+    num_t,
+    K: gl.constexpr,
+    NUM_PROGS: gl.constexpr,
+    STAGES: gl.constexpr,
+    D: gl.constexpr,
+):
+    """The loader's walk over this program's 16-row tiles of a weight [N, K] (box [16, 256]), D column boxes a slot,
+    each slot filled as soon as it is free; returns the ring position after them."""
+    pid = gl.program_id(0)
+    for i in range(num_t):
+        row = (pid + i * NUM_PROGS) * 16
+        for kc in range(K // (256 * D)):
+            mbarrier.wait(empty.index(s), ph ^ 1)
+            mbarrier.expect(ready.index(s), D * 16 * 256 * 2)
+            for d in gl.static_range(D):
+                tma.async_copy_global_to_shared(desc, [row, (kc * D + d) * 256], ready.index(s), ring.index(s * D + d))
+            s, ph = _ring_next(s, ph, STAGES)
+    return s, ph
