@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
+
+from asyncspec.kernels.skinny_linear import skinny_linear_error_bound
 
 
 def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -32,10 +35,34 @@ def normed_candidates(
     return [weight * (h * rstd).to(x.dtype), *candidates]
 
 
+def gated_error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per-element bound [M, I] on how far `skinny_linear_gated_ref(x, weight)` may move when the projection's fp32
+    sums run in another order: each projection moves by at most `skinny_linear_error_bound` (its rounding
+    included), silu's slope lies within [-0.1, 1.1], and the activation's two roundings add an ulp of silu and
+    one of the product on either side."""
+    inter = weight.shape[0] // 2
+    bound = skinny_linear_error_bound(x, weight)
+    proj = x.float() @ weight.float().t()
+    gate, up, gate_bound, up_bound = proj[:, :inter], proj[:, inter:], bound[:, :inter], bound[:, inter:]
+    silu_high = F.silu(gate).abs() + 1.1 * gate_bound
+    up_high = up.abs() + up_bound
+    eps = torch.finfo(x.dtype).eps
+    return 1.1 * gate_bound * up_high + silu_high * up_bound + 4 * eps * silu_high * up_high + torch.finfo(x.dtype).tiny
+
+
 def assert_stage_within_an_ulp(
-    got: torch.Tensor, candidates: list[torch.Tensor], stage: Callable[[torch.Tensor], torch.Tensor]
+    got: torch.Tensor,
+    candidates: list[torch.Tensor],
+    stage: Callable[[torch.Tensor], torch.Tensor],
+    order_bound: Callable[[torch.Tensor], torch.Tensor],
 ) -> None:
-    """`got` is `stage` of one of the candidate inputs up to the fp32 sums' order: at most one bf16 ulp apart, and
-    in fewer than 2 % of the elements (a skipped rounding would move far more)."""
-    best = min((ulps_apart(got, stage(c)) for c in candidates), key=lambda apart: float((apart > 0).float().mean()))
-    assert best.max() <= 1.0 and (best > 0).float().mean() < 0.02, (best.max(), (best > 0).float().mean())
+    """`got` is `stage` of one of the candidate inputs up to the fp32 sums' order: equal to it in all but 2 % of
+    the elements (a skipped rounding would move far more), and each element that differs within one bf16 ulp, or
+    within `order_bound` of that input: the worst case of another summation order, more than an ulp only where
+    the sum cancels to a value much smaller than its terms (on an H100, 2 to 112 ulps in a few elements of 10^4)."""
+    scored = [(c, stage(c)) for c in candidates]
+    candidate, want = min(scored, key=lambda pair: float((pair[1] != got).float().mean()))
+    apart = ulps_apart(got, want)
+    beyond = (apart > 1.0) & ((got.float() - want.float()).abs() > order_bound(candidate))
+    assert not beyond.any(), (apart[beyond], (got.float() - want.float()).abs()[beyond])
+    assert (apart > 0).float().mean() < 0.02, (apart > 0).float().mean()

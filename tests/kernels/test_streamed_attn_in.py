@@ -11,7 +11,7 @@ import torch
 
 from asyncspec.kernels.fused_add_rms_norm import fused_add_rms_norm_ref
 from asyncspec.kernels.rotary_kv_write import rotary_kv_write_ref, rotate_ref
-from asyncspec.kernels.skinny_linear import skinny_linear_ref
+from asyncspec.kernels.skinny_linear import skinny_linear_error_bound, skinny_linear_ref
 from asyncspec.kernels.streamed_attn_in import (
     StreamedAttnInConfig,
     StreamedAttnInError,
@@ -234,8 +234,9 @@ def _kernel_projection(streamed, shape: tuple[int, int, int, int]) -> torch.Tens
 
 def _check(streamed, layer: _Layer, shape: tuple[int, int, int, int], residual: bool) -> None:
     """Each stage against the reference of that stage on the kernel's own input to it: the projection from the
-    reference's normalised row (only the fp32 sums' order differs, so at most one ulp, and rarely), the rotation
-    and the cache writes from the kernel's own projection (bit-exact); and the whole against the reference."""
+    reference's normalised row (only the fp32 sums' order differs, so rarely an ulp, more only where a sum
+    cancels), the rotation and the cache writes from the kernel's own projection (bit-exact); and the whole
+    against the reference."""
     _, nh, kvh, hd = shape
     k_before, v_before = layer.k_cache.clone(), layer.v_cache.clone()
     args = layer.args(residual)
@@ -247,7 +248,12 @@ def _check(streamed, layer: _Layer, shape: tuple[int, int, int, int], residual: 
     qkv = _kernel_projection(streamed, shape)
     candidates = normed_candidates(layer.x, layer.residual if residual else None, layer.norm_weight, EPS)
     assert torch.equal(candidates[0], normed)
-    assert_stage_within_an_ulp(qkv, candidates, lambda n: skinny_linear_ref(n, layer.qkv_weight))
+    assert_stage_within_an_ulp(
+        qkv,
+        candidates,
+        lambda n: skinny_linear_ref(n, layer.qkv_weight),
+        lambda n: skinny_linear_error_bound(n, layer.qkv_weight),
+    )
     k_want, v_want = k_before.clone(), v_before.clone()
     q, k, v = qkv.split([nh * hd, kvh * hd, kvh * hd], dim=-1)
     pos = layer.positions.clamp(0, MAX_POSITION - 1)
