@@ -22,8 +22,9 @@
 #   streamed   the streamed MLP (ASYNCSPEC_STREAMED_MLP=barrier|split), o projection (ASYNCSPEC_STREAMED_O_PROJ=1)
 #          and attention input (ASYNCSPEC_STREAMED_ATTN_IN=1) of 2026-12-04/05: their kernel and engine GPU tests,
 #          ~4 min on a cold machine
-#   streamed-ab  the 1B/8B graph-replay A/B of each of those against the default, one at a time: ~4 min (an
-#          H100 measured no gain on 2026-12-05; an H200 has not run them)
+#   streamed-ab  the 1B/8B graph-replay A/B of each of those against the default, one at a time, then each
+#          kernel's streaming rate alone against the chain's (streamed_kernels.py): ~5.5 min (an H100 measured no
+#          gain on 2026-12-05; an H200 has not run them)
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
 # their wheels; the device README says how).
 set -uo pipefail
@@ -76,6 +77,8 @@ if [[ " $parts " == *" streamed-ab "* ]]; then
     timeout 200 python3 benchmarks/graph_replay.py --models llama-8b --switches \
         "ASYNCSPEC_PDL=1,$on=barrier,ASYNCSPEC_PDL=1+$o,ASYNCSPEC_PDL=1+$a,ASYNCSPEC_PDL=1" \
         --output "$out/graph_replay_streamed_8b.json" 2>&1 | tail -7
+    # Each kernel alone against the chain's: where the streams lose (2026-12-05: 8B steps slower on an H100).
+    timeout 150 python3 benchmarks/streamed_kernels.py --output "$out/streamed_kernels.json" 2>&1 | tail -20
 fi
 
 if [[ " $parts " == *" step "* ]]; then
