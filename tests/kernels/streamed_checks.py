@@ -38,8 +38,8 @@ def normed_candidates(
 def gated_error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Per-element bound [M, I] on how far `skinny_linear_gated_ref(x, weight)` may move when the projection's fp32
     sums run in another order: each projection moves by at most `skinny_linear_error_bound` (its rounding
-    included), silu's slope lies within [-0.1, 1.1], and the activation's two roundings add an ulp of silu and
-    one of the product on either side."""
+    included), silu's slope lies within [-0.1, 1.1], and two roundings of values that far apart land at most one
+    ulp further apart each: silu's and the product's."""
     inter = weight.shape[0] // 2
     bound = skinny_linear_error_bound(x, weight)
     proj = x.float() @ weight.float().t()
@@ -47,7 +47,7 @@ def gated_error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     silu_high = F.silu(gate).abs() + 1.1 * gate_bound
     up_high = up.abs() + up_bound
     eps = torch.finfo(x.dtype).eps
-    return 1.1 * gate_bound * up_high + silu_high * up_bound + 4 * eps * silu_high * up_high + torch.finfo(x.dtype).tiny
+    return 1.1 * gate_bound * up_high + silu_high * up_bound + 2 * eps * silu_high * up_high + torch.finfo(x.dtype).tiny
 
 
 def assert_stage_within_an_ulp(
