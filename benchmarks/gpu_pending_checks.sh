@@ -25,6 +25,8 @@
 #   streamed-ab  the 1B/8B graph-replay A/B of each of those against the default, one at a time, then each
 #          kernel's streaming rate alone against the chain's (streamed_kernels.py): ~5.5 min (an H100 measured no
 #          gain on 2026-12-05; an H200 has not run them)
+#   fused-combine  split-KV attention merging its splits in the split pass (ASYNCSPEC_ATTN_FUSED_COMBINE=1, of
+#          2026-12-05): its kernel and engine GPU tests, and the 1B/8B graph-replay A/B (batches 1 to 32): ~6 min
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
 # their wheels; the device README says how).
 set -uo pipefail
@@ -79,6 +81,14 @@ if [[ " $parts " == *" streamed-ab "* ]]; then
         --output "$out/graph_replay_streamed_8b.json" 2>&1 | tail -7
     # Each kernel alone against the chain's: where the streams lose (2026-12-05: 8B steps slower on an H100).
     timeout 150 python3 benchmarks/streamed_kernels.py --output "$out/streamed_kernels.json" 2>&1 | tail -20
+fi
+
+if [[ " $parts " == *" fused-combine "* ]]; then
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_split_kv_attention.py \
+        tests/engine/test_gpu_fused_combine.py 2>&1 | tail -6
+    timeout 200 python3 benchmarks/graph_replay.py --models llama-1b,llama-8b --switches \
+        "ASYNCSPEC_PDL=1,ASYNCSPEC_PDL=1+ASYNCSPEC_ATTN_FUSED_COMBINE=1,ASYNCSPEC_PDL=1" \
+        --output "$out/graph_replay_fused_combine.json" 2>&1 | tail -8
 fi
 
 if [[ " $parts " == *" step "* ]]; then

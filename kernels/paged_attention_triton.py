@@ -80,6 +80,7 @@ if triton.knobs.runtime.interpret:
 
 # Split-KV heuristic (see `choose_num_splits`).
 _MAX_AVG_QUERY = 16  # split only decode / speculative-verify batches; prefill-heavy ones already fill the GPU
+_COMBINE_COUNTER_SLOTS = 1 << 14  # (query tile, KV head) pairs: 256 decodes of 8 KV heads take 4,104
 _MAX_SPLITS = 32  # more splits add scratch traffic and combine work for little extra parallelism
 _MIN_KEYS_PER_SPLIT = 256  # a split should walk a few BLOCK_N tiles, or launching it costs more than it saves
 _WAVES = 2  # aim for ~2 programs per SM so a short program's SM does not idle
@@ -315,8 +316,12 @@ def _paged_attention_split_kernel(
     qsl_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    out_ptr,  # [T, H, head_dim]: written here only with FUSED_COMBINE
+    counters_ptr,  # int32 [>= tiles * KV heads], zero between launches: only with FUSED_COMBINE
     q_stride_t,
     q_stride_h,
+    o_stride_t,
+    o_stride_h,
     kc_stride_b,
     kc_stride_s,
     kc_stride_h,
@@ -331,6 +336,7 @@ def _paged_attention_split_kernel(
     head_dim,
     sliding_window,  # <= 0: no window
     num_splits,  # a runtime value, not constexpr: one compiled kernel serves every split count
+    num_tokens,
     GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -338,28 +344,41 @@ def _paged_attention_split_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    FUSED_COMBINE: tl.constexpr = False,
 ):
     """Split pass: program (query tile, KV head, split) attends to the split-th share of the tile's visible
-    keys and writes its partial (m, l, acc) for every real row, even when its share is empty, so the
-    combine kernel can read all num_splits partials of every real token without knowing which are empty."""
+    keys and writes its partial (m, l, acc) for every real row, even when its share is empty, so that whoever
+    combines can read all num_splits partials of every real token without knowing which are empty.
+
+    FUSED_COMBINE: the last of a (tile, KV head)'s programs to arrive merges the partials into `out` itself (a
+    serial split, as `skinny_linear`'s split-K), and split 0 of the padding tail's tiles zeroes its rows, so no
+    combine kernel runs."""
     pdl_start(USE_PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q)
-    if req == num_reqs:
-        return  # the padding tail is zeroed by the combine kernel
     q_start = tl.load(qsl_ptr + req)
     q_tile = pid - _tile_start(qsl_ptr, req, BLOCK_Q)
-    q_len = tl.load(qsl_ptr + req + 1) - q_start
-    if q_tile * BLOCK_Q >= q_len:
-        return  # the grid over-provisions tiles; this one has no queries
-
     rows = tl.arange(0, BLOCK_M)
     q_idx = q_tile * BLOCK_Q + rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     d = tl.arange(0, BLOCK_D)
     d_mask = d < head_dim
+    if req == num_reqs:
+        if FUSED_COMBINE:
+            if split == 0:
+                # Padding tail: zeros, as the single pass and the combine kernel write.
+                t = q_start + q_idx
+                pad_ok = (rows < BLOCK_Q * GROUP) & (t < num_tokens)
+                o_ptrs = out_ptr + t.to(tl.int64)[:, None] * o_stride_t + head[:, None] * o_stride_h + d[None, :]
+                zeros = tl.zeros([BLOCK_M, BLOCK_D], dtype=out_ptr.dtype.element_ty)
+                tl.store(o_ptrs, zeros, mask=pad_ok[:, None] & d_mask[None, :])
+        return  # otherwise the combine kernel zeroes the padding tail
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return  # the grid over-provisions tiles; this one has no queries
+
     seq_len = tl.load(seq_lens_ptr + req)
     context_len = seq_len - q_len
     row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
@@ -408,6 +427,60 @@ def _paged_attention_split_kernel(
     tl.store(l_part_ptr + part, l_i, mask=row_ok)
     acc_ptrs = acc_part_ptr + part[:, None] * head_dim + d[None, :]
     tl.store(acc_ptrs, acc, mask=row_ok[:, None] & d_mask[None, :])
+    if FUSED_COMBINE:
+        # The barrier puts every thread's partial before the single acq_rel increment (release); its acquire side
+        # makes the other splits' partials visible to the last program, which reads them through L2 (.cg).
+        counter = counters_ptr + pid * tl.num_programs(1) + kv_head
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            _merge_splits(
+                out_ptr, m_part_ptr, l_part_ptr, acc_part_ptr, t, head, d, d_mask, row_ok, o_stride_t, o_stride_h,
+                num_heads, head_dim, num_splits, BLOCK_M, BLOCK_D,
+            )  # fmt: skip
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
+
+
+@triton.jit
+def _merge_splits(
+    out_ptr,
+    m_part_ptr,
+    l_part_ptr,
+    acc_part_ptr,
+    t,
+    head,
+    d,
+    d_mask,
+    row_ok,
+    o_stride_t,
+    o_stride_h,
+    num_heads,
+    head_dim,
+    num_splits,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The rows' log-sum-exp merge of their num_splits partials into `out`, in split order: the combine kernel's
+    arithmetic, its sums taken one split at a time."""
+    first = (t * num_heads + head) * num_splits  # int64 [BLOCK_M]
+    m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s in range(num_splits):
+        m = tl.load(m_part_ptr + first + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        m_max = tl.maximum(m_max, m)
+    # Every split empty (m = -inf everywhere): 0 as the max, so no -inf - -inf = NaN appears (output 0).
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_tot = tl.zeros([BLOCK_M], dtype=tl.float32)
+    o = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for s in range(num_splits):
+        m = tl.load(m_part_ptr + first + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        w = tl.math.exp2(m - m_safe)
+        l_tot += w * tl.load(l_part_ptr + first + s, mask=row_ok, other=0.0, cache_modifier=".cg")
+        acc_ptrs = acc_part_ptr + (first + s)[:, None] * head_dim + d[None, :]
+        acc = tl.load(acc_ptrs, mask=row_ok[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+        o += w[:, None] * acc
+    o = o / tl.where(l_tot == 0.0, 1.0, l_tot)[:, None]
+    o_ptrs = out_ptr + t[:, None] * o_stride_t + head[:, None] * o_stride_h + d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits"])
@@ -547,6 +620,13 @@ def choose_num_splits(
     return max(splits, 1)
 
 
+def make_combine_counters(device: torch.device | str) -> torch.Tensor:
+    """Arrival counters for `paged_attention(counters=...)`: one per (query tile, KV head) of a split call, zero
+    between calls (the last program to arrive resets its own). The caller owns them, one set per stream, and makes
+    them outside a CUDA-graph capture (a capture would record the zeroing)."""
+    return torch.zeros(_COMBINE_COUNTER_SLOTS, dtype=torch.int32, device=device)
+
+
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     """SM count of a CUDA device (host-side, cached: no sync); a fixed H100-like default elsewhere."""
@@ -567,6 +647,7 @@ def paged_attention(
     sliding_window: int | None = None,
     *,
     num_splits: int | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of query [T, H, D] over paged K/V [NB, BS, KVH, D]; returns [T, H, D] in query's dtype.
 
@@ -574,6 +655,10 @@ def paged_attention(
     KV head h // (H // KVH). With `sliding_window` w, a query at position p sees keys in (p - w, p].
     Padded rows (t >= query_start_loc[-1]) are written as zeros. No host sync: only shapes are read.
     `num_splits` forces the number of KV splits (1: single pass); None lets `choose_num_splits` pick.
+    `counters` (`make_combine_counters`) lets a split call merge its splits in the split pass itself, the last
+    program of each query tile and KV head to finish merging them, instead of in a second kernel; calls sharing
+    them must not run concurrently. A call whose grid has more (tile, KV head) pairs than counters takes the
+    combine kernel.
     """
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -648,6 +733,12 @@ def paged_attention(
     m_part = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=dev)
     l_part = torch.empty_like(m_part)
     acc_part = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=dev)
+    if counters is not None and (counters.dtype != torch.int32 or counters.device != query.device):
+        raise ValueError(
+            f"counters must be int32 on {query.device} (make_combine_counters), got {counters.dtype} on "
+            f"{counters.device}"
+        )
+    fused = counters is not None and counters.numel() >= num_tiles * num_kv_heads
     _paged_attention_split_kernel[(num_tiles, num_kv_heads, num_splits)](
         query,
         k_cache,
@@ -658,8 +749,12 @@ def paged_attention(
         query_start_loc,
         seq_lens,
         block_tables,
+        out,
+        counters if fused else m_part,  # never read unless fused
         query.stride(0),
         query.stride(1),
+        out.stride(0),
+        out.stride(1),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
@@ -674,6 +769,7 @@ def paged_attention(
         head_dim,
         window,
         num_splits,
+        num_tokens,
         GROUP=group,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
@@ -681,10 +777,13 @@ def paged_attention(
         BLOCK_D=block_d,
         DOT_PRECISION=dot_precision,
         USE_PDL=pdl,
+        FUSED_COMBINE=fused,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch_options(pdl),
     )
+    if fused:
+        return out
     _compile_combine_variants(out.device, out.dtype, out.stride(0), out.stride(1), num_heads, head_dim, block_d, pdl)
     _combine_splits_kernel[(num_tokens, num_heads)](
         out,
@@ -714,12 +813,14 @@ def compile_tile_variants(
     dtype: torch.dtype,
     scale: float,
     sliding_window: int | None = None,
+    counters: torch.Tensor | None = None,
 ) -> int:
     """Runs `paged_attention` once for every tile (`_tile_sizes`) in both passes (single, split) for this head
     layout, on a one-request batch whose keys are block 0 of the cache (only read). Graph capture compiles the
     variants of uniform steps and the warm-up those of small eager ones, but a large eager batch of short queries
     (a prompt's last chunk joining a full batch of decodes) takes the single pass at the short tile, which
-    compiled mid-run: 0.5-0.8 s on an H200, once per model. Returns the number of calls."""
+    compiled mid-run: 0.5-0.8 s on an H200, once per model. `counters` as the layer's calls pass them (the split
+    pass merging its own splits is a variant of its own). Returns the number of calls."""
     if k_cache.device.type != "cuda" or triton.knobs.runtime.interpret:
         return 0
     device, block_size = k_cache.device, k_cache.shape[1]
@@ -748,6 +849,7 @@ def compile_tile_variants(
                 None,
                 sliding_window,
                 num_splits=num_splits,
+                counters=counters,
             )
             calls += 1
     return calls

@@ -90,6 +90,15 @@ TRITON = AttentionBackend(
     _triton_prepare_inputs,
 )
 
+
+class AttentionSettingError(ValueError):
+    """An attention setting (environment variable) that cannot be honoured, with what to change."""
+
+
+FUSED_COMBINE_ENV = "ASYNCSPEC_ATTN_FUSED_COMBINE"
+"""1: a split-KV attention call merges its splits in its split pass (the last program of each query tile and KV
+head to finish), with no combine kernel; 0 (the default): the combine kernel merges them."""
+
 BACKEND_ENV = "ASYNCSPEC_ATTENTION_BACKEND"
 """Environment override: "torch" or "triton" (e.g. triton on the CPU under TRITON_INTERPRET=1)."""
 
@@ -146,6 +155,9 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.backend: AttentionBackend | None = None
+        self.combine_counters: torch.Tensor | None = None
+        """The Triton kernel's arrival counters (`use_fused_combine`): a split call then merges its splits in its
+        split pass. None: the combine kernel merges them."""
 
     def compile_kernel_variants(self, kv_cache: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> int:
         """Compiles (or loads from Triton's disk cache) every tile variant of the attention kernel for this layer's
@@ -156,7 +168,7 @@ class Attention(nn.Module):
 
         k_cache, v_cache = kv_cache
         return paged_attention_triton.compile_tile_variants(
-            self.num_heads, k_cache, v_cache, dtype, self.scale, self.sliding_window
+            self.num_heads, k_cache, v_cache, dtype, self.scale, self.sliding_window, self.combine_counters
         )
 
     def _backend(self, device: torch.device) -> AttentionBackend:
@@ -202,7 +214,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Attention of q [T, H, D] over the cache, which already holds this step's K/V -> [T, H, D]."""
         k_cache, v_cache = kv_cache
-        return self._backend(q.device).attend(
+        backend = self._backend(q.device)
+        # Only the Triton kernel takes counters; the reference keeps its own signature.
+        extra = {"counters": self.combine_counters} if self.combine_counters is not None and backend is TRITON else {}
+        return backend.attend(
             q,
             k_cache,
             v_cache,
@@ -212,4 +227,23 @@ class Attention(nn.Module):
             self.scale,
             None,
             self.sliding_window,
+            **extra,
         )
+
+
+def use_fused_combine(model: nn.Module, device: torch.device) -> int:
+    """Where ASYNCSPEC_ATTN_FUSED_COMBINE=1 and the Triton kernel serves `device`, gives every `Attention` of
+    `model` one set of arrival counters, so that its split calls merge their splits in the split pass; the layers
+    run one after another on one stream, so they share it. Returns how many layers took them (0 when off)."""
+    raw = os.environ.get(FUSED_COMBINE_ENV, "0").strip()
+    if raw not in ("0", "1"):
+        raise AttentionSettingError(f"{FUSED_COMBINE_ENV} must be 0 or 1, got {raw!r}")
+    if raw == "0" or select_backend(device) is not TRITON:
+        return 0
+    from asyncspec.kernels.paged_attention_triton import make_combine_counters
+
+    counters = make_combine_counters(device)
+    layers = [module for module in model.modules() if isinstance(module, Attention)]
+    for layer in layers:
+        layer.combine_counters = counters
+    return len(layers)

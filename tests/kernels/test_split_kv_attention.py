@@ -7,6 +7,7 @@ on CUDA. `choose_num_splits` is a pure function of shapes and is tested directly
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -44,7 +45,7 @@ def attention() -> Callable[..., torch.Tensor]:
 
 @pytest.mark.skipif(INTERPRETING, reason="TestInterpreted runs in this process")
 def test_interpreter_suite(interpreted_suites) -> None:
-    interpreted_suites.check(__file__, 19)
+    interpreted_suites.check(__file__, 27)
 
 
 def check_split(
@@ -78,6 +79,18 @@ def check_split(
 
 def _atol(dtype: torch.dtype) -> float:
     return 2e-2 if dtype == torch.bfloat16 else 2e-5
+
+
+class _Launches:
+    """Stands in for a kernel: counts its launches, and refuses them unless `allow`."""
+
+    def __init__(self, kernel, allow: bool) -> None:
+        self.kernel, self.allow, self.count = kernel, allow, 0
+
+    def __getitem__(self, grid):
+        assert self.allow, "the combine kernel was launched"
+        self.count += 1
+        return self.kernel[grid]
 
 
 # ------------------------------------------------------------------------------------ the heuristic
@@ -216,6 +229,52 @@ class TestInterpreted:
         assert k_cache[~written].isnan().all() and (~written).sum() > 0
         check_split(attention, batch, k_cache, v_cache, gen, 2, None, 3, 2e-5)
 
+    @pytest.mark.parametrize(
+        "specs,heads,d,dtype,num_splits,window,num_pad",
+        [
+            (DECODE, (4, 1), 64, torch.float32, 2, None, 3),
+            (DECODE, (8, 1), 80, torch.bfloat16, 32, None, 2),  # most splits of a tile empty
+            (VERIFY, (4, 1), 64, torch.float32, 5, 200, 2),  # two query tiles a request, a window
+            (WITH_IDLE, (4, 2), 64, torch.float32, 4, None, 7),  # idle requests, a long padding tail
+            ([(9, 0), (0, 0), (40, 0)], (2, 1), 64, torch.float32, 8, None, 5),  # padding only
+        ],
+    )
+    def test_fused_combine(self, attention, monkeypatch, specs, heads, d, dtype, num_splits, window, num_pad) -> None:
+        """Splits merged in the split pass by the last program of each tile and KV head: every real row matches
+        the reference and every padded row is zero, no combine kernel launches, and every counter is back at
+        zero for the next call (a second call gives the same result)."""
+        from asyncspec.kernels import paged_attention_triton as mod
+
+        gen = torch.Generator().manual_seed(num_splits + num_pad)
+        batch = make_batch(gen, specs, 16, num_pad=num_pad)
+        k_cache, v_cache = fill_cache(gen, batch, 16, heads[1], d, dtype)
+        counters = mod.make_combine_counters("cpu")
+        monkeypatch.setattr(mod, "_combine_splits_kernel", _Launches(mod._combine_splits_kernel, allow=False))
+        fused = functools.partial(attention, counters=counters)
+        check_split(fused, batch, k_cache, v_cache, gen, heads[0], window, num_splits, _atol(dtype), True)
+        assert not counters.any()
+
+    def test_too_few_counters_take_the_combine_kernel(self, attention, monkeypatch) -> None:
+        from asyncspec.kernels import paged_attention_triton as mod
+
+        gen = torch.Generator().manual_seed(9)
+        batch = make_batch(gen, DECODE, 16, num_pad=2)
+        k_cache, v_cache = fill_cache(gen, batch, 16, 2, 64, torch.float32)
+        combine = _Launches(mod._combine_splits_kernel, allow=True)
+        monkeypatch.setattr(mod, "_combine_splits_kernel", combine)
+        counters = torch.zeros(3, dtype=torch.int32)  # fewer than (tiles x KV heads)
+        check_split(functools.partial(attention, counters=counters), batch, k_cache, v_cache, gen, 4, None, 3, 2e-5)
+        assert combine.count == 1 and not counters.any()
+
+    def test_counters_of_another_dtype_are_refused(self, attention) -> None:
+        gen = torch.Generator().manual_seed(10)
+        batch = make_batch(gen, DECODE, 16, num_pad=0)
+        k_cache, v_cache = fill_cache(gen, batch, 16, 1, 64, torch.float32)
+        query = torch.randn(batch.num_tokens, 4, 64, generator=gen)
+        args = (query, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, 0.125)
+        with pytest.raises(ValueError, match="counters must be int32"):
+            attention(*args, num_splits=2, counters=torch.zeros(64, dtype=torch.int64))
+
     def test_automatic_choice_splits(self, attention, monkeypatch) -> None:
         """With num_splits=None the heuristic picks > 1 split for a small decode batch, the result matches,
         and the choice depends on shapes only: other seq_lens / query_start_loc contents, same shapes, same
@@ -261,7 +320,7 @@ def _compile_for_h100(fn, dtype: str, ints_equal_one: tuple[str, ...], constexpr
             signature[name] = "constexpr"
         elif name.endswith("_part_ptr"):
             signature[name] = "*fp32"
-        elif name in ("qsl_ptr", "seq_lens_ptr", "block_tables_ptr"):
+        elif name in ("qsl_ptr", "seq_lens_ptr", "block_tables_ptr", "counters_ptr"):
             signature[name] = "*i32"
         elif name.endswith("_ptr"):
             signature[name] = f"*{dtype}"
@@ -289,6 +348,10 @@ def test_kernels_compile_for_sm90(dtype: str, ints_equal_one: tuple[str, ...]) -
     for fn in (mod._paged_attention_kernel, mod._paged_attention_split_kernel):
         ones = tuple(n for n in ints_equal_one if n in fn.arg_names)
         assert "ld.global" in _compile_for_h100(fn, dtype, ones, tiles).asm["ptx"]
+    # The split pass that merges its own splits: an acq_rel arrival, then the merge's L2 reads.
+    ones = tuple(n for n in ints_equal_one if n in mod._paged_attention_split_kernel.arg_names)
+    fused = _compile_for_h100(mod._paged_attention_split_kernel, dtype, ones, {**tiles, "FUSED_COMBINE": True})
+    assert "atom.global.gpu.acq_rel.add" in fused.asm["ptx"] and "ld.global.cg" in fused.asm["ptx"]
     combine = {"BLOCK_S": 16, "BLOCK_D": 128}
     ones = tuple(n for n in ints_equal_one if n in mod._combine_splits_kernel.arg_names)
     assert "ex2.approx" in _compile_for_h100(mod._combine_splits_kernel, dtype, ones, combine).asm["ptx"]
@@ -321,21 +384,31 @@ def _gpu_batch(gen: torch.Generator, num_reqs: int, q_len: int, max_seq: int, nu
         (64, 3, (8, 8), 32, torch.float32, None),
     ],
 )
-def test_gpu_split_matches_reference(num_reqs, q_len, heads, d, dtype, window, num_splits) -> None:
-    from asyncspec.kernels.paged_attention_triton import paged_attention
+@pytest.mark.parametrize("fused", [False, True])
+def test_gpu_split_matches_reference(num_reqs, q_len, heads, d, dtype, window, num_splits, fused) -> None:
+    """fused: the splits merged in the split pass (`counters`), its programs racing for the last arrival."""
+    from asyncspec.kernels.paged_attention_triton import make_combine_counters, paged_attention
 
     gen = torch.Generator().manual_seed(num_reqs * 10 + q_len)
     batch = _gpu_batch(gen, num_reqs, q_len, 6000, num_pad=5)
     k_cache, v_cache = fill_cache(gen, batch, 16, heads[1], d, dtype, device="cuda")
     atol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    check_split(paged_attention, batch, k_cache, v_cache, gen, heads[0], window, num_splits, atol)
+    counters = make_combine_counters("cuda") if fused else None
+    attend = functools.partial(paged_attention, counters=counters)
+    check_split(attend, batch, k_cache, v_cache, gen, heads[0], window, num_splits, atol)
+    if counters is not None:
+        assert not counters.any()
 
 
 @pytest.mark.gpu
-def test_gpu_split_cuda_graph_replay() -> None:
+@pytest.mark.parametrize("fused", [False, True])
+def test_gpu_split_cuda_graph_replay(fused: bool) -> None:
     """Capture the auto-split launch once, replay it with other seq_lens, query_start_loc (including an idle
-    request and a different padding tail) and queries: every replay must match the reference."""
+    request and a different padding tail) and queries: every replay must match the reference (fused: the
+    splits merged in the split pass, its counters back at zero after every replay)."""
     from asyncspec.kernels import paged_attention_triton as mod
+
+    counters = mod.make_combine_counters("cuda") if fused else None
 
     gen = torch.Generator().manual_seed(3)
     h, kvh, d, bs, width, num_reqs, t_pad = 32, 8, 128, 16, 512, 4, 24
@@ -362,11 +435,11 @@ def test_gpu_split_cuda_graph_replay() -> None:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        mod.paged_attention(*args, out=out)  # compile outside the capture
+        mod.paged_attention(*args, out=out, counters=counters)  # compile outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        mod.paged_attention(*args, out=out)
+        mod.paged_attention(*args, out=out, counters=counters)
     for q_lens, lens in (
         ([5, 5, 5, 5], [8000, 6, 300, 5]),
         ([1, 0, 5, 1], [1, 40, 8191, 2]),
@@ -380,6 +453,7 @@ def test_gpu_split_cuda_graph_replay() -> None:
         assert not out.isnan().any()
         torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
         assert (out[num_real:] == 0).all()
+        assert counters is None or not counters.any()
 
 
 @pytest.mark.gpu
