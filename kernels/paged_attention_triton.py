@@ -80,7 +80,7 @@ if triton.knobs.runtime.interpret:
 
 # Split-KV heuristic (see `choose_num_splits`).
 _MAX_AVG_QUERY = 16  # split only decode / speculative-verify batches; prefill-heavy ones already fill the GPU
-_COMBINE_COUNTER_SLOTS = 1 << 14  # (query tile, KV head) pairs: 256 decodes of 8 KV heads take 4,104
+_COMBINE_COUNTER_SLOTS = 1 << 14  # (query tile, KV head) pairs: 256 verifications of 5 tokens, 8 KV heads of 4: 4,616
 _MAX_SPLITS = 32  # more splits add scratch traffic and combine work for little extra parallelism
 _MIN_KEYS_PER_SPLIT = 256  # a split should walk a few BLOCK_N tiles, or launching it costs more than it saves
 _WAVES = 2  # aim for ~2 programs per SM so a short program's SM does not idle
