@@ -305,7 +305,7 @@ def _paged_attention_kernel(
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["num_reqs", "bt_stride", "num_splits"])
+@triton.jit(do_not_specialize=["num_reqs", "num_tokens", "bt_stride", "num_splits"])
 def _paged_attention_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -680,6 +680,11 @@ def paged_attention(
         num_splits = choose_num_splits(num_reqs, num_tokens, num_kv_heads, block_q, max_context, _num_sms(query.device))
     if not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {_MAX_SPLITS}], got {num_splits}")
+    if counters is not None and (counters.dtype != torch.int32 or counters.device != query.device):
+        raise ValueError(
+            f"counters must be int32 on {query.device} (make_combine_counters), got {counters.dtype} on "
+            f"{counters.device}"
+        )
     # Upper bound on tiles: request b uses ids [qsl[b] // BQ + b, qsl[b+1] // BQ + b + 1); the rest pad.
     num_tiles = num_tokens // block_q + num_reqs + 1
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -733,11 +738,6 @@ def paged_attention(
     m_part = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=dev)
     l_part = torch.empty_like(m_part)
     acc_part = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=dev)
-    if counters is not None and (counters.dtype != torch.int32 or counters.device != query.device):
-        raise ValueError(
-            f"counters must be int32 on {query.device} (make_combine_counters), got {counters.dtype} on "
-            f"{counters.device}"
-        )
     fused = counters is not None and counters.numel() >= num_tiles * num_kv_heads
     _paged_attention_split_kernel[(num_tiles, num_kv_heads, num_splits)](
         query,

@@ -23,11 +23,36 @@ class _Refused:
         raise AssertionError("the combine kernel was launched")
 
 
-def _fused(monkeypatch) -> None:
-    from asyncspec.kernels import paged_attention_triton
+def _fused(monkeypatch) -> dict[str, int]:
+    """Turns the fused merge on and refuses the combine kernel; counts the split pass's fused launches outside the
+    start-up's variant warm-up (graph capture and eager steps), so that a test whose steps never split fails."""
+    from asyncspec.kernels import paged_attention_triton as mod
 
     monkeypatch.setenv(FUSED_COMBINE_ENV, "1")
-    monkeypatch.setattr(paged_attention_triton, "_combine_splits_kernel", _Refused())
+    monkeypatch.setattr(mod, "_combine_splits_kernel", _Refused())
+    seen = {"fused": 0, "warmup": 0}
+    kernel, compile_variants = mod._paged_attention_split_kernel, mod.compile_tile_variants
+
+    class Launches:
+        def __getitem__(self, grid):
+            launcher = kernel[grid]
+
+            def launch(*args, **kwargs):
+                seen["fused"] += bool(kwargs.get("FUSED_COMBINE")) and not seen["warmup"]
+                return launcher(*args, **kwargs)
+
+            return launch
+
+    def warmup(*args, **kwargs):
+        seen["warmup"] += 1
+        try:
+            return compile_variants(*args, **kwargs)
+        finally:
+            seen["warmup"] -= 1
+
+    monkeypatch.setattr(mod, "_paged_attention_split_kernel", Launches())
+    monkeypatch.setattr(mod, "compile_tile_variants", warmup)
+    return seen
 
 
 def _counters(llm: LLM) -> list[torch.Tensor | None]:
@@ -40,7 +65,7 @@ def _counters(llm: LLM) -> list[torch.Tensor | None]:
 def test_bundled_target_fp32_equal_hf(monkeypatch, spec):
     from transformers import AutoModelForCausalLM
 
-    _fused(monkeypatch)
+    seen = _fused(monkeypatch)
     hf = AutoModelForCausalLM.from_pretrained(TARGET_MODEL, dtype=torch.float32).cuda().eval()
     kwargs = dict(speculative_method=spec, num_speculative_tokens=4) if spec else {}
     llm = LLM(str(TARGET_MODEL), device="cuda", dtype="float32", max_model_len=1024, num_kv_blocks=512, **kwargs)
@@ -49,23 +74,26 @@ def test_bundled_target_fp32_equal_hf(monkeypatch, spec):
     _check(llm, hf, load_prompts(6), 32)
     torch.cuda.synchronize()
     assert not any(c.any() for c in counters if c is not None)
+    assert seen["fused"] > 0, "no step took the split pass"
 
 
 def test_sliding_window_fp32_equal_hf(monkeypatch, tmp_path):
-    _fused(monkeypatch)
+    seen = _fused(monkeypatch)
     hf = save_tiny_family_model("mistral", tmp_path, torch.float32, sliding_window=32).cuda().eval()
     rng = random.Random(0)
-    prompts = [[rng.randrange(2, 512) for _ in range(rng.randrange(5, 60))] for _ in range(6)]
+    # Contexts past the window and several key tiles; a 1,024-token block table lets a decode batch split 4 ways.
+    prompts = [[rng.randrange(2, 512) for _ in range(rng.randrange(40, 200))] for _ in range(6)]
     llm = LLM(
         str(tmp_path),
         device="cuda",
         dtype="float32",
         skip_tokenizer_init=True,
-        max_model_len=256,
-        num_kv_blocks=256,
+        max_model_len=1024,
+        num_kv_blocks=512,
         max_num_seqs=8,
-        max_num_batched_tokens=128,
+        max_num_batched_tokens=256,
     )
     _check(llm, hf, prompts, 24)
     torch.cuda.synchronize()
     assert not any(c.any() for c in _counters(llm) if c is not None)
+    assert seen["fused"] > 0, "no step took the split pass"

@@ -45,7 +45,7 @@ def attention() -> Callable[..., torch.Tensor]:
 
 @pytest.mark.skipif(INTERPRETING, reason="TestInterpreted runs in this process")
 def test_interpreter_suite(interpreted_suites) -> None:
-    interpreted_suites.check(__file__, 27)
+    interpreted_suites.check(__file__, 28)
 
 
 def check_split(
@@ -266,14 +266,15 @@ class TestInterpreted:
         check_split(functools.partial(attention, counters=counters), batch, k_cache, v_cache, gen, 4, None, 3, 2e-5)
         assert combine.count == 1 and not counters.any()
 
-    def test_counters_of_another_dtype_are_refused(self, attention) -> None:
+    @pytest.mark.parametrize("num_splits", [1, 2])
+    def test_counters_of_another_dtype_are_refused(self, attention, num_splits: int) -> None:
         gen = torch.Generator().manual_seed(10)
         batch = make_batch(gen, DECODE, 16, num_pad=0)
         k_cache, v_cache = fill_cache(gen, batch, 16, 1, 64, torch.float32)
         query = torch.randn(batch.num_tokens, 4, 64, generator=gen)
         args = (query, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, 0.125)
         with pytest.raises(ValueError, match="counters must be int32"):
-            attention(*args, num_splits=2, counters=torch.zeros(64, dtype=torch.int64))
+            attention(*args, num_splits=num_splits, counters=torch.zeros(64, dtype=torch.int64))
 
     def test_automatic_choice_splits(self, attention, monkeypatch) -> None:
         """With num_splits=None the heuristic picks > 1 split for a small decode batch, the result matches,
@@ -385,10 +386,14 @@ def _gpu_batch(gen: torch.Generator, num_reqs: int, q_len: int, max_seq: int, nu
     ],
 )
 @pytest.mark.parametrize("fused", [False, True])
-def test_gpu_split_matches_reference(num_reqs, q_len, heads, d, dtype, window, num_splits, fused) -> None:
-    """fused: the splits merged in the split pass (`counters`), its programs racing for the last arrival."""
+def test_gpu_split_matches_reference(monkeypatch, num_reqs, q_len, heads, d, dtype, window, num_splits, fused) -> None:
+    """fused: the splits merged in the split pass (`counters`), its programs racing for the last arrival; the
+    combine kernel may not launch."""
+    from asyncspec.kernels import paged_attention_triton as mod
     from asyncspec.kernels.paged_attention_triton import make_combine_counters, paged_attention
 
+    if fused:
+        monkeypatch.setattr(mod, "_combine_splits_kernel", _Launches(mod._combine_splits_kernel, allow=False))
     gen = torch.Generator().manual_seed(num_reqs * 10 + q_len)
     batch = _gpu_batch(gen, num_reqs, q_len, 6000, num_pad=5)
     k_cache, v_cache = fill_cache(gen, batch, 16, heads[1], d, dtype, device="cuda")
@@ -402,13 +407,15 @@ def test_gpu_split_matches_reference(num_reqs, q_len, heads, d, dtype, window, n
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused", [False, True])
-def test_gpu_split_cuda_graph_replay(fused: bool) -> None:
+def test_gpu_split_cuda_graph_replay(monkeypatch, fused: bool) -> None:
     """Capture the auto-split launch once, replay it with other seq_lens, query_start_loc (including an idle
     request and a different padding tail) and queries: every replay must match the reference (fused: the
-    splits merged in the split pass, its counters back at zero after every replay)."""
+    splits merged in the split pass, no combine kernel, its counters back at zero after every replay)."""
     from asyncspec.kernels import paged_attention_triton as mod
 
     counters = mod.make_combine_counters("cuda") if fused else None
+    if fused:
+        monkeypatch.setattr(mod, "_combine_splits_kernel", _Launches(mod._combine_splits_kernel, allow=False))
 
     gen = torch.Generator().manual_seed(3)
     h, kvh, d, bs, width, num_reqs, t_pad = 32, 8, 128, 16, 512, 4, 24
@@ -454,6 +461,43 @@ def test_gpu_split_cuda_graph_replay(fused: bool) -> None:
         torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
         assert (out[num_real:] == 0).all()
         assert counters is None or not counters.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_gpu_fused_combine_under_load(monkeypatch, q_len: int) -> None:
+    """The last-arrival merge under contention: 32 splits of many tiles, 24 launches back to back in one graph
+    sharing one set of counters (with PDL where the GPU has it, each launch may start before the previous one
+    ends), replayed 4 times. The merge sums in split order whatever order the programs arrive in, so every
+    launch's output must equal the first eager one bit for bit; it must match the reference; the counters must
+    end at zero."""
+    from asyncspec.kernels import paged_attention_triton as mod
+
+    monkeypatch.setattr(mod, "_combine_splits_kernel", _Launches(mod._combine_splits_kernel, allow=False))
+    gen = torch.Generator().manual_seed(11 + q_len)
+    batch = _gpu_batch(gen, 12, q_len, 8000, num_pad=3)
+    k_cache, v_cache = fill_cache(gen, batch, 16, 8, 128, torch.bfloat16, device="cuda")
+    query = torch.randn(batch.num_tokens + 3, 32, 128, generator=gen).to("cuda", torch.bfloat16)
+    args = (query, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, 128**-0.5)
+    counters = mod.make_combine_counters("cuda")
+    first = mod.paged_attention(*args, num_splits=32, counters=counters)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(first.float(), paged_attention_ref(*args).float(), rtol=2e-2, atol=2e-2)
+    outs = [torch.full_like(query, float("nan")) for _ in range(24)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for out in outs:
+            mod.paged_attention(*args, out=out, num_splits=32, counters=counters)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(4):
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(out, first) for out in outs)
+        assert not counters.any()
 
 
 @pytest.mark.gpu
