@@ -79,7 +79,11 @@ def test_bundled_target_fp32_equal_hf(monkeypatch, spec):
 
 def test_sliding_window_fp32_equal_hf(monkeypatch, tmp_path):
     seen = _fused(monkeypatch)
-    hf = save_tiny_family_model("mistral", tmp_path, torch.float32, sliding_window=32).cuda().eval()
+    hf = (
+        save_tiny_family_model("mistral", tmp_path, torch.float32, sliding_window=32, max_position_embeddings=1024)
+        .cuda()
+        .eval()
+    )
     rng = random.Random(0)
     # Contexts past the window and several key tiles; a 1,024-token block table lets a decode batch split 4 ways.
     prompts = [[rng.randrange(2, 512) for _ in range(rng.randrange(40, 200))] for _ in range(6)]
