@@ -52,7 +52,11 @@ def _row(name: str, model: str, us: float, nbytes: int, read_gbps: float, **extr
     return row
 
 
-def mlp_rows(model: str, read_gbps: float, gen: torch.Generator) -> list[dict]:
+MLP_SWEEP = [(12, 2, 8), (12, 2, 4), (6, 4, 8), (24, 1, 8), (8, 2, 8)]  # stages, boxes, warps
+GEMV_SWEEP = [(8, 1, 4), (16, 1, 4), (24, 1, 4), (8, 2, 4), (12, 2, 8), (16, 2, 8), (24, 1, 8)]
+
+
+def mlp_rows(model: str, read_gbps: float, gen: torch.Generator, sweep: bool = False) -> list[dict]:
     from skinny_linear import graph_us
 
     from asyncspec.kernels.fused_add_rms_norm_triton import fused_add_rms_norm
@@ -72,7 +76,10 @@ def mlp_rows(model: str, read_gbps: float, gen: torch.Generator) -> list[dict]:
         return skinny_linear(skinny_linear_gated(normed, a, counters=counters), b, counters=counters), res_out
 
     forms: dict[str, Callable] = {"mlp chain (norm, gate|up, down)": chain}
-    for label, config in (("barrier", StreamedMLPConfig()), ("split", StreamedMLPConfig(grid_barrier=False))):
+    configs = [("barrier", StreamedMLPConfig()), ("split", StreamedMLPConfig(grid_barrier=False))]
+    if sweep:
+        configs = [(f"barrier {st}x{b} w{w}", StreamedMLPConfig(st, b, w)) for st, b, w in MLP_SWEEP]
+    for label, config in configs:
         mlp = StreamedMLP(torch.device("cuda"), {(hidden, inter)}, config)
         forms[f"mlp streamed {label}"] = lambda x, r, n, a, b, mlp=mlp: mlp(x, r, n, EPS, a, b)
 
@@ -99,7 +106,7 @@ def mlp_rows(model: str, read_gbps: float, gen: torch.Generator) -> list[dict]:
     return rows
 
 
-def gemv_rows(model: str, read_gbps: float, gen: torch.Generator) -> list[dict]:
+def gemv_rows(model: str, read_gbps: float, gen: torch.Generator, sweep: bool = False) -> list[dict]:
     from skinny_linear import graph_us
 
     from asyncspec.kernels.skinny_linear_triton import make_split_counters, skinny_linear
@@ -116,6 +123,12 @@ def gemv_rows(model: str, read_gbps: float, gen: torch.Generator) -> list[dict]:
         ("down", hidden, inter, StreamedGemvConfig(), None),
         ("down, split form's room", hidden, inter, split_down, split_down_room(split, hidden, inter)),
     ]
+    if sweep:
+        cases = [
+            (f"{name} {st}x{b} w{w}", n, k, StreamedGemvConfig(st, b, w), None)
+            for st, b, w in GEMV_SWEEP
+            for name, n, k in (("o", hidden, hidden), ("down", hidden, inter))
+        ]
     rows = []
     for label, n, k, config, room in cases:
         count = 4 * layers  # distinct weights: the o projection alone would fit L2
@@ -138,6 +151,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="llama-1b,llama-8b", help=f"of {', '.join(SHAPES)}")
     parser.add_argument("--output", default="")
+    parser.add_argument("--sweep", action="store_true", help="the barrier MLP and the GEMV over ring configs")
     args = parser.parse_args()
     models = args.models.split(",")
     unknown = [m for m in models if m not in SHAPES]
@@ -151,8 +165,8 @@ def main() -> None:
     print(f"{result['device']}, read {result['read_GBps']:.0f} GB/s, PDL {os.environ['ASYNCSPEC_PDL']}")
     rows = []
     for model in models:
-        rows += mlp_rows(model, result["read_GBps"], gen)
-        rows += gemv_rows(model, result["read_GBps"], gen)
+        rows += mlp_rows(model, result["read_GBps"], gen, args.sweep)
+        rows += gemv_rows(model, result["read_GBps"], gen, args.sweep)
         torch.cuda.empty_cache()
     result["rows"] = rows
     if args.output:

@@ -1,10 +1,11 @@
-"""The streamed GEMV (kernels/streamed_gemv_gluon.py) for a model's attention output projections: when it serves,
-and setting it up.
+"""The streamed GEMV (kernels/streamed_gemv_gluon.py) for a model's attention output projections and MLP down
+projections: when it serves, and setting it up.
 
-A batch-1 decode step's o projection follows the attention, whose few latency-bound programs leave DRAM idle. The
-streamed GEMV's loader warp streams the projection's weight into shared memory from the kernel's start, before its
-PDL wait, so the copies overlap the attention's tail instead of following it. It takes one-row bf16 calls of a
-bias-free o projection on Hopper (`DecodeLinear.streamed_gemv`); every other call keeps its usual kernel.
+A batch-1 decode step's o projection follows the attention, whose few latency-bound programs leave DRAM idle; its
+down projection follows gate|up. The streamed GEMV's loader warp streams the projection's weight into shared memory
+from the kernel's start, before its PDL wait, so the copies overlap the predecessor's tail instead of following it,
+and a deep ring keeps enough bytes in flight per SM to read at the card's rate. It takes one-row bf16 calls of a
+bias-free projection on Hopper (`DecodeLinear.streamed_gemv`); every other call keeps its usual kernel.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from asyncspec.layers.linear import DecodeLinear
 from asyncspec.layers.streamed_mlp import unavailable_reason
 
 if TYPE_CHECKING:
+    from asyncspec.kernels.streamed_gemv import StreamedGemvConfig
     from asyncspec.kernels.streamed_gemv_gluon import StreamedGemv
 
 logger = logging.getLogger(__name__)
@@ -30,28 +32,72 @@ default until it is measured faster in the engine: docs/benchmarks.md). It has n
 the target model's one-row calls take it: a speculative verify step has k + 1 rows, and the draft keeps its kernels."""
 
 
+STREAMED_DOWN_PROJ_ENV = "ASYNCSPEC_STREAMED_DOWN_PROJ"
+"""Set to 1 to run batch-1 decode layers' MLP down projection as a streamed Gluon GEMV with a deep ring on Hopper
+(off by default until it is measured faster in the engine: docs/benchmarks.md). As the o projection's: no grid
+barrier, the target's one-row calls only. The streamed MLP (ASYNCSPEC_STREAMED_MLP), where on, runs the whole
+post-attention half instead."""
+
+
 class StreamedLinearSettingError(ValueError):
-    """ASYNCSPEC_STREAMED_O_PROJ holds a value other than 0 or 1."""
+    """ASYNCSPEC_STREAMED_O_PROJ or ASYNCSPEC_STREAMED_DOWN_PROJ holds a value other than 0 or 1."""
+
+
+def _requested(env: str) -> bool:
+    value = os.environ.get(env, "0").strip()
+    if value not in ("0", "1"):
+        raise StreamedLinearSettingError(f"{env}={value!r}: set it to 0 (off, the default) or 1 (on)")
+    return value == "1"
 
 
 def streamed_o_proj_requested() -> bool:
     """ASYNCSPEC_STREAMED_O_PROJ read: 0 or unset is off, 1 is on; anything else is an error."""
-    value = os.environ.get(STREAMED_O_PROJ_ENV, "0").strip()
-    if value not in ("0", "1"):
-        raise StreamedLinearSettingError(f"{STREAMED_O_PROJ_ENV}={value!r}: set it to 0 (off, the default) or 1 (on)")
-    return value == "1"
+    return _requested(STREAMED_O_PROJ_ENV)
+
+
+def streamed_down_proj_requested() -> bool:
+    """ASYNCSPEC_STREAMED_DOWN_PROJ read: 0 or unset is off, 1 is on; anything else is an error."""
+    return _requested(STREAMED_DOWN_PROJ_ENV)
+
+
+def _projections(model: nn.Module, name: str) -> list[DecodeLinear]:
+    found: list[DecodeLinear] = []
+    for module in model.modules():
+        proj = getattr(module, name, None)
+        tp = getattr(module, "tp", None)
+        if isinstance(proj, DecodeLinear) and proj.bias is None and not (tp is not None and tp.enabled):
+            found.append(proj)
+    return found
 
 
 def o_projections(model: nn.Module) -> list[DecodeLinear]:
     """Every attention block's bias-free output projection in `model` (a module's `o_proj`), where the block is
     not split by tensor parallelism (not measured there)."""
-    found: list[DecodeLinear] = []
-    for module in model.modules():
-        o_proj = getattr(module, "o_proj", None)
-        tp = getattr(module, "tp", None)
-        if isinstance(o_proj, DecodeLinear) and o_proj.bias is None and not (tp is not None and tp.enabled):
-            found.append(o_proj)
-    return found
+    return _projections(model, "o_proj")
+
+
+def down_projections(model: nn.Module) -> list[DecodeLinear]:
+    """Every MLP's bias-free down projection in `model` (a module's `down_proj`), where the MLP is not split by
+    tensor parallelism (not measured there)."""
+    return _projections(model, "down_proj")
+
+
+def _make_gemv(
+    device: torch.device, projections: list[DecodeLinear], config: StreamedGemvConfig, env: str, what: str
+) -> StreamedGemv | None:
+    from asyncspec.kernels.streamed_gemv import gemv_shape_supported
+
+    reason = unavailable_reason(device)
+    shapes = {tuple(p.weight.shape) for p in projections}
+    if reason is None and not any(gemv_shape_supported(config, n, k) for n, k in shapes):
+        reason = f"no bias-free {what} has a shape it takes (16-row tiles, 256-column boxes)"
+    if reason is not None:
+        logger.warning("%s=1 but the streamed %s is off: %s", env, what, reason)
+        return None
+    from asyncspec.kernels.streamed_gemv_gluon import StreamedGemv
+
+    logger.info("streamed %s on for batch-1 decode, shapes %s", what, sorted(shapes))
+    return StreamedGemv(device, config)
 
 
 def make_streamed_o_proj(model: nn.Module, device: torch.device) -> StreamedGemv | None:
@@ -59,25 +105,38 @@ def make_streamed_o_proj(model: nn.Module, device: torch.device) -> StreamedGemv
     serve them; otherwise None (logged when it was asked for)."""
     if not streamed_o_proj_requested():
         return None
-    from asyncspec.kernels.streamed_gemv import StreamedGemvConfig, gemv_shape_supported
+    from asyncspec.kernels.streamed_gemv import StreamedGemvConfig
 
+    # The o projection is latency-bound (a few µs): a deeper ring measured no faster (docs/benchmarks.md).
     config = StreamedGemvConfig(stages=8, boxes=1, warps=4)
-    reason = unavailable_reason(device)
-    shapes = {tuple(o.weight.shape) for o in o_projections(model)}
-    if reason is None and not any(gemv_shape_supported(config, n, k) for n, k in shapes):
-        reason = "no bias-free o projection has a shape it takes (16-row tiles, 256-column boxes)"
-    if reason is not None:
-        logger.warning("%s=1 but the streamed o projection is off: %s", STREAMED_O_PROJ_ENV, reason)
-        return None
-    from asyncspec.kernels.streamed_gemv_gluon import StreamedGemv
+    return _make_gemv(device, o_projections(model), config, STREAMED_O_PROJ_ENV, "o projection")
 
-    logger.info("streamed o projection on for batch-1 decode, shapes %s", sorted(shapes))
-    return StreamedGemv(device, config)
+
+def make_streamed_down_proj(model: nn.Module, device: torch.device) -> StreamedGemv | None:
+    """The GEMV for `model`'s down projections on `device` when ASYNCSPEC_STREAMED_DOWN_PROJ=1 asks for it and it
+    can serve them; otherwise None (logged when it was asked for)."""
+    if not streamed_down_proj_requested():
+        return None
+    from asyncspec.kernels.streamed_gemv import StreamedGemvConfig
+
+    # As many 16 KiB slots as fit beside the row (13 for the 1B's 8,192 columns): the bytes in flight a program
+    # needs to read at the card's rate; 8 single-box slots read at 0.80 of it (docs/benchmarks.md, 2026-12-05).
+    config = StreamedGemvConfig(stages=16, boxes=2, warps=8)
+    return _make_gemv(device, down_projections(model), config, STREAMED_DOWN_PROJ_ENV, "down projection")
+
+
+def _point(projections: list[DecodeLinear], gemv: StreamedGemv | None) -> int:
+    for proj in projections:
+        proj.streamed_gemv = gemv
+    return len(projections)
 
 
 def use_streamed_o_proj(model: nn.Module, gemv: StreamedGemv | None) -> int:
     """Points every bias-free o projection of `model` at `gemv` (None: their usual kernels); returns how many."""
-    projections = o_projections(model)
-    for o_proj in projections:
-        o_proj.streamed_gemv = gemv
-    return len(projections)
+    return _point(o_projections(model), gemv)
+
+
+def use_streamed_down_proj(model: nn.Module, gemv: StreamedGemv | None) -> int:
+    """Points every bias-free down projection of `model` at `gemv` (None: their usual kernels); returns how
+    many."""
+    return _point(down_projections(model), gemv)

@@ -38,7 +38,12 @@ from asyncspec.layers.sampler import (
     make_generator,
 )
 from asyncspec.layers.streamed_attn_in import make_streamed_attn_in, use_streamed_attn_in
-from asyncspec.layers.streamed_linear import make_streamed_o_proj, use_streamed_o_proj
+from asyncspec.layers.streamed_linear import (
+    make_streamed_down_proj,
+    make_streamed_o_proj,
+    use_streamed_down_proj,
+    use_streamed_o_proj,
+)
 from asyncspec.layers.streamed_mlp import make_streamed_mlp, use_streamed_mlp
 from asyncspec.layers.tensor_parallel import TensorParallel
 from asyncspec.models.loader import load_model
@@ -323,9 +328,11 @@ class ModelRunner:
             )
             self._use_skinny(self._skinny)
         # The target's batch-1 post-attention halves, o projections and attention inputs as streamed kernels,
-        # where ASYNCSPEC_STREAMED_MLP, ASYNCSPEC_STREAMED_O_PROJ and ASYNCSPEC_STREAMED_ATTN_IN ask for them.
+        # where ASYNCSPEC_STREAMED_MLP, ASYNCSPEC_STREAMED_O_PROJ, ASYNCSPEC_STREAMED_DOWN_PROJ and
+        # ASYNCSPEC_STREAMED_ATTN_IN ask for them.
         use_streamed_mlp(self.model, make_streamed_mlp(self.model, self.device))
         use_streamed_o_proj(self.model, make_streamed_o_proj(self.model, self.device))
+        use_streamed_down_proj(self.model, make_streamed_down_proj(self.model, self.device))
         use_streamed_attn_in(self.model, make_streamed_attn_in(self.model, self.device))
         # Split-KV attention merging its splits in the split pass, where ASYNCSPEC_ATTN_FUSED_COMBINE asks for it:
         # the draft takes counters of its own, as its own model's layers.
