@@ -64,6 +64,8 @@ def test_reference_is_the_skinny_linear_reference() -> None:
         (StreamedGemvConfig(stages=8, boxes=1, warps=4), 2048, 2048, SHARED_MEMORY_BYTES),  # Llama-1B o_proj
         (StreamedGemvConfig(stages=8, boxes=1, warps=4), 4096, 4096, SHARED_MEMORY_BYTES),  # Llama-8B o_proj
         (StreamedGemvConfig(stages=6, boxes=2, warps=8), 2048, 8192, 119_808),  # the split 1B MLP's down
+        (StreamedGemvConfig(stages=16, boxes=2, warps=8), 2048, 8192, SHARED_MEMORY_BYTES),  # 1B down, deep ring
+        (StreamedGemvConfig(stages=16, boxes=2, warps=8), 4096, 14336, SHARED_MEMORY_BYTES),  # 8B down, deep ring
         (StreamedGemvConfig(stages=4, boxes=4, warps=8), 3072, 3072, SHARED_MEMORY_BYTES),  # x in blocks of 4 rows
     ],
 )
@@ -125,6 +127,7 @@ def _operands(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         (StreamedGemvConfig(stages=8, boxes=1, warps=4), 2048, 2048),
         (StreamedGemvConfig(stages=8, boxes=1, warps=4), 4096, 4096),
         (StreamedGemvConfig(stages=6, boxes=2, warps=8), 2048, 8192),
+        (StreamedGemvConfig(stages=16, boxes=2, warps=8), 2048, 8192),  # the down projection's deep ring
         (StreamedGemvConfig(stages=4, boxes=4, warps=8), 3072, 3072),
         (StreamedGemvConfig(stages=8, boxes=1, warps=4), 1040, 512),  # programs without a tile
         (StreamedGemvConfig(stages=8, boxes=1, warps=4), 4240, 512),  # 2 rounds of tiles and one more
