@@ -1,5 +1,5 @@
-"""When the streamed GEMV serves an attention's o projection, how it is set up, and what `DecodeLinear` does with
-it (no GPU)."""
+"""When the streamed GEMV serves an attention's o projection or an MLP's down projection, how it is set up, and what
+`DecodeLinear` does with it (no GPU)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,19 @@ from torch import nn
 
 from asyncspec.layers.linear import DecodeLinear
 from asyncspec.layers.streamed_linear import (
+    STREAMED_DOWN_PROJ_ENV,
     STREAMED_O_PROJ_ENV,
     StreamedLinearSettingError,
+    down_projections,
+    make_streamed_down_proj,
     make_streamed_o_proj,
     o_projections,
+    streamed_down_proj_requested,
     streamed_o_proj_requested,
+    use_streamed_down_proj,
     use_streamed_o_proj,
 )
-from asyncspec.models.llama import LlamaAttention
+from asyncspec.models.llama import LlamaAttention, LlamaMLP
 from asyncspec.models.model_config import ModelConfig
 
 
@@ -45,14 +50,27 @@ class _Attentions(nn.Module):
         self.layers = nn.ModuleList(LlamaAttention(config, i) for i in range(config.num_hidden_layers))
 
 
-def test_setting_is_off_unless_asked(monkeypatch) -> None:
+class _MLPs(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(LlamaMLP(config) for _ in range(config.num_hidden_layers))
+
+
+@pytest.mark.parametrize(
+    ("env", "requested"),
+    [(STREAMED_O_PROJ_ENV, streamed_o_proj_requested), (STREAMED_DOWN_PROJ_ENV, streamed_down_proj_requested)],
+)
+def test_setting_is_off_unless_asked(monkeypatch, env, requested) -> None:
     monkeypatch.delenv(STREAMED_O_PROJ_ENV, raising=False)
-    assert not streamed_o_proj_requested()
-    monkeypatch.setenv(STREAMED_O_PROJ_ENV, "1")
-    assert streamed_o_proj_requested()
-    monkeypatch.setenv(STREAMED_O_PROJ_ENV, "on")
-    with pytest.raises(StreamedLinearSettingError, match="set it to 0 .* or 1"):
-        streamed_o_proj_requested()
+    monkeypatch.delenv(STREAMED_DOWN_PROJ_ENV, raising=False)
+    assert not requested()
+    monkeypatch.setenv(env, "1")
+    assert requested()
+    monkeypatch.setenv(env, "on")
+    with pytest.raises(StreamedLinearSettingError, match=f"{env}='on': set it to 0 .* or 1"):
+        requested()
+    monkeypatch.setenv(env, "0")
+    assert not requested()
 
 
 def test_not_on_the_cpu(monkeypatch, caplog) -> None:
@@ -135,3 +153,44 @@ def test_skips_tensor_parallel_attention() -> None:
     for layer in model.layers:
         layer.tp = type("SplitTP", (), {"enabled": True})()
     assert o_projections(model) == []
+
+
+def test_finds_the_bias_free_down_projections_only() -> None:
+    model = _MLPs(_config())
+    assert [d is layer.down_proj for d, layer in zip(down_projections(model), model.layers, strict=True)] == [
+        True,
+        True,
+    ]
+    assert down_projections(_MLPs(_config(mlp_bias=True))) == []
+    for layer in model.layers:
+        layer.tp = type("SplitTP", (), {"enabled": True})()
+    assert down_projections(model) == []
+
+
+def test_down_projection_gemv_is_set_apart_from_the_o_projection(monkeypatch, caplog) -> None:
+    model = _MLPs(_config())
+    stand_in = _Recording(serves=True)
+    assert use_streamed_down_proj(model, stand_in) == 2  # type: ignore[arg-type]
+    assert all(layer.down_proj.streamed_gemv is stand_in for layer in model.layers)
+    assert all(layer.gate_up_proj.streamed_gemv is None for layer in model.layers)
+    assert use_streamed_o_proj(model, None) == 0  # an MLP has no o projection
+    use_streamed_down_proj(model, None)
+    assert all(layer.down_proj.streamed_gemv is None for layer in model.layers)
+
+    monkeypatch.setenv(STREAMED_DOWN_PROJ_ENV, "1")
+    with caplog.at_level(logging.WARNING, logger="asyncspec.layers.streamed_linear"):
+        assert make_streamed_down_proj(model, torch.device("cpu")) is None
+    assert f"{STREAMED_DOWN_PROJ_ENV}=1 but the streamed down projection is off: cpu is not a CUDA device" in (
+        caplog.text
+    )
+
+
+def test_down_projection_off_where_no_shape_fits(monkeypatch, caplog) -> None:
+    from asyncspec.layers import streamed_linear
+
+    monkeypatch.setattr(streamed_linear, "unavailable_reason", lambda device: None)  # as on a Hopper GPU
+    monkeypatch.setenv(STREAMED_DOWN_PROJ_ENV, "1")
+    model = _MLPs(_config(intermediate_size=768))  # down [512, 768]: not whole 2-box slots
+    with caplog.at_level(logging.WARNING, logger="asyncspec.layers.streamed_linear"):
+        assert make_streamed_down_proj(model, torch.device("cuda")) is None
+    assert "no bias-free down projection has a shape it takes" in caplog.text
