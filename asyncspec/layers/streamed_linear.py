@@ -33,31 +33,42 @@ the target model's one-row calls take it: a speculative verify step has k + 1 ro
 
 
 STREAMED_DOWN_PROJ_ENV = "ASYNCSPEC_STREAMED_DOWN_PROJ"
-"""Set to 1 to run batch-1 decode layers' MLP down projection as a streamed Gluon GEMV with a deep ring on Hopper
-(off by default until it is measured faster in the engine: docs/benchmarks.md). As the o projection's: no grid
-barrier, the target's one-row calls only. The streamed MLP (ASYNCSPEC_STREAMED_MLP), where on, runs the whole
-post-attention half instead."""
+"""Set to 1 to run batch-1 decode layers' MLP down projection as a streamed Gluon GEMV with a deep ring on Hopper,
+or to auto for only the shapes it was measured faster on: a down projection whose 16-row tiles are no more than the
+GPU's SMs, one tile a program (the Llama-1B's 2,048 rows; not the 8B's 4,096). Off by default until the GPU suite has
+run with it (docs/benchmarks.md, 2026-12-05). As the o projection's: no grid barrier, the target's one-row calls
+only. The streamed MLP (ASYNCSPEC_STREAMED_MLP), where on, runs the whole post-attention half instead."""
+STREAMED_DOWN_PROJ_SETTINGS = ("0", "1", "auto")
 
 
 class StreamedLinearSettingError(ValueError):
-    """ASYNCSPEC_STREAMED_O_PROJ or ASYNCSPEC_STREAMED_DOWN_PROJ holds a value other than 0 or 1."""
-
-
-def _requested(env: str) -> bool:
-    value = os.environ.get(env, "0").strip()
-    if value not in ("0", "1"):
-        raise StreamedLinearSettingError(f"{env}={value!r}: set it to 0 (off, the default) or 1 (on)")
-    return value == "1"
+    """ASYNCSPEC_STREAMED_O_PROJ or ASYNCSPEC_STREAMED_DOWN_PROJ holds a value it does not take."""
 
 
 def streamed_o_proj_requested() -> bool:
     """ASYNCSPEC_STREAMED_O_PROJ read: 0 or unset is off, 1 is on; anything else is an error."""
-    return _requested(STREAMED_O_PROJ_ENV)
+    value = os.environ.get(STREAMED_O_PROJ_ENV, "0").strip()
+    if value not in ("0", "1"):
+        raise StreamedLinearSettingError(f"{STREAMED_O_PROJ_ENV}={value!r}: set it to 0 (off, the default) or 1 (on)")
+    return value == "1"
 
 
-def streamed_down_proj_requested() -> bool:
-    """ASYNCSPEC_STREAMED_DOWN_PROJ read: 0 or unset is off, 1 is on; anything else is an error."""
-    return _requested(STREAMED_DOWN_PROJ_ENV)
+def streamed_down_proj_setting() -> str:
+    """ASYNCSPEC_STREAMED_DOWN_PROJ read: "0" (also unset: off), "1" (every shape it takes) or "auto" (the shapes of
+    `one_tile_per_program`); anything else is an error."""
+    value = os.environ.get(STREAMED_DOWN_PROJ_ENV, "0").strip().lower()
+    if value not in STREAMED_DOWN_PROJ_SETTINGS:
+        raise StreamedLinearSettingError(
+            f"{STREAMED_DOWN_PROJ_ENV}={value!r}: set it to 0 (off, the default), 1 (on) or auto (on where each SM "
+            "streams at most one 16-row tile)"
+        )
+    return value
+
+
+def one_tile_per_program(shapes: set[tuple[int, int]], num_sms: int) -> bool:
+    """Whether every weight [N, K] of `shapes` has at most `num_sms` 16-row tiles: one program an SM then owns a
+    tile's whole K, where `skinny_linear` must split K and read slower."""
+    return bool(shapes) and all(-(-n // 16) <= num_sms for n, _ in shapes)
 
 
 def _projections(model: nn.Module, name: str) -> list[DecodeLinear]:
@@ -83,7 +94,12 @@ def down_projections(model: nn.Module) -> list[DecodeLinear]:
 
 
 def _make_gemv(
-    device: torch.device, projections: list[DecodeLinear], config: StreamedGemvConfig, env: str, what: str
+    device: torch.device,
+    projections: list[DecodeLinear],
+    config: StreamedGemvConfig,
+    env: str,
+    what: str,
+    setting: str = "1",
 ) -> StreamedGemv | None:
     from asyncspec.kernels.streamed_gemv import gemv_shape_supported
 
@@ -92,7 +108,9 @@ def _make_gemv(
     if reason is None and not any(gemv_shape_supported(config, n, k) for n, k in shapes):
         reason = f"no bias-free {what} has a shape it takes (16-row tiles, 256-column boxes)"
     if reason is not None:
-        logger.warning("%s=1 but the streamed %s is off: %s", env, what, reason)
+        # auto asks only where the kernel fits: elsewhere (another GPU, another shape) its absence is no surprise.
+        log = logger.info if setting == "auto" else logger.warning
+        log("%s=%s but the streamed %s is off: %s", env, setting, what, reason)
         return None
     from asyncspec.kernels.streamed_gemv_gluon import StreamedGemv
 
@@ -113,16 +131,28 @@ def make_streamed_o_proj(model: nn.Module, device: torch.device) -> StreamedGemv
 
 
 def make_streamed_down_proj(model: nn.Module, device: torch.device) -> StreamedGemv | None:
-    """The GEMV for `model`'s down projections on `device` when ASYNCSPEC_STREAMED_DOWN_PROJ=1 asks for it and it
-    can serve them; otherwise None (logged when it was asked for)."""
-    if not streamed_down_proj_requested():
+    """The GEMV for `model`'s down projections on `device` when ASYNCSPEC_STREAMED_DOWN_PROJ asks for it (1, or auto
+    where `one_tile_per_program` holds) and it can serve them; otherwise None (logged when it was asked for)."""
+    setting = streamed_down_proj_setting()
+    if setting == "0":
         return None
+    projections = down_projections(model)
+    if setting == "auto" and unavailable_reason(device) is None:
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        shapes = {(p.weight.shape[0], p.weight.shape[1]) for p in projections}
+        if not one_tile_per_program(shapes, num_sms):
+            logger.info(
+                "streamed down projection off (auto): shapes %s have more 16-row tiles than the %d SMs",
+                sorted(shapes),
+                num_sms,
+            )
+            return None
     from asyncspec.kernels.streamed_gemv import StreamedGemvConfig
 
     # As many 16 KiB slots as fit beside the row (13 for the 1B's 8,192 columns): the bytes in flight a program
     # needs to read at the card's rate; 8 single-box slots read at 0.80 of it (docs/benchmarks.md, 2026-12-05).
     config = StreamedGemvConfig(stages=16, boxes=2, warps=8)
-    return _make_gemv(device, down_projections(model), config, STREAMED_DOWN_PROJ_ENV, "down projection")
+    return _make_gemv(device, projections, config, STREAMED_DOWN_PROJ_ENV, "down projection", setting)
 
 
 def _point(projections: list[DecodeLinear], gemv: StreamedGemv | None) -> int:

@@ -86,3 +86,16 @@ def test_several_rows_keep_their_kernel(monkeypatch, tmp_path) -> None:
         ref, ref_logprobs = _hf_greedy_with_top5(hf, prompt, 16)
         _assert_close_greedy(ours, our_top5, ref, ref_logprobs)
     assert set(rows) <= {1}
+
+
+@pytest.mark.parametrize(("hidden", "served"), [(512, True), (2304, False)])
+def test_auto_serves_one_tile_a_program_only(monkeypatch, hidden: int, served: bool, tmp_path) -> None:
+    """auto: a down projection of 32 sixteen-row tiles takes the GEMV; one of 144 (more than the card's SMs)
+    keeps `skinny_linear`."""
+    monkeypatch.setenv("ASYNCSPEC_STREAMED_DOWN_PROJ", "auto")
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert (hidden // 16 <= num_sms) == served, f"the test's shapes assume 32 to 143 SMs, not {num_sms}"
+    save_tiny_family_model("llama", tmp_path, torch.bfloat16, hidden_size=hidden, intermediate_size=1024)
+    llm = LLM(str(tmp_path), device="cuda", skip_tokenizer_init=True, max_model_len=128, enforce_eager=True)
+    downs = [m.down_proj for m in llm.engine.engine_core.runner.model.modules() if hasattr(m, "down_proj")]
+    assert downs and all((d.streamed_gemv is not None) == served for d in downs)

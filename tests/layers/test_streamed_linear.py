@@ -18,7 +18,8 @@ from asyncspec.layers.streamed_linear import (
     make_streamed_down_proj,
     make_streamed_o_proj,
     o_projections,
-    streamed_down_proj_requested,
+    one_tile_per_program,
+    streamed_down_proj_setting,
     streamed_o_proj_requested,
     use_streamed_down_proj,
     use_streamed_o_proj,
@@ -56,21 +57,34 @@ class _MLPs(nn.Module):
         self.layers = nn.ModuleList(LlamaMLP(config) for _ in range(config.num_hidden_layers))
 
 
-@pytest.mark.parametrize(
-    ("env", "requested"),
-    [(STREAMED_O_PROJ_ENV, streamed_o_proj_requested), (STREAMED_DOWN_PROJ_ENV, streamed_down_proj_requested)],
-)
-def test_setting_is_off_unless_asked(monkeypatch, env, requested) -> None:
+def test_setting_is_off_unless_asked(monkeypatch) -> None:
     monkeypatch.delenv(STREAMED_O_PROJ_ENV, raising=False)
+    assert not streamed_o_proj_requested()
+    monkeypatch.setenv(STREAMED_O_PROJ_ENV, "1")
+    assert streamed_o_proj_requested()
+    monkeypatch.setenv(STREAMED_O_PROJ_ENV, "on")
+    with pytest.raises(StreamedLinearSettingError, match="set it to 0 .* or 1"):
+        streamed_o_proj_requested()
+
+
+def test_down_projection_setting(monkeypatch) -> None:
     monkeypatch.delenv(STREAMED_DOWN_PROJ_ENV, raising=False)
-    assert not requested()
-    monkeypatch.setenv(env, "1")
-    assert requested()
-    monkeypatch.setenv(env, "on")
-    with pytest.raises(StreamedLinearSettingError, match=f"{env}='on': set it to 0 .* or 1"):
-        requested()
-    monkeypatch.setenv(env, "0")
-    assert not requested()
+    assert streamed_down_proj_setting() == "0"
+    for value, want in (("1", "1"), (" AUTO ", "auto"), ("0", "0")):
+        monkeypatch.setenv(STREAMED_DOWN_PROJ_ENV, value)
+        assert streamed_down_proj_setting() == want
+    monkeypatch.setenv(STREAMED_DOWN_PROJ_ENV, "yes")
+    with pytest.raises(StreamedLinearSettingError, match=f"{STREAMED_DOWN_PROJ_ENV}='yes': .*0 .*1 .*auto"):
+        streamed_down_proj_setting()
+
+
+def test_one_tile_per_program_is_the_measured_rule() -> None:
+    # An H100's 132 SMs: the 1B's down projection (128 tiles) streamed faster, the 8B's (256 tiles) slower.
+    assert one_tile_per_program({(2048, 8192)}, 132)
+    assert not one_tile_per_program({(4096, 14336)}, 132)
+    assert one_tile_per_program({(2112, 8192)}, 132) and not one_tile_per_program({(2120, 8192)}, 132)
+    assert not one_tile_per_program({(2048, 8192), (4096, 8192)}, 132)  # every shape must hold
+    assert not one_tile_per_program(set(), 132)
 
 
 def test_not_on_the_cpu(monkeypatch, caplog) -> None:
@@ -183,6 +197,12 @@ def test_down_projection_gemv_is_set_apart_from_the_o_projection(monkeypatch, ca
     assert f"{STREAMED_DOWN_PROJ_ENV}=1 but the streamed down projection is off: cpu is not a CUDA device" in (
         caplog.text
     )
+    caplog.clear()
+    monkeypatch.setenv(STREAMED_DOWN_PROJ_ENV, "auto")  # no warning: auto asks only where it can serve
+    with caplog.at_level(logging.INFO, logger="asyncspec.layers.streamed_linear"):
+        assert make_streamed_down_proj(model, torch.device("cpu")) is None
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+    assert "auto but the streamed down projection is off: cpu is not a CUDA device" in caplog.text
 
 
 def test_down_projection_off_where_no_shape_fits(monkeypatch, caplog) -> None:
@@ -194,3 +214,16 @@ def test_down_projection_off_where_no_shape_fits(monkeypatch, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="asyncspec.layers.streamed_linear"):
         assert make_streamed_down_proj(model, torch.device("cuda")) is None
     assert "no bias-free down projection has a shape it takes" in caplog.text
+
+
+def test_auto_keeps_shapes_of_several_tiles_a_program_off(monkeypatch, caplog) -> None:
+    from asyncspec.layers import streamed_linear
+
+    monkeypatch.setattr(streamed_linear, "unavailable_reason", lambda device: None)  # as on a Hopper GPU
+    properties = type("Properties", (), {"multi_processor_count": 16})()
+    monkeypatch.setattr(streamed_linear.torch.cuda, "get_device_properties", lambda device: properties)
+    monkeypatch.setenv(STREAMED_DOWN_PROJ_ENV, "auto")
+    model = _MLPs(_config())  # down [512, 1024]: 32 tiles for 16 SMs
+    with caplog.at_level(logging.INFO, logger="asyncspec.layers.streamed_linear"):
+        assert make_streamed_down_proj(model, torch.device("cuda")) is None
+    assert "off (auto): shapes [(512, 1024)] have more 16-row tiles than the 16 SMs" in caplog.text
