@@ -26,7 +26,11 @@
 #          kernel's streaming rate alone against the chain's (streamed_kernels.py): ~5.5 min (an H100 measured no
 #          gain on 2026-12-05; an H200 has not run them)
 #   fused-combine  split-KV attention merging its splits in the split pass (ASYNCSPEC_ATTN_FUSED_COMBINE=1, of
-#          2026-12-05): its kernel and engine GPU tests, and the 1B/8B graph-replay A/B (batches 1 to 32): ~6 min
+#          2026-12-05): its kernel and engine GPU tests, and the 1B/8B graph-replay A/B (batches 1 to 32): ~6 min (all
+#          passed on an H100 on 2026-12-05, and it was slower there: 3.1 % on the 1B step, 1.2 % on the 8B's)
+#   down-proj  the streamed down projection (ASYNCSPEC_STREAMED_DOWN_PROJ, 2026-12-05): its kernel and engine GPU tests,
+#          and the 1B/8B graph-replay A/B of auto (the 1B's down projection streamed, not the 8B's) against the
+#          default, two rounds: ~5 min (an H100 measured the 1B step 2.4 % faster with it on, the 8B's 0.7 % slower)
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
 # their wheels; the device README says how).
 set -uo pipefail
@@ -89,6 +93,15 @@ if [[ " $parts " == *" fused-combine "* ]]; then
     timeout 200 python3 benchmarks/graph_replay.py --models llama-1b,llama-8b --switches \
         "ASYNCSPEC_PDL=1,ASYNCSPEC_PDL=1+ASYNCSPEC_ATTN_FUSED_COMBINE=1,ASYNCSPEC_PDL=1" \
         --output "$out/graph_replay_fused_combine.json" 2>&1 | tail -8
+fi
+
+if [[ " $parts " == *" down-proj "* ]]; then
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu_streamed_down_proj.py \
+        tests/kernels/test_streamed_gemv.py --tb=short 2>&1 | tail -8
+    p="ASYNCSPEC_PDL=1"
+    d="ASYNCSPEC_STREAMED_DOWN_PROJ=auto"
+    timeout 300 python3 benchmarks/graph_replay.py --models llama-1b,llama-8b --switches "$p,$p+$d,$p,$p+$d" \
+        --output "$out/graph_replay_down_proj.json" 2>&1 | tail -10
 fi
 
 if [[ " $parts " == *" step "* ]]; then

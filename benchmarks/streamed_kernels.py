@@ -11,6 +11,9 @@ bytes than L2 holds), so the rates can be compared directly:
   with the room the split form leaves it beside gate|up.
 
     python3 benchmarks/streamed_kernels.py --output $OUT/streamed_kernels.json     # GPU, about 1 min
+    python3 benchmarks/streamed_kernels.py --models llama-1b --sweep --output $OUT/sweep.json
+        # the barrier MLP and the GEMV over ring depths, boxes a slot and warps (2026-12-05: the GEMV's rate is set
+        # by the bytes in flight a program, 0.80 of the card's read at 64 KiB, 0.965 at 208 KiB)
 
 Each row: µs a call (median of the graph's replays, per call) and the weight bytes over that time in GB/s,
 beside the read bandwidth measured here. Checks each form against the chain first (relative L2 error).
