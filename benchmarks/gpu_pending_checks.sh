@@ -31,6 +31,9 @@
 #   down-proj  the streamed down projection (ASYNCSPEC_STREAMED_DOWN_PROJ, 2026-12-05): its kernel and engine GPU tests,
 #          and the 1B/8B graph-replay A/B of auto (the 1B's down projection streamed, not the 8B's) against the
 #          default, two rounds: ~5 min (an H100 measured the 1B step 2.4 % faster with it on, the 8B's 0.7 % slower)
+#   deep-tiles  skinny_linear's tensor-core tiles with deeper pipelines at M = 16, 32 on the 1B and 8B projections
+#          (skinny_linear.py --sweep --focus deep): the 32-stream step's projections read at 0.32-0.87 of an H200's
+#          bandwidth with 48-96 KiB in flight a program (2026-12-03): ~4 min
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
 # their wheels; the device README says how).
 set -uo pipefail
@@ -102,6 +105,11 @@ if [[ " $parts " == *" down-proj "* ]]; then
     d="ASYNCSPEC_STREAMED_DOWN_PROJ=auto"
     timeout 300 python3 benchmarks/graph_replay.py --models llama-1b,llama-8b --switches "$p,$p+$d,$p,$p+$d" \
         --output "$out/graph_replay_down_proj.json" 2>&1 | tail -10
+fi
+
+if [[ " $parts " == *" deep-tiles "* ]]; then
+    timeout 500 python3 benchmarks/skinny_linear.py --sweep --focus deep --ms 16,32 --models 1B,8B \
+        --layers qkv,o,gate_up,down --budget-s 420 --output "$out/skinny_deep.json" 2>&1 | tail -20
 fi
 
 if [[ " $parts " == *" step "* ]]; then
