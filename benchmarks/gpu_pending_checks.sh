@@ -30,7 +30,7 @@
 #          passed on an H100 on 2026-12-05, and it was slower there: 3.1 % on the 1B step, 1.2 % on the 8B's)
 #   down-proj  the streamed down projection (ASYNCSPEC_STREAMED_DOWN_PROJ, 2026-12-05): its kernel and engine GPU tests,
 #          and the 1B/8B graph-replay A/B of auto (the 1B's down projection streamed, not the 8B's) against the
-#          default, two rounds: ~5 min (an H100 measured the 1B step 2.4 % faster with it on, the 8B's 0.7 % slower)
+#          default, two rounds, and once beside the streamed attention input: ~6.5 min (an H100 measured the 1B step 2.4 % faster with it on, the 8B's 0.7 % slower)
 #   deep-tiles  skinny_linear's tensor-core tiles with deeper pipelines at M = 16, 32 on the 1B and 8B projections
 #          (skinny_linear.py --sweep --focus deep): the 32-stream step's projections read at 0.32-0.87 of an H200's
 #          bandwidth with 48-96 KiB in flight a program (2026-12-03): ~4 min
@@ -103,7 +103,8 @@ if [[ " $parts " == *" down-proj "* ]]; then
         tests/kernels/test_streamed_gemv.py --tb=short 2>&1 | tail -8
     p="ASYNCSPEC_PDL=1"
     d="ASYNCSPEC_STREAMED_DOWN_PROJ=auto"
-    timeout 300 python3 benchmarks/graph_replay.py --models llama-1b,llama-8b --switches "$p,$p+$d,$p,$p+$d" \
+    a="ASYNCSPEC_STREAMED_ATTN_IN=1"
+    timeout 380 python3 benchmarks/graph_replay.py --models llama-1b,llama-8b --switches "$p,$p+$d,$p+$d+$a,$p,$p+$d" \
         --output "$out/graph_replay_down_proj.json" 2>&1 | tail -10
 fi
 
