@@ -217,7 +217,7 @@ def candidates(m: int, n: int, k: int, sms: int, focus: str = "tiles") -> list[S
     thread) stay at 32..64 fp32 registers, unrolled once or twice, and tensor-core tiles; each with no split and
     with the smallest split of K that gives two waves of programs. focus "split": the few good tiles of a
     "tiles" sweep, each with every power-of-two split of K up to 8. focus "deep" (M > 4): tensor-core tiles with
-    deeper pipelines, 128-192 KiB of shared memory a program (the bytes a program keeps in flight set a streamed
+    deeper pipelines, 96-192 KiB of shared memory a program (the bytes a program keeps in flight set a streamed
     GEMV's rate: 0.80 of the card's read at 64 KiB, 0.965 at 208 KiB on an H100, 2026-12-05), each with no split,
     the default's split and twice it.
     """
@@ -351,6 +351,9 @@ def main() -> int:
     print(f"{props.name}: read {report['read_GBps']:.0f} GB/s, copy {report['copy_GBps']:.0f} GB/s", flush=True)
     layers = {layer for layer in args.layers.split(",") if layer}
     models = {model for model in args.models.split(",") if model}
+    unknown = models - {s.name.split()[0] for s in SHAPES}
+    if unknown:
+        parser.error(f"unknown --models {sorted(unknown)}: use {sorted({s.name.split()[0] for s in SHAPES})}")
     shapes = [s for s in SHAPES if not layers or s.name.split()[-1] in layers]
     shapes = [s for s in shapes if not models or s.name.split()[0] in models]
     ms = tuple(int(m) for m in args.ms.split(",")) if args.ms else SWEEP_MS

@@ -1,11 +1,12 @@
 """The streamed GEMV (kernels/streamed_gemv_gluon.py) for a model's attention output projections and MLP down
 projections: when it serves, and setting it up.
 
-A batch-1 decode step's o projection follows the attention, whose few latency-bound programs leave DRAM idle; its
-down projection follows gate|up. The streamed GEMV's loader warp streams the projection's weight into shared memory
-from the kernel's start, before its PDL wait, so the copies overlap the predecessor's tail instead of following it,
-and a deep ring keeps enough bytes in flight per SM to read at the card's rate. It takes one-row bf16 calls of a
-bias-free projection on Hopper (`DecodeLinear.streamed_gemv`); every other call keeps its usual kernel.
+A batch-1 decode step's o projection follows the attention, whose few latency-bound programs leave DRAM idle. The
+streamed GEMV's loader warp streams the projection's weight into shared memory from the kernel's start, before its
+PDL wait, so where a program is resident early the copies overlap the predecessor's tail. For the down projection
+the ring is deep instead (about 208 KiB a program): what sets its rate is the bytes each program keeps in flight,
+and such a program cannot share an SM with much else, so its early start counts for little. It takes one-row bf16
+calls of a bias-free projection on Hopper (`DecodeLinear.streamed_gemv`); every other call keeps its usual kernel.
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ def _make_gemv(
 
     reason = unavailable_reason(device)
     shapes = {tuple(p.weight.shape) for p in projections}
+    if reason is None and not shapes:
+        reason = f"no bias-free {what} outside tensor parallelism"
     if reason is None and not any(gemv_shape_supported(config, n, k) for n, k in shapes):
         reason = f"no bias-free {what} has a shape it takes (16-row tiles, 256-column boxes)"
     if reason is not None:
@@ -137,9 +140,9 @@ def make_streamed_down_proj(model: nn.Module, device: torch.device) -> StreamedG
     if setting == "0":
         return None
     projections = down_projections(model)
-    if setting == "auto" and unavailable_reason(device) is None:
+    shapes = {(p.weight.shape[0], p.weight.shape[1]) for p in projections}
+    if setting == "auto" and shapes and unavailable_reason(device) is None:
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        shapes = {(p.weight.shape[0], p.weight.shape[1]) for p in projections}
         if not one_tile_per_program(shapes, num_sms):
             logger.info(
                 "streamed down projection off (auto): shapes %s have more 16-row tiles than the %d SMs",
@@ -149,8 +152,9 @@ def make_streamed_down_proj(model: nn.Module, device: torch.device) -> StreamedG
             return None
     from asyncspec.kernels.streamed_gemv import StreamedGemvConfig
 
-    # As many 16 KiB slots as fit beside the row (13 for the 1B's 8,192 columns): the bytes in flight a program
-    # needs to read at the card's rate; 8 single-box slots read at 0.80 of it (docs/benchmarks.md, 2026-12-05).
+    # 16 is a cap: `gemv_stages_for` keeps as many 16 KiB slots as fit beside the row (13 for the 1B's 8,192
+    # columns, 12 for the 8B's 14,336). Those are the bytes in flight a program needs to read at the card's rate;
+    # 8 single-box slots read at 0.80 of it (docs/benchmarks.md, 2026-12-05).
     config = StreamedGemvConfig(stages=16, boxes=2, warps=8)
     return _make_gemv(device, projections, config, STREAMED_DOWN_PROJ_ENV, "down projection", setting)
 

@@ -1,6 +1,7 @@
 """The streamed down projection (ASYNCSPEC_STREAMED_DOWN_PROJ=1) in the engine on a Hopper GPU: the MLPs' one-row
 down projections take the deep-ring streamed GEMV, bf16 greedy decoding at batch 1 stays close to Hugging Face with
-CUDA graphs on and eagerly, and a speculating engine (verify steps of k + 1 rows) keeps its own kernels there."""
+CUDA graphs on and eagerly (alone and beside the other streamed kernels), and calls of several rows (batches,
+speculative verification) keep `skinny_linear`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from asyncspec import LLM
+from asyncspec.layers.linear import DecodeLinear
 from tests.engine.test_gpu_engine import _assert_close_greedy, _hf_greedy_with_top5, _run_ours
 from tests.hf_tiny_models import save_tiny_family_model
 
@@ -21,28 +23,51 @@ pytestmark = [
 ]
 
 
-def _count_calls(monkeypatch, rows: list[int] | None = None) -> list[tuple[int, ...]]:
+def _down_projections(llm: LLM) -> list[DecodeLinear]:
+    return [m.down_proj for m in llm.engine.engine_core.runner.model.modules() if hasattr(m, "down_proj")]
+
+
+def _record_rows(monkeypatch, downs: list[DecodeLinear]) -> tuple[list[int], list[int]]:
+    """Rows of every call of these down projections, and rows of the calls their streamed GEMV served (only this
+    GEMV's: the split streamed MLP has one of its own)."""
     from asyncspec.kernels.streamed_gemv_gluon import StreamedGemv
 
-    calls: list[tuple[int, ...]] = []
-    original = StreamedGemv.__call__
+    ids = {id(d) for d in downs}
+    gemvs = {id(d.streamed_gemv) for d in downs}
+    all_rows: list[int] = []
+    gemv_rows: list[int] = []
+    forward, call = DecodeLinear.forward, StreamedGemv.__call__
 
-    def counting(self, x, weight):
-        calls.append(tuple(weight.shape))
-        if rows is not None:
-            rows.append(x.shape[0])
-        return original(self, x, weight)
+    def recording_forward(self, x):
+        if id(self) in ids:
+            all_rows.append(x.shape[0])
+        return forward(self, x)
 
-    monkeypatch.setattr(StreamedGemv, "__call__", counting)
-    return calls
+    def recording_call(self, x, weight):
+        if id(self) in gemvs:
+            gemv_rows.append(x.shape[0])
+        return call(self, x, weight)
+
+    monkeypatch.setattr(DecodeLinear, "forward", recording_forward)
+    monkeypatch.setattr(StreamedGemv, "__call__", recording_call)
+    return all_rows, gemv_rows
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True])
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_batch_1_bf16_close_to_hf(monkeypatch, family: str, enforce_eager: bool, tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("family", "enforce_eager", "others"),
+    [("llama", False, False), ("llama", True, False), ("qwen3", False, False), ("qwen3", True, False)]
+    + [("llama", False, True), ("llama", True, True)],
+)
+def test_batch_1_bf16_close_to_hf(monkeypatch, family: str, enforce_eager: bool, others: bool, tmp_path) -> None:
     monkeypatch.setenv("ASYNCSPEC_STREAMED_DOWN_PROJ", "1")
-    calls = _count_calls(monkeypatch)
-    hf = save_tiny_family_model(family, tmp_path, torch.bfloat16, hidden_size=512, intermediate_size=1024)
+    # others: beside the streamed attention input and o projection (under PDL the GEMV then precedes the next
+    # layer's streamed attention input); the streamed MLP stays off, as it would take the down projection's calls.
+    monkeypatch.setenv("ASYNCSPEC_STREAMED_ATTN_IN", "1" if others else "0")
+    monkeypatch.setenv("ASYNCSPEC_STREAMED_O_PROJ", "1" if others else "0")
+    monkeypatch.setenv("ASYNCSPEC_STREAMED_MLP", "0")
+    # 8 heads of 64: an o projection of 512 x 512, which the streamed o projection takes.
+    heads = dict(num_attention_heads=8, head_dim=64) if family == "llama" else {}
+    hf = save_tiny_family_model(family, tmp_path, torch.bfloat16, hidden_size=512, intermediate_size=1024, **heads)
     hf = hf.cuda().eval()
     llm = LLM(
         str(tmp_path),
@@ -52,12 +77,13 @@ def test_batch_1_bf16_close_to_hf(monkeypatch, family: str, enforce_eager: bool,
         max_num_batched_tokens=64,
         enforce_eager=enforce_eager,
     )
-    runner = llm.engine.engine_core.runner
-    downs = [m.down_proj for m in runner.model.modules() if hasattr(m, "down_proj")]
+    downs = _down_projections(llm)
     assert downs and all(d.streamed_gemv is not None for d in downs)
     assert downs[0].streamed_gemv.config.boxes == 2  # the deep ring, not the o projection's
-    assert (512, 1024) in calls  # captured into the graphs, or run by the warm-up
-    calls.clear()
+    if others:
+        runner = llm.engine.engine_core.runner
+        assert all(m.streamed_attn_in is not None for m in runner.model.modules() if "streamed_attn_in" in vars(m))
+    all_rows, gemv_rows = _record_rows(monkeypatch, downs)
     # Seed 3's first qwen3 prompt meets a near-tie that the default kernels miss by two bf16 ulps of HF's logits
     # too (an H100, 2026-12-05); seed 0's prompts are the streamed MLP test's.
     rng = random.Random(0)
@@ -66,26 +92,36 @@ def test_batch_1_bf16_close_to_hf(monkeypatch, family: str, enforce_eager: bool,
         ((ours, our_top5),) = _run_ours(llm, [prompt], 24)
         ref, ref_logprobs = _hf_greedy_with_top5(hf, prompt, 24)
         _assert_close_greedy(ours, our_top5, ref, ref_logprobs)
+    assert set(gemv_rows) <= {1}
     if enforce_eager:  # every decode step's layers called it from Python (graph replays do not)
-        assert calls.count((512, 1024)) >= 3 * 23 * len(downs)
+        assert all_rows.count(1) >= 3 * 23 * len(downs)
+        assert len(gemv_rows) == all_rows.count(1)
 
 
-def test_several_rows_keep_their_kernel(monkeypatch, tmp_path) -> None:
-    """Batches of several requests: no call of more than one row reaches the GEMV, and every request's greedy
-    tokens still match HF's closely."""
+@pytest.mark.parametrize("speculative", [False, True])
+def test_several_rows_keep_their_kernel(monkeypatch, speculative: bool, tmp_path) -> None:
+    """Batches of several requests, or one request's verification steps of k + 1 rows (n-gram drafts): those
+    calls reach the down projections with several rows and never the GEMV, and greedy tokens stay close to HF's."""
     monkeypatch.setenv("ASYNCSPEC_STREAMED_DOWN_PROJ", "1")
-    rows: list[int] = []
-    _count_calls(monkeypatch, rows)
+    monkeypatch.setenv("ASYNCSPEC_STREAMED_MLP", "0")
     hf = save_tiny_family_model("llama", tmp_path, torch.bfloat16, hidden_size=512, intermediate_size=1024)
     hf = hf.cuda().eval()
-    llm = LLM(str(tmp_path), device="cuda", skip_tokenizer_init=True, max_model_len=256, enforce_eager=True)
+    spec = dict(speculative_method="ngram", num_speculative_tokens=3) if speculative else {}
+    llm = LLM(str(tmp_path), device="cuda", skip_tokenizer_init=True, max_model_len=256, enforce_eager=True, **spec)
+    downs = _down_projections(llm)
+    assert downs and all(d.streamed_gemv is not None for d in downs)
+    all_rows, gemv_rows = _record_rows(monkeypatch, downs)
     rng = random.Random(4)
-    prompts = [[rng.randrange(2, 512) for _ in range(rng.randrange(5, 60))] for _ in range(4)]
-    results = _run_ours(llm, prompts, 16)
-    for prompt, (ours, our_top5) in zip(prompts, results, strict=True):
+    if speculative:  # repeating prompts, so that the n-gram proposer finds drafts; one request: k + 1 rows
+        prompts = [[rng.randrange(2, 40) for _ in range(8)] * 6]
+    else:
+        prompts = [[rng.randrange(2, 512) for _ in range(rng.randrange(5, 60))] for _ in range(4)]
+    for prompt, (ours, our_top5) in zip(prompts, _run_ours(llm, prompts, 16), strict=True):
         ref, ref_logprobs = _hf_greedy_with_top5(hf, prompt, 16)
         _assert_close_greedy(ours, our_top5, ref, ref_logprobs)
-    assert set(rows) <= {1}
+    decode_rows = [r for r in all_rows if r <= 8]  # not the prompts' prefill calls
+    assert any(r > 1 for r in decode_rows), f"no decode call of several rows: {sorted(set(decode_rows))}"
+    assert set(gemv_rows) <= {1} and len(gemv_rows) == all_rows.count(1)
 
 
 @pytest.mark.parametrize(("hidden", "served"), [(512, True), (2304, False)])
@@ -93,9 +129,10 @@ def test_auto_serves_one_tile_a_program_only(monkeypatch, hidden: int, served: b
     """auto: a down projection of 32 sixteen-row tiles takes the GEMV; one of 144 (more than the card's SMs)
     keeps `skinny_linear`."""
     monkeypatch.setenv("ASYNCSPEC_STREAMED_DOWN_PROJ", "auto")
+    monkeypatch.setenv("ASYNCSPEC_STREAMED_MLP", "0")
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert (hidden // 16 <= num_sms) == served, f"the test's shapes assume 32 to 143 SMs, not {num_sms}"
     save_tiny_family_model("llama", tmp_path, torch.bfloat16, hidden_size=hidden, intermediate_size=1024)
     llm = LLM(str(tmp_path), device="cuda", skip_tokenizer_init=True, max_model_len=128, enforce_eager=True)
-    downs = [m.down_proj for m in llm.engine.engine_core.runner.model.modules() if hasattr(m, "down_proj")]
+    downs = _down_projections(llm)
     assert downs and all((d.streamed_gemv is not None) == served for d in downs)

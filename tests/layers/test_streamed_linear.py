@@ -227,3 +227,18 @@ def test_auto_keeps_shapes_of_several_tiles_a_program_off(monkeypatch, caplog) -
     with caplog.at_level(logging.INFO, logger="asyncspec.layers.streamed_linear"):
         assert make_streamed_down_proj(model, torch.device("cuda")) is None
     assert "off (auto): shapes [(512, 1024)] have more 16-row tiles than the 16 SMs" in caplog.text
+
+
+def test_tensor_parallel_mlps_are_named_as_such(monkeypatch, caplog) -> None:
+    from asyncspec.layers import streamed_linear
+
+    monkeypatch.setattr(streamed_linear, "unavailable_reason", lambda device: None)  # as on a Hopper GPU
+    model = _MLPs(_config())
+    for layer in model.layers:
+        layer.tp = type("SplitTP", (), {"enabled": True})()
+    for setting in ("1", "auto"):
+        monkeypatch.setenv(STREAMED_DOWN_PROJ_ENV, setting)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="asyncspec.layers.streamed_linear"):
+            assert make_streamed_down_proj(model, torch.device("cuda")) is None
+        assert "no bias-free down projection outside tensor parallelism" in caplog.text
