@@ -33,7 +33,8 @@
 #          default, two rounds, and once beside the streamed attention input: ~6.5 min (an H100 measured the 1B step 2.4 % faster with it on, the 8B's 0.7 % slower)
 #   deep-tiles  skinny_linear's tensor-core tiles with deeper pipelines at M = 16, 32 on the 1B and 8B projections
 #          (skinny_linear.py --sweep --focus deep): the 32-stream step's projections read at 0.32-0.87 of an H200's
-#          bandwidth with 48-96 KiB in flight a program (2026-12-03): ~4 min
+#          bandwidth with 48-96 KiB in flight a program (2026-12-03); then the one-row GEMV's deep ring on every
+#          1B/8B projection (streamed_kernels.py --deep): ~6 min
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
 # their wheels; the device README says how).
 set -uo pipefail
@@ -109,8 +110,10 @@ if [[ " $parts " == *" down-proj "* ]]; then
 fi
 
 if [[ " $parts " == *" deep-tiles "* ]]; then
-    timeout 500 python3 benchmarks/skinny_linear.py --sweep --focus deep --ms 16,32 --models 1B,8B \
-        --layers qkv,o,gate_up,down --budget-s 420 --output "$out/skinny_deep.json" 2>&1 | tail -20
+    timeout 420 python3 benchmarks/skinny_linear.py --sweep --focus deep --ms 16,32 --models 1B,8B \
+        --layers qkv,o,gate_up,down --budget-s 360 --output "$out/skinny_deep.json" 2>&1 | tail -20
+    # The one-row side: the streamed GEMV's deep ring on every projection's shape against skinny_linear.
+    timeout 100 python3 benchmarks/streamed_kernels.py --deep --output "$out/streamed_deep.json" 2>&1 | tail -18
 fi
 
 if [[ " $parts " == *" step "* ]]; then

@@ -11,6 +11,7 @@ bytes than L2 holds), so the rates can be compared directly:
   with the room the split form leaves it beside gate|up.
 
     python3 benchmarks/streamed_kernels.py --output $OUT/streamed_kernels.json     # GPU, about 1 min
+    python3 benchmarks/streamed_kernels.py --deep --output $OUT/deep.json     # the deep ring on every projection
     python3 benchmarks/streamed_kernels.py --models llama-1b --sweep --output $OUT/sweep.json
         # the barrier MLP and the GEMV over ring depths, boxes a slot and warps (2026-12-05: the GEMV's rate is set
         # by the bytes in flight a program, 0.80 of the card's read at 64 KiB, 0.965 at 208 KiB)
@@ -36,6 +37,7 @@ for path in (str(REPO), str(REPO / "benchmarks")):
         sys.path.insert(0, path)
 
 SHAPES = {"llama-1b": (2048, 8192, 16), "llama-8b": (4096, 14336, 8)}  # hidden, intermediate, layers timed
+QKV_ROWS = {"llama-1b": (32 + 2 * 8) * 64, "llama-8b": (32 + 2 * 8) * 128}
 EPS = 1e-5
 
 
@@ -109,7 +111,9 @@ def mlp_rows(model: str, read_gbps: float, gen: torch.Generator, sweep: bool = F
     return rows
 
 
-def gemv_rows(model: str, read_gbps: float, gen: torch.Generator, sweep: bool = False) -> list[dict]:
+def gemv_rows(
+    model: str, read_gbps: float, gen: torch.Generator, sweep: bool = False, deep: bool = False
+) -> list[dict]:
     from skinny_linear import graph_us
 
     from asyncspec.kernels.skinny_linear_triton import make_split_counters, skinny_linear
@@ -132,9 +136,15 @@ def gemv_rows(model: str, read_gbps: float, gen: torch.Generator, sweep: bool = 
             for st, b, w in GEMV_SWEEP
             for name, n, k in (("o", hidden, hidden), ("down", hidden, inter))
         ]
+    if deep:
+        # The down projection's deep ring on every one-row projection's shape (gate|up without its activation):
+        # where else the bytes in flight set the rate.
+        deep_ring = StreamedGemvConfig(16, 2, 8)
+        shapes = (("qkv", QKV_ROWS[model], hidden), ("o", hidden, hidden), ("gate|up", 2 * inter, hidden))
+        cases = [(f"{name} deep", n, k, deep_ring, None) for name, n, k in (*shapes, ("down", hidden, inter))]
     rows = []
     for label, n, k, config, room in cases:
-        count = 4 * layers  # distinct weights: the o projection alone would fit L2
+        count = 4 * layers if n * k < 64 << 20 else layers  # distinct weights, more bytes than L2 holds
         weights = [_rand(gen, n, k, scale=k**-0.5) for _ in range(count)]
         x = _rand(gen, 1, k, scale=1.0)
         gemv = StreamedGemv(torch.device("cuda"), config, *(() if room is None else (room,)))
@@ -155,6 +165,7 @@ def main() -> None:
     parser.add_argument("--models", default="llama-1b,llama-8b", help=f"of {', '.join(SHAPES)}")
     parser.add_argument("--output", default="")
     parser.add_argument("--sweep", action="store_true", help="the barrier MLP and the GEMV over ring configs")
+    parser.add_argument("--deep", action="store_true", help="the GEMV with the deep ring on every projection's shape")
     args = parser.parse_args()
     models = args.models.split(",")
     unknown = [m for m in models if m not in SHAPES]
@@ -168,8 +179,9 @@ def main() -> None:
     print(f"{result['device']}, read {result['read_GBps']:.0f} GB/s, PDL {os.environ['ASYNCSPEC_PDL']}")
     rows = []
     for model in models:
-        rows += mlp_rows(model, result["read_GBps"], gen, args.sweep)
-        rows += gemv_rows(model, result["read_GBps"], gen, args.sweep)
+        if not args.deep:
+            rows += mlp_rows(model, result["read_GBps"], gen, args.sweep)
+        rows += gemv_rows(model, result["read_GBps"], gen, args.sweep, args.deep)
         torch.cuda.empty_cache()
     result["rows"] = rows
     if args.output:
