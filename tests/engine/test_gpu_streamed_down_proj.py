@@ -27,6 +27,25 @@ def _down_projections(llm: LLM) -> list[DecodeLinear]:
     return [m.down_proj for m in llm.engine.engine_core.runner.model.modules() if hasattr(m, "down_proj")]
 
 
+def _deep_ring_shapes(monkeypatch) -> list[tuple[int, ...]]:
+    """Weight shapes of every call of a streamed GEMV with the down projection's config, from now on: set before
+    the engine starts, it sees the warm-up and the graph captures."""
+    from asyncspec.kernels.streamed_gemv import StreamedGemvConfig
+    from asyncspec.kernels.streamed_gemv_gluon import StreamedGemv
+
+    deep_ring = StreamedGemvConfig(stages=16, boxes=2, warps=8)
+    shapes: list[tuple[int, ...]] = []
+    call = StreamedGemv.__call__
+
+    def recording_call(self, x, weight):
+        if self.config == deep_ring:
+            shapes.append(tuple(weight.shape))
+        return call(self, x, weight)
+
+    monkeypatch.setattr(StreamedGemv, "__call__", recording_call)
+    return shapes
+
+
 def _record_rows(monkeypatch, downs: list[DecodeLinear]) -> tuple[list[int], list[int]]:
     """Rows of every call of these down projections, and rows of the calls their streamed GEMV served (only this
     GEMV's: the split streamed MLP has one of its own)."""
@@ -69,6 +88,7 @@ def test_batch_1_bf16_close_to_hf(monkeypatch, family: str, enforce_eager: bool,
     heads = dict(num_attention_heads=8, head_dim=64) if family == "llama" else {}
     hf = save_tiny_family_model(family, tmp_path, torch.bfloat16, hidden_size=512, intermediate_size=1024, **heads)
     hf = hf.cuda().eval()
+    started = _deep_ring_shapes(monkeypatch)
     llm = LLM(
         str(tmp_path),
         device="cuda",
@@ -80,6 +100,8 @@ def test_batch_1_bf16_close_to_hf(monkeypatch, family: str, enforce_eager: bool,
     downs = _down_projections(llm)
     assert downs and all(d.streamed_gemv is not None for d in downs)
     assert downs[0].streamed_gemv.config.boxes == 2  # the deep ring, not the o projection's
+    # The engine's start ran it: captured into the batch-1 graph, or the eager warm-up's decode step.
+    assert (512, 1024) in started
     if others:
         runner = llm.engine.engine_core.runner
         assert all(m.streamed_attn_in is not None for m in runner.model.modules() if "streamed_attn_in" in vars(m))
