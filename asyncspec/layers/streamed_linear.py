@@ -34,11 +34,12 @@ the target model's one-row calls take it: a speculative verify step has k + 1 ro
 
 
 STREAMED_DOWN_PROJ_ENV = "ASYNCSPEC_STREAMED_DOWN_PROJ"
-"""Set to 1 to run batch-1 decode layers' MLP down projection as a streamed Gluon GEMV with a deep ring on Hopper,
-or to auto for only the shapes it was measured faster on: a down projection whose 16-row tiles are no more than the
-GPU's SMs, one tile a program (the Llama-1B's 2,048 rows; not the 8B's 4,096). Off by default until the GPU suite has
-run with it (docs/benchmarks.md, 2026-12-05). As the o projection's: no grid barrier, the target's one-row calls
-only. The streamed MLP (ASYNCSPEC_STREAMED_MLP), where on, runs the whole post-attention half instead."""
+"""auto (the default) runs batch-1 decode layers' MLP down projection as a streamed Gluon GEMV with a deep ring on
+Hopper for only the shapes it was measured faster on: a down projection whose 16-row tiles number between half the
+GPU's SMs and all of them, one tile a program (the Llama-1B's 2,048 rows; not the 8B's 4,096, nor the bundled
+target's 384). 1 takes every shape the kernel can, 0 none. As the o projection's: no grid barrier, the target's
+one-row calls only. The streamed MLP (ASYNCSPEC_STREAMED_MLP), where on, runs the whole post-attention half
+instead."""
 STREAMED_DOWN_PROJ_SETTINGS = ("0", "1", "auto")
 
 
@@ -55,22 +56,24 @@ def streamed_o_proj_requested() -> bool:
 
 
 def streamed_down_proj_setting() -> str:
-    """ASYNCSPEC_STREAMED_DOWN_PROJ read: "0" (also unset: off), "1" (every shape it takes) or "auto" (the shapes of
-    `one_tile_per_program`); anything else is an error."""
-    value = os.environ.get(STREAMED_DOWN_PROJ_ENV, "0").strip().lower()
+    """ASYNCSPEC_STREAMED_DOWN_PROJ read: "auto" (also unset: the shapes of `one_tile_per_sm`), "1" (every shape
+    it takes) or "0" (off); anything else is an error."""
+    value = os.environ.get(STREAMED_DOWN_PROJ_ENV, "auto").strip().lower()
     if value not in STREAMED_DOWN_PROJ_SETTINGS:
         raise StreamedLinearSettingError(
-            f"{STREAMED_DOWN_PROJ_ENV}={value!r}: set it to 0 (off, the default), 1 (on) or auto (on where each SM "
-            "streams at most one 16-row tile)"
+            f"{STREAMED_DOWN_PROJ_ENV}={value!r}: set it to 0 (off), 1 (on) or auto (the default: on where each SM "
+            "streams at most one 16-row tile and at least half of them stream one)"
         )
     return value
 
 
-def one_tile_per_program(shapes: set[tuple[int, int]], num_sms: int) -> bool:
-    """Whether every weight [N, K] of `shapes` has at most `num_sms` 16-row tiles: one program an SM then owns a
-    tile's whole K. Measured on two shapes only (an H100, 2026-12-05): the 1B's down projection, 128 tiles, read at
-    0.965 of the card streamed against `skinny_linear`'s 0.83; the 8B's, 256 tiles, made the step slower."""
-    return bool(shapes) and all(-(-n // 16) <= num_sms for n, _ in shapes)
+def one_tile_per_sm(shapes: set[tuple[int, int]], num_sms: int) -> bool:
+    """Whether every weight [N, K] of `shapes` has between `num_sms` / 2 and `num_sms` 16-row tiles: one program an
+    SM then owns a tile's whole K, and most SMs read. Measured on three shapes (an H100, 2026-12-05): the 1B's down
+    projection, 128 tiles, read at 0.965 of the card streamed against `skinny_linear`'s 0.83 and made the step 2.7 %
+    faster; the 8B's, 256 tiles, and the bundled target's, 24 tiles of 1,024 columns, made theirs slower (0.7 %,
+    5 %). The bounds between are not measured."""
+    return bool(shapes) and all(num_sms <= 2 * -(-n // 16) <= 2 * num_sms for n, _ in shapes)
 
 
 def _projections(model: nn.Module, name: str) -> list[DecodeLinear]:
@@ -136,7 +139,7 @@ def make_streamed_o_proj(model: nn.Module, device: torch.device) -> StreamedGemv
 
 def make_streamed_down_proj(model: nn.Module, device: torch.device) -> StreamedGemv | None:
     """The GEMV for `model`'s down projections on `device` when ASYNCSPEC_STREAMED_DOWN_PROJ asks for it (1, or auto
-    where `one_tile_per_program` holds) and it can serve them; otherwise None (logged when it was asked for)."""
+    where `one_tile_per_sm` holds) and it can serve them; otherwise None (logged when it was asked for)."""
     setting = streamed_down_proj_setting()
     if setting == "0":
         return None
@@ -144,9 +147,10 @@ def make_streamed_down_proj(model: nn.Module, device: torch.device) -> StreamedG
     shapes = {(p.weight.shape[0], p.weight.shape[1]) for p in projections}
     if setting == "auto" and shapes and unavailable_reason(device) is None:
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        if not one_tile_per_program(shapes, num_sms):
+        if not one_tile_per_sm(shapes, num_sms):
             logger.info(
-                "streamed down projection off (auto): shapes %s have more 16-row tiles than the %d SMs",
+                "streamed down projection off (auto): shapes %s do not have between half the %d SMs and all of them "
+                "in 16-row tiles",
                 sorted(shapes),
                 num_sms,
             )

@@ -146,15 +146,25 @@ def test_several_rows_keep_their_kernel(monkeypatch, speculative: bool, tmp_path
     assert set(gemv_rows) <= {1} and len(gemv_rows) == all_rows.count(1)
 
 
-@pytest.mark.parametrize(("hidden", "served"), [(512, True), (2304, False)])
-def test_auto_serves_one_tile_a_program_only(monkeypatch, hidden: int, served: bool, tmp_path) -> None:
-    """auto: a down projection of 32 sixteen-row tiles takes the GEMV; one of 144 (more than the card's SMs)
-    keeps `skinny_linear`."""
-    monkeypatch.setenv("ASYNCSPEC_STREAMED_DOWN_PROJ", "auto")
+@pytest.mark.parametrize(("hidden", "served"), [(512, False), (2048, True), (2304, False)])
+def test_auto_serves_one_tile_per_sm_only(monkeypatch, hidden: int, served: bool, tmp_path) -> None:
+    """auto (also unset): a down projection of 128 sixteen-row tiles takes the GEMV; one of 32 (fewer than half
+    the card's SMs) or of 144 (more than its SMs) keeps `skinny_linear`."""
+    if served:
+        monkeypatch.delenv("ASYNCSPEC_STREAMED_DOWN_PROJ", raising=False)
+    else:
+        monkeypatch.setenv("ASYNCSPEC_STREAMED_DOWN_PROJ", "auto")
     monkeypatch.setenv("ASYNCSPEC_STREAMED_MLP", "0")
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert (hidden // 16 <= num_sms) == served, f"the test's shapes assume 32 to 143 SMs, not {num_sms}"
+    assert 128 <= num_sms < 144, f"the test's shapes assume 128 to 143 SMs, not {num_sms}"
     save_tiny_family_model("llama", tmp_path, torch.bfloat16, hidden_size=hidden, intermediate_size=1024)
-    llm = LLM(str(tmp_path), device="cuda", skip_tokenizer_init=True, max_model_len=128, enforce_eager=True)
+    llm = LLM(
+        str(tmp_path),
+        device="cuda",
+        skip_tokenizer_init=True,
+        max_model_len=128,
+        enforce_eager=True,
+        gpu_memory_utilization=0.2,  # beside other tests' engines in one process
+    )
     downs = _down_projections(llm)
     assert downs and all((d.streamed_gemv is not None) == served for d in downs)

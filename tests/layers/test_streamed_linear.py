@@ -18,7 +18,7 @@ from asyncspec.layers.streamed_linear import (
     make_streamed_down_proj,
     make_streamed_o_proj,
     o_projections,
-    one_tile_per_program,
+    one_tile_per_sm,
     streamed_down_proj_setting,
     streamed_o_proj_requested,
     use_streamed_down_proj,
@@ -69,7 +69,7 @@ def test_setting_is_off_unless_asked(monkeypatch) -> None:
 
 def test_down_projection_setting(monkeypatch) -> None:
     monkeypatch.delenv(STREAMED_DOWN_PROJ_ENV, raising=False)
-    assert streamed_down_proj_setting() == "0"
+    assert streamed_down_proj_setting() == "auto"
     for value, want in (("1", "1"), (" AUTO ", "auto"), ("0", "0")):
         monkeypatch.setenv(STREAMED_DOWN_PROJ_ENV, value)
         assert streamed_down_proj_setting() == want
@@ -78,13 +78,16 @@ def test_down_projection_setting(monkeypatch) -> None:
         streamed_down_proj_setting()
 
 
-def test_one_tile_per_program_is_the_measured_rule() -> None:
-    # An H100's 132 SMs: the 1B's down projection (128 tiles) streamed faster, the 8B's (256 tiles) slower.
-    assert one_tile_per_program({(2048, 8192)}, 132)
-    assert not one_tile_per_program({(4096, 14336)}, 132)
-    assert one_tile_per_program({(2112, 8192)}, 132) and not one_tile_per_program({(2120, 8192)}, 132)
-    assert not one_tile_per_program({(2048, 8192), (4096, 8192)}, 132)  # every shape must hold
-    assert not one_tile_per_program(set(), 132)
+def test_one_tile_per_sm_is_the_measured_rule() -> None:
+    # An H100's 132 SMs: the 1B's down projection (128 tiles) streamed faster, the 8B's (256 tiles) and the bundled
+    # target's (24 tiles) slower.
+    assert one_tile_per_sm({(2048, 8192)}, 132)
+    assert not one_tile_per_sm({(4096, 14336)}, 132)
+    assert not one_tile_per_sm({(384, 1024)}, 132)
+    assert one_tile_per_sm({(2112, 8192)}, 132) and not one_tile_per_sm({(2120, 8192)}, 132)
+    assert one_tile_per_sm({(1056, 8192)}, 132) and not one_tile_per_sm({(1040, 8192)}, 132)  # 66 and 65 tiles
+    assert not one_tile_per_sm({(2048, 8192), (4096, 8192)}, 132)  # every shape must hold
+    assert not one_tile_per_sm(set(), 132)
 
 
 def test_not_on_the_cpu(monkeypatch, caplog) -> None:
@@ -216,17 +219,28 @@ def test_down_projection_off_where_no_shape_fits(monkeypatch, caplog) -> None:
     assert "no bias-free down projection has a shape it takes" in caplog.text
 
 
-def test_auto_keeps_shapes_of_several_tiles_a_program_off(monkeypatch, caplog) -> None:
+@pytest.mark.parametrize("num_sms", [16, 65])
+def test_auto_keeps_shapes_off_the_card_s_measure(monkeypatch, caplog, num_sms: int) -> None:
+    """auto, also when unset: 32 tiles are more than 16 SMs can take one a program, and fewer than half of 65."""
     from asyncspec.layers import streamed_linear
 
     monkeypatch.setattr(streamed_linear, "unavailable_reason", lambda device: None)  # as on a Hopper GPU
-    properties = type("Properties", (), {"multi_processor_count": 16})()
+    properties = type("Properties", (), {"multi_processor_count": num_sms})()
     monkeypatch.setattr(streamed_linear.torch.cuda, "get_device_properties", lambda device: properties)
-    monkeypatch.setenv(STREAMED_DOWN_PROJ_ENV, "auto")
-    model = _MLPs(_config())  # down [512, 1024]: 32 tiles for 16 SMs
-    with caplog.at_level(logging.INFO, logger="asyncspec.layers.streamed_linear"):
-        assert make_streamed_down_proj(model, torch.device("cuda")) is None
-    assert "off (auto): shapes [(512, 1024)] have more 16-row tiles than the 16 SMs" in caplog.text
+    model = _MLPs(_config())  # down [512, 1024]: 32 tiles
+    for unset in (True, False):
+        if unset:
+            monkeypatch.delenv(STREAMED_DOWN_PROJ_ENV, raising=False)
+        else:
+            monkeypatch.setenv(STREAMED_DOWN_PROJ_ENV, "auto")
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="asyncspec.layers.streamed_linear"):
+            assert make_streamed_down_proj(model, torch.device("cuda")) is None
+        assert (
+            f"off (auto): shapes [(512, 1024)] do not have between half the {num_sms} SMs and all of them"
+            in caplog.text
+        )
+        assert all(layer.down_proj.streamed_gemv is None for layer in model.layers)
 
 
 def test_tensor_parallel_mlps_are_named_as_such(monkeypatch, caplog) -> None:
