@@ -5,8 +5,9 @@ form) slower, and the 1B's no faster. From the totals, the barrier kernel stream
 kernels at the 8B's MLP shape. This times each kernel alone, in a CUDA graph over distinct weights per layer (more
 bytes than L2 holds), so the rates can be compared directly:
 
-- the post-attention half layer (residual add + RMSNorm, gate|up with the activation, down): the chain, the
-  streamed MLP's barrier form and its split form;
+- the post-attention half layer (residual add + RMSNorm, gate|up with the activation, down): the chain (also with
+  the down projection's deep-ring GEMV), the streamed MLP's barrier form, its split form and its split form with a
+  whole SM's ring for each kernel (split-deep);
 - one-row projections: `skinny_linear` against the streamed GEMV with a whole SM's room, and the down projection
   with the room the split form leaves it beside gate|up.
 
@@ -66,6 +67,8 @@ def mlp_rows(model: str, read_gbps: float, gen: torch.Generator, sweep: bool = F
 
     from asyncspec.kernels.fused_add_rms_norm_triton import fused_add_rms_norm
     from asyncspec.kernels.skinny_linear_triton import make_split_counters, skinny_linear, skinny_linear_gated
+    from asyncspec.kernels.streamed_gemv import StreamedGemvConfig
+    from asyncspec.kernels.streamed_gemv_gluon import StreamedGemv
     from asyncspec.kernels.streamed_mlp import StreamedMLPConfig
     from asyncspec.kernels.streamed_mlp_gluon import StreamedMLP
 
@@ -80,8 +83,22 @@ def mlp_rows(model: str, read_gbps: float, gen: torch.Generator, sweep: bool = F
         normed, res_out = fused_add_rms_norm(x, r, n, EPS)
         return skinny_linear(skinny_linear_gated(normed, a, counters=counters), b, counters=counters), res_out
 
-    forms: dict[str, Callable] = {"mlp chain (norm, gate|up, down)": chain}
-    configs = [("barrier", StreamedMLPConfig()), ("split", StreamedMLPConfig(grid_barrier=False))]
+    # The engine's default where the down projection's tiles fill the SMs one a program (the 1B's): its deep ring.
+    deep_down = StreamedGemv(torch.device("cuda"), StreamedGemvConfig(stages=16, boxes=2, warps=8))
+
+    def chain_deep_down(x, r, n, a, b):
+        normed, res_out = fused_add_rms_norm(x, r, n, EPS)
+        return deep_down(skinny_linear_gated(normed, a, counters=counters), b), res_out
+
+    forms: dict[str, Callable] = {
+        "mlp chain (norm, gate|up, down)": chain,
+        "mlp chain, down deep GEMV": chain_deep_down,
+    }
+    configs = [
+        ("barrier", StreamedMLPConfig()),
+        ("split", StreamedMLPConfig(grid_barrier=False)),
+        ("split-deep", StreamedMLPConfig(stages=16, grid_barrier=False, co_resident=False)),
+    ]
     if sweep:
         configs = [(f"barrier {st}x{b} w{w}", StreamedMLPConfig(st, b, w)) for st, b, w in MLP_SWEEP]
     for label, config in configs:

@@ -25,6 +25,7 @@ from asyncspec.kernels.streamed_gemv import (
 __all__ = [
     "BOX_BYTES",
     "SHARED_MEMORY_BYTES",
+    "down_stages_for",
     "StreamedMLPConfig",
     "StreamedMLPError",
     "shape_supported",
@@ -55,6 +56,10 @@ class StreamedMLPConfig:
     """True: one kernel, whose programs meet at a grid barrier between gate|up and down (every program must be
     resident at once). False: two kernels, gate|up then down as a streamed GEMV whose loader starts during the
     first kernel's tail; no barrier, so nothing can hang where an SM is kept from it."""
+    co_resident: bool = True
+    """Split form only. True: both kernels' rings fit one SM together, so the down projection's loader streams
+    during the gate|up kernel's tail. False: each kernel's ring takes a program's whole shared memory (the bytes in
+    flight that set a stream's rate: docs/benchmarks.md, 2026-12-05), and the down projection starts after."""
 
     def __post_init__(self) -> None:
         check_stream_config(self.stages, self.boxes, self.warps, self.registers, StreamedMLPError)
@@ -78,29 +83,39 @@ def split_stages(config: StreamedMLPConfig, hidden: int, intermediate: int) -> t
 
 def split_down_room(config: StreamedMLPConfig, hidden: int, intermediate: int) -> int:
     """Shared memory the split form's down-projection program may hold: what an SM has left beside a gate|up
-    program."""
+    program, or a program's whole share where the two need not be co-resident."""
+    if not config.co_resident:
+        return SHARED_MEMORY_BYTES
     gate_up = stages_for(config, hidden, intermediate) * config.boxes * BOX_BYTES
     return SM_SHARED_MEMORY_BYTES - 2 * PROGRAM_RESERVED_BYTES - gate_up - vectors_bytes(hidden, intermediate, False)
 
 
 def stages_for(config: StreamedMLPConfig, hidden: int, intermediate: int) -> int:
     """The (gate|up) kernel's ring depth: the config's, reduced until the ring and the vectors fit one program's
-    shared memory, or, split, until both kernels' programs fit an SM."""
-    if not config.grid_barrier:
+    shared memory, or, split and co-resident, until both kernels' programs fit an SM."""
+    if not config.grid_barrier and config.co_resident:
         return split_stages(config, hidden, intermediate)[0]
-    room = SHARED_MEMORY_BYTES - vectors_bytes(hidden, intermediate)
+    room = SHARED_MEMORY_BYTES - vectors_bytes(hidden, intermediate, config.grid_barrier)
+    return min(config.stages, room // (config.boxes * BOX_BYTES))
+
+
+def down_stages_for(config: StreamedMLPConfig, hidden: int, intermediate: int) -> int:
+    """The split form's down-projection ring depth (its own kernel, a streamed GEMV over the activations)."""
+    if config.co_resident:
+        return split_stages(config, hidden, intermediate)[1]
+    room = SHARED_MEMORY_BYTES - gemv_vector_bytes(intermediate)
     return min(config.stages, room // (config.boxes * BOX_BYTES))
 
 
 def shape_supported(config: StreamedMLPConfig, hidden: int, intermediate: int) -> bool:
     """Whether the kernel takes an MLP of this shape: whole slots along both projections' columns, and rings of
-    at least 2 slots beside the vectors (split: both kernels' rings, which share an SM)."""
+    at least 2 slots beside the vectors (split: both kernels' rings, which share an SM where co-resident)."""
     width = 256 * config.boxes
     if hidden % width or intermediate % width or hidden < 256:
         return False
     if config.grid_barrier:
         return stages_for(config, hidden, intermediate) >= 2
-    return min(split_stages(config, hidden, intermediate)) >= 2
+    return min(stages_for(config, hidden, intermediate), down_stages_for(config, hidden, intermediate)) >= 2
 
 
 def streamed_mlp_ref(

@@ -31,6 +31,7 @@ from asyncspec.kernels.streamed_gemv_gluon import StreamedGemv
 from asyncspec.kernels.streamed_mlp import (
     StreamedMLPConfig,
     StreamedMLPError,
+    down_stages_for,
     shape_supported,
     split_down_room,
     stages_for,
@@ -296,7 +297,7 @@ class StreamedMLP:
         if not config.grid_barrier:
             for hidden, intermediate in shapes:
                 down_config = StreamedGemvConfig(
-                    stages_for(config, hidden, intermediate), config.boxes, config.warps, config.registers
+                    down_stages_for(config, hidden, intermediate), config.boxes, config.warps, config.registers
                 )
                 room = split_down_room(config, hidden, intermediate)
                 self._down[(hidden, intermediate)] = StreamedGemv(self.device, down_config, room)

@@ -25,14 +25,16 @@ default until it is verified on a GPU in the engine: docs/benchmarks.md, 2026-12
 `barrier` or `split` names the form. `barrier` is one kernel whose grid barrier needs one program resident on every
 SM at once: do not use it under MPS (an active-thread percentage below 100, or two engines' kernels running side by
 side on one GPU, could leave programs waiting for each other for ever). `split` is two kernels without a barrier
-(gate|up, then the down projection as a streamed GEMV), which cannot hang."""
-STREAMED_MLP_FORMS = ("barrier", "split")
+(gate|up, then the down projection as a streamed GEMV), which cannot hang; their rings share an SM, so that the
+second kernel's loader starts during the first's tail. `split-deep` is those two kernels with a ring of a whole
+SM's shared memory each (about 208 KiB in flight a program, where `split` keeps about 80 KiB)."""
+STREAMED_MLP_FORMS = ("barrier", "split", "split-deep")
 DEFAULT_STREAMED_MLP_FORM = "barrier"
 """The form `1` selects: the one measured faster in the engine's graphs."""
 
 
 class StreamedMLPSettingError(ValueError):
-    """ASYNCSPEC_STREAMED_MLP holds a value other than 0, 1, barrier or split."""
+    """ASYNCSPEC_STREAMED_MLP holds a value other than 0, 1, barrier, split or split-deep."""
 
 
 def streamed_mlp_form() -> str | None:
@@ -46,7 +48,8 @@ def streamed_mlp_form() -> str | None:
     if value not in STREAMED_MLP_FORMS:
         raise StreamedMLPSettingError(
             f"{STREAMED_MLP_ENV}={value!r}: set it to 0 (off, the default), 1 (on, the {DEFAULT_STREAMED_MLP_FORM} "
-            f"form), barrier (one kernel with a grid barrier) or split (two kernels, no barrier)"
+            f"form), barrier (one kernel with a grid barrier), split (two kernels, no barrier) or split-deep (split "
+            "with deeper rings)"
         )
     return value
 
@@ -99,7 +102,11 @@ def make_streamed_mlp(model: nn.Module, device: torch.device) -> StreamedMLP | N
     reason = unavailable_reason(device)
     from asyncspec.kernels.streamed_mlp import StreamedMLPConfig, shape_supported
 
-    config = StreamedMLPConfig(grid_barrier=form == "barrier")
+    if form == "split-deep":
+        # 16 is a cap: `stages_for` keeps as many slots as fit beside the vectors (13 for the 1B, 12 for the 8B).
+        config = StreamedMLPConfig(stages=16, grid_barrier=False, co_resident=False)
+    else:
+        config = StreamedMLPConfig(grid_barrier=form == "barrier")
     shapes = {shape for shape in served_shapes(model) if shape_supported(config, *shape)}
     if reason is None and not shapes:
         reason = (

@@ -20,7 +20,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("form", ["barrier", "split"])
+@pytest.mark.parametrize("form", ["barrier", "split", "split-deep"])
 @pytest.mark.parametrize("enforce_eager", [False, True])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_batch_1_bf16_close_to_hf(monkeypatch, family: str, enforce_eager: bool, form: str, tmp_path) -> None:
@@ -51,6 +51,7 @@ def test_batch_1_bf16_close_to_hf(monkeypatch, family: str, enforce_eager: bool,
     assert layers and all(m.streamed_mlp is not None for m in layers)
     streamed = layers[0].streamed_mlp
     assert streamed.config.grid_barrier == (form == "barrier")
+    assert streamed.config.co_resident == (form != "split-deep")
     flags = streamed._flags
     launched_before = int(flags[0].item())
     streamed._act.fill_(float("nan"))  # only the kernel writes its activations' scratch

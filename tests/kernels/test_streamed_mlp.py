@@ -10,6 +10,7 @@ from asyncspec.kernels.fused_add_rms_norm import fused_add_rms_norm_ref
 from asyncspec.kernels.silu_and_mul import silu_and_mul_ref
 from asyncspec.kernels.skinny_linear import skinny_linear_ref
 from asyncspec.kernels.streamed_mlp import (
+    BOX_BYTES,
     SHARED_MEMORY_BYTES,
     StreamedMLPConfig,
     StreamedMLPError,
@@ -97,6 +98,33 @@ def test_compiles_for_hopper_within_shared_memory(config: StreamedMLPConfig, hid
     assert f".maxnreg {config.registers}" in ptx
 
 
+DEEP_SPLIT = StreamedMLPConfig(stages=16, grid_barrier=False, co_resident=False)
+
+
+@pytest.mark.parametrize(("hidden", "inter", "stages"), [(2048, 8192, 13), (4096, 14336, 12), (512, 1024, 13)])
+def test_deep_split_rings_take_a_program_s_whole_share(hidden: int, inter: int, stages: int) -> None:
+    """split-deep: each kernel's ring as deep as a program's shared memory allows beside its vectors, far deeper
+    than the co-resident split's, and both compile within it."""
+    pytest.importorskip("triton.experimental.gluon")
+    from asyncspec.kernels.streamed_gemv import StreamedGemvConfig
+    from asyncspec.kernels.streamed_gemv_gluon import compile_for_hopper as compile_gemv
+    from asyncspec.kernels.streamed_mlp import down_stages_for, split_down_room
+    from asyncspec.kernels.streamed_mlp_gluon import compile_for_hopper
+
+    assert shape_supported(DEEP_SPLIT, hidden, inter)
+    assert stages_for(DEEP_SPLIT, hidden, inter) == stages
+    assert down_stages_for(DEEP_SPLIT, hidden, inter) >= stages
+    co_resident = StreamedMLPConfig(stages=16, grid_barrier=False)
+    assert 2 * stages_for(co_resident, hidden, inter) <= stages + 1
+    assert split_down_room(DEEP_SPLIT, hidden, inter) == SHARED_MEMORY_BYTES
+    assert stages * 2 * BOX_BYTES >= 192 * 1024  # the bytes in flight the deep GEMV needed to read at 0.965
+    gate_up = compile_for_hopper(DEEP_SPLIT, hidden, inter)
+    assert gate_up.metadata.shared <= SHARED_MEMORY_BYTES
+    down_config = StreamedGemvConfig(down_stages_for(DEEP_SPLIT, hidden, inter), 2, 8, DEEP_SPLIT.registers)
+    down = compile_gemv(down_config, hidden, inter, room=SHARED_MEMORY_BYTES)
+    assert down.metadata.shared <= SHARED_MEMORY_BYTES
+
+
 @pytest.mark.parametrize(("hidden", "inter"), [(2048, 8192), (4096, 14336), (3072, 8192), (512, 1024)])
 def test_split_kernels_share_an_sm(hidden: int, inter: int) -> None:
     """The split form's down projection streams while the gate|up kernel finishes only if a program of each fits
@@ -147,6 +175,9 @@ def _hopper() -> bool:
         (StreamedMLPConfig(grid_barrier=False), 4096, 14336),
         (StreamedMLPConfig(grid_barrier=False), 3072, 8192),
         (StreamedMLPConfig(grid_barrier=False), 512, 1024),
+        (DEEP_SPLIT, 2048, 8192),
+        (DEEP_SPLIT, 4096, 14336),
+        (DEEP_SPLIT, 512, 1024),
     ],
 )
 def test_matches_reference_on_hopper(monkeypatch, pdl: str, config: StreamedMLPConfig, hidden: int, inter: int):

@@ -52,11 +52,11 @@ def test_setting_is_off_unless_asked(monkeypatch) -> None:
     monkeypatch.setenv(STREAMED_MLP_ENV, "1")
     assert streamed_mlp_requested()
     assert streamed_mlp_form() == DEFAULT_STREAMED_MLP_FORM
-    for form in ("barrier", "split"):
+    for form in ("barrier", "split", "split-deep"):
         monkeypatch.setenv(STREAMED_MLP_ENV, form)
         assert streamed_mlp_requested() and streamed_mlp_form() == form
     monkeypatch.setenv(STREAMED_MLP_ENV, "yes")
-    with pytest.raises(StreamedMLPSettingError, match="set it to 0 .* 1 .* barrier .* or split"):
+    with pytest.raises(StreamedMLPSettingError, match="set it to 0 .* 1 .* barrier .* split .* or split-deep"):
         streamed_mlp_requested()
 
 
