@@ -35,7 +35,10 @@
 #   deep-tiles  skinny_linear's tensor-core tiles with deeper pipelines at M = 16, 32 on the 1B and 8B projections
 #          (skinny_linear.py --sweep --focus deep): the 32-stream step's projections read at 0.32-0.87 of an H200's
 #          bandwidth with 48-96 KiB in flight a program (2026-12-03); then the one-row GEMV's deep ring on every
-#          1B/8B projection (streamed_kernels.py --deep): ~6 min
+#          1B/8B projection (streamed_kernels.py --deep): under 1 min on a warm H100, where deeper pipelines gained
+#          4-11 % on the small projections and nothing on gate|up (2026-12-05); an H200 has not run it
+#   split-deep-ab  the 1B/8B graph-replay A/B of ASYNCSPEC_STREAMED_MLP=split-deep against the default, two rounds:
+#          ~3 min (an H100 measured the 1B step 0.8 % faster in one round, 2026-12-05)
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
 # their wheels; the device README says how).
 set -uo pipefail
@@ -118,6 +121,15 @@ if [[ " $parts " == *" deep-tiles "* ]]; then
         --layers qkv,o,gate_up,down --budget-s 360 --output "$out/skinny_deep.json" 2>&1 | tail -20
     # The one-row side: the streamed GEMV's deep ring on every projection's shape against skinny_linear.
     timeout 100 python3 benchmarks/streamed_kernels.py --deep --output "$out/streamed_deep.json" 2>&1 | tail -18
+fi
+
+if [[ " $parts " == *" split-deep-ab "* ]]; then
+    p="ASYNCSPEC_PDL=1"
+    m="ASYNCSPEC_STREAMED_MLP=split-deep"
+    timeout 100 python3 benchmarks/graph_replay.py --models llama-1b --switches "$p,$p+$m,$p,$p+$m" \
+        --output "$out/graph_replay_split_deep_1b.json" 2>&1 | tail -5
+    timeout 240 python3 benchmarks/graph_replay.py --models llama-8b --switches "$p,$p+$m,$p,$p+$m" \
+        --output "$out/graph_replay_split_deep_8b.json" 2>&1 | tail -5
 fi
 
 if [[ " $parts " == *" step "* ]]; then
