@@ -19,7 +19,7 @@
 #   epilogues  the projections' epilogues of 2026-12-03 (SiLU-and-multiply on tensor-core tiles, RoPE + KV write in
 #          q|k|v): their kernel tests, the bf16 engine tests that take them, and the 1B/8B graph-replay A/B of the
 #          rotary epilogue against ASYNCSPEC_ROTARY_IN_LINEAR=0: ~6 min
-#   streamed   the streamed MLP (ASYNCSPEC_STREAMED_MLP=barrier|split), o projection (ASYNCSPEC_STREAMED_O_PROJ=1)
+#   streamed   the streamed MLP (ASYNCSPEC_STREAMED_MLP=barrier|split|split-deep), o projection (ASYNCSPEC_STREAMED_O_PROJ=1)
 #          and attention input (ASYNCSPEC_STREAMED_ATTN_IN=1) of 2026-12-04/05: their kernel and engine GPU tests,
 #          ~4 min on a cold machine
 #   streamed-ab  the 1B/8B graph-replay A/B of each of those against the default, one at a time, then each
@@ -36,7 +36,7 @@
 #          (skinny_linear.py --sweep --focus deep): the 32-stream step's projections read at 0.32-0.87 of an H200's
 #          bandwidth with 48-96 KiB in flight a program (2026-12-03); then the one-row GEMV's deep ring on every
 #          1B/8B projection (streamed_kernels.py --deep): under 1 min on a warm H100, where deeper pipelines gained
-#          4-11 % on the small projections and nothing on gate|up (2026-12-05); an H200 has not run it
+#          4-12 % on the small projections and nothing on gate|up (2026-12-05); an H200 has not run it
 #   split-deep-ab  the 1B/8B graph-replay A/B of ASYNCSPEC_STREAMED_MLP=split-deep against the default, two rounds:
 #          ~3 min (an H100 measured the 1B step 0.8 % faster in one round, 2026-12-05)
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry

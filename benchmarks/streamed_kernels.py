@@ -136,12 +136,12 @@ def gemv_rows(
     from asyncspec.kernels.skinny_linear_triton import make_split_counters, skinny_linear
     from asyncspec.kernels.streamed_gemv import StreamedGemvConfig
     from asyncspec.kernels.streamed_gemv_gluon import StreamedGemv
-    from asyncspec.kernels.streamed_mlp import StreamedMLPConfig, split_down_room, stages_for
+    from asyncspec.kernels.streamed_mlp import StreamedMLPConfig, down_stages_for, split_down_room
 
     hidden, inter, layers = SHAPES[model]
     counters = make_split_counters("cuda")
     split = StreamedMLPConfig(grid_barrier=False)
-    split_down = StreamedGemvConfig(stages_for(split, hidden, inter), split.boxes, split.warps, split.registers)
+    split_down = StreamedGemvConfig(down_stages_for(split, hidden, inter), split.boxes, split.warps, split.registers)
     cases = [
         ("o", hidden, hidden, StreamedGemvConfig(), None),
         ("down", hidden, inter, StreamedGemvConfig(), None),

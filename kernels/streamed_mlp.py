@@ -25,9 +25,9 @@ from asyncspec.kernels.streamed_gemv import (
 __all__ = [
     "BOX_BYTES",
     "SHARED_MEMORY_BYTES",
-    "down_stages_for",
     "StreamedMLPConfig",
     "StreamedMLPError",
+    "down_stages_for",
     "shape_supported",
     "split_down_room",
     "split_stages",
@@ -54,8 +54,8 @@ class StreamedMLPConfig:
     """Registers a thread at launch, so that other kernels' programs can share an SM with one of these."""
     grid_barrier: bool = True
     """True: one kernel, whose programs meet at a grid barrier between gate|up and down (every program must be
-    resident at once). False: two kernels, gate|up then down as a streamed GEMV whose loader starts during the
-    first kernel's tail; no barrier, so nothing can hang where an SM is kept from it."""
+    resident at once). False: two kernels, gate|up then down as a streamed GEMV (whose loader starts during the
+    first kernel's tail where `co_resident`); no barrier, so nothing can hang where an SM is kept from it."""
     co_resident: bool = True
     """Split form only. True: both kernels' rings fit one SM together, so the down projection's loader streams
     during the gate|up kernel's tail. False: each kernel's ring takes a program's whole shared memory (the bytes in
@@ -63,6 +63,11 @@ class StreamedMLPConfig:
 
     def __post_init__(self) -> None:
         check_stream_config(self.stages, self.boxes, self.warps, self.registers, StreamedMLPError)
+        if self.grid_barrier and not self.co_resident:
+            raise StreamedMLPError(
+                "co_resident=False sizes the split form's two kernels; with grid_barrier=True there is one kernel: "
+                "set grid_barrier=False too, or leave co_resident at True"
+            )
 
 
 def vectors_bytes(hidden: int, intermediate: int, grid_barrier: bool = True) -> int:

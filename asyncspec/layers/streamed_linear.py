@@ -36,8 +36,8 @@ the target model's one-row calls take it: a speculative verify step has k + 1 ro
 STREAMED_DOWN_PROJ_ENV = "ASYNCSPEC_STREAMED_DOWN_PROJ"
 """auto (the default) runs batch-1 decode layers' MLP down projection as a streamed Gluon GEMV with a deep ring on
 Hopper for only the shapes it was measured faster on: a down projection whose 16-row tiles number between half the
-GPU's SMs and all of them, one tile a program (the Llama-1B's 2,048 rows; not the 8B's 4,096, nor the bundled
-target's 384). 1 takes every shape the kernel can, 0 none. As the o projection's: no grid barrier, the target's
+GPU's SMs and all of them, one tile a program, each at least 4,096 columns wide (the Llama-1B's [2048, 8192]; not the
+8B's 4,096 rows, nor the bundled target's [384, 1024]). 1 takes every shape the kernel can, 0 none. As the o projection's: no grid barrier, the target's
 one-row calls only. The streamed MLP (ASYNCSPEC_STREAMED_MLP), where on, runs the whole post-attention half
 instead."""
 STREAMED_DOWN_PROJ_SETTINGS = ("0", "1", "auto")
@@ -67,13 +67,20 @@ def streamed_down_proj_setting() -> str:
     return value
 
 
+MIN_STREAMED_TILE_COLUMNS = 4096
+"""auto's least K: a 16-row tile of at least 128 KiB, so that the deep ring (208 KiB) has bytes to keep in flight."""
+
+
 def one_tile_per_sm(shapes: set[tuple[int, int]], num_sms: int) -> bool:
-    """Whether every weight [N, K] of `shapes` has between `num_sms` / 2 and `num_sms` 16-row tiles: one program an
-    SM then owns a tile's whole K, and most SMs read. Measured on three shapes (an H100, 2026-12-05): the 1B's down
-    projection, 128 tiles, read at 0.965 of the card streamed against `skinny_linear`'s 0.83 and made the step 2.7 %
-    faster; the 8B's, 256 tiles, and the bundled target's, 24 tiles of 1,024 columns, made theirs slower (0.7 %,
-    5 %). The bounds between are not measured."""
-    return bool(shapes) and all(num_sms <= 2 * -(-n // 16) <= 2 * num_sms for n, _ in shapes)
+    """Whether every weight [N, K] of `shapes` has between `num_sms` / 2 and `num_sms` 16-row tiles of at least
+    `MIN_STREAMED_TILE_COLUMNS` columns: one program an SM then streams a tile's whole K, and most SMs read.
+    Measured on three shapes (an H100, 2026-12-05): the 1B's down projection [2048, 8192], 128 tiles, read at 0.965
+    of the card streamed against `skinny_linear`'s 0.83, and the step ran 2.2-2.8 % faster; the 8B's [4096, 14336],
+    256 tiles, and the bundled target's [384, 1024], 24 tiles, made theirs slower (0.7 %, 5 %). The bounds between
+    those shapes are not measured."""
+    return bool(shapes) and all(
+        num_sms <= 2 * -(-n // 16) <= 2 * num_sms and k >= MIN_STREAMED_TILE_COLUMNS for n, k in shapes
+    )
 
 
 def _projections(model: nn.Module, name: str) -> list[DecodeLinear]:
@@ -115,8 +122,9 @@ def _make_gemv(
     if reason is None and not any(gemv_shape_supported(config, n, k) for n, k in shapes):
         reason = f"no bias-free {what} has a shape it takes (16-row tiles, 256-column boxes)"
     if reason is not None:
-        # auto asks only where the kernel fits: elsewhere (another GPU, another shape) its absence is no surprise.
-        log = logger.info if setting == "auto" else logger.warning
+        # auto (the default) asks only where the kernel fits: elsewhere (another GPU, another shape) its absence is
+        # no surprise, and not worth a line at every start.
+        log = logger.debug if setting == "auto" else logger.warning
         log("%s=%s but the streamed %s is off: %s", env, setting, what, reason)
         return None
     from asyncspec.kernels.streamed_gemv_gluon import StreamedGemv
@@ -148,11 +156,12 @@ def make_streamed_down_proj(model: nn.Module, device: torch.device) -> StreamedG
     if setting == "auto" and shapes and unavailable_reason(device) is None:
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         if not one_tile_per_sm(shapes, num_sms):
-            logger.info(
+            logger.debug(
                 "streamed down projection off (auto): shapes %s do not have between half the %d SMs and all of them "
-                "in 16-row tiles",
+                "in 16-row tiles of at least %d columns",
                 sorted(shapes),
                 num_sms,
+                MIN_STREAMED_TILE_COLUMNS,
             )
             return None
     from asyncspec.kernels.streamed_gemv import StreamedGemvConfig

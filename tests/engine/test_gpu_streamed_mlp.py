@@ -52,6 +52,11 @@ def test_batch_1_bf16_close_to_hf(monkeypatch, family: str, enforce_eager: bool,
     streamed = layers[0].streamed_mlp
     assert streamed.config.grid_barrier == (form == "barrier")
     assert streamed.config.co_resident == (form != "split-deep")
+    if form != "barrier":  # the down projection's GEMV: 14 slots of its own (split-deep), or what shares an SM
+        from asyncspec.kernels.streamed_mlp import down_stages_for
+
+        depth = streamed._down[(512, 1024)].config.stages
+        assert depth == down_stages_for(streamed.config, 512, 1024) and (depth == 14) == (form == "split-deep")
     flags = streamed._flags
     launched_before = int(flags[0].item())
     streamed._act.fill_(float("nan"))  # only the kernel writes its activations' scratch

@@ -71,6 +71,29 @@ def test_not_on_the_cpu(monkeypatch, caplog) -> None:
     assert "streamed MLP is off: cpu is not a CUDA device" in caplog.text
 
 
+@pytest.mark.parametrize(
+    ("form", "grid_barrier", "co_resident", "stages"),
+    [("1", True, True, 12), ("barrier", True, True, 12), ("split", False, True, 12), ("split-deep", False, False, 16)],
+)
+def test_each_form_builds_its_config(
+    monkeypatch, form: str, grid_barrier: bool, co_resident: bool, stages: int
+) -> None:
+    pytest.importorskip("triton.experimental.gluon")
+    from asyncspec.kernels import streamed_mlp_gluon
+    from asyncspec.layers import streamed_mlp
+
+    monkeypatch.setattr(streamed_mlp, "unavailable_reason", lambda device: None)  # as on a Hopper GPU
+    built: list[tuple] = []
+    monkeypatch.setattr(
+        streamed_mlp_gluon, "StreamedMLP", lambda device, shapes, config: built.append((shapes, config))
+    )
+    monkeypatch.setenv(STREAMED_MLP_ENV, form)
+    make_streamed_mlp(_Layers(_config()), torch.device("cuda"))
+    ((shapes, config),) = built
+    assert shapes == {(512, 1024)}
+    assert (config.grid_barrier, config.co_resident, config.stages) == (grid_barrier, co_resident, stages)
+
+
 def test_served_shapes_skip_biased_mlps() -> None:
     assert served_shapes(_Layers(_config())) == {(512, 1024)}
     assert served_shapes(_Layers(_config(mlp_bias=True))) == set()
