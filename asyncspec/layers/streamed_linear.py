@@ -36,10 +36,10 @@ the target model's one-row calls take it: a speculative verify step has k + 1 ro
 STREAMED_DOWN_PROJ_ENV = "ASYNCSPEC_STREAMED_DOWN_PROJ"
 """auto (the default) runs batch-1 decode layers' MLP down projection as a streamed Gluon GEMV with a deep ring on
 Hopper for only the shapes it was measured faster on: a down projection whose 16-row tiles number between half the
-GPU's SMs and all of them, one tile a program, each at least 4,096 columns wide (the Llama-1B's [2048, 8192]; not the
-8B's 4,096 rows, nor the bundled target's [384, 1024]). 1 takes every shape the kernel can, 0 none. As the o projection's: no grid barrier, the target's
-one-row calls only. The streamed MLP (ASYNCSPEC_STREAMED_MLP), where on, runs the whole post-attention half
-instead."""
+GPU's SMs and all of them, one tile a program, each at least 4,096 columns wide (the Llama-1B's [2048, 8192]; not
+the 8B's 4,096 rows, nor the bundled target's [384, 1024]). 1 takes every shape the kernel can, 0 none. As the o
+projection's: no grid barrier, the target's one-row calls only. The streamed MLP (ASYNCSPEC_STREAMED_MLP), where
+on, runs the whole post-attention half instead."""
 STREAMED_DOWN_PROJ_SETTINGS = ("0", "1", "auto")
 
 

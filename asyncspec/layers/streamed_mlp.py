@@ -22,12 +22,12 @@ logger = logging.getLogger(__name__)
 STREAMED_MLP_ENV = "ASYNCSPEC_STREAMED_MLP"
 """Set to 1 to run batch-1 decode layers' post-attention norm and MLP as streamed Gluon kernels on Hopper (off by
 default until it is verified on a GPU in the engine: docs/benchmarks.md, 2026-12-04), in the default form;
-`barrier`, `split` or `split-deep` names the form. `barrier` is one kernel whose grid barrier needs one program resident on every
-SM at once: do not use it under MPS (an active-thread percentage below 100, or two engines' kernels running side by
-side on one GPU, could leave programs waiting for each other for ever). `split` is two kernels without a barrier
-(gate|up, then the down projection as a streamed GEMV), which cannot hang; their rings share an SM, so that the
-second kernel's loader starts during the first's tail. `split-deep` is those two kernels with a ring of a whole
-SM's shared memory each (about 200 KiB in flight a program, where `split` keeps 80-96 KiB)."""
+`barrier`, `split` or `split-deep` names the form. `barrier` is one kernel whose grid barrier needs one program
+resident on every SM at once: do not use it under MPS (an active-thread percentage below 100, or two engines'
+kernels running side by side on one GPU, could leave programs waiting for each other for ever). `split` is two
+kernels without a barrier (gate|up, then the down projection as a streamed GEMV), which cannot hang; their rings
+share an SM, so that the second kernel's loader starts during the first's tail. `split-deep` is those two kernels
+with a ring of a whole SM's shared memory each (about 200 KiB in flight a program, where `split` keeps 80-96 KiB)."""
 STREAMED_MLP_FORMS = ("barrier", "split", "split-deep")
 DEFAULT_STREAMED_MLP_FORM = "barrier"
 """The form `1` selects: the one measured faster in the engine's graphs."""
