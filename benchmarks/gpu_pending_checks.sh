@@ -19,8 +19,8 @@
 #   epilogues  the projections' epilogues of 2026-12-03 (SiLU-and-multiply on tensor-core tiles, RoPE + KV write in
 #          q|k|v): their kernel tests, the bf16 engine tests that take them, and the 1B/8B graph-replay A/B of the
 #          rotary epilogue against ASYNCSPEC_ROTARY_IN_LINEAR=0: ~6 min
-#   streamed   the streamed MLP (ASYNCSPEC_STREAMED_MLP=barrier|split|split-deep), o projection (ASYNCSPEC_STREAMED_O_PROJ=1)
-#          and attention input (ASYNCSPEC_STREAMED_ATTN_IN=1) of 2026-12-04/05: their kernel and engine GPU tests,
+#   streamed   the streamed MLP (ASYNCSPEC_STREAMED_MLP=barrier|split|split-deep), o projection
+#          (ASYNCSPEC_STREAMED_O_PROJ=1) and attention input (ASYNCSPEC_STREAMED_ATTN_IN=1) of 2026-12-04/05: their kernel and engine GPU tests,
 #          ~4 min on a cold machine
 #   streamed-ab  the 1B/8B graph-replay A/B of each of those against the default, one at a time, then each
 #          kernel's streaming rate alone against the chain's (streamed_kernels.py): ~5.5 min (an H100 measured no

@@ -61,8 +61,8 @@ def streamed_down_proj_setting() -> str:
     value = os.environ.get(STREAMED_DOWN_PROJ_ENV, "auto").strip().lower()
     if value not in STREAMED_DOWN_PROJ_SETTINGS:
         raise StreamedLinearSettingError(
-            f"{STREAMED_DOWN_PROJ_ENV}={value!r}: set it to 0 (off), 1 (on) or auto (the default: on where each SM "
-            "streams at most one 16-row tile and at least half of them stream one)"
+            f"{STREAMED_DOWN_PROJ_ENV}={value!r}: set it to 0 (off), 1 (on) or auto (the default: on for the shapes "
+            "it was measured faster on)"
         )
     return value
 
