@@ -39,6 +39,8 @@
 #          4-12 % on the small projections and nothing on gate|up (2026-12-05); an H200 has not run it
 #   split-deep-ab  the 1B/8B graph-replay A/B of ASYNCSPEC_STREAMED_MLP=split-deep against the default, two rounds:
 #          ~3 min (an H100 measured the 1B step 0.8 % faster in one round, 2026-12-05)
+#   streams32  the 1B decode at 32 streams against its roofline (gpu_step_speed.py, bandwidth and async, one
+#          steady window of 32): issue 8's 0.6 goal, last 0.54 on an H200 (2026-12-03), 0.63 on an H100: ~2 min
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
 # their wheels; the device README says how).
 set -uo pipefail
@@ -130,6 +132,11 @@ if [[ " $parts " == *" split-deep-ab "* ]]; then
         --output "$out/graph_replay_split_deep_1b.json" 2>&1 | tail -5
     timeout 240 python3 benchmarks/graph_replay.py --models llama-8b --switches "$p,$p+$m,$p,$p+$m" \
         --output "$out/graph_replay_split_deep_8b.json" 2>&1 | tail -5
+fi
+
+if [[ " $parts " == *" streams32 "* ]]; then
+    timeout 240 python3 benchmarks/gpu_step_speed.py --models llama-1b --parts bandwidth,async --concurrency 32 \
+        --window-batches 32 --sweep-batches 32 --trials 1 --output "$out/step_speed_1b_32.json" 2>&1 | tail -12
 fi
 
 if [[ " $parts " == *" step "* ]]; then
