@@ -6,8 +6,9 @@
 #
 # Writes its JSON under $OUT (or /tmp/pending). Parts, each about one device call (at most 10 minutes):
 #   tests  the whole gpu-marked suite but tensor parallelism: 7 to more than 10 min on an H100 (a cold machine
-#          compiles every kernel), so one call may not hold it: tests-a (worker, layers, kernels) and tests-b
-#          (spec, engine, models) split it in two
+#          compiles every kernel), so one call may not hold it: tests-a (worker, layers, kernels), tests-b (spec,
+#          engine, models, but the streamed kernels' engine tests) and tests-c (those) split it in three (tests-b
+#          whole ran past 560 s on a cold H200, 2026-12-05)
 #   tp     the tensor-parallel GPU tests (two GPUs or more): ~5 min
 #   step   batch-1 TPOT and 32/128-stream throughput of the bundled pair at BASE and NEW, alternated twice (pack
 #          them here first: `benchmarks/ab_commits.sh pack BASE NEW`, and carry .devdata). One process per run;
@@ -30,15 +31,16 @@
 #          passed on an H100 on 2026-12-05, and it was slower there: 3.1 % on the 1B step, 1.2 % on the 8B's)
 #   down-proj  the streamed down projection (ASYNCSPEC_STREAMED_DOWN_PROJ, 2026-12-05): its kernel and engine GPU
 #          tests, ~3-5 min
-#   down-proj-ab  the bundled/1B graph-replay A/B of the default (auto: the 1B's down projection streamed, not the
-#          bundled target's) against ASYNCSPEC_STREAMED_DOWN_PROJ=0, two rounds: ~2.5 min
+#   down-proj-ab  the bundled/1B graph-replay A/B of the down projection's auto (the 1B's streamed, not the bundled
+#          target's) against ASYNCSPEC_STREAMED_DOWN_PROJ=0, two rounds, the streamed MLP off in both: ~2.5 min
 #   deep-tiles  skinny_linear's tensor-core tiles with deeper pipelines at M = 16, 32 on the 1B and 8B projections
 #          (skinny_linear.py --sweep --focus deep): the 32-stream step's projections read at 0.32-0.87 of an H200's
 #          bandwidth with 48-96 KiB in flight a program (2026-12-03); then the one-row GEMV's deep ring on every
 #          1B/8B projection (streamed_kernels.py --deep): under 1 min on a warm H100, where deeper pipelines gained
 #          4-12 % on the small projections and nothing on gate|up (2026-12-05); an H200 has not run it
-#   split-deep-ab  the 1B/8B graph-replay A/B of ASYNCSPEC_STREAMED_MLP=split-deep against the default, two rounds:
-#          ~3 min (an H100 measured the 1B step 0.8 % faster in one round, 2026-12-05)
+#   mlp-auto-ab  the 1B/8B graph-replay A/B of the default (ASYNCSPEC_STREAMED_MLP=auto: the 1B's MLP in the
+#          split-deep form, the 8B's chain) against ASYNCSPEC_STREAMED_MLP=0, two rounds: ~3 min (split-deep's 1B step
+#          was 0.8 % faster on an H100 in one round, 1.7-2.0 % on an H200 in two; the 8B's 3.2 % slower, 2026-12-05)
 #   streams32  the 1B decode at 32 streams against its roofline (gpu_step_speed.py, bandwidth and async, one
 #          steady window of 32): issue 8's 0.6 goal, last 0.54 on an H200 (2026-12-03), 0.63 on an H100: ~2 min
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
@@ -59,8 +61,12 @@ fi
 if [[ " $parts " == *" tests-a "* ]]; then
     gpu_tests tests/worker tests/layers tests/kernels
 fi
+streamed_engine_tests=(tests/engine/test_gpu_streamed_*.py)
 if [[ " $parts " == *" tests-b "* ]]; then
-    gpu_tests tests/spec tests/engine tests/models
+    gpu_tests tests/spec tests/engine tests/models "${streamed_engine_tests[@]/#/--ignore=}"
+fi
+if [[ " $parts " == *" tests-c "* ]]; then
+    gpu_tests "${streamed_engine_tests[@]}"
 fi
 if [[ " $parts " == *" tp "* ]]; then
     timeout 560 python3 -m pytest -q -p no:cacheprovider tests/worker/test_symm_all_reduce_gpu.py \
@@ -113,7 +119,9 @@ fi
 if [[ " $parts " == *" down-proj-ab "* ]]; then
     p="ASYNCSPEC_PDL=1"
     off="ASYNCSPEC_STREAMED_DOWN_PROJ=0"
-    # auto is the default: the 1B's down projection streamed, the bundled target's (24 tiles) not.
+    # auto: the 1B's down projection streamed, the bundled target's (24 tiles) not; the streamed MLP, whose own
+    # auto would take the 1B's whole half, off.
+    p="$p+ASYNCSPEC_STREAMED_MLP=0"
     timeout 300 python3 benchmarks/graph_replay.py --models bundled,llama-1b \
         --switches "$p+$off,$p,$p+$off,$p" --output "$out/graph_replay_down_proj.json" 2>&1 | tail -9
 fi
@@ -125,13 +133,13 @@ if [[ " $parts " == *" deep-tiles "* ]]; then
     timeout 100 python3 benchmarks/streamed_kernels.py --deep --output "$out/streamed_deep.json" 2>&1 | tail -18
 fi
 
-if [[ " $parts " == *" split-deep-ab "* ]]; then
+if [[ " $parts " == *" mlp-auto-ab "* ]]; then
     p="ASYNCSPEC_PDL=1"
-    m="ASYNCSPEC_STREAMED_MLP=split-deep"
-    timeout 100 python3 benchmarks/graph_replay.py --models llama-1b --switches "$p,$p+$m,$p,$p+$m" \
-        --output "$out/graph_replay_split_deep_1b.json" 2>&1 | tail -5
-    timeout 240 python3 benchmarks/graph_replay.py --models llama-8b --switches "$p,$p+$m,$p,$p+$m" \
-        --output "$out/graph_replay_split_deep_8b.json" 2>&1 | tail -5
+    m="ASYNCSPEC_STREAMED_MLP=0"
+    timeout 100 python3 benchmarks/graph_replay.py --models llama-1b --switches "$p+$m,$p,$p+$m,$p" \
+        --output "$out/graph_replay_mlp_auto_1b.json" 2>&1 | tail -5
+    timeout 240 python3 benchmarks/graph_replay.py --models llama-8b --switches "$p+$m,$p" \
+        --output "$out/graph_replay_mlp_auto_8b.json" 2>&1 | tail -3
 fi
 
 if [[ " $parts " == *" streams32 "* ]]; then

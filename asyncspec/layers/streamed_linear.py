@@ -20,6 +20,7 @@ from torch import nn
 
 from asyncspec.layers.linear import DecodeLinear
 from asyncspec.layers.streamed_mlp import unavailable_reason
+from asyncspec.layers.streamed_shapes import MIN_STREAMED_TILE_COLUMNS, num_sms, one_tile_per_sm
 
 if TYPE_CHECKING:
     from asyncspec.kernels.streamed_gemv import StreamedGemvConfig
@@ -39,7 +40,7 @@ Hopper for only the shapes it was measured faster on: a down projection whose 16
 GPU's SMs and all of them, one tile a program, each at least 4,096 columns wide (the Llama-1B's [2048, 8192]; not
 the 8B's 4,096 rows, nor the bundled target's [384, 1024]). 1 takes every shape the kernel can, 0 none. As the o
 projection's: no grid barrier, the target's one-row calls only. The streamed MLP (ASYNCSPEC_STREAMED_MLP), where
-on, runs the whole post-attention half instead."""
+on, runs the whole post-attention half instead; its own `auto` takes the same shapes, so `auto` here then stays off."""
 STREAMED_DOWN_PROJ_SETTINGS = ("0", "1", "auto")
 
 
@@ -65,22 +66,6 @@ def streamed_down_proj_setting() -> str:
             "it was measured faster on)"
         )
     return value
-
-
-MIN_STREAMED_TILE_COLUMNS = 4096
-"""auto's least K: a 16-row tile of at least 128 KiB, so that the deep ring (208 KiB) has bytes to keep in flight."""
-
-
-def one_tile_per_sm(shapes: set[tuple[int, int]], num_sms: int) -> bool:
-    """Whether every weight [N, K] of `shapes` has between `num_sms` / 2 and `num_sms` 16-row tiles of at least
-    `MIN_STREAMED_TILE_COLUMNS` columns: one program an SM then streams a tile's whole K, and most SMs read.
-    Measured on three shapes (an H100, 2026-12-05): the 1B's down projection [2048, 8192], 128 tiles, read at 0.965
-    of the card streamed against `skinny_linear`'s 0.83, and the step ran 2.2-2.8 % faster; the 8B's [4096, 14336],
-    256 tiles, and the bundled target's [384, 1024], 24 tiles, made theirs slower (0.7 %, 5 %). The bounds between
-    those shapes are not measured."""
-    return bool(shapes) and all(
-        num_sms <= 2 * -(-n // 16) <= 2 * num_sms and k >= MIN_STREAMED_TILE_COLUMNS for n, k in shapes
-    )
 
 
 def _projections(model: nn.Module, name: str) -> list[DecodeLinear]:
@@ -147,20 +132,24 @@ def make_streamed_o_proj(model: nn.Module, device: torch.device) -> StreamedGemv
 
 def make_streamed_down_proj(model: nn.Module, device: torch.device) -> StreamedGemv | None:
     """The GEMV for `model`'s down projections on `device` when ASYNCSPEC_STREAMED_DOWN_PROJ asks for it (1, or auto
-    where `one_tile_per_sm` holds) and it can serve them; otherwise None (logged when it was asked for)."""
+    where `one_tile_per_sm` holds and no streamed MLP already serves the layers: set those first) and it can serve
+    them; otherwise None (logged when it was asked for)."""
     setting = streamed_down_proj_setting()
     if setting == "0":
+        return None
+    if setting == "auto" and any(vars(m).get("streamed_mlp") is not None for m in model.modules()):
+        logger.debug("streamed down projection off (auto): the streamed MLP runs the layers' one-row MLP calls")
         return None
     projections = down_projections(model)
     shapes = {(p.weight.shape[0], p.weight.shape[1]) for p in projections}
     if setting == "auto" and shapes and unavailable_reason(device) is None:
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        if not one_tile_per_sm(shapes, num_sms):
+        sms = num_sms(device)
+        if not one_tile_per_sm(shapes, sms):
             logger.debug(
                 "streamed down projection off (auto): shapes %s do not have between half the %d SMs and all of them "
                 "in 16-row tiles of at least %d columns",
                 sorted(shapes),
-                num_sms,
+                sms,
                 MIN_STREAMED_TILE_COLUMNS,
             )
             return None

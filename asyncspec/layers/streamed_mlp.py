@@ -14,49 +14,50 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from asyncspec.layers.streamed_shapes import MIN_STREAMED_TILE_COLUMNS, num_sms, one_tile_per_sm
+
 if TYPE_CHECKING:
     from asyncspec.kernels.streamed_mlp_gluon import StreamedMLP
 
 logger = logging.getLogger(__name__)
 
 STREAMED_MLP_ENV = "ASYNCSPEC_STREAMED_MLP"
-"""Set to 1 to run batch-1 decode layers' post-attention norm and MLP as streamed Gluon kernels on Hopper (off by
-default until it is verified on a GPU in the engine: docs/benchmarks.md, 2026-12-04), in the default form;
-`barrier`, `split` or `split-deep` names the form. `barrier` is one kernel whose grid barrier needs one program
-resident on every SM at once: do not use it under MPS (an active-thread percentage below 100, or two engines'
-kernels running side by side on one GPU, could leave programs waiting for each other for ever). `split` is two
-kernels without a barrier (gate|up, then the down projection as a streamed GEMV), which cannot hang; their rings
-share an SM, so that the second kernel's loader starts during the first's tail. `split-deep` is those two kernels
-with a ring of a whole SM's shared memory each (about 200 KiB in flight a program, where `split` keeps 80-96 KiB)."""
+"""How batch-1 decode layers run their post-attention norm and MLP on Hopper: `auto` (the default) as streamed
+Gluon kernels in the `split-deep` form for only the shapes measured faster, those whose down projection
+`one_tile_per_sm` takes (the Llama-1B's [2048, 8192]: its step ran 1.7-2.0 % faster on an H200 and 0.8 % on an
+H100; the 8B's ran 3.2 % slower on an H200, so it keeps the chain), `0` never, `1` always in the `barrier` form, or a
+form by name. `barrier` is one kernel whose grid barrier needs one program resident on every SM at once: do not use
+it under MPS (an active-thread percentage below 100, or two engines' kernels running side by side on one GPU, could
+leave programs waiting for each other for ever). `split` is two kernels without a barrier (gate|up, then the down
+projection as a streamed GEMV), which cannot hang; their rings share an SM, so that the second kernel's loader
+starts during the first's tail. `split-deep` is those two kernels with a ring of a whole SM's shared memory each
+(about 200 KiB in flight a program, where `split` keeps 80-96 KiB); it has no barrier either."""
 STREAMED_MLP_FORMS = ("barrier", "split", "split-deep")
 DEFAULT_STREAMED_MLP_FORM = "barrier"
-"""The form `1` selects: the one measured faster in the engine's graphs."""
+"""The form `1` selects: the one measured faster in the engine's graphs (2026-12-04)."""
+AUTO_STREAMED_MLP_FORM = "split-deep"
+"""The form `auto` takes where the shapes qualify: of the three, the only one measured faster on both cards."""
 
 
 class StreamedMLPSettingError(ValueError):
-    """ASYNCSPEC_STREAMED_MLP holds a value other than 0, 1, barrier, split or split-deep."""
+    """ASYNCSPEC_STREAMED_MLP holds a value other than 0, 1, auto, barrier, split or split-deep."""
 
 
 def streamed_mlp_form() -> str | None:
-    """ASYNCSPEC_STREAMED_MLP read: 0 or unset is off (None), 1 the default form, or a form by name; anything
-    else is an error."""
-    value = os.environ.get(STREAMED_MLP_ENV, "0").strip().lower()
+    """ASYNCSPEC_STREAMED_MLP read: "auto" (also unset), 0 is off (None), 1 the default form, or a form by name;
+    anything else is an error."""
+    value = os.environ.get(STREAMED_MLP_ENV, "auto").strip().lower()
     if value == "0":
         return None
     if value == "1":
         return DEFAULT_STREAMED_MLP_FORM
-    if value not in STREAMED_MLP_FORMS:
+    if value != "auto" and value not in STREAMED_MLP_FORMS:
         raise StreamedMLPSettingError(
-            f"{STREAMED_MLP_ENV}={value!r}: set it to 0 (off, the default), 1 (on, the {DEFAULT_STREAMED_MLP_FORM} "
-            f"form), barrier (one kernel with a grid barrier), split (two kernels, no barrier) or split-deep (split "
-            "with deeper rings)"
+            f"{STREAMED_MLP_ENV}={value!r}: set it to auto (the default: the split-deep form for the shapes it was "
+            f"measured faster on), 0 (off), 1 (on, the {DEFAULT_STREAMED_MLP_FORM} form), barrier (one kernel with a "
+            "grid barrier), split (two kernels, no barrier) or split-deep (split with deeper rings)"
         )
     return value
-
-
-def streamed_mlp_requested() -> bool:
-    """Whether ASYNCSPEC_STREAMED_MLP asks for the streamed MLP in some form."""
-    return streamed_mlp_form() is not None
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -94,12 +95,22 @@ def served_shapes(model: nn.Module) -> set[tuple[int, int]]:
 
 
 def make_streamed_mlp(model: nn.Module, device: torch.device) -> StreamedMLP | None:
-    """The kernel for `model`'s layers on `device` when ASYNCSPEC_STREAMED_MLP=1 asks for it and it can serve
-    them; otherwise None (logged when it was asked for)."""
+    """The kernel for `model`'s layers on `device` when ASYNCSPEC_STREAMED_MLP asks for it (a form, or auto where
+    `one_tile_per_sm` takes every served down projection) and it can serve them; otherwise None (logged when a
+    form was asked for by name)."""
     form = streamed_mlp_form()
     if form is None:
         return None
+    setting = form
     reason = unavailable_reason(device)
+    if form == "auto":
+        down_weights = served_shapes(model)  # (hidden, intermediate): the down projection's [N, K]
+        if reason is None and not one_tile_per_sm(down_weights, num_sms(device)):
+            reason = (
+                f"the down projections {sorted(down_weights)} do not have between half the GPU's SMs and all of them "
+                f"in 16-row tiles of at least {MIN_STREAMED_TILE_COLUMNS} columns"
+            )
+        form = AUTO_STREAMED_MLP_FORM
     from asyncspec.kernels.streamed_mlp import StreamedMLPConfig, shape_supported
 
     if form == "split-deep":
@@ -114,11 +125,20 @@ def make_streamed_mlp(model: nn.Module, device: torch.device) -> StreamedMLP | N
             "no TP, rings of 2 slots beside the vectors in shared memory)"
         )
     if reason is not None:
-        logger.warning("%s asks for it but the streamed MLP is off: %s", STREAMED_MLP_ENV, reason)
+        # auto (the default) asks only where the measured shapes are: elsewhere (another GPU, another model) its
+        # absence is no surprise, and not worth a line at every start.
+        log = logger.debug if setting == "auto" else logger.warning
+        log("%s=%s but the streamed MLP is off: %s", STREAMED_MLP_ENV, setting, reason)
         return None
     from asyncspec.kernels.streamed_mlp_gluon import StreamedMLP
 
-    logger.info("streamed MLP (%s form) on for batch-1 decode, shapes %s", form, sorted(shapes))
+    logger.info(
+        "streamed MLP (%s form, %s=%s) on for batch-1 decode, shapes %s",
+        form,
+        STREAMED_MLP_ENV,
+        setting,
+        sorted(shapes),
+    )
     return StreamedMLP(device, shapes, config)
 
 

@@ -1,4 +1,4 @@
-"""The streamed MLP (ASYNCSPEC_STREAMED_MLP=1) in the engine on a Hopper GPU: bf16 greedy decoding at batch 1
+"""The streamed MLP (ASYNCSPEC_STREAMED_MLP) in the engine on a Hopper GPU: bf16 greedy decoding at batch 1
 stays close to Hugging Face, with CUDA graphs on and eagerly, and the kernel really serves the decode steps."""
 
 from __future__ import annotations
@@ -166,3 +166,40 @@ def test_streamed_attn_in_batch_1_bf16_close_to_hf(monkeypatch, enforce_eager: b
         _assert_close_greedy(ours, our_top5, ref, ref_logprobs)
     if enforce_eager:
         assert len(residuals) >= 3 * 23 * len(layers)
+
+
+@pytest.mark.parametrize(("hidden", "served"), [(2048, True), (512, False)])
+def test_auto_serves_the_measured_shape_only(monkeypatch, hidden: int, served: bool, tmp_path) -> None:
+    """auto (also unset) runs the split-deep form where the down projection's 16-row tiles fill between half the
+    SMs and all of them (hidden 2,048: 128 tiles), and leaves the down projection's own GEMV off there; hidden 512
+    (32 tiles) keeps the chain. Where it serves, batch-1 bf16 greedy decoding stays close to HF."""
+    if served:
+        monkeypatch.delenv("ASYNCSPEC_STREAMED_MLP", raising=False)
+        monkeypatch.delenv("ASYNCSPEC_STREAMED_DOWN_PROJ", raising=False)
+    else:
+        monkeypatch.setenv("ASYNCSPEC_STREAMED_MLP", "auto")
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if not 128 <= num_sms < 256:
+        pytest.skip(f"the test's shapes assume 128 to 255 SMs, not {num_sms}")
+    hf = save_tiny_family_model("llama", tmp_path, torch.bfloat16, hidden_size=hidden, intermediate_size=4096)
+    llm = LLM(
+        str(tmp_path),
+        device="cuda",
+        skip_tokenizer_init=True,
+        max_model_len=128,
+        gpu_memory_utilization=0.2,  # beside other tests' engines in one process
+    )
+    model = llm.engine.engine_core.runner.model
+    layers = [m for m in model.modules() if "streamed_mlp" in vars(m)]
+    assert layers and all((m.streamed_mlp is not None) == served for m in layers)
+    if not served:
+        return
+    assert (layers[0].streamed_mlp.config.grid_barrier, layers[0].streamed_mlp.config.co_resident) == (False, False)
+    assert all(m.down_proj.streamed_gemv is None for m in model.modules() if hasattr(m, "down_proj"))
+    hf = hf.cuda().eval()
+    rng = random.Random(0)
+    for _ in range(2):
+        prompt = [rng.randrange(2, 512) for _ in range(rng.randrange(5, 40))]
+        ((ours, our_top5),) = _run_ours(llm, [prompt], 16)
+        ref, ref_logprobs = _hf_greedy_with_top5(hf, prompt, 16)
+        _assert_close_greedy(ours, our_top5, ref, ref_logprobs)

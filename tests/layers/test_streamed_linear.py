@@ -18,7 +18,6 @@ from asyncspec.layers.streamed_linear import (
     make_streamed_down_proj,
     make_streamed_o_proj,
     o_projections,
-    one_tile_per_sm,
     streamed_down_proj_setting,
     streamed_o_proj_requested,
     use_streamed_down_proj,
@@ -76,19 +75,6 @@ def test_down_projection_setting(monkeypatch) -> None:
     monkeypatch.setenv(STREAMED_DOWN_PROJ_ENV, "yes")
     with pytest.raises(StreamedLinearSettingError, match=f"{STREAMED_DOWN_PROJ_ENV}='yes': .*0 .*1 .*auto"):
         streamed_down_proj_setting()
-
-
-def test_one_tile_per_sm_is_the_measured_rule() -> None:
-    # An H100's 132 SMs: the 1B's down projection (128 tiles) streamed faster, the 8B's (256 tiles) and the bundled
-    # target's (24 tiles) slower.
-    assert one_tile_per_sm({(2048, 8192)}, 132)
-    assert not one_tile_per_sm({(4096, 14336)}, 132)
-    assert not one_tile_per_sm({(384, 1024)}, 132)
-    assert one_tile_per_sm({(2048, 4096)}, 132) and not one_tile_per_sm({(2048, 3840)}, 132)  # tiles of < 128 KiB
-    assert one_tile_per_sm({(2112, 8192)}, 132) and not one_tile_per_sm({(2120, 8192)}, 132)
-    assert one_tile_per_sm({(1056, 8192)}, 132) and not one_tile_per_sm({(1040, 8192)}, 132)  # 66 and 65 tiles
-    assert not one_tile_per_sm({(2048, 8192), (4096, 8192)}, 132)  # every shape must hold
-    assert not one_tile_per_sm(set(), 132)
 
 
 def test_not_on_the_cpu(monkeypatch, caplog) -> None:
@@ -258,3 +244,23 @@ def test_tensor_parallel_mlps_are_named_as_such(monkeypatch, caplog) -> None:
         with caplog.at_level(logging.DEBUG, logger="asyncspec.layers.streamed_linear"):
             assert make_streamed_down_proj(model, torch.device("cuda")) is None
         assert "no bias-free down projection outside tensor parallelism" in caplog.text
+
+
+def test_auto_leaves_the_down_projection_to_a_streamed_mlp(monkeypatch, caplog) -> None:
+    pytest.importorskip("triton.experimental.gluon")
+    from asyncspec.kernels import streamed_gemv_gluon
+    from asyncspec.layers import streamed_linear
+
+    monkeypatch.setattr(streamed_linear, "unavailable_reason", lambda device: None)  # as on a Hopper GPU
+    monkeypatch.setattr(streamed_linear, "num_sms", lambda device: 132)
+    monkeypatch.setattr(streamed_gemv_gluon, "StreamedGemv", lambda device, config: config)
+    with torch.device("meta"):  # shapes only
+        model = _MLPs(_config(hidden_size=2048, intermediate_size=8192))  # the Llama-1B's down projection
+    monkeypatch.delenv(STREAMED_DOWN_PROJ_ENV, raising=False)
+    assert make_streamed_down_proj(model, torch.device("cuda")) is not None
+    model.layers[1].streamed_mlp = object()  # what use_streamed_mlp sets where the streamed MLP serves
+    with caplog.at_level(logging.DEBUG, logger="asyncspec.layers.streamed_linear"):
+        assert make_streamed_down_proj(model, torch.device("cuda")) is None
+    assert "off (auto): the streamed MLP runs the layers' one-row MLP calls" in caplog.text
+    monkeypatch.setenv(STREAMED_DOWN_PROJ_ENV, "1")  # asked by name: built for the one-row calls the MLP declines
+    assert make_streamed_down_proj(model, torch.device("cuda")) is not None

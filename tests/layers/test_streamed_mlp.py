@@ -15,7 +15,6 @@ from asyncspec.layers.streamed_mlp import (
     make_streamed_mlp,
     served_shapes,
     streamed_mlp_form,
-    streamed_mlp_requested,
     unavailable_reason,
     use_streamed_mlp,
 )
@@ -46,29 +45,76 @@ class _Layers(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
 
 
-def test_setting_is_off_unless_asked(monkeypatch) -> None:
+def test_setting_is_auto_unless_set(monkeypatch) -> None:
     monkeypatch.delenv(STREAMED_MLP_ENV, raising=False)
-    assert not streamed_mlp_requested()
+    assert streamed_mlp_form() == "auto"
+    monkeypatch.setenv(STREAMED_MLP_ENV, " AUTO ")
+    assert streamed_mlp_form() == "auto"
+    monkeypatch.setenv(STREAMED_MLP_ENV, "0")
+    assert streamed_mlp_form() is None
     monkeypatch.setenv(STREAMED_MLP_ENV, "1")
-    assert streamed_mlp_requested()
     assert streamed_mlp_form() == DEFAULT_STREAMED_MLP_FORM
     for form in ("barrier", "split", "split-deep"):
         monkeypatch.setenv(STREAMED_MLP_ENV, form)
-        assert streamed_mlp_requested() and streamed_mlp_form() == form
+        assert streamed_mlp_form() == form
     monkeypatch.setenv(STREAMED_MLP_ENV, "yes")
-    with pytest.raises(StreamedMLPSettingError, match="set it to 0 .* 1 .* barrier .* split .* or split-deep"):
-        streamed_mlp_requested()
+    with pytest.raises(StreamedMLPSettingError, match="set it to auto .* 0 .* 1 .* barrier .* split .* or split-deep"):
+        streamed_mlp_form()
 
 
 def test_not_on_the_cpu(monkeypatch, caplog) -> None:
     assert "not a CUDA device" in (unavailable_reason(torch.device("cpu")) or "")
     model = _Layers(_config())
-    monkeypatch.delenv(STREAMED_MLP_ENV, raising=False)
+    monkeypatch.setenv(STREAMED_MLP_ENV, "0")
     assert make_streamed_mlp(model, torch.device("cpu")) is None
+    # auto, the default, asks only where it can serve: a debug line, no warning at every start.
+    monkeypatch.delenv(STREAMED_MLP_ENV, raising=False)
+    with caplog.at_level(logging.DEBUG, logger="asyncspec.layers.streamed_mlp"):
+        assert make_streamed_mlp(model, torch.device("cpu")) is None
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG]
+    assert "=auto but the streamed MLP is off: cpu is not a CUDA device" in caplog.text
+    caplog.clear()
     monkeypatch.setenv(STREAMED_MLP_ENV, "1")
     with caplog.at_level(logging.WARNING, logger="asyncspec.layers.streamed_mlp"):
         assert make_streamed_mlp(model, torch.device("cpu")) is None
     assert "streamed MLP is off: cpu is not a CUDA device" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("hidden", "intermediate", "num_sms", "served"),
+    [
+        (2048, 8192, 132, True),  # the Llama-1B's: faster on an H100 and an H200
+        (4096, 14336, 132, False),  # the 8B's: 256 tiles, slower on an H200
+        (512, 1024, 132, False),  # 32 tiles of 1,024 columns
+        (2048, 8192, 100, False),  # 128 tiles are more than 100 SMs take one a program
+    ],
+)
+def test_auto_takes_the_deep_split_form_for_the_measured_shapes_only(
+    monkeypatch, caplog, hidden: int, intermediate: int, num_sms: int, served: bool
+) -> None:
+    pytest.importorskip("triton.experimental.gluon")
+    from asyncspec.kernels import streamed_mlp_gluon
+    from asyncspec.layers import streamed_mlp
+
+    monkeypatch.setattr(streamed_mlp, "unavailable_reason", lambda device: None)  # as on a Hopper GPU
+    monkeypatch.setattr(streamed_mlp, "num_sms", lambda device: num_sms)
+    built: list[tuple] = []
+    monkeypatch.setattr(
+        streamed_mlp_gluon, "StreamedMLP", lambda device, shapes, config: built.append((shapes, config))
+    )
+    monkeypatch.delenv(STREAMED_MLP_ENV, raising=False)
+    with torch.device("meta"):  # shapes only: no memory for the 8B's weights
+        model = _Layers(_config(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=1))
+    with caplog.at_level(logging.DEBUG, logger="asyncspec.layers.streamed_mlp"):
+        make_streamed_mlp(model, torch.device("cuda"))
+    if served:
+        ((shapes, config),) = built
+        assert shapes == {(hidden, intermediate)}
+        assert (config.grid_barrier, config.co_resident) == (False, False)  # split-deep
+    else:
+        assert built == []
+        assert "do not have between half the GPU's SMs and all of them" in caplog.text
+        assert all(r.levelno == logging.DEBUG for r in caplog.records)
 
 
 @pytest.mark.parametrize(
