@@ -43,6 +43,11 @@
 #          was 0.8 % faster on an H100 in one round, 1.7-2.0 % on an H200 in two; the 8B's 3.2 % slower, 2026-12-05)
 #   streams32  the 1B decode at 32 streams against its roofline (gpu_step_speed.py, bandwidth and async, one
 #          steady window of 32): issue 8's 0.6 goal, last 0.54 on an H200 (2026-12-03), 0.63 on an H100: ~2 min
+#   early-kv  the attention's step inputs and older keys read before the PDL wait (ASYNCSPEC_ATTN_EARLY_KV=1, of
+#          2026-12-05): its kernel GPU tests (one races a predecessor that writes the new keys late) and engine
+#          tests, ~4 min on a cold machine
+#   early-kv-ab  its A/B at a real context (graph_replay.py's has one key): gpu_step_speed.py's steady windows of
+#          the 1B at batch 1 and 32 and the 8B at batch 1, one process per setting, alternated twice: ~4 min
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
 # their wheels; the device README says how).
 set -uo pipefail
@@ -145,6 +150,27 @@ fi
 if [[ " $parts " == *" streams32 "* ]]; then
     timeout 240 python3 benchmarks/gpu_step_speed.py --models llama-1b --parts bandwidth,async --concurrency 32 \
         --window-batches 32 --sweep-batches 32 --trials 1 --output "$out/step_speed_1b_32.json" 2>&1 | tail -12
+fi
+
+if [[ " $parts " == *" early-kv "* ]]; then
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_split_kv_attention.py \
+        -k "early or compile" --tb=short 2>&1 | tail -6
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu_early_kv.py --tb=short \
+        2>&1 | tail -6
+fi
+if [[ " $parts " == *" early-kv-ab "* ]]; then
+    for round in 1 2; do
+        for early in 0 1; do
+            ASYNCSPEC_ATTN_EARLY_KV=$early timeout 100 python3 benchmarks/gpu_step_speed.py --models llama-1b \
+                --parts async --concurrency 32 --window-batches 1,32 --sweep-batches 32 --trials 1 \
+                --output "$out/step_speed_early_kv${early}_1b_r$round.json" 2>&1 | grep -E "^async|^config" | tail -2
+        done
+    done
+    for early in 0 1; do
+        ASYNCSPEC_ATTN_EARLY_KV=$early timeout 150 python3 benchmarks/gpu_step_speed.py --models llama-8b \
+            --parts async --concurrency 1 --window-batches 1 --sweep-batches 1 --trials 1 \
+            --output "$out/step_speed_early_kv${early}_8b.json" 2>&1 | grep -E "^async|^config" | tail -2
+    done
 fi
 
 if [[ " $parts " == *" step "* ]]; then

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -78,6 +79,27 @@ if triton.knobs.runtime.interpret:
     _patch_interpreter()
 
 
+EARLY_KV_ENV = "ASYNCSPEC_ATTN_EARLY_KV"
+"""Set to 1 to have each attention program read the step's inputs (query_start_loc, seq_lens, the block table) and
+the first tile of its keys below the request's context before its PDL wait (off by default until measured on a GPU
+at a real context). Those keys were written by earlier steps and no kernel of this one writes them: what a
+predecessor may still be writing, the step's own new keys and q, is read after the wait. Under PDL a kernel starts
+only once its predecessor's programs have passed their own wait, so everything two kernels back is complete; every
+caller has at least the q|k|v projection between the step's input copies and the attention. Read at each launch."""
+
+
+class AttentionSettingError(ValueError):
+    """ASYNCSPEC_ATTN_EARLY_KV holds a value other than 0 or 1."""
+
+
+def early_kv_enabled() -> bool:
+    """ASYNCSPEC_ATTN_EARLY_KV read: 0 or unset is off, 1 is on; anything else is an error."""
+    value = os.environ.get(EARLY_KV_ENV, "0").strip()
+    if value not in ("0", "1"):
+        raise AttentionSettingError(f"{EARLY_KV_ENV}={value!r}: set it to 0 (off, the default) or 1 (on)")
+    return value == "1"
+
+
 # Split-KV heuristic (see `choose_num_splits`).
 _MAX_AVG_QUERY = 16  # split only decode / speculative-verify batches; prefill-heavy ones already fill the GPU
 _COMBINE_COUNTER_SLOTS = 1 << 14  # (query tile, KV head) pairs: 256 verifications of 5 tokens, 8 KV heads of 4: 4,616
@@ -114,6 +136,76 @@ def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _kv_tile(
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_row,
+    kv_head,
+    kc_stride_b,
+    kc_stride_s,
+    kc_stride_h,
+    vc_stride_b,
+    vc_stride_s,
+    vc_stride_h,
+    block_size,
+    d,
+    d_mask,
+    start_n,
+    load_begin,
+    load_end,
+    BLOCK_N: tl.constexpr,
+):
+    """K^T [BLOCK_D, BLOCK_N] and V [BLOCK_N, BLOCK_D] of keys start_n + [0, BLOCK_N), loaded where a key lies in
+    [load_begin, load_end) and 0 elsewhere (0 * NaN from unwritten slots would poison a row)."""
+    k_pos = start_n + tl.arange(0, BLOCK_N)
+    k_in = (k_pos >= load_begin) & (k_pos < load_end)
+    # Physical slot of every key: its block from the block table, its offset within the block.
+    block = tl.load(bt_row + k_pos // block_size, mask=k_in, other=0).to(tl.int64)
+    in_block = k_pos % block_size
+    k_ptrs = (
+        k_cache_ptr
+        + block[None, :] * kc_stride_b
+        + in_block[None, :] * kc_stride_s
+        + kv_head * kc_stride_h
+        + d[:, None]
+    )
+    v_ptrs = (
+        v_cache_ptr
+        + block[:, None] * vc_stride_b
+        + in_block[:, None] * vc_stride_s
+        + kv_head * vc_stride_h
+        + d[None, :]
+    )
+    k = tl.load(k_ptrs, mask=k_in[None, :] & d_mask[:, None], other=0.0)
+    v = tl.load(v_ptrs, mask=k_in[:, None] & d_mask[None, :], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _softmax_step(
+    q, k, v, m_i, l_i, acc, start_n, kv_end, row_ok, q_pos, qk_scale, sliding_window,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One BLOCK_N step of the online softmax over the tile's keys (those at or past kv_end masked out)."""
+    k_pos = start_n + tl.arange(0, BLOCK_N)
+    k_ok = k_pos < kv_end
+    s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
+    allowed = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+    if sliding_window > 0:
+        allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+    s = tl.where(allowed, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # Rows with nothing visible yet keep m = -inf; subtract 0 instead so no NaN (-inf - -inf) appears.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attend_keys(
     q,
     k_cache_ptr,
@@ -135,57 +227,49 @@ def _attend_keys(
     sliding_window,
     kv_begin,
     kv_end,
+    k_early,
+    v_early,
+    early_end,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    EARLY_KV: tl.constexpr,
 ):
     """Online softmax of the query rows over keys [kv_begin, kv_end) (kv_begin a multiple of BLOCK_N).
+
+    EARLY_KV: (k_early, v_early) are the first tile's keys below early_end, loaded before the PDL wait
+    (the kernels' EARLY_KV branch); this loads the rest of that tile, the keys a predecessor may have written.
 
     Returns fp32 (m, l, acc): running max of the log2-scaled scores, sum of exp2(score - m), unnormalised
     output. A row that sees no key keeps m = -inf, l = 0, acc = 0; an empty range returns exactly that."""
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
-    for start_n in range(kv_begin, kv_end, BLOCK_N):
-        k_pos = start_n + offs_n
-        k_ok = k_pos < kv_end
-        # Physical slot of every key: its block from the block table, its offset within the block.
-        block = tl.load(bt_row + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
-        in_block = k_pos % block_size
-        k_ptrs = (
-            k_cache_ptr
-            + block[None, :] * kc_stride_b
-            + in_block[None, :] * kc_stride_s
-            + kv_head * kc_stride_h
-            + d[:, None]
-        )
-        v_ptrs = (
-            v_cache_ptr
-            + block[:, None] * vc_stride_b
-            + in_block[:, None] * vc_stride_s
-            + kv_head * vc_stride_h
-            + d[None, :]
-        )
-        # other=0 for keys past the range: 0 * NaN from unwritten slots would poison the row.
-        k = tl.load(k_ptrs, mask=k_ok[None, :] & d_mask[:, None], other=0.0).to(q.dtype)
-        v = tl.load(v_ptrs, mask=k_ok[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
-
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
-        allowed = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        if sliding_window > 0:
-            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
-        s = tl.where(allowed, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # Rows with nothing visible yet keep m = -inf; subtract 0 instead so no NaN (-inf - -inf) appears.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    loop_begin = kv_begin
+    if EARLY_KV:
+        if kv_begin < kv_end:
+            k_late, v_late = _kv_tile(
+                k_cache_ptr, v_cache_ptr, bt_row, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b,
+                vc_stride_s, vc_stride_h, block_size, d, d_mask, kv_begin, early_end, kv_end, BLOCK_N,
+            )  # fmt: skip
+            early = kv_begin + tl.arange(0, BLOCK_N) < early_end
+            k = tl.where(early[None, :], k_early, k_late)
+            v = tl.where(early[:, None], v_early, v_late)
+            m_i, l_i, acc = _softmax_step(
+                q, k, v, m_i, l_i, acc, kv_begin, kv_end, row_ok, q_pos, qk_scale, sliding_window, BLOCK_N,
+                DOT_PRECISION,
+            )  # fmt: skip
+        loop_begin = kv_begin + BLOCK_N
+    for start_n in range(loop_begin, kv_end, BLOCK_N):
+        k, v = _kv_tile(
+            k_cache_ptr, v_cache_ptr, bt_row, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b,
+            vc_stride_s, vc_stride_h, block_size, d, d_mask, start_n, start_n, kv_end, BLOCK_N,
+        )  # fmt: skip
+        m_i, l_i, acc = _softmax_step(
+            q, k, v, m_i, l_i, acc, start_n, kv_end, row_ok, q_pos, qk_scale, sliding_window, BLOCK_N,
+            DOT_PRECISION,
+        )  # fmt: skip
     return m_i, l_i, acc
 
 
@@ -199,6 +283,19 @@ def _visible_keys(context_len, q_tile, q_len, seq_len, sliding_window, BLOCK_Q: 
         kv_begin = tl.maximum(context_len + q_tile * BLOCK_Q - sliding_window + 1, 0)
     kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
     return kv_begin, kv_end
+
+
+@triton.jit
+def _tile_inputs(qsl_ptr, seq_lens_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
+    """(req, q_start, q_tile, q_len, seq_len) of query-tile id `pid`, every load in bounds also for the padding
+    tail (req == num_reqs: q_len and seq_len 0), so that EARLY_KV can read them all before the PDL wait."""
+    req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q)
+    real = req < num_reqs
+    q_start = tl.load(qsl_ptr + req)
+    q_tile = pid - _tile_start(qsl_ptr, req, BLOCK_Q)
+    q_len = tl.load(qsl_ptr + req + 1, mask=real, other=0) - tl.where(real, q_start, 0)
+    seq_len = tl.load(seq_lens_ptr + req, mask=real, other=0)
+    return req, q_start, q_tile, q_len, seq_len
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_tokens", "bt_stride"])
@@ -234,20 +331,40 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs: TF32 would cost ~1e-3 relative error
     USE_PDL: tl.constexpr = False,
+    EARLY_KV: tl.constexpr = False,
 ):
-    """Single pass: each program walks all visible keys of its (query tile, KV head) and writes `out`."""
-    pdl_start(USE_PDL)
+    """Single pass: each program walks all visible keys of its (query tile, KV head) and writes `out`.
+
+    EARLY_KV: the step inputs and the first tile's keys below the context (`EARLY_KV_ENV`) are read before the
+    PDL wait."""
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-    req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q)
-    q_start = tl.load(qsl_ptr + req)
-    q_tile = pid - _tile_start(qsl_ptr, req, BLOCK_Q)
-
     rows = tl.arange(0, BLOCK_M)
-    q_idx = q_tile * BLOCK_Q + rows // GROUP  # query token within the request
-    head = kv_head * GROUP + rows % GROUP
     d = tl.arange(0, BLOCK_D)
     d_mask = d < head_dim
+    if EARLY_KV:
+        req, q_start, q_tile, q_len, seq_len = _tile_inputs(qsl_ptr, seq_lens_ptr, pid, num_reqs, BLOCK_Q)
+        context_len = seq_len - q_len
+        kv_begin, kv_end = _visible_keys(context_len, q_tile, q_len, seq_len, sliding_window, BLOCK_Q, BLOCK_N)
+        bt_row = block_tables_ptr + req.to(tl.int64) * bt_stride
+        live = (req < num_reqs) & (q_tile * BLOCK_Q < q_len)
+        early_end = tl.where(live, tl.minimum(context_len, kv_end), kv_begin)
+        k_early, v_early = _kv_tile(
+            k_cache_ptr, v_cache_ptr, bt_row, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b,
+            vc_stride_s, vc_stride_h, block_size, d, d_mask, kv_begin, kv_begin, early_end, BLOCK_N,
+        )  # fmt: skip
+        pdl_start(USE_PDL)
+    else:
+        pdl_start(USE_PDL)
+        req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q)
+        q_start = tl.load(qsl_ptr + req)
+        q_tile = pid - _tile_start(qsl_ptr, req, BLOCK_Q)
+        k_early = 0.0
+        v_early = 0.0
+        early_end = 0
+
+    q_idx = q_tile * BLOCK_Q + rows // GROUP  # query token within the request
+    head = kv_head * GROUP + rows % GROUP
 
     if req == num_reqs:
         # Padding tail: zero rows [num_real, num_tokens) so stale or poisoned values never leak.
@@ -258,11 +375,15 @@ def _paged_attention_kernel(
         tl.store(o_ptrs, zeros, mask=row_ok[:, None] & d_mask[None, :])
         return
 
-    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if not EARLY_KV:
+        q_len = tl.load(qsl_ptr + req + 1) - q_start
     if q_tile * BLOCK_Q >= q_len:
         return  # the grid over-provisions tiles; this one has no queries
-    seq_len = tl.load(seq_lens_ptr + req)
-    context_len = seq_len - q_len
+    if not EARLY_KV:
+        seq_len = tl.load(seq_lens_ptr + req)
+        context_len = seq_len - q_len
+        kv_begin, kv_end = _visible_keys(context_len, q_tile, q_len, seq_len, sliding_window, BLOCK_Q, BLOCK_N)
+        bt_row = block_tables_ptr + req.to(tl.int64) * bt_stride
     row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
     q_pos = context_len + q_idx  # absolute position of each row's query
 
@@ -270,8 +391,6 @@ def _paged_attention_kernel(
     q_ptrs = q_ptr + t[:, None] * q_stride_t + head[:, None] * q_stride_h + d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_mask[None, :], other=0.0)
 
-    kv_begin, kv_end = _visible_keys(context_len, q_tile, q_len, seq_len, sliding_window, BLOCK_Q, BLOCK_N)
-    bt_row = block_tables_ptr + req.to(tl.int64) * bt_stride
     m_i, l_i, acc = _attend_keys(
         q,
         k_cache_ptr,
@@ -293,10 +412,14 @@ def _paged_attention_kernel(
         sliding_window,
         kv_begin,
         kv_end,
+        k_early,
+        v_early,
+        early_end,
         BLOCK_M,
         BLOCK_N,
         BLOCK_D,
         DOT_PRECISION,
+        EARLY_KV,
     )
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -345,6 +468,7 @@ def _paged_attention_split_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr = False,
     FUSED_COMBINE: tl.constexpr = False,
+    EARLY_KV: tl.constexpr = False,
 ):
     """Split pass: program (query tile, KV head, split) attends to the split-th share of the tile's visible
     keys and writes its partial (m, l, acc) for every real row, even when its share is empty, so that whoever
@@ -352,19 +476,41 @@ def _paged_attention_split_kernel(
 
     FUSED_COMBINE: the last of a (tile, KV head)'s programs to arrive merges the partials into `out` itself (a
     serial split, as `skinny_linear`'s split-K), and split 0 of the padding tail's tiles zeroes its rows, so no
-    combine kernel runs."""
-    pdl_start(USE_PDL)
+    combine kernel runs.
+
+    EARLY_KV: the step inputs and the first tile of this split's keys below the context (`EARLY_KV_ENV`) are read
+    before the PDL wait."""
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q)
-    q_start = tl.load(qsl_ptr + req)
-    q_tile = pid - _tile_start(qsl_ptr, req, BLOCK_Q)
     rows = tl.arange(0, BLOCK_M)
-    q_idx = q_tile * BLOCK_Q + rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
     d = tl.arange(0, BLOCK_D)
     d_mask = d < head_dim
+    if EARLY_KV:
+        req, q_start, q_tile, q_len, seq_len = _tile_inputs(qsl_ptr, seq_lens_ptr, pid, num_reqs, BLOCK_Q)
+        context_len = seq_len - q_len
+        kv_begin, kv_end = _visible_keys(context_len, q_tile, q_len, seq_len, sliding_window, BLOCK_Q, BLOCK_N)
+        chunk = tl.cdiv(tl.cdiv(kv_end - kv_begin, BLOCK_N), num_splits) * BLOCK_N
+        split_begin = kv_begin + split * chunk
+        split_end = tl.minimum(split_begin + chunk, kv_end)
+        bt_row = block_tables_ptr + req.to(tl.int64) * bt_stride
+        live = (req < num_reqs) & (q_tile * BLOCK_Q < q_len)
+        early_end = tl.where(live, tl.minimum(context_len, split_end), split_begin)
+        k_early, v_early = _kv_tile(
+            k_cache_ptr, v_cache_ptr, bt_row, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b,
+            vc_stride_s, vc_stride_h, block_size, d, d_mask, split_begin, split_begin, early_end, BLOCK_N,
+        )  # fmt: skip
+        pdl_start(USE_PDL)
+    else:
+        pdl_start(USE_PDL)
+        req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q)
+        q_start = tl.load(qsl_ptr + req)
+        q_tile = pid - _tile_start(qsl_ptr, req, BLOCK_Q)
+        k_early = 0.0
+        v_early = 0.0
+        early_end = 0
+    q_idx = q_tile * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
     if req == num_reqs:
         if FUSED_COMBINE:
             if split == 0:
@@ -375,12 +521,21 @@ def _paged_attention_split_kernel(
                 zeros = tl.zeros([BLOCK_M, BLOCK_D], dtype=out_ptr.dtype.element_ty)
                 tl.store(o_ptrs, zeros, mask=pad_ok[:, None] & d_mask[None, :])
         return  # otherwise the combine kernel zeroes the padding tail
-    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if not EARLY_KV:
+        q_len = tl.load(qsl_ptr + req + 1) - q_start
     if q_tile * BLOCK_Q >= q_len:
         return  # the grid over-provisions tiles; this one has no queries
 
-    seq_len = tl.load(seq_lens_ptr + req)
-    context_len = seq_len - q_len
+    if not EARLY_KV:
+        seq_len = tl.load(seq_lens_ptr + req)
+        context_len = seq_len - q_len
+        # This split's share of the visible keys, from the real seq_len (the grid only knows shapes): whole
+        # BLOCK_N tiles, so every share starts aligned; trailing splits of a short context get nothing.
+        kv_begin, kv_end = _visible_keys(context_len, q_tile, q_len, seq_len, sliding_window, BLOCK_Q, BLOCK_N)
+        chunk = tl.cdiv(tl.cdiv(kv_end - kv_begin, BLOCK_N), num_splits) * BLOCK_N
+        split_begin = kv_begin + split * chunk
+        split_end = tl.minimum(split_begin + chunk, kv_end)
+        bt_row = block_tables_ptr + req.to(tl.int64) * bt_stride
     row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
     q_pos = context_len + q_idx
 
@@ -388,13 +543,6 @@ def _paged_attention_split_kernel(
     q_ptrs = q_ptr + t[:, None] * q_stride_t + head[:, None] * q_stride_h + d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_mask[None, :], other=0.0)
 
-    # This split's share of the visible keys, from the real seq_len (the grid only knows shapes): whole
-    # BLOCK_N tiles, so every share starts aligned; trailing splits of a short context get nothing.
-    kv_begin, kv_end = _visible_keys(context_len, q_tile, q_len, seq_len, sliding_window, BLOCK_Q, BLOCK_N)
-    chunk = tl.cdiv(tl.cdiv(kv_end - kv_begin, BLOCK_N), num_splits) * BLOCK_N
-    split_begin = kv_begin + split * chunk
-    split_end = tl.minimum(split_begin + chunk, kv_end)
-    bt_row = block_tables_ptr + req.to(tl.int64) * bt_stride
     m_i, l_i, acc = _attend_keys(
         q,
         k_cache_ptr,
@@ -416,10 +564,14 @@ def _paged_attention_split_kernel(
         sliding_window,
         split_begin,
         split_end,
+        k_early,
+        v_early,
+        early_end,
         BLOCK_M,
         BLOCK_N,
         BLOCK_D,
         DOT_PRECISION,
+        EARLY_KV,
     )
 
     part = (t * num_heads + head) * num_splits + split  # int64 [BLOCK_M]
@@ -693,6 +845,7 @@ def paged_attention(
     window = sliding_window if sliding_window is not None else 0
 
     pdl = pdl_enabled(query.device)
+    early_kv = early_kv_enabled()
     if num_splits == 1:
         _paged_attention_kernel[(num_tiles, num_kv_heads)](
             query,
@@ -726,6 +879,7 @@ def paged_attention(
             BLOCK_D=block_d,
             DOT_PRECISION=dot_precision,
             USE_PDL=pdl,
+            EARLY_KV=early_kv,
             num_warps=num_warps,
             num_stages=num_stages,
             **pdl_launch_options(pdl),
@@ -778,6 +932,7 @@ def paged_attention(
         DOT_PRECISION=dot_precision,
         USE_PDL=pdl,
         FUSED_COMBINE=fused,
+        EARLY_KV=early_kv,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch_options(pdl),

@@ -18,9 +18,11 @@ import torch
 from asyncspec.kernels.paged_attention import paged_attention_ref
 
 triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from asyncspec.kernels.paged_attention_triton import choose_num_splits  # noqa: E402
+from asyncspec.kernels.pdl import pdl_start  # noqa: E402
 from tests.kernels.test_triton_kernels import Batch, fill_cache, make_batch  # noqa: E402
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1" and isinstance(triton.language.zeros, InterpretedFunction)
@@ -29,6 +31,8 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1" and isinstance(triton.l
 DECODE = [(1, 1), (17, 1), (300, 1), (1000, 1)]
 # Speculative verification: k + 1 = 5 query tokens per request.
 VERIFY = [(5, 5), (40, 5), (300, 5), (700, 5)]
+# Prefill chunks after a context (first query tile straddling it), beside decodes and a whole prompt.
+MIXED = [(300, 40), (1000, 1), (64, 64), (130, 3), (20, 20)]
 # Zero-length requests (as the CUDA-graph runner pads with) interleaved with real ones.
 WITH_IDLE = [(20, 0), (300, 1), (0, 0), (150, 5), (7, 0), (64, 1)]
 
@@ -45,7 +49,7 @@ def attention() -> Callable[..., torch.Tensor]:
 
 @pytest.mark.skipif(INTERPRETING, reason="TestInterpreted runs in this process")
 def test_interpreter_suite(interpreted_suites) -> None:
-    interpreted_suites.check(__file__, 28)
+    interpreted_suites.check(__file__, 41)
 
 
 def check_split(
@@ -130,6 +134,18 @@ def test_large_decode_batches_take_long_key_steps() -> None:
     assert _tile_sizes(64, 64, 4, 128, 2).block_n == 64
     assert _tile_sizes(64 * 20, 64, 4, 64, 2) == (64, 64, 4, 2)  # medium tile
     assert _tile_sizes(64, 64, 32, 64, 4).block_m == 32  # a group of 32 rows: not the short tile
+
+
+def test_early_kv_setting(monkeypatch) -> None:
+    from asyncspec.kernels.paged_attention_triton import EARLY_KV_ENV, AttentionSettingError, early_kv_enabled
+
+    monkeypatch.delenv(EARLY_KV_ENV, raising=False)
+    assert not early_kv_enabled()
+    monkeypatch.setenv(EARLY_KV_ENV, "1")
+    assert early_kv_enabled()
+    monkeypatch.setenv(EARLY_KV_ENV, "yes")
+    with pytest.raises(AttentionSettingError, match=f"{EARLY_KV_ENV}='yes': set it to 0 .* or 1"):
+        early_kv_enabled()
 
 
 @pytest.mark.parametrize("num_splits", [0, 33])
@@ -304,6 +320,79 @@ class TestInterpreted:
         check_split(attention, batch, k_cache, v_cache, gen, 2, None, None, 2e-5)
         assert chosen[-1] == 1
 
+    @pytest.mark.parametrize(
+        "specs,heads,d,dtype,num_splits,window",
+        [
+            (DECODE, (4, 1), 64, torch.float32, 1, None),
+            (DECODE, (8, 1), 80, torch.bfloat16, 7, None),
+            (VERIFY, (4, 1), 64, torch.float32, 2, 200),  # two query tiles a request, a window
+            (MIXED, (4, 2), 64, torch.float32, 1, None),  # prefill chunks whose first tile straddles the context
+            (MIXED, (2, 2), 64, torch.bfloat16, 3, 40),  # a window past the context for the chunk's later tiles
+            (WITH_IDLE, (4, 2), 64, torch.float32, 4, None),
+            ([(9, 0), (0, 0), (40, 0)], (2, 1), 64, torch.float32, 8, None),  # padding only
+        ],
+    )
+    def test_early_kv_matches_the_default_bit_for_bit(
+        self, attention, monkeypatch, specs, heads, d, dtype, num_splits, window
+    ) -> None:
+        """ASYNCSPEC_ATTN_EARLY_KV=1 loads the first tile in two parts (below the context before the PDL wait, the
+        rest after): the same numbers as the default, bit for bit, and the reference's."""
+        from asyncspec.kernels import paged_attention_triton as mod
+
+        gen = torch.Generator().manual_seed(num_splits * 3 + d)
+        batch = make_batch(gen, specs, 16, num_pad=3)
+        k_cache, v_cache = fill_cache(gen, batch, 16, heads[1], d, dtype)
+        query = torch.randn(batch.num_tokens + 3, heads[0], d, generator=gen).to(dtype)
+        args = (query, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, d**-0.5)
+        outs = {}
+        for early in ("0", "1"):
+            monkeypatch.setenv(mod.EARLY_KV_ENV, early)
+            outs[early] = attention(*args, sliding_window=window, num_splits=num_splits)
+        assert torch.equal(outs["1"], outs["0"])
+        check_split(attention, batch, k_cache, v_cache, gen, heads[0], window, num_splits, _atol(dtype))
+
+    @pytest.mark.parametrize(
+        "specs,num_splits", [(DECODE, 1), (DECODE, 5), (VERIFY, 3), (MIXED, 1), (MIXED, 2), (WITH_IDLE, 4)]
+    )
+    def test_early_kv_reads_the_step_s_new_keys_only_after_the_wait(
+        self, attention, monkeypatch, specs, num_splits: int
+    ) -> None:
+        """What a predecessor writes this step, the new tokens' K/V (positions >= seq_len - q_len), is NaN until
+        each program's PDL wait and real from then on: the interpreter runs the programs one after another, each
+        first poisons those slots (when it looks up its request) and its `pdl_start` publishes them. A program that
+        read a new key before its wait would carry the NaN into its output."""
+        from asyncspec.kernels import paged_attention_triton as mod
+
+        monkeypatch.setenv(mod.EARLY_KV_ENV, "1")
+        gen = torch.Generator().manual_seed(20 + num_splits)
+        batch = make_batch(gen, specs, 16, num_pad=2)
+        k_cache, v_cache = fill_cache(gen, batch, 16, 2, 64, torch.float32)
+        new_slots = []
+        for b, (s, q) in enumerate(zip(batch.seq_lens.tolist(), batch.q_lens, strict=True)):
+            pos = torch.arange(s - q, s)
+            new_slots.append(batch.block_tables[b, pos // 16].long() * 16 + pos % 16)
+        slots = torch.cat(new_slots)
+        assert slots.numel() > 0
+        k_flat, v_flat = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
+        k_new, v_new = k_flat[slots].clone(), v_flat[slots].clone()
+        find_request = mod._find_request
+        waits = []
+
+        def poisoning_find_request(*args):
+            k_flat[slots] = float("nan")
+            v_flat[slots] = float("nan")
+            return find_request(*args)
+
+        def publishing_pdl_start(use_pdl) -> None:
+            k_flat[slots] = k_new
+            v_flat[slots] = v_new
+            waits.append(1)
+
+        monkeypatch.setattr(mod, "_find_request", poisoning_find_request)
+        monkeypatch.setattr(mod, "pdl_start", publishing_pdl_start)
+        check_split(attention, batch, k_cache, v_cache, gen, 4, None, num_splits, 2e-5)
+        assert waits, "no program waited"
+
 
 # ------------------------------------------------------------------------------------- sm_90 compile
 
@@ -346,9 +435,18 @@ def test_kernels_compile_for_sm90(dtype: str, ints_equal_one: tuple[str, ...]) -
 
     precision = "ieee" if dtype == "fp32" else "tf32"
     tiles = {"GROUP": 8, "BLOCK_Q": 2, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_D": 128, "DOT_PRECISION": precision}
+    tiles["EARLY_KV"] = False  # a constexpr: left out of `tiles`, it would compile as a runtime int
     for fn in (mod._paged_attention_kernel, mod._paged_attention_split_kernel):
         ones = tuple(n for n in ints_equal_one if n in fn.arg_names)
         assert "ld.global" in _compile_for_h100(fn, dtype, ones, tiles).asm["ptx"]
+    # The keys below the context read before the PDL wait (which an unset USE_PDL leaves out here).
+    for fn in (mod._paged_attention_kernel, mod._paged_attention_split_kernel):
+        ones = tuple(n for n in ints_equal_one if n in fn.arg_names)
+        early = _compile_for_h100(fn, dtype, ones, {**tiles, "EARLY_KV": True, "USE_PDL": True}).asm["ptx"]
+        wait = early.index("griddepcontrol.wait")
+        # A K/V tile's loads before the wait, not only the handful of step inputs (scalar loads here: the compile
+        # has no divisibility hints); q and the tile's newest keys after it.
+        assert early[:wait].count("ld.global") >= 64 and "ld.global" in early[wait:]
     # The split pass that merges its own splits: an acq_rel arrival, then the merge's L2 reads.
     ones = tuple(n for n in ints_equal_one if n in mod._paged_attention_split_kernel.arg_names)
     fused = _compile_for_h100(mod._paged_attention_split_kernel, dtype, ones, {**tiles, "FUSED_COMBINE": True})
@@ -517,3 +615,63 @@ def test_gpu_split_does_not_sync() -> None:
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
+
+
+@triton.jit
+def _late_kv_write_kernel(k_src_ptr, v_src_ptr, k_flat_ptr, v_flat_ptr, slots_ptr, row, spin, BLOCK: tl.constexpr):
+    """A predecessor that lets its successor launch at once (PDL), spins for a while, then writes its keys' K/V:
+    whatever the successor read before its own wait is the NaN these slots held."""
+    pdl_start(True)
+    i = tl.program_id(0)
+    x = i.to(tl.float32)
+    for _ in range(spin):
+        x = x * 0.999 + 1.0
+    slot = tl.load(slots_ptr + i).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < row
+    k = tl.load(k_src_ptr + i * row + offs, mask=ok)
+    v = tl.load(v_src_ptr + i * row + offs, mask=ok)
+    keep = (x * 0.0).to(k.dtype)  # the spin stays in the program (x is finite)
+    tl.store(k_flat_ptr + slot * row + offs, k + keep, mask=ok)
+    tl.store(v_flat_ptr + slot * row + offs, v + keep, mask=ok)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 1])
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_gpu_early_kv_waits_for_the_predecessor_s_keys(monkeypatch, num_splits, q_len: int) -> None:
+    """ASYNCSPEC_ATTN_EARLY_KV=1 under PDL: the step's new keys are written by a predecessor that spins first, while
+    the attention's programs already run their part before the wait. The output must match the reference (no NaN
+    read early) and equal the default path's bit for bit."""
+    from asyncspec.kernels import paged_attention_triton as mod
+    from asyncspec.kernels.pdl import pdl_enabled
+
+    if not pdl_enabled(torch.device("cuda")):
+        pytest.skip("needs PDL (compute capability 9.0+, ASYNCSPEC_PDL not 0)")
+    gen = torch.Generator().manual_seed(30 + q_len)
+    batch = _gpu_batch(gen, 6, q_len, 3000, num_pad=2)
+    k_cache, v_cache = fill_cache(gen, batch, 16, 8, 64, torch.bfloat16, device="cuda")
+    query = torch.randn(batch.num_tokens + 2, 32, 64, generator=gen).to("cuda", torch.bfloat16)
+    args = (query, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, 64**-0.5)
+    slots = []
+    for b, (s, q) in enumerate(zip(batch.seq_lens.tolist(), batch.q_lens, strict=True)):
+        pos = torch.arange(s - q, s, device="cuda")
+        slots.append(batch.block_tables[b, pos // 16].long() * 16 + pos % 16)
+    slot_ids = torch.cat(slots)
+    k_flat, v_flat = k_cache.view(-1, 8 * 64), v_cache.view(-1, 8 * 64)
+    k_new, v_new = k_flat[slot_ids].clone(), v_flat[slot_ids].clone()
+    monkeypatch.setenv(mod.EARLY_KV_ENV, "0")
+    shipped = mod.paged_attention(*args, num_splits=num_splits)
+    torch.testing.assert_close(shipped.float(), paged_attention_ref(*args).float(), rtol=2e-2, atol=2e-2)
+    monkeypatch.setenv(mod.EARLY_KV_ENV, "1")
+    for _ in range(3):
+        k_flat[slot_ids] = float("nan")
+        v_flat[slot_ids] = float("nan")
+        out = torch.full_like(query, float("nan"))
+        _late_kv_write_kernel[(slot_ids.numel(),)](
+            k_new, v_new, k_flat, v_flat, slot_ids, 8 * 64, 200_000, BLOCK=512, launch_pdl=True
+        )
+        mod.paged_attention(*args, out=out, num_splits=num_splits)
+        torch.cuda.synchronize()
+        assert not out[: batch.num_tokens].isnan().any(), "a key of this step was read before the wait"
+        assert torch.equal(out, shipped)

@@ -1,0 +1,79 @@
+"""The attention reading its step inputs and older keys before the PDL wait (ASYNCSPEC_ATTN_EARLY_KV=1) in the engine
+on a GPU: fp32 greedy equality with Hugging Face with CUDA graphs on, with and without the draft (whose verify steps
+write several new keys a request), and with a sliding window; the kernels really took the early path."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from asyncspec import LLM
+from tests.conftest import TARGET_MODEL, load_prompts
+from tests.engine.test_gpu_graphs_hf import _check, _free_earlier_engines  # noqa: F401 - an autouse fixture
+from tests.hf_tiny_models import save_tiny_family_model
+
+pytestmark = pytest.mark.gpu
+
+
+def _early(monkeypatch) -> dict[str, int]:
+    """Turns the early reads on; counts the attention launches that took them (single pass and split pass), so that
+    a test whose steps never took them fails."""
+    from asyncspec.kernels import paged_attention_triton as mod
+
+    monkeypatch.setenv(mod.EARLY_KV_ENV, "1")
+    seen = {"single": 0, "split": 0}
+
+    def counting(kernel, name: str):
+        class Launches:
+            def __getitem__(self, grid):
+                launcher = kernel[grid]
+
+                def launch(*args, **kwargs):
+                    seen[name] += bool(kwargs.get("EARLY_KV"))
+                    return launcher(*args, **kwargs)
+
+                return launch
+
+        return Launches()
+
+    monkeypatch.setattr(mod, "_paged_attention_kernel", counting(mod._paged_attention_kernel, "single"))
+    monkeypatch.setattr(mod, "_paged_attention_split_kernel", counting(mod._paged_attention_split_kernel, "split"))
+    return seen
+
+
+@pytest.mark.parametrize("spec", [None, "draft_model"])
+def test_bundled_target_fp32_equal_hf(monkeypatch, spec):
+    from transformers import AutoModelForCausalLM
+
+    seen = _early(monkeypatch)
+    hf = AutoModelForCausalLM.from_pretrained(TARGET_MODEL, dtype=torch.float32).cuda().eval()
+    kwargs = dict(speculative_method=spec, num_speculative_tokens=4) if spec else {}
+    llm = LLM(str(TARGET_MODEL), device="cuda", dtype="float32", max_model_len=1024, num_kv_blocks=512, **kwargs)
+    _check(llm, hf, load_prompts(6), 32)
+    assert seen["split"] > 0 and seen["single"] > 0, seen
+
+
+def test_sliding_window_fp32_equal_hf(monkeypatch, tmp_path):
+    seen = _early(monkeypatch)
+    hf = (
+        save_tiny_family_model("mistral", tmp_path, torch.float32, sliding_window=32, max_position_embeddings=1024)
+        .cuda()
+        .eval()
+    )
+    rng = random.Random(0)
+    # Contexts past the window and several key tiles; chunked prompts put a chunk's first tile across its context.
+    prompts = [[rng.randrange(2, 512) for _ in range(rng.randrange(40, 200))] for _ in range(6)]
+    llm = LLM(
+        str(tmp_path),
+        device="cuda",
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_model_len=1024,
+        num_kv_blocks=512,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+    )
+    _check(llm, hf, prompts, 24)
+    assert seen["split"] > 0 and seen["single"] > 0, seen
