@@ -7,7 +7,11 @@ python benchmarks/graph_replay.py --models llama-1b,llama-8b --switches ASYNCSPE
 
 Prints one table: per model and switch, the ms of one replay of the (batch, 1) decode graph (forward pass
 only; the sampling tail apart), the ratio to the first switch, and the batch-1 time over the roofline
-(weight bytes over the read bandwidth measured here).
+(weight bytes, and with --context the batch-1 KV read, over the read bandwidth measured here).
+
+The graphs replay over their static inputs. As captured those hold one request of one key each, so attention is
+timed at a context of one; `--context N` rewrites them first so that every request decodes its N-th token over N - 1
+earlier keys in blocks of its own (their K/V are whatever the pool holds: timing only).
 """
 
 from __future__ import annotations
@@ -186,9 +190,42 @@ def _time(fns: list, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _one(model: str, repeats: int) -> dict:
+def _set_context(runner, context: int) -> int:
+    """Rewrites the graphs' static inputs so that each of the largest batch's requests decodes position
+    `context` - 1 over its own blocks; returns the KV bytes one request's step reads."""
+    import torch
+
+    static, block_size = runner.cuda_graphs.static, runner.cuda_graphs.block_size
+    num_reqs = max(BATCHES)
+    blocks_per_req = -(-context // block_size)
+    if blocks_per_req > static.block_tables.shape[1]:
+        raise SystemExit(
+            f"--context {context} is past the graphs' block tables ({static.block_tables.shape[1]} blocks)"
+        )
+    num_blocks = runner.kv_caches[0][0].shape[0]
+    if num_reqs * blocks_per_req > num_blocks:
+        raise SystemExit(f"--context {context} needs {num_reqs * blocks_per_req} KV blocks; the pool has {num_blocks}")
+    dev = static.seq_lens.device
+    rows = torch.arange(num_reqs, device=dev)
+    static.query_start_loc[: num_reqs + 1] = torch.arange(num_reqs + 1, dtype=torch.int32, device=dev)
+    static.seq_lens[:num_reqs] = context
+    static.block_tables.zero_()
+    static.block_tables[:num_reqs, :blocks_per_req] = (
+        rows[:, None] * blocks_per_req + torch.arange(blocks_per_req, device=dev)
+    ).to(torch.int32)
+    pos = context - 1
+    static.positions[:num_reqs] = pos
+    static.slot_mapping[:num_reqs] = static.block_tables[rows, pos // block_size].long() * block_size + pos % block_size
+    torch.cuda.synchronize()
+    return sum(k[0, 0].numel() * k.element_size() + v[0, 0].numel() * v.element_size() for k, v in runner.kv_caches) * (
+        context
+    )
+
+
+def _one(model: str, repeats: int, context: int = 1) -> dict:
     """In a child process: capture the model's graphs, time each (batch, 1) replay `repeats` times, alone
-    and followed by its greedy tail (the logits and the argmax: a whole greedy decode step's GPU work)."""
+    and followed by its greedy tail (the logits and the argmax: a whole greedy decode step's GPU work), at
+    `context` keys (1: the inputs as captured)."""
     import torch
 
     _apply_patches({p for p in os.environ.get(PATCH_ENV, "").replace(":", ",").split(",") if p})
@@ -211,7 +248,8 @@ def _one(model: str, repeats: int) -> dict:
     if runner.model.lm_head is not None:
         embed = runner.model.model.embed_tokens.weight
         weight_bytes -= embed.numel() * embed.element_size()
-    out: dict = {"weight_bytes": weight_bytes, "ms": {}, "step_ms": {}}
+    kv_bytes = _set_context(runner, context) if context > 1 else 0
+    out: dict = {"weight_bytes": weight_bytes, "kv_bytes_b1": kv_bytes, "context": context, "ms": {}, "step_ms": {}}
     for batch in BATCHES:
         graph, _ = graphs._graphs[(batch, 1)]
         out["ms"][batch] = _time([graph.replay], repeats)
@@ -238,11 +276,14 @@ def main() -> int:
     parser.add_argument("--switches", default="ASYNCSPEC_PDL=0,ASYNCSPEC_PDL=1", help="NAME=VALUE[+NAME=VALUE],...")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=1, help="the switches in turn, this many times")
+    parser.add_argument("--context", type=int, default=1, help="keys each request attends to (1: as captured)")
     parser.add_argument("--output")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.context < 1:
+        parser.error("--context must be at least 1")
     if args.one:
-        print(json.dumps(_one(args.one, args.repeats)))
+        print(json.dumps(_one(args.one, args.repeats, args.context)))
         return 0
     results = []
     for model in args.models.split(","):
@@ -251,7 +292,16 @@ def main() -> int:
                 env = dict(os.environ)
                 env.update(kv.split("=", 1) for kv in switch.split("+"))
                 proc = subprocess.run(
-                    [sys.executable, __file__, "--one", model, "--repeats", str(args.repeats)],
+                    [
+                        sys.executable,
+                        __file__,
+                        "--one",
+                        model,
+                        "--repeats",
+                        str(args.repeats),
+                        "--context",
+                        str(args.context),
+                    ],
                     env=env,
                     capture_output=True,
                     text=True,
@@ -273,7 +323,7 @@ def main() -> int:
     for r in results:
         step = r["step_ms"].get(1, float("nan"))
         base.setdefault(r["model"], step)
-        roofline_ms = r["weight_bytes"] / r["read_bytes_per_s"] * 1e3
+        roofline_ms = (r["weight_bytes"] + r.get("kv_bytes_b1", 0)) / r["read_bytes_per_s"] * 1e3
         cells = " ".join(f"{r['ms'][b]:8.3f}" for b in BATCHES)
         print(
             f"{r['model']:9} {r['switch']:52} {cells}  {step:7.3f}  {step / base[r['model']]:5.3f}  "
