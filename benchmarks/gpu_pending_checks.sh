@@ -153,8 +153,8 @@ if [[ " $parts " == *" streams32 "* ]]; then
 fi
 
 if [[ " $parts " == *" early-kv "* ]]; then
-    timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_split_kv_attention.py \
-        -k "early or compile" --tb=short 2>&1 | tail -6
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_split_kv_attention.py \
+        -k "gpu_early or compile" --tb=short 2>&1 | tail -6
     timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu_early_kv.py --tb=short \
         2>&1 | tail -6
 fi

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import NamedTuple
 
 import torch
@@ -79,27 +78,6 @@ if triton.knobs.runtime.interpret:
     _patch_interpreter()
 
 
-EARLY_KV_ENV = "ASYNCSPEC_ATTN_EARLY_KV"
-"""Set to 1 to have each attention program read the step's inputs (query_start_loc, seq_lens, the block table) and
-the first tile of its keys below the request's context before its PDL wait (off by default until measured on a GPU
-at a real context). Those keys were written by earlier steps and no kernel of this one writes them: what a
-predecessor may still be writing, the step's own new keys and q, is read after the wait. Under PDL a kernel starts
-only once its predecessor's programs have passed their own wait, so everything two kernels back is complete; every
-caller has at least the q|k|v projection between the step's input copies and the attention. Read at each launch."""
-
-
-class AttentionSettingError(ValueError):
-    """ASYNCSPEC_ATTN_EARLY_KV holds a value other than 0 or 1."""
-
-
-def early_kv_enabled() -> bool:
-    """ASYNCSPEC_ATTN_EARLY_KV read: 0 or unset is off, 1 is on; anything else is an error."""
-    value = os.environ.get(EARLY_KV_ENV, "0").strip()
-    if value not in ("0", "1"):
-        raise AttentionSettingError(f"{EARLY_KV_ENV}={value!r}: set it to 0 (off, the default) or 1 (on)")
-    return value == "1"
-
-
 # Split-KV heuristic (see `choose_num_splits`).
 _MAX_AVG_QUERY = 16  # split only decode / speculative-verify batches; prefill-heavy ones already fill the GPU
 _COMBINE_COUNTER_SLOTS = 1 << 14  # (query tile, KV head) pairs: 256 verifications of 5 tokens, 8 KV heads of 4: 4,616
@@ -115,20 +93,20 @@ _LONG_KEY_STEP_MIN_REQS = 64
 
 
 @triton.jit
-def _tile_start(qsl_ptr, b, BLOCK_Q: tl.constexpr):
-    return tl.load(qsl_ptr + b) // BLOCK_Q + b
+def _tile_start(qsl_ptr, b, BLOCK_Q: tl.constexpr, CACHE: tl.constexpr = ""):
+    return tl.load(qsl_ptr + b, cache_modifier=CACHE) // BLOCK_Q + b
 
 
 @triton.jit
-def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
+def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr, CACHE: tl.constexpr = ""):
     """The request owning query-tile id `pid`: the largest b in [0, num_reqs] whose first tile id is <= pid.
-    b == num_reqs means the padding tail."""
+    b == num_reqs means the padding tail. CACHE: the loads' cache modifier."""
     # `0 * pid` makes both loop-carried tensors even when Triton specialises num_reqs == 1 to a constant.
     lo = 0 * pid
     hi = num_reqs + 0 * pid
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if _tile_start(qsl_ptr, mid, BLOCK_Q) <= pid:
+        if _tile_start(qsl_ptr, mid, BLOCK_Q, CACHE) <= pid:
             lo = mid
         else:
             hi = mid - 1
@@ -154,13 +132,15 @@ def _kv_tile(
     load_begin,
     load_end,
     BLOCK_N: tl.constexpr,
+    CACHE: tl.constexpr = "",
 ):
     """K^T [BLOCK_D, BLOCK_N] and V [BLOCK_N, BLOCK_D] of keys start_n + [0, BLOCK_N), loaded where a key lies in
-    [load_begin, load_end) and 0 elsewhere (0 * NaN from unwritten slots would poison a row)."""
+    [load_begin, load_end) and 0 elsewhere (0 * NaN from unwritten slots would poison a row). CACHE: the loads'
+    cache modifier."""
     k_pos = start_n + tl.arange(0, BLOCK_N)
     k_in = (k_pos >= load_begin) & (k_pos < load_end)
     # Physical slot of every key: its block from the block table, its offset within the block.
-    block = tl.load(bt_row + k_pos // block_size, mask=k_in, other=0).to(tl.int64)
+    block = tl.load(bt_row + k_pos // block_size, mask=k_in, other=0, cache_modifier=CACHE).to(tl.int64)
     in_block = k_pos % block_size
     k_ptrs = (
         k_cache_ptr
@@ -176,8 +156,8 @@ def _kv_tile(
         + kv_head * vc_stride_h
         + d[None, :]
     )
-    k = tl.load(k_ptrs, mask=k_in[None, :] & d_mask[:, None], other=0.0)
-    v = tl.load(v_ptrs, mask=k_in[:, None] & d_mask[None, :], other=0.0)
+    k = tl.load(k_ptrs, mask=k_in[None, :] & d_mask[:, None], other=0.0, cache_modifier=CACHE)
+    v = tl.load(v_ptrs, mask=k_in[:, None] & d_mask[None, :], other=0.0, cache_modifier=CACHE)
     return k, v
 
 
@@ -288,13 +268,14 @@ def _visible_keys(context_len, q_tile, q_len, seq_len, sliding_window, BLOCK_Q: 
 @triton.jit
 def _tile_inputs(qsl_ptr, seq_lens_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
     """(req, q_start, q_tile, q_len, seq_len) of query-tile id `pid`, every load in bounds also for the padding
-    tail (req == num_reqs: q_len and seq_len 0), so that EARLY_KV can read them all before the PDL wait."""
-    req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q)
+    tail (req == num_reqs: q_len and seq_len 0), so that EARLY_KV can read them all before the PDL wait. The loads
+    go to L2 (.cg), which every grid's completed writes reach, not to an SM's L1."""
+    req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q, ".cg")
     real = req < num_reqs
-    q_start = tl.load(qsl_ptr + req)
-    q_tile = pid - _tile_start(qsl_ptr, req, BLOCK_Q)
-    q_len = tl.load(qsl_ptr + req + 1, mask=real, other=0) - tl.where(real, q_start, 0)
-    seq_len = tl.load(seq_lens_ptr + req, mask=real, other=0)
+    q_start = tl.load(qsl_ptr + req, cache_modifier=".cg")
+    q_tile = pid - _tile_start(qsl_ptr, req, BLOCK_Q, ".cg")
+    q_len = tl.load(qsl_ptr + req + 1, mask=real, other=0, cache_modifier=".cg") - tl.where(real, q_start, 0)
+    seq_len = tl.load(seq_lens_ptr + req, mask=real, other=0, cache_modifier=".cg")
     return req, q_start, q_tile, q_len, seq_len
 
 
@@ -335,8 +316,8 @@ def _paged_attention_kernel(
 ):
     """Single pass: each program walks all visible keys of its (query tile, KV head) and writes `out`.
 
-    EARLY_KV: the step inputs and the first tile's keys below the context (`EARLY_KV_ENV`) are read before the
-    PDL wait."""
+    EARLY_KV: the step inputs and the first tile's keys below the context are read before the PDL wait
+    (`paged_attention(early_kv=True)`)."""
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -351,7 +332,7 @@ def _paged_attention_kernel(
         early_end = tl.where(live, tl.minimum(context_len, kv_end), kv_begin)
         k_early, v_early = _kv_tile(
             k_cache_ptr, v_cache_ptr, bt_row, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b,
-            vc_stride_s, vc_stride_h, block_size, d, d_mask, kv_begin, kv_begin, early_end, BLOCK_N,
+            vc_stride_s, vc_stride_h, block_size, d, d_mask, kv_begin, kv_begin, early_end, BLOCK_N, ".cg",
         )  # fmt: skip
         pdl_start(USE_PDL)
     else:
@@ -478,8 +459,8 @@ def _paged_attention_split_kernel(
     serial split, as `skinny_linear`'s split-K), and split 0 of the padding tail's tiles zeroes its rows, so no
     combine kernel runs.
 
-    EARLY_KV: the step inputs and the first tile of this split's keys below the context (`EARLY_KV_ENV`) are read
-    before the PDL wait."""
+    EARLY_KV: the step inputs and the first tile of this split's keys below the context are read before the PDL
+    wait (`paged_attention(early_kv=True)`)."""
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -498,7 +479,7 @@ def _paged_attention_split_kernel(
         early_end = tl.where(live, tl.minimum(context_len, split_end), split_begin)
         k_early, v_early = _kv_tile(
             k_cache_ptr, v_cache_ptr, bt_row, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b,
-            vc_stride_s, vc_stride_h, block_size, d, d_mask, split_begin, split_begin, early_end, BLOCK_N,
+            vc_stride_s, vc_stride_h, block_size, d, d_mask, split_begin, split_begin, early_end, BLOCK_N, ".cg",
         )  # fmt: skip
         pdl_start(USE_PDL)
     else:
@@ -800,6 +781,7 @@ def paged_attention(
     *,
     num_splits: int | None = None,
     counters: torch.Tensor | None = None,
+    early_kv: bool = False,
 ) -> torch.Tensor:
     """Causal attention of query [T, H, D] over paged K/V [NB, BS, KVH, D]; returns [T, H, D] in query's dtype.
 
@@ -811,6 +793,13 @@ def paged_attention(
     program of each query tile and KV head to finish merging them, instead of in a second kernel; calls sharing
     them must not run concurrently. A call whose grid has more (tile, KV head) pairs than counters takes the
     combine kernel.
+    `early_kv` reads the step inputs (query_start_loc, seq_lens, block_tables) and each program's first tile of
+    keys below its request's context before the kernel's PDL wait, so that their latency overlaps the previous
+    kernel's tail; q and the keys at or past the context, which the previous kernel may be writing, after it. The
+    caller guarantees that the kernel launched just before this one writes none of those inputs nor any key below a
+    request's context: under PDL a kernel's programs start only once every program of its predecessor has passed
+    its own wait (each of this package's kernels waits before it lets its successor launch), so what was written
+    two kernels back is complete, and the loads go to L2. The numbers are the same as without it, bit for bit.
     """
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -845,7 +834,6 @@ def paged_attention(
     window = sliding_window if sliding_window is not None else 0
 
     pdl = pdl_enabled(query.device)
-    early_kv = early_kv_enabled()
     if num_splits == 1:
         _paged_attention_kernel[(num_tiles, num_kv_heads)](
             query,
@@ -969,13 +957,14 @@ def compile_tile_variants(
     scale: float,
     sliding_window: int | None = None,
     counters: torch.Tensor | None = None,
+    early_kv: bool = False,
 ) -> int:
     """Runs `paged_attention` once for every tile (`_tile_sizes`) in both passes (single, split) for this head
     layout, on a one-request batch whose keys are block 0 of the cache (only read). Graph capture compiles the
     variants of uniform steps and the warm-up those of small eager ones, but a large eager batch of short queries
     (a prompt's last chunk joining a full batch of decodes) takes the single pass at the short tile, which
     compiled mid-run: 0.5-0.8 s on an H200, once per model. `counters` as the layer's calls pass them (the split
-    pass merging its own splits is a variant of its own). Returns the number of calls."""
+    pass merging its own splits is a variant of its own), and `early_kv` likewise. Returns the number of calls."""
     if k_cache.device.type != "cuda" or triton.knobs.runtime.interpret:
         return 0
     device, block_size = k_cache.device, k_cache.shape[1]
@@ -1005,6 +994,7 @@ def compile_tile_variants(
                 sliding_window,
                 num_splits=num_splits,
                 counters=counters,
+                early_kv=early_kv,
             )
             calls += 1
     return calls

@@ -9,10 +9,13 @@ programmatic edges.
 
 The contract that keeps it correct: every kernel launched with PDL calls `pdl_start(USE_PDL)` before it
 reads or writes anything a predecessor may touch, so nothing it does overlaps another kernel's writes; the
-wait is transitive, since a predecessor only completes after its own wait. Only what no kernel of a step
-writes, the weights, is read before the wait (the skinny linear kernel's first chunks of W, the norm's
-weight): those loads then overlap the predecessor's tail. Kernels without PDL (torch's, cuBLAS's) keep
-ordinary stream order on both sides.
+wait is transitive, since a predecessor only completes after its own wait. Every program waits before it lets
+its successor launch (`pdl_start` does both, in that order) and before it returns: so when a kernel's programs
+run, every kernel two or more launches back has completed. Only what no kernel of a step writes, the weights, is
+read before the wait (the skinny linear kernel's first chunks of W, the norm's weight): those loads then overlap
+the predecessor's tail. The one exception, opt-in, is the attention's `early_kv`: step inputs and keys of earlier
+steps, which only kernels two or more launches back write, read through L2. Kernels without PDL (torch's,
+cuBLAS's) keep ordinary stream order on both sides.
 `ASYNCSPEC_PDL=0` turns it off (an A/B, or a driver that mishandles it); the interpreter never uses it.
 """
 

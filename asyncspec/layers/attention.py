@@ -99,6 +99,10 @@ FUSED_COMBINE_ENV = "ASYNCSPEC_ATTN_FUSED_COMBINE"
 """1: a split-KV attention call merges its splits in its split pass (the last program of each query tile and KV
 head to finish), with no combine kernel; 0 (the default): the combine kernel merges them."""
 
+EARLY_KV_ENV = "ASYNCSPEC_ATTN_EARLY_KV"
+"""1: the Triton attention reads the step inputs and each program's first tile of older keys (below its request's
+context) before its PDL wait (`paged_attention(early_kv=True)`); 0 (the default): everything after the wait."""
+
 BACKEND_ENV = "ASYNCSPEC_ATTENTION_BACKEND"
 """Environment override: "torch" or "triton" (e.g. triton on the CPU under TRITON_INTERPRET=1)."""
 
@@ -158,6 +162,8 @@ class Attention(nn.Module):
         self.combine_counters: torch.Tensor | None = None
         """The Triton kernel's arrival counters (`use_fused_combine`): a split call then merges its splits in its
         split pass. None: the combine kernel merges them."""
+        self.early_kv = False
+        """Whether the Triton kernel reads its inputs and older keys before its PDL wait (`use_early_kv`)."""
 
     def compile_kernel_variants(self, kv_cache: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> int:
         """Compiles (or loads from Triton's disk cache) every tile variant of the attention kernel for this layer's
@@ -168,7 +174,14 @@ class Attention(nn.Module):
 
         k_cache, v_cache = kv_cache
         return paged_attention_triton.compile_tile_variants(
-            self.num_heads, k_cache, v_cache, dtype, self.scale, self.sliding_window, self.combine_counters
+            self.num_heads,
+            k_cache,
+            v_cache,
+            dtype,
+            self.scale,
+            self.sliding_window,
+            self.combine_counters,
+            early_kv=self.early_kv,
         )
 
     def _backend(self, device: torch.device) -> AttentionBackend:
@@ -215,8 +228,13 @@ class Attention(nn.Module):
         """Attention of q [T, H, D] over the cache, which already holds this step's K/V -> [T, H, D]."""
         k_cache, v_cache = kv_cache
         backend = self._backend(q.device)
-        # Only the Triton kernel takes counters; the reference keeps its own signature.
-        extra = {"counters": self.combine_counters} if self.combine_counters is not None and backend is TRITON else {}
+        # Only the Triton kernel takes counters and early reads; the reference keeps its own signature.
+        extra: dict[str, object] = {}
+        if backend is TRITON:
+            if self.combine_counters is not None:
+                extra["counters"] = self.combine_counters
+            if self.early_kv:
+                extra["early_kv"] = True
         return backend.attend(
             q,
             k_cache,
@@ -246,4 +264,18 @@ def use_fused_combine(model: nn.Module, device: torch.device) -> int:
     layers = [module for module in model.modules() if isinstance(module, Attention)]
     for layer in layers:
         layer.combine_counters = counters
+    return len(layers)
+
+
+def use_early_kv(model: nn.Module, device: torch.device) -> int:
+    """Where ASYNCSPEC_ATTN_EARLY_KV=1 and the Triton kernel serves `device`, has every `Attention` of `model` read
+    its step inputs and older keys before its PDL wait. Returns how many layers took it (0 when off)."""
+    raw = os.environ.get(EARLY_KV_ENV, "0").strip()
+    if raw not in ("0", "1"):
+        raise AttentionSettingError(f"{EARLY_KV_ENV} must be 0 or 1, got {raw!r}")
+    if raw == "0" or select_backend(device) is not TRITON:
+        return 0
+    layers = [module for module in model.modules() if isinstance(module, Attention)]
+    for layer in layers:
+        layer.early_kv = True
     return len(layers)

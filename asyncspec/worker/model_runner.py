@@ -23,7 +23,7 @@ from asyncspec.core.kv_cache import num_blocks_for_bytes
 from asyncspec.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncspec.core.spec_policy import StepCost, speculation_choices
 from asyncspec.errors import ConfigError, EngineDeadError
-from asyncspec.layers.attention import Attention, select_backend, use_fused_combine
+from asyncspec.layers.attention import Attention, select_backend, use_early_kv, use_fused_combine
 from asyncspec.layers.attention_metadata import AttentionMetadata, StaticInputs
 from asyncspec.layers.linear import SkinnyLinear, make_skinny_linear, use_skinny_linear
 from asyncspec.layers.sampler import (
@@ -336,9 +336,12 @@ class ModelRunner:
         use_streamed_attn_in(self.model, make_streamed_attn_in(self.model, self.device))
         # Split-KV attention merging its splits in the split pass, where ASYNCSPEC_ATTN_FUSED_COMBINE asks for it:
         # the draft takes counters of its own, as its own model's layers.
+        # The attention's step inputs and older keys read before its PDL wait, where ASYNCSPEC_ATTN_EARLY_KV asks.
         use_fused_combine(self.model, self.device)
+        use_early_kv(self.model, self.device)
         if self.spec is not None and isinstance(self.spec.proposer, DraftModelProposer):
             use_fused_combine(self.spec.proposer.model, self.device)
+            use_early_kv(self.spec.proposer.model, self.device)
         self.cuda_graphs: CudaGraphForward | None = None
         """The target's graphs (captured with the KV cache); None runs every step eagerly."""
         self.draft_cuda_graphs: CudaGraphForward | None = None

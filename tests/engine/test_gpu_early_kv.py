@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from asyncspec import LLM
+from asyncspec.layers.attention import EARLY_KV_ENV
 from tests.conftest import TARGET_MODEL, load_prompts
 from tests.engine.test_gpu_graphs_hf import _check, _free_earlier_engines  # noqa: F401 - an autouse fixture
 from tests.hf_tiny_models import save_tiny_family_model
@@ -22,7 +23,7 @@ def _early(monkeypatch) -> dict[str, int]:
     a test whose steps never took them fails."""
     from asyncspec.kernels import paged_attention_triton as mod
 
-    monkeypatch.setenv(mod.EARLY_KV_ENV, "1")
+    monkeypatch.setenv(EARLY_KV_ENV, "1")
     seen = {"single": 0, "split": 0}
 
     def counting(kernel, name: str):

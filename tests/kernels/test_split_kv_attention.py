@@ -136,18 +136,6 @@ def test_large_decode_batches_take_long_key_steps() -> None:
     assert _tile_sizes(64, 64, 32, 64, 4).block_m == 32  # a group of 32 rows: not the short tile
 
 
-def test_early_kv_setting(monkeypatch) -> None:
-    from asyncspec.kernels.paged_attention_triton import EARLY_KV_ENV, AttentionSettingError, early_kv_enabled
-
-    monkeypatch.delenv(EARLY_KV_ENV, raising=False)
-    assert not early_kv_enabled()
-    monkeypatch.setenv(EARLY_KV_ENV, "1")
-    assert early_kv_enabled()
-    monkeypatch.setenv(EARLY_KV_ENV, "yes")
-    with pytest.raises(AttentionSettingError, match=f"{EARLY_KV_ENV}='yes': set it to 0 .* or 1"):
-        early_kv_enabled()
-
-
 @pytest.mark.parametrize("num_splits", [0, 33])
 def test_forced_num_splits_outside_the_combines_range_is_refused(num_splits: int) -> None:
     from asyncspec.kernels.paged_attention_triton import paged_attention
@@ -335,21 +323,17 @@ class TestInterpreted:
     def test_early_kv_matches_the_default_bit_for_bit(
         self, attention, monkeypatch, specs, heads, d, dtype, num_splits, window
     ) -> None:
-        """ASYNCSPEC_ATTN_EARLY_KV=1 loads the first tile in two parts (below the context before the PDL wait, the
-        rest after): the same numbers as the default, bit for bit, and the reference's."""
-        from asyncspec.kernels import paged_attention_triton as mod
-
+        """early_kv loads the first tile in two parts (below the context before the PDL wait, the rest after): the
+        same numbers as the default, bit for bit, and the reference's."""
         gen = torch.Generator().manual_seed(num_splits * 3 + d)
         batch = make_batch(gen, specs, 16, num_pad=3)
         k_cache, v_cache = fill_cache(gen, batch, 16, heads[1], d, dtype)
         query = torch.randn(batch.num_tokens + 3, heads[0], d, generator=gen).to(dtype)
         args = (query, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, d**-0.5)
-        outs = {}
-        for early in ("0", "1"):
-            monkeypatch.setenv(mod.EARLY_KV_ENV, early)
-            outs[early] = attention(*args, sliding_window=window, num_splits=num_splits)
-        assert torch.equal(outs["1"], outs["0"])
-        check_split(attention, batch, k_cache, v_cache, gen, heads[0], window, num_splits, _atol(dtype))
+        shipped = attention(*args, sliding_window=window, num_splits=num_splits)
+        assert torch.equal(attention(*args, sliding_window=window, num_splits=num_splits, early_kv=True), shipped)
+        early = functools.partial(attention, early_kv=True)
+        check_split(early, batch, k_cache, v_cache, gen, heads[0], window, num_splits, _atol(dtype))
 
     @pytest.mark.parametrize(
         "specs,num_splits", [(DECODE, 1), (DECODE, 5), (VERIFY, 3), (MIXED, 1), (MIXED, 2), (WITH_IDLE, 4)]
@@ -357,16 +341,19 @@ class TestInterpreted:
     def test_early_kv_reads_the_step_s_new_keys_only_after_the_wait(
         self, attention, monkeypatch, specs, num_splits: int
     ) -> None:
-        """What a predecessor writes this step, the new tokens' K/V (positions >= seq_len - q_len), is NaN until
-        each program's PDL wait and real from then on: the interpreter runs the programs one after another, each
-        first poisons those slots (when it looks up its request) and its `pdl_start` publishes them. A program that
-        read a new key before its wait would carry the NaN into its output."""
+        """What a predecessor writes this step, q and the new tokens' K/V (positions >= seq_len - q_len), is NaN
+        until each program's PDL wait and real from then on: the interpreter runs the programs one after another,
+        each first poisons them (when it looks up its request) and its `pdl_start` publishes them. A program that
+        read one before its wait would carry the NaN into its output. No program may store to `out` before its wait,
+        and every program waits (the padding tail's and the empty tiles' too)."""
         from asyncspec.kernels import paged_attention_triton as mod
 
-        monkeypatch.setenv(mod.EARLY_KV_ENV, "1")
         gen = torch.Generator().manual_seed(20 + num_splits)
         batch = make_batch(gen, specs, 16, num_pad=2)
         k_cache, v_cache = fill_cache(gen, batch, 16, 2, 64, torch.float32)
+        query = torch.randn(batch.num_tokens + 2, 4, 64, generator=gen)
+        args = (query, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, 0.125)
+        expected = paged_attention_ref(*args)
         new_slots = []
         for b, (s, q) in enumerate(zip(batch.seq_lens.tolist(), batch.q_lens, strict=True)):
             pos = torch.arange(s - q, s)
@@ -374,24 +361,35 @@ class TestInterpreted:
         slots = torch.cat(new_slots)
         assert slots.numel() > 0
         k_flat, v_flat = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
-        k_new, v_new = k_flat[slots].clone(), v_flat[slots].clone()
+        written = (k_flat[slots].clone(), v_flat[slots].clone(), query.clone())
+        out = torch.full_like(query, 1234.5)
         find_request = mod._find_request
-        waits = []
+        events: list[str] = []
+        out_at_lookup: list[torch.Tensor] = []
 
-        def poisoning_find_request(*args):
+        def poisoning_find_request(*lookup_args):
+            events.append("find")
+            out_at_lookup.append(out.clone())
             k_flat[slots] = float("nan")
             v_flat[slots] = float("nan")
-            return find_request(*args)
+            query.fill_(float("nan"))
+            return find_request(*lookup_args)
 
         def publishing_pdl_start(use_pdl) -> None:
-            k_flat[slots] = k_new
-            v_flat[slots] = v_new
-            waits.append(1)
+            if events and events[-1] == "find":  # an attention program (the combine kernel looks nothing up)
+                assert torch.equal(out, out_at_lookup[-1]), "a store before the PDL wait"
+            events.append("wait")
+            k_flat[slots], v_flat[slots] = written[0], written[1]
+            query.copy_(written[2])
 
         monkeypatch.setattr(mod, "_find_request", poisoning_find_request)
         monkeypatch.setattr(mod, "pdl_start", publishing_pdl_start)
-        check_split(attention, batch, k_cache, v_cache, gen, 4, None, num_splits, 2e-5)
-        assert waits, "no program waited"
+        got = attention(*args, out=out, num_splits=num_splits, early_kv=True)
+        torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
+        assert (got[batch.num_tokens :] == 0).all()
+        # Every attention program looked its request up, then waited; the combine kernel's waits come last.
+        attention_events = events[: len(events) - events[::-1].index("find") + 1]
+        assert attention_events == ["find", "wait"] * events.count("find"), "a program returned without its wait"
 
 
 # ------------------------------------------------------------------------------------- sm_90 compile
@@ -447,6 +445,7 @@ def test_kernels_compile_for_sm90(dtype: str, ints_equal_one: tuple[str, ...]) -
         # A K/V tile's loads before the wait, not only the handful of step inputs (scalar loads here: the compile
         # has no divisibility hints); q and the tile's newest keys after it.
         assert early[:wait].count("ld.global") >= 64 and "ld.global" in early[wait:]
+        assert "st.global" not in early[:wait] and "atom" not in early[:wait], "a store before the PDL wait"
     # The split pass that merges its own splits: an acq_rel arrival, then the merge's L2 reads.
     ones = tuple(n for n in ints_equal_one if n in mod._paged_attention_split_kernel.arg_names)
     fused = _compile_for_h100(mod._paged_attention_split_kernel, dtype, ones, {**tiles, "FUSED_COMBINE": True})
@@ -640,7 +639,7 @@ def _late_kv_write_kernel(k_src_ptr, v_src_ptr, k_flat_ptr, v_flat_ptr, slots_pt
 @pytest.mark.parametrize("num_splits", [None, 1])
 @pytest.mark.parametrize("q_len", [1, 5])
 def test_gpu_early_kv_waits_for_the_predecessor_s_keys(monkeypatch, num_splits, q_len: int) -> None:
-    """ASYNCSPEC_ATTN_EARLY_KV=1 under PDL: the step's new keys are written by a predecessor that spins first, while
+    """early_kv under PDL: the step's new keys are written by a predecessor that spins first, while
     the attention's programs already run their part before the wait. The output must match the reference (no NaN
     read early) and equal the default path's bit for bit."""
     from asyncspec.kernels import paged_attention_triton as mod
@@ -660,10 +659,10 @@ def test_gpu_early_kv_waits_for_the_predecessor_s_keys(monkeypatch, num_splits, 
     slot_ids = torch.cat(slots)
     k_flat, v_flat = k_cache.view(-1, 8 * 64), v_cache.view(-1, 8 * 64)
     k_new, v_new = k_flat[slot_ids].clone(), v_flat[slot_ids].clone()
-    monkeypatch.setenv(mod.EARLY_KV_ENV, "0")
     shipped = mod.paged_attention(*args, num_splits=num_splits)
     torch.testing.assert_close(shipped.float(), paged_attention_ref(*args).float(), rtol=2e-2, atol=2e-2)
-    monkeypatch.setenv(mod.EARLY_KV_ENV, "1")
+    mod.paged_attention(*args, num_splits=num_splits, early_kv=True)  # compiled before the races
+    torch.cuda.synchronize()
     for _ in range(3):
         k_flat[slot_ids] = float("nan")
         v_flat[slot_ids] = float("nan")
@@ -671,7 +670,7 @@ def test_gpu_early_kv_waits_for_the_predecessor_s_keys(monkeypatch, num_splits, 
         _late_kv_write_kernel[(slot_ids.numel(),)](
             k_new, v_new, k_flat, v_flat, slot_ids, 8 * 64, 200_000, BLOCK=512, launch_pdl=True
         )
-        mod.paged_attention(*args, out=out, num_splits=num_splits)
+        mod.paged_attention(*args, out=out, num_splits=num_splits, early_kv=True)
         torch.cuda.synchronize()
         assert not out[: batch.num_tokens].isnan().any(), "a key of this step was read before the wait"
         assert torch.equal(out, shipped)

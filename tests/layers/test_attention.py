@@ -1,5 +1,5 @@
-"""How the attention layers take the split pass that merges its own splits (`ASYNCSPEC_ATTN_FUSED_COMBINE`), and
-what `Attention.attend` hands each backend (no GPU)."""
+"""How the attention layers take the split pass that merges its own splits (`ASYNCSPEC_ATTN_FUSED_COMBINE`) and the
+early reads (`ASYNCSPEC_ATTN_EARLY_KV`), and what `Attention.attend` hands each backend (no GPU)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ from torch import nn
 
 from asyncspec.layers.attention import (
     BACKEND_ENV,
+    EARLY_KV_ENV,
     FUSED_COMBINE_ENV,
     TORCH_REFERENCE,
     TRITON,
     Attention,
     AttentionSettingError,
+    use_early_kv,
     use_fused_combine,
 )
 from asyncspec.layers.attention_metadata import AttentionMetadata
@@ -104,3 +106,48 @@ def test_the_reference_never_gets_counters() -> None:
     plain = _call(layer)
     layer.combine_counters = torch.zeros(16, dtype=torch.int32)  # as if set before the backend was chosen
     assert _call(layer).shape == plain.shape  # paged_attention_ref would refuse a `counters` argument
+
+
+def test_early_kv_is_off_unless_asked_and_only_for_triton(monkeypatch) -> None:
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    monkeypatch.delenv(EARLY_KV_ENV, raising=False)
+    model = _model()
+    assert use_early_kv(model, torch.device("cpu")) == 0
+    assert not any(layer.early_kv for layer in _layers(model))
+    monkeypatch.setenv(EARLY_KV_ENV, "1")
+    monkeypatch.setenv(BACKEND_ENV, "torch")
+    assert use_early_kv(model, torch.device("cpu")) == 0
+    assert not any(layer.early_kv for layer in _layers(model))
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    assert use_early_kv(model, torch.device("cpu")) == 3
+    assert all(layer.early_kv for layer in _layers(model))
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "true"])
+def test_early_kv_other_values_are_refused(monkeypatch, value: str) -> None:
+    monkeypatch.setenv(EARLY_KV_ENV, value)
+    model = _model()
+    with pytest.raises(AttentionSettingError, match=f"{EARLY_KV_ENV} must be 0 or 1, got '{value}'"):
+        use_early_kv(model, torch.device("cpu"))
+    assert not any(layer.early_kv for layer in _layers(model))
+
+
+def test_attend_asks_the_triton_kernel_for_early_reads_only_when_set(monkeypatch) -> None:
+    pytest.importorskip("triton")
+    from asyncspec.kernels import paged_attention_triton
+
+    seen: list[dict] = []
+
+    def spy(*args, **kwargs) -> torch.Tensor:
+        seen.append(kwargs)
+        return torch.zeros_like(args[0])
+
+    monkeypatch.setattr(paged_attention_triton, "paged_attention", spy)
+    layer = Attention(4, 2, 16, 0.25)
+    layer.backend = TRITON
+    _call(layer)
+    layer.early_kv = True
+    _call(layer)
+    assert "early_kv" not in seen[0] and seen[1]["early_kv"] is True
+    layer.backend = TORCH_REFERENCE
+    assert _call(layer).shape == (2, 4, 16)  # paged_attention_ref would refuse an `early_kv` argument
