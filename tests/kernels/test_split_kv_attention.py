@@ -635,6 +635,14 @@ def _late_kv_write_kernel(k_src_ptr, v_src_ptr, k_flat_ptr, v_flat_ptr, slots_pt
     tl.store(v_flat_ptr + slot * row + offs, v + keep, mask=ok)
 
 
+@triton.jit
+def _read_before_wait_kernel(k_flat_ptr, slot_ptr, seen_ptr, USE_PDL: tl.constexpr):
+    """The control: reads one new key's first element before its PDL wait, as a wrong early path would."""
+    early = tl.load(k_flat_ptr + tl.load(slot_ptr).to(tl.int64) * 512, cache_modifier=".cg")
+    pdl_start(USE_PDL)
+    tl.store(seen_ptr, early.to(tl.float32))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [None, 1])
 @pytest.mark.parametrize("q_len", [1, 5])
@@ -674,3 +682,12 @@ def test_gpu_early_kv_waits_for_the_predecessor_s_keys(monkeypatch, num_splits, 
         torch.cuda.synchronize()
         assert not out[: batch.num_tokens].isnan().any(), "a key of this step was read before the wait"
         assert torch.equal(out, shipped)
+    # The race is real: a successor that reads a new key before its wait sees the NaN the predecessor overwrites.
+    seen = torch.zeros(1, device="cuda")
+    k_flat[slot_ids] = float("nan")
+    _late_kv_write_kernel[(slot_ids.numel(),)](
+        k_new, v_new, k_flat, v_flat, slot_ids, 8 * 64, 200_000, BLOCK=512, launch_pdl=True
+    )
+    _read_before_wait_kernel[(1,)](k_flat, slot_ids, seen, USE_PDL=True, launch_pdl=True)
+    torch.cuda.synchronize()
+    assert seen.isnan().all(), "the control read the key after its write: the test raced nothing"
