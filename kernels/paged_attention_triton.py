@@ -90,6 +90,10 @@ _DEFAULT_SMS = 132  # an H100 SXM; used where no CUDA device is asked (the inter
 # and 1.00-1.04x at 315; at 64-96 requests 0.99-1.00x at 1,000 and up to 1.08x at 315; at 32 requests 0.88-1.06x
 # at 600, and one request 1.18x at 315 (H100). benchmarks/attention_tiles.py, twelfth and thirteenth sessions.
 _LONG_KEY_STEP_MIN_REQS = 64
+# `early_kv` holds a K/V tile in registers across the PDL wait: about 200 registers a thread in the split pass on
+# sm_90 (128 without), so two programs of 4 warps fit an SM. Past that many programs an SM the grid would need a second
+# wave that it did not without, so such a call reads everything after the wait.
+_EARLY_KV_MAX_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
@@ -800,6 +804,7 @@ def paged_attention(
     request's context: under PDL a kernel's programs start only once every program of its predecessor has passed
     its own wait (each of this package's kernels waits before it lets its successor launch), so what was written
     two kernels back is complete, and the loads go to L2. The numbers are the same as without it, bit for bit.
+    A grid of more than `_EARLY_KV_MAX_PROGRAMS_PER_SM` programs an SM ignores it (the registers it holds).
     """
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -834,6 +839,8 @@ def paged_attention(
     window = sliding_window if sliding_window is not None else 0
 
     pdl = pdl_enabled(query.device)
+    programs = num_tiles * num_kv_heads * num_splits
+    early_kv = early_kv and programs <= _EARLY_KV_MAX_PROGRAMS_PER_SM * _num_sms(query.device)
     if num_splits == 1:
         _paged_attention_kernel[(num_tiles, num_kv_heads)](
             query,

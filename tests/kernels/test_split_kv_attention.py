@@ -49,7 +49,7 @@ def attention() -> Callable[..., torch.Tensor]:
 
 @pytest.mark.skipif(INTERPRETING, reason="TestInterpreted runs in this process")
 def test_interpreter_suite(interpreted_suites) -> None:
-    interpreted_suites.check(__file__, 41)
+    interpreted_suites.check(__file__, 43)
 
 
 def check_split(
@@ -334,6 +334,39 @@ class TestInterpreted:
         assert torch.equal(attention(*args, sliding_window=window, num_splits=num_splits, early_kv=True), shipped)
         early = functools.partial(attention, early_kv=True)
         check_split(early, batch, k_cache, v_cache, gen, heads[0], window, num_splits, _atol(dtype))
+
+    @pytest.mark.parametrize("num_splits", [1, 6])
+    def test_early_kv_only_for_grids_of_at_most_two_programs_an_sm(self, attention, monkeypatch, num_splits) -> None:
+        """The early tile's registers let two programs share an SM: a larger grid keeps the default kernel."""
+        from asyncspec.kernels import paged_attention_triton as mod
+
+        gen = torch.Generator().manual_seed(40 + num_splits)
+        batch = make_batch(gen, DECODE, 16, num_pad=1)
+        k_cache, v_cache = fill_cache(gen, batch, 16, 2, 64, torch.float32)
+        query = torch.randn(batch.num_tokens + 1, 4, 64, generator=gen)
+        args = (query, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, 0.125)
+        taken: list[tuple[int, bool]] = []
+        for name in ("_paged_attention_kernel", "_paged_attention_split_kernel"):
+            kernel = getattr(mod, name)
+
+            class Spy:
+                def __getitem__(self, grid, kernel=kernel):
+                    launcher = kernel[grid]
+
+                    def launch(*a, **k):
+                        taken.append((math.prod(grid), k["EARLY_KV"]))
+                        return launcher(*a, **k)
+
+                    return launch
+
+            monkeypatch.setattr(mod, name, Spy())
+        attention(*args, num_splits=num_splits)
+        programs = taken[-1][0]
+        for sms, early in ((-(-programs // 2), True), (-(-programs // 2) - 1, False)):
+            monkeypatch.setattr(mod, "_num_sms", lambda device, sms=sms: sms)
+            got = attention(*args, num_splits=num_splits, early_kv=True)
+            assert taken[-1] == (programs, early)
+            torch.testing.assert_close(got, paged_attention_ref(*args), rtol=2e-5, atol=2e-5)
 
     @pytest.mark.parametrize(
         "specs,num_splits", [(DECODE, 1), (DECODE, 5), (VERIFY, 3), (MIXED, 1), (MIXED, 2), (WITH_IDLE, 4)]
@@ -644,7 +677,7 @@ def _read_before_wait_kernel(k_flat_ptr, slot_ptr, seen_ptr, USE_PDL: tl.constex
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_splits", [None, 1])
+@pytest.mark.parametrize("num_splits", [4, 1])
 @pytest.mark.parametrize("q_len", [1, 5])
 def test_gpu_early_kv_waits_for_the_predecessor_s_keys(monkeypatch, num_splits, q_len: int) -> None:
     """early_kv under PDL: the step's new keys are written by a predecessor that spins first, while
@@ -656,7 +689,7 @@ def test_gpu_early_kv_waits_for_the_predecessor_s_keys(monkeypatch, num_splits, 
     if not pdl_enabled(torch.device("cuda")):
         pytest.skip("needs PDL (compute capability 9.0+, ASYNCSPEC_PDL not 0)")
     gen = torch.Generator().manual_seed(30 + q_len)
-    batch = _gpu_batch(gen, 6, q_len, 3000, num_pad=2)
+    batch = _gpu_batch(gen, 2, q_len, 3000, num_pad=2)  # a grid small enough to take the early reads
     k_cache, v_cache = fill_cache(gen, batch, 16, 8, 64, torch.bfloat16, device="cuda")
     query = torch.randn(batch.num_tokens + 2, 32, 64, generator=gen).to("cuda", torch.bfloat16)
     args = (query, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, 64**-0.5)
@@ -669,8 +702,24 @@ def test_gpu_early_kv_waits_for_the_predecessor_s_keys(monkeypatch, num_splits, 
     k_new, v_new = k_flat[slot_ids].clone(), v_flat[slot_ids].clone()
     shipped = mod.paged_attention(*args, num_splits=num_splits)
     torch.testing.assert_close(shipped.float(), paged_attention_ref(*args).float(), rtol=2e-2, atol=2e-2)
+    name = "_paged_attention_kernel" if num_splits == 1 else "_paged_attention_split_kernel"
+    kernel = getattr(mod, name)
+    early_launches: list[bool] = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            launcher = kernel[grid]
+
+            def launch(*a, **k):
+                early_launches.append(k["EARLY_KV"])
+                return launcher(*a, **k)
+
+            return launch
+
+    monkeypatch.setattr(mod, name, Spy())
     mod.paged_attention(*args, num_splits=num_splits, early_kv=True)  # compiled before the races
     torch.cuda.synchronize()
+    assert early_launches == [True], "the grid is too large for the early reads: the test would race nothing"
     for _ in range(3):
         k_flat[slot_ids] = float("nan")
         v_flat[slot_ids] = float("nan")
