@@ -97,12 +97,12 @@ _EARLY_KV_MAX_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
-def _tile_start(qsl_ptr, b, BLOCK_Q: tl.constexpr, CACHE: tl.constexpr = ""):
+def _tile_start(qsl_ptr, b, BLOCK_Q: tl.constexpr, CACHE: tl.constexpr):
     return tl.load(qsl_ptr + b, cache_modifier=CACHE) // BLOCK_Q + b
 
 
 @triton.jit
-def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr, CACHE: tl.constexpr = ""):
+def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr, CACHE: tl.constexpr):
     """The request owning query-tile id `pid`: the largest b in [0, num_reqs] whose first tile id is <= pid.
     b == num_reqs means the padding tail. CACHE: the loads' cache modifier."""
     # `0 * pid` makes both loop-carried tensors even when Triton specialises num_reqs == 1 to a constant.
@@ -136,7 +136,7 @@ def _kv_tile(
     load_begin,
     load_end,
     BLOCK_N: tl.constexpr,
-    CACHE: tl.constexpr = "",
+    CACHE: tl.constexpr,
 ):
     """K^T [BLOCK_D, BLOCK_N] and V [BLOCK_N, BLOCK_D] of keys start_n + [0, BLOCK_N), loaded where a key lies in
     [load_begin, load_end) and 0 elsewhere (0 * NaN from unwritten slots would poison a row). CACHE: the loads'
@@ -235,7 +235,7 @@ def _attend_keys(
         if kv_begin < kv_end:
             k_late, v_late = _kv_tile(
                 k_cache_ptr, v_cache_ptr, bt_row, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b,
-                vc_stride_s, vc_stride_h, block_size, d, d_mask, kv_begin, early_end, kv_end, BLOCK_N,
+                vc_stride_s, vc_stride_h, block_size, d, d_mask, kv_begin, early_end, kv_end, BLOCK_N, "",
             )  # fmt: skip
             early = kv_begin + tl.arange(0, BLOCK_N) < early_end
             k = tl.where(early[None, :], k_early, k_late)
@@ -248,7 +248,7 @@ def _attend_keys(
     for start_n in range(loop_begin, kv_end, BLOCK_N):
         k, v = _kv_tile(
             k_cache_ptr, v_cache_ptr, bt_row, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b,
-            vc_stride_s, vc_stride_h, block_size, d, d_mask, start_n, start_n, kv_end, BLOCK_N,
+            vc_stride_s, vc_stride_h, block_size, d, d_mask, start_n, start_n, kv_end, BLOCK_N, "",
         )  # fmt: skip
         m_i, l_i, acc = _softmax_step(
             q, k, v, m_i, l_i, acc, start_n, kv_end, row_ok, q_pos, qk_scale, sliding_window, BLOCK_N,
@@ -341,9 +341,9 @@ def _paged_attention_kernel(
         pdl_start(USE_PDL)
     else:
         pdl_start(USE_PDL)
-        req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q)
+        req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q, "")
         q_start = tl.load(qsl_ptr + req)
-        q_tile = pid - _tile_start(qsl_ptr, req, BLOCK_Q)
+        q_tile = pid - _tile_start(qsl_ptr, req, BLOCK_Q, "")
         k_early = 0.0
         v_early = 0.0
         early_end = 0
@@ -488,9 +488,9 @@ def _paged_attention_split_kernel(
         pdl_start(USE_PDL)
     else:
         pdl_start(USE_PDL)
-        req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q)
+        req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q, "")
         q_start = tl.load(qsl_ptr + req)
-        q_tile = pid - _tile_start(qsl_ptr, req, BLOCK_Q)
+        q_tile = pid - _tile_start(qsl_ptr, req, BLOCK_Q, "")
         k_early = 0.0
         v_early = 0.0
         early_end = 0
