@@ -64,7 +64,7 @@ def test_sliding_window_fp32_equal_hf(monkeypatch, tmp_path):
         .eval()
     )
     rng = random.Random(0)
-    # Contexts past the window and several key tiles; chunked prompts put a chunk's first tile across its context.
+    # Contexts past the window and several key tiles; prompts of 64-token chunks give prefill tiles after a context.
     prompts = [[rng.randrange(2, 512) for _ in range(rng.randrange(40, 200))] for _ in range(6)]
     llm = LLM(
         str(tmp_path),
