@@ -7,8 +7,9 @@
 # Writes its JSON under $OUT (or /tmp/pending). Parts, each about one device call (at most 10 minutes):
 #   tests  the whole gpu-marked suite but tensor parallelism: 7 to more than 10 min on an H100 (a cold machine
 #          compiles every kernel), so one call may not hold it: tests-a (worker, layers, kernels), tests-b (spec,
-#          engine, models, but the streamed kernels' engine tests) and tests-c (those) split it in three (tests-b
-#          whole ran past 560 s on a cold H200, 2026-12-05)
+#          engine, models, but the streamed kernels' engine tests), tests-c (the streamed MLP's engine tests) and
+#          tests-d (the other streamed kernels' engine tests) split it in four (tests-b whole ran past 560 s on a cold
+#          H200, 2026-12-05)
 #   tp     the tensor-parallel GPU tests (two GPUs or more): ~5 min
 #   step   batch-1 TPOT and 32/128-stream throughput of the bundled pair at BASE and NEW, alternated twice (pack
 #          them here first: `benchmarks/ab_commits.sh pack BASE NEW`, and carry .devdata). One process per run;
@@ -71,7 +72,10 @@ if [[ " $parts " == *" tests-b "* ]]; then
     gpu_tests tests/spec tests/engine tests/models "${streamed_engine_tests[@]/#/--ignore=}"
 fi
 if [[ " $parts " == *" tests-c "* ]]; then
-    gpu_tests "${streamed_engine_tests[@]}"
+    gpu_tests tests/engine/test_gpu_streamed_mlp.py
+fi
+if [[ " $parts " == *" tests-d "* ]]; then
+    gpu_tests tests/engine/test_gpu_streamed_down_proj.py
 fi
 if [[ " $parts " == *" tp "* ]]; then
     timeout 560 python3 -m pytest -q -p no:cacheprovider tests/worker/test_symm_all_reduce_gpu.py \
