@@ -270,17 +270,49 @@ def _visible_keys(context_len, q_tile, q_len, seq_len, sliding_window, BLOCK_Q: 
 
 
 @triton.jit
-def _tile_inputs(qsl_ptr, seq_lens_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
-    """(req, q_start, q_tile, q_len, seq_len) of query-tile id `pid`, every load in bounds also for the padding
-    tail (req == num_reqs: q_len and seq_len 0), so that EARLY_KV can read them all before the PDL wait. The loads
-    go to L2 (.cg), which every grid's completed writes reach, not to an SM's L1."""
+def _split_share(kv_begin, kv_end, split, num_splits, BLOCK_N: tl.constexpr):
+    """This split's share [split_begin, split_end) of the visible keys, from the real seq_len (the grid only knows
+    shapes): whole BLOCK_N tiles, so every share starts aligned; trailing splits of a short context get nothing."""
+    chunk = tl.cdiv(tl.cdiv(kv_end - kv_begin, BLOCK_N), num_splits) * BLOCK_N
+    split_begin = kv_begin + split * chunk
+    return split_begin, tl.minimum(split_begin + chunk, kv_end)
+
+
+@triton.jit
+def _early_inputs(
+    qsl_ptr, seq_lens_ptr, block_tables_ptr, pid, num_reqs, bt_stride, sliding_window,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """EARLY_KV's step inputs of query-tile id `pid`, read before the PDL wait: (req, q_start, q_tile, q_len,
+    context_len, kv_begin, kv_end, bt_row, live). Every load is in bounds also for the padding tail (req ==
+    num_reqs: q_len and seq_len 0); `live` is false there and for a tile without queries. The loads go to L2 (.cg),
+    which every grid's completed writes reach, not to an SM's L1."""
     req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q, ".cg")
     real = req < num_reqs
     q_start = tl.load(qsl_ptr + req, cache_modifier=".cg")
     q_tile = pid - _tile_start(qsl_ptr, req, BLOCK_Q, ".cg")
     q_len = tl.load(qsl_ptr + req + 1, mask=real, other=0, cache_modifier=".cg") - tl.where(real, q_start, 0)
     seq_len = tl.load(seq_lens_ptr + req, mask=real, other=0, cache_modifier=".cg")
-    return req, q_start, q_tile, q_len, seq_len
+    context_len = seq_len - q_len
+    kv_begin, kv_end = _visible_keys(context_len, q_tile, q_len, seq_len, sliding_window, BLOCK_Q, BLOCK_N)
+    bt_row = block_tables_ptr + req.to(tl.int64) * bt_stride
+    live = real & (q_tile * BLOCK_Q < q_len)
+    return req, q_start, q_tile, q_len, context_len, kv_begin, kv_end, bt_row, live
+
+
+@triton.jit
+def _early_kv_tile(
+    k_cache_ptr, v_cache_ptr, bt_row, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s,
+    vc_stride_h, block_size, d, d_mask, begin, end, context_len, live, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The first tile of keys [begin, end) that lie below the request's context (written by earlier steps), read
+    before the PDL wait through L2, and the bound early_end of what it holds (begin where nothing: a dead tile)."""
+    early_end = tl.where(live, tl.minimum(context_len, end), begin)
+    k, v = _kv_tile(
+        k_cache_ptr, v_cache_ptr, bt_row, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s,
+        vc_stride_h, block_size, d, d_mask, begin, begin, early_end, BLOCK_N, ".cg",
+    )  # fmt: skip
+    return k, v, early_end
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_tokens", "bt_stride"])
@@ -328,15 +360,12 @@ def _paged_attention_kernel(
     d = tl.arange(0, BLOCK_D)
     d_mask = d < head_dim
     if EARLY_KV:
-        req, q_start, q_tile, q_len, seq_len = _tile_inputs(qsl_ptr, seq_lens_ptr, pid, num_reqs, BLOCK_Q)
-        context_len = seq_len - q_len
-        kv_begin, kv_end = _visible_keys(context_len, q_tile, q_len, seq_len, sliding_window, BLOCK_Q, BLOCK_N)
-        bt_row = block_tables_ptr + req.to(tl.int64) * bt_stride
-        live = (req < num_reqs) & (q_tile * BLOCK_Q < q_len)
-        early_end = tl.where(live, tl.minimum(context_len, kv_end), kv_begin)
-        k_early, v_early = _kv_tile(
+        req, q_start, q_tile, q_len, context_len, kv_begin, kv_end, bt_row, live = _early_inputs(
+            qsl_ptr, seq_lens_ptr, block_tables_ptr, pid, num_reqs, bt_stride, sliding_window, BLOCK_Q, BLOCK_N
+        )
+        k_early, v_early, early_end = _early_kv_tile(
             k_cache_ptr, v_cache_ptr, bt_row, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b,
-            vc_stride_s, vc_stride_h, block_size, d, d_mask, kv_begin, kv_begin, early_end, BLOCK_N, ".cg",
+            vc_stride_s, vc_stride_h, block_size, d, d_mask, kv_begin, kv_end, context_len, live, BLOCK_N,
         )  # fmt: skip
         pdl_start(USE_PDL)
     else:
@@ -472,18 +501,14 @@ def _paged_attention_split_kernel(
     d = tl.arange(0, BLOCK_D)
     d_mask = d < head_dim
     if EARLY_KV:
-        req, q_start, q_tile, q_len, seq_len = _tile_inputs(qsl_ptr, seq_lens_ptr, pid, num_reqs, BLOCK_Q)
-        context_len = seq_len - q_len
-        kv_begin, kv_end = _visible_keys(context_len, q_tile, q_len, seq_len, sliding_window, BLOCK_Q, BLOCK_N)
-        chunk = tl.cdiv(tl.cdiv(kv_end - kv_begin, BLOCK_N), num_splits) * BLOCK_N
-        split_begin = kv_begin + split * chunk
-        split_end = tl.minimum(split_begin + chunk, kv_end)
-        bt_row = block_tables_ptr + req.to(tl.int64) * bt_stride
-        live = (req < num_reqs) & (q_tile * BLOCK_Q < q_len)
-        early_end = tl.where(live, tl.minimum(context_len, split_end), split_begin)
-        k_early, v_early = _kv_tile(
+        req, q_start, q_tile, q_len, context_len, kv_begin, kv_end, bt_row, live = _early_inputs(
+            qsl_ptr, seq_lens_ptr, block_tables_ptr, pid, num_reqs, bt_stride, sliding_window, BLOCK_Q, BLOCK_N
+        )
+        # `live` also keeps a padding tile's share (whose chunk a window can make negative) from loading anything.
+        split_begin, split_end = _split_share(kv_begin, kv_end, split, num_splits, BLOCK_N)
+        k_early, v_early, early_end = _early_kv_tile(
             k_cache_ptr, v_cache_ptr, bt_row, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b,
-            vc_stride_s, vc_stride_h, block_size, d, d_mask, split_begin, split_begin, early_end, BLOCK_N, ".cg",
+            vc_stride_s, vc_stride_h, block_size, d, d_mask, split_begin, split_end, context_len, live, BLOCK_N,
         )  # fmt: skip
         pdl_start(USE_PDL)
     else:
@@ -514,12 +539,8 @@ def _paged_attention_split_kernel(
     if not EARLY_KV:
         seq_len = tl.load(seq_lens_ptr + req)
         context_len = seq_len - q_len
-        # This split's share of the visible keys, from the real seq_len (the grid only knows shapes): whole
-        # BLOCK_N tiles, so every share starts aligned; trailing splits of a short context get nothing.
         kv_begin, kv_end = _visible_keys(context_len, q_tile, q_len, seq_len, sliding_window, BLOCK_Q, BLOCK_N)
-        chunk = tl.cdiv(tl.cdiv(kv_end - kv_begin, BLOCK_N), num_splits) * BLOCK_N
-        split_begin = kv_begin + split * chunk
-        split_end = tl.minimum(split_begin + chunk, kv_end)
+        split_begin, split_end = _split_share(kv_begin, kv_end, split, num_splits, BLOCK_N)
         bt_row = block_tables_ptr + req.to(tl.int64) * bt_stride
     row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
     q_pos = context_len + q_idx

@@ -4,27 +4,26 @@ write several new keys a request), and with a sliding window; the kernels really
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from asyncspec import LLM
 from asyncspec.layers.attention import EARLY_KV_ENV
 from tests.conftest import TARGET_MODEL, load_prompts
+from tests.engine.test_gpu_fused_combine import sliding_window_check
 from tests.engine.test_gpu_graphs_hf import _check, _free_earlier_engines  # noqa: F401 - an autouse fixture
-from tests.hf_tiny_models import save_tiny_family_model
 
 pytestmark = pytest.mark.gpu
 
 
 def _early(monkeypatch) -> dict[str, int]:
-    """Turns the early reads on; counts the attention launches that took them (single pass and split pass), so that
-    a test whose steps never took them fails."""
+    """Turns the early reads on; counts the attention launches that took them (single pass and split pass) outside
+    the start-up's variant warm-up (graph capture and eager steps), so that a test whose steps never took them
+    fails."""
     from asyncspec.kernels import paged_attention_triton as mod
 
     monkeypatch.setenv(EARLY_KV_ENV, "1")
-    seen = {"single": 0, "split": 0}
+    seen = {"single": 0, "split": 0, "warmup": 0}
 
     def counting(kernel, name: str):
         class Launches:
@@ -32,15 +31,25 @@ def _early(monkeypatch) -> dict[str, int]:
                 launcher = kernel[grid]
 
                 def launch(*args, **kwargs):
-                    seen[name] += bool(kwargs.get("EARLY_KV"))
+                    seen[name] += bool(kwargs.get("EARLY_KV")) and not seen["warmup"]
                     return launcher(*args, **kwargs)
 
                 return launch
 
         return Launches()
 
+    compile_variants = mod.compile_tile_variants
+
+    def warmup(*args, **kwargs):
+        seen["warmup"] += 1
+        try:
+            return compile_variants(*args, **kwargs)
+        finally:
+            seen["warmup"] -= 1
+
     monkeypatch.setattr(mod, "_paged_attention_kernel", counting(mod._paged_attention_kernel, "single"))
     monkeypatch.setattr(mod, "_paged_attention_split_kernel", counting(mod._paged_attention_split_kernel, "split"))
+    monkeypatch.setattr(mod, "compile_tile_variants", warmup)
     return seen
 
 
@@ -57,24 +66,7 @@ def test_bundled_target_fp32_equal_hf(monkeypatch, spec):
 
 
 def test_sliding_window_fp32_equal_hf(monkeypatch, tmp_path):
+    # 64-token chunks give prefill tiles after a context.
     seen = _early(monkeypatch)
-    hf = (
-        save_tiny_family_model("mistral", tmp_path, torch.float32, sliding_window=32, max_position_embeddings=1024)
-        .cuda()
-        .eval()
-    )
-    rng = random.Random(0)
-    # Contexts past the window and several key tiles; prompts of 64-token chunks give prefill tiles after a context.
-    prompts = [[rng.randrange(2, 512) for _ in range(rng.randrange(40, 200))] for _ in range(6)]
-    llm = LLM(
-        str(tmp_path),
-        device="cuda",
-        dtype="float32",
-        skip_tokenizer_init=True,
-        max_model_len=1024,
-        num_kv_blocks=512,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-    )
-    _check(llm, hf, prompts, 24)
+    sliding_window_check(tmp_path, 64)
     assert seen["split"] > 0 and seen["single"] > 0, seen

@@ -77,15 +77,15 @@ def test_bundled_target_fp32_equal_hf(monkeypatch, spec):
     assert seen["fused"] > 0, "no step took the split pass"
 
 
-def test_sliding_window_fp32_equal_hf(monkeypatch, tmp_path):
-    seen = _fused(monkeypatch)
+def sliding_window_check(tmp_path, max_num_batched_tokens: int) -> LLM:
+    """A tiny Mistral with a 32-token window, fp32, graphs on: 6 prompts of 40-200 tokens (contexts past the window
+    and several key tiles; a 1,024-token block table lets a decode batch split 4 ways), greedy equal to HF."""
     hf = (
         save_tiny_family_model("mistral", tmp_path, torch.float32, sliding_window=32, max_position_embeddings=1024)
         .cuda()
         .eval()
     )
     rng = random.Random(0)
-    # Contexts past the window and several key tiles; a 1,024-token block table lets a decode batch split 4 ways.
     prompts = [[rng.randrange(2, 512) for _ in range(rng.randrange(40, 200))] for _ in range(6)]
     llm = LLM(
         str(tmp_path),
@@ -95,9 +95,15 @@ def test_sliding_window_fp32_equal_hf(monkeypatch, tmp_path):
         max_model_len=1024,
         num_kv_blocks=512,
         max_num_seqs=8,
-        max_num_batched_tokens=256,
+        max_num_batched_tokens=max_num_batched_tokens,
     )
     _check(llm, hf, prompts, 24)
     torch.cuda.synchronize()
+    return llm
+
+
+def test_sliding_window_fp32_equal_hf(monkeypatch, tmp_path):
+    seen = _fused(monkeypatch)
+    llm = sliding_window_check(tmp_path, 256)
     assert not any(c.any() for c in _counters(llm) if c is not None)
     assert seen["fused"] > 0, "no step took the split pass"

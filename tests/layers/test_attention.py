@@ -81,7 +81,8 @@ def _call(layer: Attention) -> torch.Tensor:
     return layer.attend(q, kv_cache, meta)
 
 
-def test_attend_hands_the_counters_to_the_triton_kernel(monkeypatch) -> None:
+def _triton_kwargs(monkeypatch) -> list[dict]:
+    """Stands in for the Triton kernel; returns the keyword arguments of each call, as they come."""
     pytest.importorskip("triton")
     from asyncspec.kernels import paged_attention_triton
 
@@ -92,6 +93,11 @@ def test_attend_hands_the_counters_to_the_triton_kernel(monkeypatch) -> None:
         return torch.zeros_like(args[0])
 
     monkeypatch.setattr(paged_attention_triton, "paged_attention", spy)
+    return seen
+
+
+def test_attend_hands_the_counters_to_the_triton_kernel(monkeypatch) -> None:
+    seen = _triton_kwargs(monkeypatch)
     layer = Attention(4, 2, 16, 0.25)
     layer.backend = TRITON
     _call(layer)
@@ -133,16 +139,7 @@ def test_early_kv_other_values_are_refused(monkeypatch, value: str) -> None:
 
 
 def test_attend_asks_the_triton_kernel_for_early_reads_only_when_set(monkeypatch) -> None:
-    pytest.importorskip("triton")
-    from asyncspec.kernels import paged_attention_triton
-
-    seen: list[dict] = []
-
-    def spy(*args, **kwargs) -> torch.Tensor:
-        seen.append(kwargs)
-        return torch.zeros_like(args[0])
-
-    monkeypatch.setattr(paged_attention_triton, "paged_attention", spy)
+    seen = _triton_kwargs(monkeypatch)
     layer = Attention(4, 2, 16, 0.25)
     layer.backend = TRITON
     _call(layer)
