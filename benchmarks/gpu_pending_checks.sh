@@ -49,6 +49,9 @@
 #          tests, ~4 min on a cold machine
 #   early-kv-ab  its A/B at a real context: graph_replay.py --context 315 (the 1B twice, the 8B once; as captured
 #          the graphs hold a context of one key), then the 1B's 32-stream steady window with and without: ~5 min
+#   ab-315  one call for the open A/Bs at a real context (graph_replay.py --context 315): the 1B with the default,
+#          ASYNCSPEC_ATTN_EARLY_KV=1 and ASYNCSPEC_STREAMED_MLP=0, two rounds; the 8B with the default and early KV;
+#          then the 1B's 32-stream steady window (streams32): ~8 min on a cold machine
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
 # their wheels; the device README says how).
 set -uo pipefail
@@ -175,6 +178,18 @@ if [[ " $parts " == *" early-kv-ab "* ]]; then
             --parts bandwidth,async --concurrency 32 --window-batches 32 --sweep-batches 32 --trials 1 \
             --output "$out/step_speed_early_kv${early}_1b_32.json" 2>&1 | grep -E "^async|^config" | tail -2
     done
+fi
+
+if [[ " $parts " == *" ab-315 "* ]]; then
+    p="ASYNCSPEC_PDL=1"
+    e="ASYNCSPEC_ATTN_EARLY_KV=1"
+    m="ASYNCSPEC_STREAMED_MLP=0"
+    timeout 220 python3 benchmarks/graph_replay.py --models llama-1b --context 315 \
+        --switches "$p,$p+$e,$p+$m,$p,$p+$e,$p+$m" --output "$out/graph_replay_ab315_1b.json" 2>&1 | tail -8
+    timeout 200 python3 benchmarks/graph_replay.py --models llama-8b --context 315 --switches "$p,$p+$e" \
+        --output "$out/graph_replay_ab315_8b.json" 2>&1 | tail -4
+    timeout 120 python3 benchmarks/gpu_step_speed.py --models llama-1b --parts bandwidth,async --concurrency 32 \
+        --window-batches 32 --sweep-batches 32 --trials 1 --output "$out/step_speed_1b_32.json" 2>&1 | tail -6
 fi
 
 if [[ " $parts " == *" step "* ]]; then
