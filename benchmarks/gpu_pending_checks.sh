@@ -52,6 +52,8 @@
 #   ab-315  one call for the open A/Bs at a real context (graph_replay.py --context 315): the 1B with the default,
 #          ASYNCSPEC_ATTN_EARLY_KV=1 and ASYNCSPEC_STREAMED_MLP=0, two rounds; the 8B with the default and early KV;
 #          then the 1B's 32-stream steady window (streams32): ~8 min on a cold machine
+#   profile32  where the 1B's 32-stream step goes, kernel by kernel (profile_step.py --streams 32), PDL off so that
+#          each kernel's time is its own, then on: ~2 min
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
 # their wheels; the device README says how).
 set -uo pipefail
@@ -190,6 +192,13 @@ if [[ " $parts " == *" ab-315 "* ]]; then
         --output "$out/graph_replay_ab315_8b.json" 2>&1 | tail -4
     timeout 120 python3 benchmarks/gpu_step_speed.py --models llama-1b --parts bandwidth,async --concurrency 32 \
         --window-batches 32 --sweep-batches 32 --trials 1 --output "$out/step_speed_1b_32.json" 2>&1 | tail -6
+fi
+
+if [[ " $parts " == *" profile32 "* ]]; then
+    for pdl in 0 1; do
+        ASYNCSPEC_PDL=$pdl timeout 150 python3 benchmarks/profile_step.py --model llama-1b --streams 32 --top 14 \
+            2>&1 | grep -A16 "^GPU time per step" | tee "$out/profile_1b_32_pdl$pdl.txt"
+    done
 fi
 
 if [[ " $parts " == *" step "* ]]; then
