@@ -732,7 +732,10 @@ def test_gpu_early_kv_waits_for_the_predecessor_s_keys(monkeypatch, num_splits, 
         assert not out[: batch.num_tokens].isnan().any(), "a key of this step was read before the wait"
         assert torch.equal(out, shipped)
     # The race is real: a successor that reads a new key before its wait sees the NaN the predecessor overwrites.
+    # The control is compiled first: a launch that compiles would let the spin finish before it (an H100 showed it).
     seen = torch.zeros(1, device="cuda")
+    _read_before_wait_kernel[(1,)](k_flat, slot_ids, seen, USE_PDL=True, launch_pdl=True)
+    torch.cuda.synchronize()
     k_flat[slot_ids] = float("nan")
     _late_kv_write_kernel[(slot_ids.numel(),)](
         k_new, v_new, k_flat, v_flat, slot_ids, 8 * 64, 200_000, BLOCK=512, launch_pdl=True
