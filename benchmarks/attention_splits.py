@@ -5,6 +5,10 @@ the engine runs it (PDL on where the engine uses it), for each forced `num_split
 
     python3 benchmarks/attention_splits.py --output $OUT/attention_splits.json     # GPU, ~1 min
     python3 benchmarks/attention_splits.py --shapes bundled --batches 32,128 --query-lens 1,5   # k = 4 verification
+    # where a 32-stream call's time goes: its fixed cost (the time at few keys), its read rate (the slope over
+    # contexts), and the block table's scatter (the pool's blocks in request order against shuffled)
+    python3 benchmarks/attention_splits.py --shapes llama-1b --batches 32 --contexts 16,64,315,1000,2000 \
+        --splits 1,2,4 --block-order random,sorted
 
 Each case is (model shape, batch of decodes, context per request); a row's time is the median over 10 replays of
 a graph of 20 calls, per call (skinny_linear.py's `graph_us`).
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import sys
@@ -32,17 +37,31 @@ from asyncspec.kernels.paged_attention_triton import _num_sms, _tile_sizes, choo
 SHAPES = {"llama-1b": (32, 8, 64), "llama-8b": (32, 8, 128), "bundled": (6, 2, 64)}  # query heads, KV heads, head dim
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 2048
+BLOCK_ORDERS = ("random", "sorted")
 
 
 def make_inputs(
-    batch: int, context: int, heads: int, kv_heads: int, head_dim: int, gen: torch.Generator, query_len: int = 1
+    batch: int,
+    context: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    gen: torch.Generator,
+    query_len: int = 1,
+    block_order: str = "random",
 ) -> dict:
     """A batch of `batch` requests of `query_len` queries each (1: decodes; k + 1: verifying k drafts) at
-    `context` tokens."""
+    `context` tokens. `block_order`: "random" scatters the requests' blocks over the pool (a long-running engine's
+    pool), "sorted" gives each request consecutive blocks."""
+    if block_order not in BLOCK_ORDERS:
+        raise ValueError(f"block_order must be one of {BLOCK_ORDERS}, got {block_order!r}")
     dev, dt = "cuda", torch.bfloat16
     blocks = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks
-    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    if block_order == "random":
+        perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    else:
+        perm = torch.arange(num_blocks, dtype=torch.int32)
     table = torch.zeros(batch, MAX_MODEL_LEN // BLOCK_SIZE, dtype=torch.int32)
     table[:, :blocks] = perm.view(batch, blocks)
     return dict(
@@ -75,17 +94,24 @@ def main() -> int:
     ap.add_argument("--splits", default="1,2,4,8,16")
     ap.add_argument("--shapes", default="llama-1b,llama-8b", help=f"of {', '.join(SHAPES)}")
     ap.add_argument("--query-lens", default="1", help="queries per request: 1 decodes, k + 1 verifies k drafts")
+    ap.add_argument("--block-order", default="random", help="random, sorted or both (comma list): the pool's blocks")
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
+    orders = args.block_order.split(",")
+    if set(orders) - set(BLOCK_ORDERS):
+        ap.error(f"--block-order takes {', '.join(BLOCK_ORDERS)}, got {args.block_order!r}")
     gen = torch.Generator().manual_seed(0)
     sms = _num_sms(torch.device("cuda"))
     rows = []
     print(f"{torch.cuda.get_device_name()}, {sms} SMs; us per call (auto = choose_num_splits)")
     split_list = [int(x) for x in args.splits.split(",")]
-    print(f"{'shape':9} {'batch':>5} {'ctx':>5} {'auto':>4} " + " ".join(f"{'s=' + str(s):>7}" for s in split_list))
-    for shape, batch, context, query_len in cases(args):
+    print(
+        f"{'shape':9} {'batch':>5} {'ctx':>5} {'order':>6} {'auto':>4} "
+        + " ".join(f"{'s=' + str(s):>7}" for s in split_list)
+    )
+    for (shape, batch, context, query_len), order in itertools.product(cases(args), orders):
         heads, kv_heads, head_dim = SHAPES[shape]
-        inputs = make_inputs(batch, context, heads, kv_heads, head_dim, gen, query_len)
+        inputs = make_inputs(batch, context, heads, kv_heads, head_dim, gen, query_len, order)
         out = torch.empty_like(inputs["query"])
         tokens = batch * query_len
         block_m = _tile_sizes(tokens, batch, heads // kv_heads, head_dim, 2).block_m
@@ -102,6 +128,7 @@ def main() -> int:
                 "batch": batch,
                 "context": context,
                 "query_len": query_len,
+                "block_order": order,
                 "auto_splits": auto,
                 "us_by_splits": times,
                 "best_splits": best,
@@ -109,9 +136,9 @@ def main() -> int:
             }
         )
         print(
-            f"{shape:9} {batch:5d}x{query_len} {context:5d} {auto:4d} "
+            f"{shape:9} {batch:5d}x{query_len} {context:5d} {order:>6} {auto:4d} "
             + " ".join(f"{times[s]:7.2f}" for s in split_list)
-            + f"   best {best}, KV {kv_bytes / 1e6:.1f} MB",
+            + f"   best {best}, KV {kv_bytes / 1e6:.1f} MB at {kv_bytes / times[best] / 1e6:.2f} TB/s",
             flush=True,
         )
     if args.output:

@@ -54,6 +54,10 @@
 #          then the 1B's 32-stream steady window (streams32): ~8 min on a cold machine
 #   profile32  where the 1B's 32-stream step goes, kernel by kernel (profile_step.py --streams 32), PDL off so that
 #          each kernel's time is its own, then on: ~2 min
+#   attn32  where the 32-stream attention's time goes (attention_splits.py, the 1B and 8B heads at 32 requests): its
+#          fixed cost (16 and 64 keys), its read rate (the slope up to 2,000 keys), one to four splits, the pool's blocks
+#          shuffled and in request order. The 1B's split pass took 15.3 us a layer for 20.7 MB of KV on an H100 with PDL
+#          off (1.35 TB/s, 2026-12-05, PARTS=profile32): ~2 min
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
 # their wheels; the device README says how).
 set -uo pipefail
@@ -199,6 +203,12 @@ if [[ " $parts " == *" profile32 "* ]]; then
         ASYNCSPEC_PDL=$pdl timeout 150 python3 benchmarks/profile_step.py --model llama-1b --streams 32 --top 14 \
             2>&1 | grep -A16 "^GPU time per step" | tee "$out/profile_1b_32_pdl$pdl.txt"
     done
+fi
+
+if [[ " $parts " == *" attn32 "* ]]; then
+    timeout 240 python3 benchmarks/attention_splits.py --shapes llama-1b,llama-8b --batches 32 \
+        --contexts 16,64,315,1000,2000 --splits 1,2,4 --block-order random,sorted --output "$out/attention_32.json" \
+        2>&1 | tail -22
 fi
 
 if [[ " $parts " == *" step "* ]]; then
