@@ -523,7 +523,7 @@ def test_kernels_compile_for_sm90(dtype: str, ints_equal_one: tuple[str, ...]) -
     ones = tuple(n for n in ints_equal_one if n in mod._paged_attention_split_kernel.arg_names)
     fused = _compile_for_h100(mod._paged_attention_split_kernel, dtype, ones, {**tiles, "FUSED_COMBINE": True})
     assert "atom.global.gpu.acq_rel.add" in fused.asm["ptx"] and "ld.global.cg" in fused.asm["ptx"]
-    # The vector request lookup (a candidate, swapped in by benchmarks): one vector load a chunk, no search loop.
+    # The vector request lookup (a candidate, swapped in by benchmarks) compiles, the binary search beside it.
     ones = tuple(n for n in ints_equal_one if n in _both_lookups.arg_names)
     assert "ld.global" in _compile_for_h100(_both_lookups, "i32", ones, {"BLOCK_Q": 4}).asm["ptx"]
     combine = {"BLOCK_S": 16, "BLOCK_D": 128}
