@@ -298,6 +298,16 @@ def _split_share(kv_begin, kv_end, split, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _late_lookup(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
+    """(req, q_start, q_tile) of query-tile id `pid`, read after the PDL wait (the default path; EARLY_KV's
+    `_early_inputs` reads them before it)."""
+    req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q, "")
+    q_start = tl.load(qsl_ptr + req)
+    q_tile = pid - _tile_start(qsl_ptr, req, BLOCK_Q, "")
+    return req, q_start, q_tile
+
+
+@triton.jit
 def _early_inputs(
     qsl_ptr, seq_lens_ptr, block_tables_ptr, pid, num_reqs, bt_stride, sliding_window,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -389,9 +399,7 @@ def _paged_attention_kernel(
         pdl_start(USE_PDL)
     else:
         pdl_start(USE_PDL)
-        req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q, "")
-        q_start = tl.load(qsl_ptr + req)
-        q_tile = pid - _tile_start(qsl_ptr, req, BLOCK_Q, "")
+        req, q_start, q_tile = _late_lookup(qsl_ptr, pid, num_reqs, BLOCK_Q)
         k_early = 0.0
         v_early = 0.0
         early_end = 0
@@ -532,9 +540,7 @@ def _paged_attention_split_kernel(
         pdl_start(USE_PDL)
     else:
         pdl_start(USE_PDL)
-        req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q, "")
-        q_start = tl.load(qsl_ptr + req)
-        q_tile = pid - _tile_start(qsl_ptr, req, BLOCK_Q, "")
+        req, q_start, q_tile = _late_lookup(qsl_ptr, pid, num_reqs, BLOCK_Q)
         k_early = 0.0
         v_early = 0.0
         early_end = 0
