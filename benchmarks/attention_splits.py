@@ -32,7 +32,6 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from skinny_linear import graph_us  # noqa: E402
 
-import asyncspec.kernels.paged_attention_triton as attention_kernels  # noqa: E402
 from asyncspec.kernels.paged_attention_triton import _num_sms, _tile_sizes, choose_num_splits, paged_attention  # noqa: E402
 
 SHAPES = {"llama-1b": (32, 8, 64), "llama-8b": (32, 8, 128), "bundled": (6, 2, 64)}  # query heads, KV heads, head dim
@@ -96,16 +95,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="llama-1b,llama-8b", help=f"of {', '.join(SHAPES)}")
     ap.add_argument("--query-lens", default="1", help="queries per request: 1 decodes, k + 1 verifies k drafts")
     ap.add_argument("--block-order", default="random", help="random, sorted or both (comma list): the pool's blocks")
-    ap.add_argument(
-        "--vector-lookup",
-        action="store_true",
-        help="the request lookup as one vector load a chunk (_find_request_vector), not the binary search: an A/B "
-        "runs the script twice, since a kernel compiles once a process",
-    )
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
-    if args.vector_lookup:
-        attention_kernels._find_request = attention_kernels._find_request_vector  # type: ignore[attr-defined]
     orders = args.block_order.split(",")
     if set(orders) - set(BLOCK_ORDERS):
         ap.error(f"--block-order takes {', '.join(BLOCK_ORDERS)}, got {args.block_order!r}")
@@ -153,7 +144,7 @@ def main() -> int:
     if args.output:
         args.output.write_text(
             json.dumps(
-                {"card": torch.cuda.get_device_name(), "sms": sms, "vector_lookup": args.vector_lookup, "rows": rows},
+                {"card": torch.cuda.get_device_name(), "sms": sms, "rows": rows},
                 indent=1,
             )
         )

@@ -58,10 +58,6 @@
 #          fixed cost (16 and 64 keys), its read rate (the slope up to 2,000 keys), one to four splits, the pool's blocks
 #          shuffled and in request order. The 1B's split pass took 15.3 us a layer for 20.7 MB of KV on an H100 with PDL
 #          off (1.35 TB/s, 2026-12-05, PARTS=profile32): ~2 min
-#   lookup-ab  the attention's request lookup as one vector load (`_find_request_vector`, 2026-12-05, a candidate)
-#          against the binary search: the kernel alone at 32 requests (attention_splits.py with and without
-#          --vector-lookup: the fixed cost at 16 keys was 4.6 us a call on an H100, PARTS=attn32), then the 1B's steps at
-#          315 keys (graph_replay.py, GRAPH_REPLAY_PATCH=vector_lookup), two rounds: ~4 min
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
 # their wheels; the device README says how).
 set -uo pipefail
@@ -213,17 +209,6 @@ if [[ " $parts " == *" attn32 "* ]]; then
     timeout 240 python3 benchmarks/attention_splits.py --shapes llama-1b,llama-8b --batches 32 \
         --contexts 16,64,315,1000,2000 --splits 1,2,4 --block-order random,sorted --output "$out/attention_32.json" \
         2>&1 | tail -22
-fi
-
-if [[ " $parts " == *" lookup-ab "* ]]; then
-    for vector in "" --vector-lookup "" --vector-lookup; do
-        timeout 60 python3 benchmarks/attention_splits.py --shapes llama-1b,llama-8b --batches 1,32,128 \
-            --contexts 16,315 --splits 1,2 $vector 2>&1 | tail -12
-    done
-    p="ASYNCSPEC_PDL=1"
-    v="GRAPH_REPLAY_PATCH=vector_lookup"
-    timeout 150 python3 benchmarks/graph_replay.py --models llama-1b --context 315 --switches "$p,$p+$v,$p,$p+$v" \
-        --output "$out/graph_replay_vector_lookup_1b.json" 2>&1 | tail -5
 fi
 
 if [[ " $parts " == *" step "* ]]; then

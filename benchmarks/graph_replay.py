@@ -52,9 +52,7 @@ GEMV whose loader streams the weights from its start, before the PDL wait (GRAPH
 `pdl_early_attention` makes the attention kernels let their successor launch before their own PDL wait instead of
 after it (so the o projection's programs can start during attention); `pdl_early_all` does so for every Triton
 kernel of the decode path. The trigger's place cannot change the numbers: a successor still waits for its
-predecessor's completion in its own `griddepcontrol.wait`. `vector_lookup` makes the attention kernels find a query
-tile's request with one vector load a chunk of 128 requests (`_find_request_vector`) instead of the binary search's
-dependent loads (the same request, so the same numbers)."""
+predecessor's completion in its own `griddepcontrol.wait`."""
 
 
 def _apply_patches(patches: set[str]) -> None:
@@ -162,10 +160,6 @@ def _apply_patches(patches: set[str]) -> None:
             modules += [fused_add_rms_norm_triton, rotary_kv_write_triton, skinny_linear_triton]
         for module in modules:
             module.pdl_start = _pdl_start_early  # type: ignore[attr-defined]
-    if "vector_lookup" in patches:
-        from asyncspec.kernels import paged_attention_triton as attention_kernels
-
-        attention_kernels._find_request = attention_kernels._find_request_vector  # type: ignore[attr-defined]
     if "skinny_m2" in patches:
         make2 = model_runner.make_skinny_linear
         model_runner.make_skinny_linear = lambda device, max_rows=None: make2(device, 2)  # type: ignore[assignment]

@@ -117,25 +117,6 @@ def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr, CACHE: tl.const
     return lo
 
 
-_LOOKUP_CHUNK = tl.constexpr(128)  # requests whose first tile ids one load fetches: one int32 a thread of 4 warps
-
-
-@triton.jit
-def _find_request_vector(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr, CACHE: tl.constexpr):
-    """`_find_request`'s answer from one load per 128 requests instead of the binary search's log2(num_reqs + 1)
-    dependent ones (six round trips to L2 at 32 requests, on the path after the PDL wait): first tile ids increase
-    with b, so the request owning `pid` is the number of b in [1, num_reqs] whose first tile id is <= pid. A candidate
-    not yet measured on a GPU: benchmarks/graph_replay.py's `vector_lookup` patch and attention_splits.py's
-    `--vector-lookup` swap it in for `_find_request`."""
-    count = 0 * pid
-    for chunk in range(0, num_reqs + 1, _LOOKUP_CHUNK):
-        b = chunk + tl.arange(0, _LOOKUP_CHUNK)
-        ok = (b >= 1) & (b <= num_reqs)
-        first = tl.load(qsl_ptr + b, mask=ok, other=0, cache_modifier=CACHE) // BLOCK_Q + b
-        count += tl.sum((ok & (first <= pid)).to(tl.int32), axis=0)
-    return count
-
-
 @triton.jit
 def _kv_tile(
     k_cache_ptr,

@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from asyncspec.kernels.paged_attention_triton import _find_request, _find_request_vector, choose_num_splits  # noqa: E402
+from asyncspec.kernels.paged_attention_triton import _find_request, choose_num_splits  # noqa: E402
 from asyncspec.kernels.pdl import pdl_start  # noqa: E402
 from tests.kernels.test_triton_kernels import Batch, fill_cache, make_batch  # noqa: E402
 
@@ -49,7 +49,7 @@ def attention() -> Callable[..., torch.Tensor]:
 
 @pytest.mark.skipif(INTERPRETING, reason="TestInterpreted runs in this process")
 def test_interpreter_suite(interpreted_suites) -> None:
-    interpreted_suites.check(__file__, 55)
+    interpreted_suites.check(__file__, 53)
 
 
 def check_split(
@@ -424,45 +424,29 @@ class TestInterpreted:
         attention_events = events[: len(events) - events[::-1].index("find") + 1]
         assert attention_events == ["find", "wait"] * events.count("find"), "a program returned without its wait"
 
-    # Past 128 requests the vector lookup takes a second chunk; BLOCK_Q 1 and 4 (decodes of GQA 16 and 4).
+    # BLOCK_Q 1 and 4 (decodes of GQA 16 and 4), idle requests among them as graph padding adds.
     @pytest.mark.parametrize("num_reqs", [1, 5, 127, 128, 300])
     @pytest.mark.parametrize("block_q", [1, 4])
-    def test_vector_lookup_finds_the_search_s_request(self, num_reqs: int, block_q: int) -> None:
+    def test_find_request_returns_the_tile_s_owner(self, num_reqs: int, block_q: int) -> None:
         gen = torch.Generator().manual_seed(num_reqs + block_q)
         q_lens = torch.randint(0, 9, (num_reqs,), generator=gen)
-        q_lens[torch.randperm(num_reqs, generator=gen)[: num_reqs // 3]] = 0  # idle requests, as graph padding adds
+        q_lens[torch.randperm(num_reqs, generator=gen)[: num_reqs // 3]] = 0
         qsl = torch.zeros(num_reqs + 1, dtype=torch.int32)
         qsl[1:] = torch.cumsum(q_lens, 0)
         num_tiles = int(qsl[-1]) // block_q + num_reqs + 1  # paged_attention's grid
-        found = torch.full((2, num_tiles), -1, dtype=torch.int32)
-        _both_lookups[(num_tiles,)](qsl, found, num_reqs, num_tiles, BLOCK_Q=block_q)
-        assert torch.equal(found[0], found[1])
-        # The search's own contract: the largest b whose first tile id is <= pid.
+        found = torch.full((num_tiles,), -1, dtype=torch.int32)
+        _lookup[(num_tiles,)](qsl, found, num_reqs, BLOCK_Q=block_q)
+        # The largest b whose first tile id is <= pid.
         first = qsl.long() // block_q + torch.arange(num_reqs + 1)
         expected = (first[None, :] <= torch.arange(num_tiles)[:, None]).sum(1) - 1
-        assert torch.equal(found[0].long(), expected)
-
-    @pytest.mark.parametrize("num_splits", [1, 4])
-    def test_attention_with_the_vector_lookup_is_bit_equal(self, monkeypatch, attention, num_splits: int) -> None:
-        from asyncspec.kernels import paged_attention_triton as mod
-
-        gen = torch.Generator().manual_seed(40 + num_splits)
-        batch = make_batch(gen, MIXED + WITH_IDLE, 16, num_pad=3)
-        k_cache, v_cache = fill_cache(gen, batch, 16, 2, 64, torch.float32)
-        query = torch.randn(batch.num_tokens + 3, 8, 64, generator=gen)
-        args = (query, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, 0.125)
-        shipped = attention(*args, num_splits=num_splits)
-        monkeypatch.setattr(mod, "_find_request", mod._find_request_vector)
-        assert torch.equal(attention(*args, num_splits=num_splits), shipped)
-        assert torch.equal(attention(*args, num_splits=num_splits, early_kv=True), shipped)
+        assert torch.equal(found.long(), expected)
 
 
 @triton.jit
-def _both_lookups(qsl_ptr, found_ptr, num_reqs, num_tiles, BLOCK_Q: tl.constexpr):
-    """found[0, pid] = the binary search's request of query-tile id pid, found[1, pid] = the vector lookup's."""
+def _lookup(qsl_ptr, found_ptr, num_reqs, BLOCK_Q: tl.constexpr):
+    """found[pid] = `_find_request`'s request of query-tile id pid."""
     pid = tl.program_id(0)
     tl.store(found_ptr + pid, _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q, ""))
-    tl.store(found_ptr + num_tiles + pid, _find_request_vector(qsl_ptr, pid, num_reqs, BLOCK_Q, ""))
 
 
 # ------------------------------------------------------------------------------------- sm_90 compile
@@ -523,9 +507,6 @@ def test_kernels_compile_for_sm90(dtype: str, ints_equal_one: tuple[str, ...]) -
     ones = tuple(n for n in ints_equal_one if n in mod._paged_attention_split_kernel.arg_names)
     fused = _compile_for_h100(mod._paged_attention_split_kernel, dtype, ones, {**tiles, "FUSED_COMBINE": True})
     assert "atom.global.gpu.acq_rel.add" in fused.asm["ptx"] and "ld.global.cg" in fused.asm["ptx"]
-    # The vector request lookup (a candidate, swapped in by benchmarks) compiles, the binary search beside it.
-    ones = tuple(n for n in ints_equal_one if n in _both_lookups.arg_names)
-    assert "ld.global" in _compile_for_h100(_both_lookups, "i32", ones, {"BLOCK_Q": 4}).asm["ptx"]
     combine = {"BLOCK_S": 16, "BLOCK_D": 128}
     ones = tuple(n for n in ints_equal_one if n in mod._combine_splits_kernel.arg_names)
     assert "ex2.approx" in _compile_for_h100(mod._combine_splits_kernel, dtype, ones, combine).asm["ptx"]
