@@ -58,6 +58,10 @@
 #          fixed cost (16 and 64 keys), its read rate (the slope up to 2,000 keys), one to four splits, the pool's blocks
 #          shuffled and in request order. The 1B's split pass took 15.3 us a layer for 20.7 MB of KV on an H100 with PDL
 #          off (1.35 TB/s, 2026-12-05, PARTS=profile32): ~2 min
+#   bounds315  what fusing the residual-add + RMSNorm kernels or the split-KV combine away could give at a real
+#          context (graph_replay.py --context 315, timing-only patches no_norm and no_combine, two rounds): the upper
+#          bound of folding the norms into the tensor-core projections at 32 rows, where the 33 norm launches took 84 us
+#          of a 1.53 ms 32-stream step with PDL off (H100, 2026-12-05); last measured at batch 1 and one key (2026-11-27): ~3 min
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
 # their wheels; the device README says how).
 set -uo pipefail
@@ -209,6 +213,14 @@ if [[ " $parts " == *" attn32 "* ]]; then
     timeout 240 python3 benchmarks/attention_splits.py --shapes llama-1b,llama-8b --batches 32 \
         --contexts 16,64,315,1000,2000 --splits 1,2,4 --block-order random,sorted --output "$out/attention_32.json" \
         2>&1 | tail -22
+fi
+
+if [[ " $parts " == *" bounds315 "* ]]; then
+    p="ASYNCSPEC_PDL=1"
+    n="GRAPH_REPLAY_PATCH=no_norm"
+    c="GRAPH_REPLAY_PATCH=no_combine"
+    timeout 240 python3 benchmarks/graph_replay.py --models llama-1b --context 315 \
+        --switches "$p,$p+$n,$p+$c,$p,$p+$n,$p+$c" --output "$out/graph_replay_bounds315_1b.json" 2>&1 | tail -8
 fi
 
 if [[ " $parts " == *" step "* ]]; then
