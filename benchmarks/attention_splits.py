@@ -142,12 +142,7 @@ def main() -> int:
             flush=True,
         )
     if args.output:
-        args.output.write_text(
-            json.dumps(
-                {"card": torch.cuda.get_device_name(), "sms": sms, "rows": rows},
-                indent=1,
-            )
-        )
+        args.output.write_text(json.dumps({"card": torch.cuda.get_device_name(), "sms": sms, "rows": rows}, indent=1))
     return 0
 
 

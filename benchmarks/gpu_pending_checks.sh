@@ -74,6 +74,16 @@ gpu_tests() {
     timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu "$@" --deselect tests/worker/test_tensor_parallel_gpu.py \
         --deselect tests/worker/test_symm_all_reduce_gpu.py 2>&1 | tail -15
 }
+# The 1B's graphed steps at 315 keys of context: PDL on, then each variant ("SWITCH" or "A+B") on top of it, the
+# round twice in one call; $1 names the JSON.
+replay_1b_315_twice() {
+    local name=$1 p="ASYNCSPEC_PDL=1" variant
+    shift
+    local round=$p
+    for variant in "$@"; do round="$round,$p+$variant"; done
+    timeout 240 python3 benchmarks/graph_replay.py --models llama-1b --context 315 --switches "$round,$round" \
+        --output "$out/graph_replay_${name}_1b.json" 2>&1 | tail -8
+}
 if [[ " $parts " == *" tests "* ]]; then
     gpu_tests tests/worker tests/layers tests/kernels tests/spec tests/engine tests/models
 fi
@@ -193,9 +203,7 @@ fi
 if [[ " $parts " == *" ab-315 "* ]]; then
     p="ASYNCSPEC_PDL=1"
     e="ASYNCSPEC_ATTN_EARLY_KV=1"
-    m="ASYNCSPEC_STREAMED_MLP=0"
-    timeout 220 python3 benchmarks/graph_replay.py --models llama-1b --context 315 \
-        --switches "$p,$p+$e,$p+$m,$p,$p+$e,$p+$m" --output "$out/graph_replay_ab315_1b.json" 2>&1 | tail -8
+    replay_1b_315_twice ab315 "$e" ASYNCSPEC_STREAMED_MLP=0
     timeout 200 python3 benchmarks/graph_replay.py --models llama-8b --context 315 --switches "$p,$p+$e" \
         --output "$out/graph_replay_ab315_8b.json" 2>&1 | tail -4
     timeout 120 python3 benchmarks/gpu_step_speed.py --models llama-1b --parts bandwidth,async --concurrency 32 \
@@ -216,11 +224,7 @@ if [[ " $parts " == *" attn32 "* ]]; then
 fi
 
 if [[ " $parts " == *" bounds315 "* ]]; then
-    p="ASYNCSPEC_PDL=1"
-    n="GRAPH_REPLAY_PATCH=no_norm"
-    c="GRAPH_REPLAY_PATCH=no_combine"
-    timeout 240 python3 benchmarks/graph_replay.py --models llama-1b --context 315 \
-        --switches "$p,$p+$n,$p+$c,$p,$p+$n,$p+$c" --output "$out/graph_replay_bounds315_1b.json" 2>&1 | tail -8
+    replay_1b_315_twice bounds315 GRAPH_REPLAY_PATCH=no_norm GRAPH_REPLAY_PATCH=no_combine
 fi
 
 if [[ " $parts " == *" step "* ]]; then
