@@ -52,6 +52,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import triton
@@ -61,6 +62,7 @@ from asyncspec.kernels.paged_attention_triton import _patch_interpreter
 from asyncspec.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
 from asyncspec.kernels.rotary_kv_write_triton import rotary_kv_write, rotate_halves
 from asyncspec.kernels.silu_and_mul_triton import silu_and_mul, silu_mul
+from asyncspec.kernels.skinny_linear import FoldedNorm
 from asyncspec.kernels.triton_rounding import round_to_dtype, rounded_fp32
 
 if triton.knobs.runtime.interpret:
@@ -309,6 +311,42 @@ def _store_rotary(
 
 
 @triton.jit
+def _store_add_norm(
+    acc, bias_ptr, out_ptr, rows_n, offs_m, offs_n, pid_n, M, stride_om, mask, fold, HAS_BIAS: tl.constexpr
+):
+    """The residual add and the first half of the RMSNorm after it, in a row-parallel projection's epilogue:
+    h = round(round(acc (+ bias)) + residual) is written over the residual, out = round(h * norm weight), and
+    the tile's sum of h^2 per row goes to column pid_n of the partials [M, column blocks]. The consumer's
+    ROW_SCALE applies the rest of the norm (the row's rsqrt(mean(h^2) + eps)) to its own sums."""
+    res_ptr, norm_w_ptr, sq_ptr, stride_rm = fold[0], fold[1], fold[2], fold[3]
+    dtype = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows_n).to(tl.float32)[None, :]
+    res_ptrs = res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :]
+    residual = tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
+    h = rounded_fp32(rounded_fp32(acc, dtype) + residual, dtype)
+    tl.store(res_ptrs, h.to(dtype), mask=mask)
+    norm_w = tl.load(norm_w_ptr + rows_n).to(tl.float32)
+    tl.store(
+        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], round_to_dtype(h * norm_w[None, :], dtype), mask=mask
+    )
+    squares = tl.sum(tl.where(mask, h * h, 0.0), axis=1)
+    tl.store(sq_ptr + offs_m * tl.num_programs(0) + pid_n, squares, mask=offs_m < M)
+
+
+@triton.jit
+def _row_scale(acc, offs_m, M, fold, SCALE_BLOCKS: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] times each row's RMSNorm factor rsqrt(mean(h^2) + eps), the mean summed from the
+    producer's partials [M, blocks] (x was h * norm weight: the norm is linear per row, so it scales the sums)."""
+    sq_ptr, blocks, hidden, eps = fold[4], fold[5], fold[6], fold[7]
+    cols = tl.arange(0, SCALE_BLOCKS)
+    sq_mask = (offs_m[:, None] < M) & (cols[None, :] < blocks)
+    squares = tl.load(sq_ptr + offs_m[:, None] * blocks + cols[None, :], mask=sq_mask, other=0.0)
+    factor = tl.math.rsqrt(tl.sum(squares, axis=1) / hidden + eps)
+    return acc * factor[:, None]
+
+
+@triton.jit
 def _store(
     acc,
     bias_ptr,
@@ -322,15 +360,19 @@ def _store(
     stride_om,
     mask,
     rope,
+    fold,
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ROPE_HALF: tl.constexpr,
+    ADD_NORM: tl.constexpr,
 ):
-    """The kernel's output: the rows as they are, (GATED) their activation, or (ROPE_HALF > 0) q rotated and
-    k, v rotated and written to the KV cache."""
-    if GATED:
+    """The kernel's output: the rows as they are, (GATED) their activation, (ROPE_HALF > 0) q rotated and
+    k, v rotated and written to the KV cache, or (ADD_NORM) the residual add and the next norm's first half."""
+    if ADD_NORM:
+        _store_add_norm(acc, bias_ptr, out_ptr, rows_n, offs_m, offs_n, pid_n, M, stride_om, mask, fold, HAS_BIAS)
+    elif GATED:
         _store_gated(acc, bias_ptr, out_ptr, rows_n, offs_m, pid_n, N, M, stride_om, HAS_BIAS, BLOCK_M, BLOCK_N)
     elif ROPE_HALF > 0:
         _store_rotary(
@@ -356,6 +398,7 @@ def _skinny_linear_kernel(
     stride_om,
     k_per_split,
     rope,
+    fold,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -369,6 +412,9 @@ def _skinny_linear_kernel(
     GATED: tl.constexpr = False,
     PRELOAD: tl.constexpr = 0,
     ROPE_HALF: tl.constexpr = 0,
+    ADD_NORM: tl.constexpr = False,
+    ROW_SCALE: tl.constexpr = False,
+    SCALE_BLOCKS: tl.constexpr = 1,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -514,6 +560,8 @@ def _skinny_linear_kernel(
             acc = _row_sum(acc7, acc, 7, BLOCK_M)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if SPLIT == 0:
+        if ROW_SCALE:
+            acc = _row_scale(acc, offs_m, M, fold, SCALE_BLOCKS)
         _store(
             acc,
             bias_ptr,
@@ -527,11 +575,13 @@ def _skinny_linear_kernel(
             stride_om,
             mask,
             rope,
+            fold,
             HAS_BIAS,
             GATED,
             BLOCK_M,
             BLOCK_N,
             ROPE_HALF,
+            ADD_NORM,
         )
     else:
         # fp32 partial into the workspace [SPLIT_K, M, N], summed in split order (deterministic) either by
@@ -550,6 +600,8 @@ def _skinny_linear_kernel(
                 total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 for s in range(0, splits):
                     total += tl.load(ws_tile + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                if ROW_SCALE:
+                    total = _row_scale(total, offs_m, M, fold, SCALE_BLOCKS)
                 _store(
                     total,
                     bias_ptr,
@@ -563,11 +615,13 @@ def _skinny_linear_kernel(
                     stride_om,
                     mask,
                     rope,
+                    fold,
                     HAS_BIAS,
                     GATED,
                     BLOCK_M,
                     BLOCK_N,
                     ROPE_HALF,
+                    ADD_NORM,
                 )
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
 
@@ -763,6 +817,57 @@ class _RopeOperands:
         )
 
 
+@dataclass(frozen=True)
+class _AddNormOperands:
+    """What the add-norm epilogue of a row-parallel projection reads and writes besides x and W (see
+    `skinny_linear_add_norm`): the residual it adds and overwrites, and the next norm's weight."""
+
+    residual: torch.Tensor
+    norm_weight: torch.Tensor
+
+
+def _fold_args(
+    x: torch.Tensor, add_norm: _AddNormOperands | None, sum_squares: torch.Tensor | None, row_scale: FoldedNorm | None
+) -> tuple:
+    """The kernel's `fold` tuple: (residual, norm weight, partials out, residual row stride) for ADD_NORM, then
+    (partials in, their blocks, hidden size, eps) for ROW_SCALE; x and ones stand in for what a launch never reads."""
+    producer: tuple = (x, x, x, 1)
+    if add_norm is not None:
+        producer = (add_norm.residual, add_norm.norm_weight, sum_squares, add_norm.residual.stride(0))
+    consumer: tuple = (x, 1, 1.0, 1.0)
+    if row_scale is not None:
+        sq = row_scale.sum_squares
+        consumer = (sq, sq.shape[1], float(row_scale.x_weighted.shape[1]), float(row_scale.eps))
+    return producer + consumer
+
+
+def _check_row_scale(x: torch.Tensor, row_scale: FoldedNorm) -> None:
+    m = x.shape[0]
+    sq = row_scale.sum_squares
+    if row_scale.x_weighted is not x and (row_scale.x_weighted.shape != x.shape):
+        raise ValueError(
+            f"row_scale belongs to an x of shape {tuple(row_scale.x_weighted.shape)}, not {tuple(x.shape)}"
+        )
+    if sq.dim() != 2 or sq.shape[0] != m or sq.dtype != torch.float32 or not sq.is_contiguous() or sq.shape[1] < 1:
+        raise ValueError(
+            f"row_scale.sum_squares must be a contiguous [{m}, blocks] float32 tensor, got {tuple(sq.shape)}"
+        )
+    if sq.device != x.device:
+        raise ValueError(f"row_scale.sum_squares is on {sq.device}, x on {x.device}")
+
+
+def _add_norm_unfused(
+    y: torch.Tensor, add_norm: _AddNormOperands, out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The add-norm epilogue's numbers from the projection's output y, in torch: (x weighted, sums of squares
+    [M, 1]), the residual overwritten with the sum."""
+    summed = (y.float() + add_norm.residual.float()).to(y.dtype)
+    add_norm.residual.copy_(summed)
+    h = summed.float()
+    out.copy_((h * add_norm.norm_weight.float()).to(y.dtype))
+    return out, h.pow(2).sum(dim=1, keepdim=True)
+
+
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -773,7 +878,10 @@ def _launch(
     counters: torch.Tensor | None,
     gated: bool = False,
     rope: _RopeOperands | None = None,
-) -> torch.Tensor:
+    add_norm: _AddNormOperands | None = None,
+    row_scale: FoldedNorm | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The kernel's output (and with `add_norm` its partial sums of squares [M, column blocks])."""
     if not skinny_linear_supported(x, weight, gated=silu):
         raise ValueError(
             f"skinny_linear does not take x {tuple(x.shape)} {x.dtype} stride {x.stride()} on {x.device} with "
@@ -803,11 +911,22 @@ def _launch(
     if not (split > 1 and cfg.serial_split and grid[0] * grid[2] <= _COUNTER_SLOTS):
         counters = None
     mode = 0 if split == 1 else 2 if counters is not None else 1
+    if row_scale is not None:
+        _check_row_scale(x, row_scale)
+        if mode == 1:
+            # A second kernel sums the partials and knows no epilogue: x normalised as the norm kernel would.
+            x = (x.float() * row_scale.row_factors()[:, None]).to(x.dtype)
+            return _launch(x, weight, bias, out, cfg, silu, counters, gated, rope, add_norm)
+    if add_norm is not None and mode == 1:
+        return _add_norm_unfused(_launch(x, weight, bias, None, cfg, silu, counters)[0], add_norm, out)
     if gated and (cfg.block_n % 2 or mode == 1):
         # The epilogue needs (gate, up) column pairs in one tile and the partials summed in-kernel.
-        return silu_and_mul(_launch(x, weight, bias, None, cfg, False, counters), out=out)
+        return silu_and_mul(_launch(x, weight, bias, None, cfg, False, counters)[0], out=out), None
     if rope is not None and (cfg.block_n % 2 or mode == 1):
-        return rope.unfused(_launch(x, weight, bias, None, cfg, False, counters))
+        return rope.unfused(_launch(x, weight, bias, None, cfg, False, counters)[0]), None
+    sum_squares = None
+    if add_norm is not None:
+        sum_squares = torch.empty((m, grid[0]), dtype=torch.float32, device=x.device)
     ws = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     bias_arg = bias if bias is not None else x  # never read without HAS_BIAS
     # Without the rotary epilogue its operands are never read (ROPE_HALF = 0): x and ones stand in for them.
@@ -829,6 +948,7 @@ def _launch(
         out.stride(0),
         k_per_split,
         rope_args,
+        _fold_args(x, add_norm, sum_squares, row_scale),
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -842,6 +962,9 @@ def _launch(
         GATED=gated,
         PRELOAD=preload,
         ROPE_HALF=rope.head_dim // 2 if rope is not None else 0,
+        ADD_NORM=add_norm is not None,
+        ROW_SCALE=row_scale is not None,
+        SCALE_BLOCKS=triton.next_power_of_2(row_scale.sum_squares.shape[1]) if row_scale is not None else 1,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_launch_options(pdl),
@@ -861,7 +984,7 @@ def _launch(
             num_warps=4,
             **pdl_launch_options(pdl),
         )
-    return out
+    return out, sum_squares
 
 
 def skinny_linear(
@@ -872,14 +995,46 @@ def skinny_linear(
     out: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
     counters: torch.Tensor | None = None,
+    row_scale: FoldedNorm | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x.dtype; see `skinny_linear_ref` for the contract.
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x.dtype; see `skinny_linear_ref` for the contract
+    (with `row_scale`, x is a `FoldedNorm`'s x_weighted and the result that of the norm's output).
 
     Raises ValueError for operands `skinny_linear_supported` refuses (never computes a wrong result). Rows of
     x, weight and out may be strided. `config` overrides `choose_config` (benchmarks and tests); `counters`
     (`make_split_counters`) lets a split-K launch sum its partials without a second kernel.
     """
-    return _launch(x, weight, bias, out, config, silu=False, counters=counters)
+    return _launch(x, weight, bias, out, config, silu=False, counters=counters, row_scale=row_scale)[0]
+
+
+def skinny_linear_add_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+    counters: torch.Tensor | None = None,
+) -> FoldedNorm:
+    """A row-parallel projection (o, down) with the residual add and the first half of the next RMSNorm in its
+    epilogue; see `skinny_linear_add_norm_ref`. `residual` [M, N] is overwritten with h = y + residual; the result
+    holds h * norm_weight [M, N] (in `out` if given) and h's sums of squares, for the next projection's
+    `row_scale=`, which applies the rest of the norm: no norm kernel runs between the two."""
+    m, n = x.shape[0], weight.shape[0]
+    for name, t, shape in (("residual", residual, (m, n)), ("norm_weight", norm_weight, (n,))):
+        if t.shape != shape or t.dtype != x.dtype or t.stride(-1) != 1 or t.device != x.device:
+            raise ValueError(
+                f"{name} must be a {list(shape)} {x.dtype} tensor on {x.device} with a dense last dim, got "
+                f"{tuple(t.shape)} {t.dtype} stride {t.stride()} on {t.device}"
+            )
+    if not eps > 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    operands = _AddNormOperands(residual, norm_weight)
+    x_weighted, sum_squares = _launch(x, weight, bias, out, config, False, counters, add_norm=operands)
+    return FoldedNorm(x_weighted, cast("torch.Tensor", sum_squares), eps)  # _launch gives them with add_norm
 
 
 def skinny_linear_gated(
@@ -890,12 +1045,13 @@ def skinny_linear_gated(
     out: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
     counters: torch.Tensor | None = None,
+    row_scale: FoldedNorm | None = None,
 ) -> torch.Tensor:
     """silu_and_mul(x @ weight^T (+ bias)) -> [M, N / 2] for the MLP's fused gate|up weight [N, K] (gate rows,
     then up rows); see `skinny_linear_gated_ref`. One kernel: each program's tile pairs a gate row with its up
     row and the epilogue applies the activation, so gate|up never reaches memory (a K split without `counters`
     runs the plain kernel and then `silu_and_mul`: the same numbers)."""
-    return _launch(x, weight, bias, out, config, silu=False, counters=counters, gated=True)
+    return _launch(x, weight, bias, out, config, False, counters, gated=True, row_scale=row_scale)[0]
 
 
 def skinny_linear_rotary(
@@ -914,6 +1070,7 @@ def skinny_linear_rotary(
     q_out: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
     counters: torch.Tensor | None = None,
+    row_scale: FoldedNorm | None = None,
 ) -> torch.Tensor:
     """The attention's fused q|k|v projection, then RoPE and the KV-cache write: returns q rotated [M, H, D] and
     writes k rotated and v to the cache slots of `slot_mapping` (none for a slot < 0), the numbers of
@@ -977,8 +1134,8 @@ def skinny_linear_rotary(
         num_heads, num_kv_heads, head_dim, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping, q_out
     )
     if x.dtype != torch.bfloat16:
-        return rope.unfused(_launch(x, weight, bias, None, config, False, counters))
-    return _launch(x, weight, bias, None, config, silu=False, counters=counters, rope=rope)
+        return rope.unfused(_launch(x, weight, bias, None, config, False, counters, row_scale=row_scale)[0])
+    return _launch(x, weight, bias, None, config, False, counters, rope=rope, row_scale=row_scale)[0]
 
 
 def skinny_linear_silu(
@@ -998,7 +1155,7 @@ def skinny_linear_silu(
     if fused is None:
         fused = x2.shape[0] <= _MAX_FUSED_SILU_M
     if fused:
-        return _launch(x2, weight, bias, out, config, silu=True, counters=counters)
+        return _launch(x2, weight, bias, out, config, silu=True, counters=counters)[0]
     if not skinny_linear_supported(x2, weight, gated=True):
-        return _launch(x2, weight, bias, out, config, silu=True, counters=counters)  # raises the ValueError
-    return _launch(silu_and_mul(x2), weight, bias, out, config, silu=False, counters=counters)
+        return _launch(x2, weight, bias, out, config, silu=True, counters=counters)[0]  # raises the ValueError
+    return _launch(silu_and_mul(x2), weight, bias, out, config, silu=False, counters=counters)[0]

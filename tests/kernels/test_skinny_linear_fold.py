@@ -1,0 +1,259 @@
+"""The residual add + RMSNorm folded into the projections around it (`skinny_linear_add_norm` and `row_scale=`):
+the references against the unfused norm, and the Triton kernels against the references under TRITON_INTERPRET=1
+on the CPU (FMA and tensor-core tiles, whole, split by the last program or by a second kernel), bit for bit where
+the same sums are taken. The GPU side runs in tests/engine/test_gpu_norm_fold.py.
+
+As in test_skinny_linear.py, `TestInterpreted` runs in-process only where TRITON_INTERPRET=1 was set before triton
+was imported, otherwise in a child pytest started by `test_interpreter_suite`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from asyncspec.kernels.fused_add_rms_norm import fused_add_rms_norm_ref
+from asyncspec.kernels.silu_and_mul import silu_and_mul_ref
+from asyncspec.kernels.skinny_linear import (
+    FoldedNorm,
+    skinny_linear_add_norm_ref,
+    skinny_linear_error_bound,
+    skinny_linear_gated_ref,
+    skinny_linear_ref,
+)
+
+EPS = 1e-5
+
+
+def fold_operands(gen: torch.Generator, m: int, hidden: int, k: int, n_next: int, dtype: torch.dtype):
+    """x [m, k] into a row-parallel W [hidden, k], its bias, the residual [m, hidden], the norm's weight and the
+    next projection's W [n_next, hidden] with its bias; off-centre, so that a dropped term shows."""
+    return dict(
+        x=(torch.randn(m, k, generator=gen) + 0.1).to(dtype),
+        weight=(torch.randn(hidden, k, generator=gen) * k**-0.5 + 0.01).to(dtype),
+        bias=(torch.randn(hidden, generator=gen) * 0.3).to(dtype),
+        residual=(torch.randn(m, hidden, generator=gen) * 2).to(dtype),
+        norm_weight=(1 + 0.3 * torch.randn(hidden, generator=gen)).to(dtype),
+        next_weight=(torch.randn(n_next, hidden, generator=gen) * hidden**-0.5).to(dtype),
+        next_bias=(torch.randn(n_next, generator=gen) * 0.3).to(dtype),
+    )
+
+
+# ------------------------------------------------------------------------------------------- reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_folded_reference_is_the_norm_then_the_projection(dtype: torch.dtype) -> None:
+    ops = fold_operands(torch.Generator().manual_seed(0), 6, 96, 80, 40, dtype)
+    residual = ops["residual"].clone()
+    folded = skinny_linear_add_norm_ref(
+        ops["x"], ops["weight"], ops["bias"], residual=residual, norm_weight=ops["norm_weight"], eps=EPS
+    )
+    y = skinny_linear_ref(ops["x"], ops["weight"], ops["bias"])
+    normed, summed = fused_add_rms_norm_ref(y, ops["residual"], ops["norm_weight"], EPS)
+    assert torch.equal(residual, summed)  # the residual stream is the unfused one, bit for bit
+    assert folded.sum_squares.shape == (6, 1) and folded.sum_squares.dtype == torch.float32
+    expected = skinny_linear_ref(normed, ops["next_weight"], ops["next_bias"])
+    got = skinny_linear_ref(folded.x_weighted, ops["next_weight"], ops["next_bias"], row_scale=folded)
+    # The fold rounds h * w instead of the normalised h and its product with w: a rounding's difference.
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+    gated = skinny_linear_gated_ref(folded.x_weighted, ops["next_weight"], None, row_scale=folded)
+    assert torch.equal(
+        gated, silu_and_mul_ref(skinny_linear_ref(folded.x_weighted, ops["next_weight"], row_scale=folded))
+    )
+
+
+def test_row_factors_sum_the_blocks() -> None:
+    gen = torch.Generator().manual_seed(1)
+    h = torch.randn(3, 64, generator=gen)
+    whole = FoldedNorm(h.to(torch.bfloat16), h.pow(2).sum(1, keepdim=True), EPS)
+    blocks = FoldedNorm(h.to(torch.bfloat16), h.pow(2).view(3, 4, 16).sum(2), EPS)
+    expected = torch.rsqrt(h.pow(2).mean(1) + EPS)
+    torch.testing.assert_close(whole.row_factors(), expected)
+    torch.testing.assert_close(blocks.row_factors(), expected)
+
+
+# -------------------------------------------------------------------------------------------- triton
+
+triton = pytest.importorskip("triton")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from asyncspec.kernels.skinny_linear_triton import SkinnyConfig  # noqa: E402  (after the triton import guard)
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1" and isinstance(triton.language.zeros, InterpretedFunction)
+MIN_INTERPRETED_TESTS = 30
+
+# FMA and tensor-core tiles, whole and split (the last program sums: the epilogue in-kernel; a second kernel sums:
+# the torch fallback), a ragged last column block (hidden 40) and a K tail (K 200).
+CONFIGS = [
+    None,
+    SkinnyConfig(block_n=16, block_k=64),
+    SkinnyConfig(block_n=8, block_k=32, split_k=3),
+    SkinnyConfig(block_n=16, block_k=32, use_dot=True),
+    SkinnyConfig(block_n=32, block_k=64, split_k=2, use_dot=True),
+    SkinnyConfig(block_n=16, block_k=32, split_k=2, use_dot=True, serial_split=False),
+]
+
+
+@pytest.mark.skipif(INTERPRETING, reason="TestInterpreted runs in this process")
+def test_interpreter_suite(interpreted_suites) -> None:
+    interpreted_suites.check(__file__, MIN_INTERPRETED_TESTS, ())
+
+
+def add_norm_from(y: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor):
+    """The add-norm epilogue's numbers from a projection output y: (h, h * w rounded, sums of h^2 [M])."""
+    h = (y.float() + residual.float()).to(y.dtype)
+    return h, (h.float() * norm_weight.float()).to(y.dtype), h.float().pow(2).sum(1)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # silu of large gates: fine
+class TestInterpreted:
+    # Collected only where triton interprets; elsewhere test_interpreter_suite runs it in a child process.
+    __test__ = INTERPRETING
+
+    @pytest.fixture
+    def sk(self):
+        from asyncspec.kernels import skinny_linear_triton
+
+        assert isinstance(skinny_linear_triton._skinny_linear_kernel, InterpretedFunction)
+        return skinny_linear_triton
+
+    @pytest.mark.parametrize("config", CONFIGS, ids=str)
+    @pytest.mark.parametrize("m", [1, 5, 19])
+    @pytest.mark.parametrize("with_bias", [False, True])
+    def test_add_norm_matches_the_plain_projection_then_the_add(self, sk, config, m: int, with_bias: bool) -> None:
+        """Bit for bit the plain kernel's output (the same sums) through the reference's add and weighting; the
+        sums of squares to fp32 rounding; the residual overwritten, rows past M untouched."""
+        ops = fold_operands(torch.Generator().manual_seed(m + 7 * with_bias), m, 40, 200, 24, torch.bfloat16)
+        bias = ops["bias"] if with_bias else None
+        counters = sk.make_split_counters("cpu")
+        y = sk.skinny_linear(ops["x"], ops["weight"], bias, config=config, counters=counters)
+        h, x_weighted, squares = add_norm_from(y, ops["residual"], ops["norm_weight"])
+        residual = ops["residual"].clone()
+        folded = sk.skinny_linear_add_norm(
+            ops["x"], ops["weight"], bias, residual=residual, norm_weight=ops["norm_weight"], eps=EPS,
+            config=config, counters=counters,
+        )  # fmt: skip
+        assert torch.equal(residual, h)
+        assert torch.equal(folded.x_weighted, x_weighted)
+        assert folded.eps == EPS and folded.sum_squares.dtype == torch.float32 and folded.sum_squares.shape[0] == m
+        torch.testing.assert_close(folded.sum_squares.sum(1), squares, rtol=1e-6, atol=0)
+        expected = skinny_linear_add_norm_ref(
+            ops["x"], ops["weight"], bias, residual=ops["residual"].clone(), norm_weight=ops["norm_weight"], eps=EPS
+        )
+        torch.testing.assert_close(folded.row_factors(), expected.row_factors(), rtol=2e-2, atol=0)
+
+    def test_add_norm_writes_a_strided_residual_and_out(self, sk) -> None:
+        ops = fold_operands(torch.Generator().manual_seed(3), 17, 40, 96, 24, torch.bfloat16)
+        wide = torch.full((17, 48), float("nan"), dtype=torch.bfloat16)
+        wide[:, :40] = ops["residual"]
+        out = torch.full((17, 44), float("nan"), dtype=torch.bfloat16)[:, :40]
+        config = SkinnyConfig(block_n=16, block_k=32, use_dot=True)
+        y = sk.skinny_linear(ops["x"], ops["weight"], None, config=config)
+        h, x_weighted, _ = add_norm_from(y, ops["residual"], ops["norm_weight"])
+        folded = sk.skinny_linear_add_norm(
+            ops["x"], ops["weight"], residual=wide[:, :40], norm_weight=ops["norm_weight"], eps=EPS, out=out,
+            config=config,
+        )  # fmt: skip
+        assert folded.x_weighted is out and torch.equal(out, x_weighted)
+        assert torch.equal(wide[:, :40], h) and wide[:, 40:].isnan().all()
+
+    @pytest.mark.parametrize("config", CONFIGS, ids=str)
+    @pytest.mark.parametrize("m", [1, 5, 19])
+    def test_row_scale_matches_the_reference(self, sk, config, m: int) -> None:
+        """The consumer's sums scaled per row: within the summation-order bound of the folded reference; the gated
+        epilogue bit for bit the scaled projection through the activation."""
+        ops = fold_operands(torch.Generator().manual_seed(20 + m), m, 48, 64, 2 * 19, torch.bfloat16)
+        folded = skinny_linear_add_norm_ref(
+            ops["x"], ops["weight"], ops["bias"], residual=ops["residual"].clone(), norm_weight=ops["norm_weight"],
+            eps=EPS,
+        )  # fmt: skip
+        # Partials in blocks, as the producing kernel leaves them.
+        blocks = FoldedNorm(folded.x_weighted, folded.sum_squares.repeat(1, 3) / 3, EPS)
+        counters = sk.make_split_counters("cpu")
+        xw, w, b = folded.x_weighted, ops["next_weight"], ops["next_bias"]
+        for scale in (folded, blocks):
+            got = sk.skinny_linear(xw, w, b, config=config, counters=counters, row_scale=scale)
+            expected = skinny_linear_ref(xw, w, b, row_scale=scale)
+            err = (got.float() - expected.float()).abs()
+            bound = skinny_linear_error_bound(xw, w, b, row_scale=scale)
+            if config is not None and config.split_k > 1 and not config.serial_split:
+                # The fallback rounds the normalised x first: half a bf16 ulp of every term.
+                terms = (xw.float().abs() @ w.float().abs().t()) * scale.row_factors()[:, None]
+                bound = bound + terms * 2**-8
+            assert (err <= bound).all(), f"error / bound up to {(err / bound).max().item():.3g}"
+            gated = sk.skinny_linear_gated(xw, w, b, config=config, counters=counters, row_scale=scale)
+            assert torch.equal(gated, silu_and_mul_ref(got))
+
+    @pytest.mark.parametrize("config", [None, CONFIGS[2], CONFIGS[4]], ids=str)
+    def test_row_scale_in_the_rotary_epilogue(self, sk, config) -> None:
+        """q|k|v with RoPE and the KV write after the scaled sums: bit for bit the scaled projection then the
+        rotary kernel."""
+        from asyncspec.kernels.rotary_kv_write_triton import rotary_kv_write
+        from tests.kernels.test_skinny_linear_rotary import make_operands
+
+        heads, kv_heads, head_dim, m = 2, 1, 8, 5
+        ops = make_operands(torch.Generator().manual_seed(4), m, heads, kv_heads, head_dim, 64, torch.bfloat16)
+        gen = torch.Generator().manual_seed(5)
+        scale = FoldedNorm(ops["x"], (torch.rand(m, 3, generator=gen) * 40 + 1), EPS)
+        counters = sk.make_split_counters("cpu")
+        k_cache, v_cache = ops["k_cache"].clone(), ops["v_cache"].clone()
+        rope_args = dict(
+            positions=ops["positions"], cos_cache=ops["cos_cache"], sin_cache=ops["sin_cache"],
+            slot_mapping=ops["slot_mapping"],
+        )  # fmt: skip
+        q = sk.skinny_linear_rotary(
+            ops["x"], ops["weight"], ops["bias"], num_heads=heads, num_kv_heads=kv_heads, k_cache=k_cache,
+            v_cache=v_cache, config=config, counters=counters, row_scale=scale, **rope_args,
+        )  # fmt: skip
+        qkv = sk.skinny_linear(ops["x"], ops["weight"], ops["bias"], config=config, counters=counters, row_scale=scale)
+        qs, ks, vs = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        k_ref, v_ref = ops["k_cache"].clone(), ops["v_cache"].clone()
+        q_ref = rotary_kv_write(
+            qs.reshape(m, heads, head_dim), ks.reshape(m, kv_heads, head_dim), vs.reshape(m, kv_heads, head_dim),
+            k_cache=k_ref, v_cache=v_ref, **rope_args,
+        )  # fmt: skip
+        assert torch.equal(q, q_ref)
+        assert torch.equal(k_cache.nan_to_num(7.0), k_ref.nan_to_num(7.0))
+        assert torch.equal(v_cache.nan_to_num(7.0), v_ref.nan_to_num(7.0))
+
+    @pytest.mark.parametrize("config", [None, CONFIGS[3], CONFIGS[4]], ids=str)
+    def test_the_fold_between_two_projections_is_the_norm(self, sk, config) -> None:
+        """o (or down) with the add-norm epilogue, then gate|up with the row scale: the unfused chain's numbers to
+        a rounding, and the residual stream bit for bit the plain projection's plus the residual."""
+        ops = fold_operands(torch.Generator().manual_seed(9), 19, 64, 96, 2 * 24, torch.bfloat16)
+        counters = sk.make_split_counters("cpu")
+        residual = ops["residual"].clone()
+        folded = sk.skinny_linear_add_norm(
+            ops["x"], ops["weight"], residual=residual, norm_weight=ops["norm_weight"], eps=EPS, config=config,
+            counters=counters,
+        )  # fmt: skip
+        act = sk.skinny_linear_gated(folded.x_weighted, ops["next_weight"], counters=counters, row_scale=folded)
+        y = sk.skinny_linear(ops["x"], ops["weight"], config=config, counters=counters)
+        normed, summed = fused_add_rms_norm_ref(y, ops["residual"], ops["norm_weight"], EPS)
+        assert torch.equal(residual, summed)
+        expected = skinny_linear_gated_ref(normed, ops["next_weight"])
+        torch.testing.assert_close(act.float(), expected.float(), rtol=4e-2, atol=4e-2)
+
+    def test_bad_operands_are_refused(self, sk) -> None:
+        ops = fold_operands(torch.Generator().manual_seed(6), 3, 40, 64, 24, torch.bfloat16)
+        residual = ops["residual"].clone()
+        x, w = ops["x"], ops["weight"]
+        bad = {
+            "residual": dict(residual=residual[:, :32], norm_weight=ops["norm_weight"], eps=EPS),
+            "norm_weight": dict(residual=residual, norm_weight=ops["norm_weight"].float(), eps=EPS),
+            "eps": dict(residual=residual, norm_weight=ops["norm_weight"], eps=0.0),
+        }
+        for match, kwargs in bad.items():
+            with pytest.raises(ValueError, match=match):
+                sk.skinny_linear_add_norm(x, w, **kwargs)
+        assert torch.equal(residual, ops["residual"])  # nothing written
+        xw = ops["residual"]
+        for sq in (torch.ones(2, 3), torch.ones(3, 3, dtype=torch.float64), torch.ones(3, 6)[:, ::2]):
+            with pytest.raises(ValueError, match="sum_squares"):
+                sk.skinny_linear(xw, ops["next_weight"], row_scale=FoldedNorm(xw, sq, EPS))
+        with pytest.raises(ValueError, match="row_scale belongs"):
+            sk.skinny_linear(xw, ops["next_weight"], row_scale=FoldedNorm(xw[:, :8], torch.ones(3, 1), EPS))
