@@ -25,7 +25,28 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
+    from asyncspec.kernels.skinny_linear import FoldedNorm
     from asyncspec.kernels.streamed_gemv_gluon import StreamedGemv
+
+NORM_FOLD_ENV = "ASYNCSPEC_NORM_FOLD"
+"""Set to 1 to fold the residual add + RMSNorm inside decoder layers into the projections around it for graphed
+decode calls of `NORM_FOLD_MIN_ROWS` rows or more (the tensor-core tiles): no norm kernel runs between o and gate|up
+or between down and the next q|k|v. Off by default until a GPU measures it (docs/benchmarks.md)."""
+NORM_FOLD_MIN_ROWS = 5
+"""The fewest rows a folded call takes: from 5 rows every projection runs on the tensor-core tiles (the one-row
+form of the fold measured slower, 2026-11-30)."""
+
+
+class NormFoldSettingError(ValueError):
+    """ASYNCSPEC_NORM_FOLD holds a value other than 0 or 1."""
+
+
+def norm_fold_requested() -> bool:
+    """ASYNCSPEC_NORM_FOLD read: 0 or unset is off, 1 is on; anything else is an error."""
+    value = os.environ.get(NORM_FOLD_ENV, "0").strip()
+    if value not in ("0", "1"):
+        raise NormFoldSettingError(f"{NORM_FOLD_ENV}={value!r}: set it to 0 (off, the default) or 1 (on)")
+    return value == "1"
 
 
 @dataclass(frozen=True)
@@ -47,6 +68,21 @@ class SkinnyLinear:
     """skinny_linear_rotary(x, weight, bias, counters=..., num_heads=..., ...): the attention's q|k|v projection
     with RoPE and the KV-cache write in its epilogue, q rotated [M, H, D] out (None: the projection, then the
     rotary kernel)."""
+    add_norm_kernel: Callable[..., FoldedNorm] | None = None
+    """skinny_linear_add_norm(x, weight, bias, residual=..., norm_weight=..., eps=..., counters=...): a row-parallel
+    projection with the residual add and the next norm's weighting in its epilogue, for the next projection's
+    `row_scale=` (None: no fold; see NORM_FOLD_ENV)."""
+
+    def folds(self, x: torch.Tensor) -> bool:
+        """Whether a decoder layer's call on x folds its norms into the projections: the fold is on and x is a
+        bf16 call of NORM_FOLD_MIN_ROWS to max_rows rows."""
+        return (
+            self.add_norm_kernel is not None
+            and self.rotary_kernel is not None
+            and self.gated_kernel is not None
+            and x.dtype == torch.bfloat16
+            and NORM_FOLD_MIN_ROWS <= x.shape[0] <= self.max_rows
+        )
 
 
 def linear(
@@ -150,6 +186,7 @@ def make_skinny_linear(device: torch.device, max_rows: int | None = None) -> Ski
         MAX_M,
         make_split_counters,
         skinny_linear,
+        skinny_linear_add_norm,
         skinny_linear_gated,
         skinny_linear_rotary,
         skinny_linear_supported,
@@ -162,6 +199,7 @@ def make_skinny_linear(device: torch.device, max_rows: int | None = None) -> Ski
         skinny_linear_supported,
         skinny_linear_gated,
         None if os.environ.get(ROTARY_IN_LINEAR_ENV, "1") == "0" else skinny_linear_rotary,
+        skinny_linear_add_norm if norm_fold_requested() else None,
     )
 
 

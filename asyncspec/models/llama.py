@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncspec.kernels.skinny_linear import FoldedNorm
 from asyncspec.layers.activation import select_silu_and_mul
 from asyncspec.layers.attention import Attention
 from asyncspec.layers.attention_metadata import AttentionMetadata
@@ -153,13 +154,30 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        h: torch.Tensor,
+        h: torch.Tensor | FoldedNorm,
         residual: torch.Tensor | None,
         rope: RotaryInputs,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn_metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this block's MLP output, the residual stream before it): the next norm adds them, fused."""
+        next_norm: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor | FoldedNorm, torch.Tensor]:
+        """(this block's MLP output, the residual stream before it): the next norm adds them, fused.
+
+        Where the norms fold into the projections (`SkinnyLinear.folds`) and `next_norm` (the next layer's input
+        norm) is given, the down projection has added them already and weighted the sum for that norm: then a
+        `FoldedNorm` and the residual stream after this block. `h` may be such a `FoldedNorm` from the layer before.
+        """
+        fold = self._fold(h, rope)
+        if fold is not None:
+            return self._forward_folded(fold, h, residual, rope, kv_cache, attn_metadata, next_norm)
+        if isinstance(h, FoldedNorm):
+            # The layer before folded, this call does not (never for a model's uniform layers): the input norm's
+            # output from the fold's, to a rounding; the residual stream already holds the sum.
+            if residual is None:
+                raise ValueError("a FoldedNorm input comes with the residual stream it was added to")
+            x = (h.x_weighted.float() * h.row_factors()[:, None]).to(h.x_weighted.dtype)
+            x = self.self_attn(x, rope, kv_cache, attn_metadata)
+            return self._forward_mlp(x, residual)
         streamed_input = self._streamed_input(h, residual, rope, kv_cache, attn_metadata)
         if streamed_input is not None:
             q_rot, residual = streamed_input
@@ -167,12 +185,93 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm.forward_residual(h, residual)
             x = self.self_attn(x, rope, kv_cache, attn_metadata)
+        return self._forward_mlp(x, residual)
+
+    def _forward_mlp(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The post-attention norm (adding the attention's output x to the residual stream) and the MLP."""
         streamed, norm, mlp = self.streamed_mlp, self.post_attention_layernorm, self.mlp
         gate_up, down = mlp.gate_up_proj.weight, mlp.down_proj.weight
         if streamed is not None and streamed.applies(x, residual, norm.weight, gate_up, down):
             return streamed(x, residual, norm.weight, norm.eps, gate_up, down)
         x, residual = norm.forward_residual(x, residual)
         return self.mlp(x), residual
+
+    def _fold(self, h: torch.Tensor | FoldedNorm, rope: RotaryInputs) -> SkinnyLinear | None:
+        """The skinny kernels where this call folds its norms into the projections (`SkinnyLinear.folds`): RoPE
+        and the KV write in the q|k|v epilogue (no q/k norm), no tensor parallelism (o and down would add before
+        their all-reduce); else None."""
+        fold = self.mlp.down_proj.skinny_linear
+        x = h.x_weighted if isinstance(h, FoldedNorm) else h
+        attn = self.self_attn
+        if fold is None or not fold.folds(x) or attn.qk_norm or attn.tp.enabled:
+            return None
+        if rope.cos is not None or rope.sin is not None or x.dim() != 2:
+            return None
+        return fold
+
+    def _forward_folded(
+        self,
+        fold: SkinnyLinear,
+        h: torch.Tensor | FoldedNorm,
+        residual: torch.Tensor | None,
+        rope: RotaryInputs,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: AttentionMetadata,
+        next_norm: RMSNorm | None,
+    ) -> tuple[torch.Tensor | FoldedNorm, torch.Tensor]:
+        """The block with its norms folded into the projections: q|k|v scales its sums by the input norm's row
+        factors (or, for the first layer, the norm kernel runs), o adds the residual and weights the sum for the
+        post-attention norm, gate|up scales, and down adds and weights for `next_norm` (none: its plain output)."""
+        assert fold.add_norm_kernel is not None and fold.rotary_kernel is not None  # noqa: S101 - fold.folds said so
+        assert fold.gated_kernel is not None  # noqa: S101
+        scale: FoldedNorm | None = None
+        if isinstance(h, FoldedNorm):
+            x, scale = h.x_weighted, h
+        else:
+            x, residual = self.input_layernorm.forward_residual(h, residual)
+        assert residual is not None  # noqa: S101 - a FoldedNorm always comes with its residual stream
+        attn, counters = self.self_attn, fold.counters
+        qkv = attn.qkv_proj
+        q_rot = fold.rotary_kernel(
+            x,
+            qkv.weight,
+            qkv.bias,
+            counters=counters,
+            num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            positions=rope.positions,
+            cos_cache=rope.cos_cache,
+            sin_cache=rope.sin_cache,
+            k_cache=kv_cache[0],
+            v_cache=kv_cache[1],
+            slot_mapping=attn_metadata.slot_mapping,
+            row_scale=scale,
+        )
+        o = attn.attn.attend(q_rot, kv_cache, attn_metadata).reshape(x.shape[0], attn.q_size)
+        norm, mlp = self.post_attention_layernorm, self.mlp
+        folded = fold.add_norm_kernel(
+            o,
+            attn.o_proj.weight,
+            attn.o_proj.bias,
+            residual=residual,
+            norm_weight=norm.weight,
+            eps=norm.eps,
+            counters=counters,
+        )
+        gate_up, down = mlp.gate_up_proj, mlp.down_proj
+        act = fold.gated_kernel(folded.x_weighted, gate_up.weight, gate_up.bias, counters=counters, row_scale=folded)
+        if next_norm is None:
+            return fold.kernel(act, down.weight, down.bias, counters=counters), residual
+        after = fold.add_norm_kernel(
+            act,
+            down.weight,
+            down.bias,
+            residual=residual,
+            norm_weight=next_norm.weight,
+            eps=next_norm.eps,
+            counters=counters,
+        )
+        return after, residual
 
     def _streamed_input(
         self,
@@ -254,9 +353,14 @@ class LlamaModel(nn.Module):
             self._fused_rotary = select_fused_rotary(h.device)
         rope = self.rotary_emb.step_inputs(positions, h.dtype, fused=self._fused_rotary)
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h, residual = layer(h, residual, rope, kv_cache, attn_metadata)
-        return self.norm.forward_residual(h, residual)[0]
+        x: torch.Tensor | FoldedNorm = h
+        layers = list(self.decoder_layers)
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
+            x, residual = layer(x, residual, rope, kv_cache, attn_metadata, next_norm)
+        if isinstance(x, FoldedNorm):  # the last layer is given no next norm: never folded
+            raise RuntimeError("the last decoder layer returned a folded norm")
+        return self.norm.forward_residual(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

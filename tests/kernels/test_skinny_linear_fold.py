@@ -257,3 +257,44 @@ class TestInterpreted:
                 sk.skinny_linear(xw, ops["next_weight"], row_scale=FoldedNorm(xw, sq, EPS))
         with pytest.raises(ValueError, match="row_scale belongs"):
             sk.skinny_linear(xw, ops["next_weight"], row_scale=FoldedNorm(xw[:, :8], torch.ones(3, 1), EPS))
+
+    def test_tiny_model_with_folded_norms(self, sk, monkeypatch) -> None:
+        """A bf16 tiny Llama on the skinny kernels (attention on the torch reference, RoPE on the Triton kernel):
+        with ASYNCSPEC_NORM_FOLD=1 its 10-row step folds every norm between two projections (o and down of the
+        first layer, o of the last: three add-norm calls, none for the 4-row step), and its hidden states and
+        caches stay within bf16 roundings of the unfolded model's."""
+        import dataclasses
+
+        from asyncspec.kernels.rotary_kv_write_triton import rotary_kv_write
+        from asyncspec.layers import linear as linear_module
+        from asyncspec.layers.attention import TORCH_REFERENCE
+        from tests.kernels import test_rotary_kv_write
+
+        backend = dataclasses.replace(TORCH_REFERENCE, name="triton_rotary", rotary_kv_write=rotary_kv_write)
+        calls: list[int] = []
+        build = test_rotary_kv_write.tiny_model
+
+        def tiny_model_on_the_kernel(family, dtype, device="cpu"):
+            model = build(family, dtype, device)
+            skinny = linear_module.make_skinny_linear(torch.device(device))
+            add_norm = skinny.add_norm_kernel
+            if add_norm is not None:
+                skinny = dataclasses.replace(
+                    skinny, add_norm_kernel=lambda x, *a, **kw: calls.append(x.shape[0]) or add_norm(x, *a, **kw)
+                )
+            linear_module.use_skinny_linear(model, skinny)
+            return model
+
+        monkeypatch.setattr(test_rotary_kv_write, "tiny_model", tiny_model_on_the_kernel)
+        run = test_rotary_kv_write.run_tiny_model
+        baseline, baseline_caches = run("llama3", torch.bfloat16, fused_rotary=True, backend=backend)
+        assert calls == []
+        monkeypatch.setenv(linear_module.NORM_FOLD_ENV, "1")
+        got, got_caches = run("llama3", torch.bfloat16, fused_rotary=True, backend=backend)
+        assert calls == [10, 10, 10]
+        for a, b in zip(got + got_caches, baseline + baseline_caches, strict=True):
+            assert torch.equal(a.isnan(), b.isnan())  # the same cache slots written
+            torch.testing.assert_close(a.nan_to_num(), b.nan_to_num(), rtol=5e-2, atol=5e-2)
+        monkeypatch.setenv(linear_module.NORM_FOLD_ENV, "yes")
+        with pytest.raises(linear_module.NormFoldSettingError, match="ASYNCSPEC_NORM_FOLD='yes'"):
+            linear_module.make_skinny_linear(torch.device("cpu"))
