@@ -298,3 +298,52 @@ class TestInterpreted:
         monkeypatch.setenv(linear_module.NORM_FOLD_ENV, "yes")
         with pytest.raises(linear_module.NormFoldSettingError, match="ASYNCSPEC_NORM_FOLD='yes'"):
             linear_module.make_skinny_linear(torch.device("cpu"))
+
+
+# ------------------------------------------------------------------------------------------------ gpu
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("hidden", "intermediate"), [(2048, 8192), (4096, 14336)])  # Llama-1B, 8B
+@pytest.mark.parametrize("m", [5, 16, 32])
+def test_gpu_fold_equals_the_plain_kernels(hidden: int, intermediate: int, m: int) -> None:
+    """The 1B and 8B o, down and gate|up shapes compiled: the add-norm epilogue bit for bit the plain kernel's
+    output through the reference's add and weighting, the sums of squares to fp32 rounding, the row-scaled gate|up
+    bit for bit the scaled plain kernel through the activation; the same replayed from a CUDA graph, which leaves
+    the split counters at zero."""
+    from asyncspec.kernels import skinny_linear_triton as sk
+    from asyncspec.kernels.silu_and_mul_triton import silu_and_mul
+
+    gen = torch.Generator().manual_seed(m)
+    ops = {
+        name: t.cuda()
+        for name, t in fold_operands(gen, m, hidden, intermediate, 2 * intermediate, torch.bfloat16).items()
+    }
+    counters = sk.make_split_counters("cuda")
+    y = sk.skinny_linear(ops["x"], ops["weight"], counters=counters)
+    h, x_weighted, squares = add_norm_from(y, ops["residual"], ops["norm_weight"])
+    residual = ops["residual"].clone()
+    folded = sk.skinny_linear_add_norm(
+        ops["x"], ops["weight"], residual=residual, norm_weight=ops["norm_weight"], eps=EPS, counters=counters
+    )
+    assert torch.equal(residual, h) and torch.equal(folded.x_weighted, x_weighted)
+    torch.testing.assert_close(folded.sum_squares.sum(1), squares, rtol=1e-5, atol=0)
+    act = sk.skinny_linear_gated(folded.x_weighted, ops["next_weight"], counters=counters, row_scale=folded)
+    scaled = sk.skinny_linear(folded.x_weighted, ops["next_weight"], counters=counters, row_scale=folded)
+    assert torch.equal(act, silu_and_mul(scaled))
+    expected = skinny_linear_ref(folded.x_weighted, ops["next_weight"], row_scale=folded)
+    bound = skinny_linear_error_bound(folded.x_weighted, ops["next_weight"], row_scale=folded)
+    assert ((scaled.float() - expected.float()).abs() <= bound).all()
+
+    residual_g = ops["residual"].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        f = sk.skinny_linear_add_norm(
+            ops["x"], ops["weight"], residual=residual_g, norm_weight=ops["norm_weight"], eps=EPS, counters=counters
+        )
+        act_g = sk.skinny_linear_gated(f.x_weighted, ops["next_weight"], counters=counters, row_scale=f)
+    residual_g.copy_(ops["residual"])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(residual_g, h) and torch.equal(f.x_weighted, x_weighted) and torch.equal(act_g, act)
+    assert counters.count_nonzero() == 0
