@@ -312,38 +312,47 @@ def _store_rotary(
 
 @triton.jit
 def _store_add_norm(
-    acc, bias_ptr, out_ptr, rows_n, offs_m, offs_n, pid_n, M, stride_om, mask, fold, HAS_BIAS: tl.constexpr
+    acc,
+    bias_ptr,
+    out_ptr,
+    rows_n,
+    offs_m,
+    offs_n,
+    pid_n,
+    M,
+    stride_om,
+    mask,
+    fold,
+    residual,
+    norm_w,
+    HAS_BIAS: tl.constexpr,
 ):
     """The residual add and the first half of the RMSNorm after it, in a row-parallel projection's epilogue:
     h = round(round(acc (+ bias)) + residual) is written over the residual, out = round(h * norm weight), and
     the tile's sum of h^2 per row goes to column pid_n of the partials [M, column blocks]. The consumer's
-    ROW_SCALE applies the rest of the norm (the row's rsqrt(mean(h^2) + eps)) to its own sums."""
-    res_ptr, norm_w_ptr, sq_ptr, stride_rm = fold[0], fold[1], fold[2], fold[3]
+    ROW_SCALE applies the rest of the norm (the row's rsqrt(mean(h^2) + eps)) to its own sums. `residual` (fp32)
+    and `norm_w` were loaded before the K loop, so that their latency is not the kernel's tail."""
+    res_ptr, sq_ptr, stride_rm = fold[0], fold[2], fold[3]
     dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows_n).to(tl.float32)[None, :]
-    res_ptrs = res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :]
-    residual = tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
     h = rounded_fp32(rounded_fp32(acc, dtype) + residual, dtype)
-    tl.store(res_ptrs, h.to(dtype), mask=mask)
-    norm_w = tl.load(norm_w_ptr + rows_n).to(tl.float32)
-    tl.store(
-        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], round_to_dtype(h * norm_w[None, :], dtype), mask=mask
-    )
+    tl.store(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], h.to(dtype), mask=mask)
+    weighted = round_to_dtype(h * norm_w[None, :], dtype)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], weighted, mask=mask)
     squares = tl.sum(tl.where(mask, h * h, 0.0), axis=1)
     tl.store(sq_ptr + offs_m * tl.num_programs(0) + pid_n, squares, mask=offs_m < M)
 
 
 @triton.jit
-def _row_scale(acc, offs_m, M, fold, SCALE_BLOCKS: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] times each row's RMSNorm factor rsqrt(mean(h^2) + eps), the mean summed from the
-    producer's partials [M, blocks] (x was h * norm weight: the norm is linear per row, so it scales the sums)."""
+def _row_factors(offs_m, M, fold, SCALE_BLOCKS: tl.constexpr):
+    """[BLOCK_M] fp32: each row's RMSNorm factor rsqrt(mean(h^2) + eps), the mean summed from the producer's
+    partials [M, blocks]. x was h * norm weight and the norm is linear per row, so the factor scales the sums."""
     sq_ptr, blocks, hidden, eps = fold[4], fold[5], fold[6], fold[7]
     cols = tl.arange(0, SCALE_BLOCKS)
     sq_mask = (offs_m[:, None] < M) & (cols[None, :] < blocks)
     squares = tl.load(sq_ptr + offs_m[:, None] * blocks + cols[None, :], mask=sq_mask, other=0.0)
-    factor = tl.math.rsqrt(tl.sum(squares, axis=1) / hidden + eps)
-    return acc * factor[:, None]
+    return tl.math.rsqrt(tl.sum(squares, axis=1) / hidden + eps)
 
 
 @triton.jit
@@ -361,6 +370,8 @@ def _store(
     mask,
     rope,
     fold,
+    residual,
+    norm_w,
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -371,7 +382,9 @@ def _store(
     """The kernel's output: the rows as they are, (GATED) their activation, (ROPE_HALF > 0) q rotated and
     k, v rotated and written to the KV cache, or (ADD_NORM) the residual add and the next norm's first half."""
     if ADD_NORM:
-        _store_add_norm(acc, bias_ptr, out_ptr, rows_n, offs_m, offs_n, pid_n, M, stride_om, mask, fold, HAS_BIAS)
+        _store_add_norm(
+            acc, bias_ptr, out_ptr, rows_n, offs_m, offs_n, pid_n, M, stride_om, mask, fold, residual, norm_w, HAS_BIAS
+        )
     elif GATED:
         _store_gated(acc, bias_ptr, out_ptr, rows_n, offs_m, pid_n, N, M, stride_om, HAS_BIAS, BLOCK_M, BLOCK_N)
     elif ROPE_HALF > 0:
@@ -449,7 +462,22 @@ def _skinny_linear_kernel(
         # bounds) and never used.
         second = k_begin + BLOCK_K
         w_second = _w_chunk(w_rows, tl.where(second < k_end, second, k_begin), arange_k, K, EVEN_K)
+    if ADD_NORM:
+        norm_w = tl.load(fold[1] + rows_n).to(tl.float32)  # a weight: constant through the step
+    else:
+        norm_w = tl.zeros([BLOCK_N], dtype=tl.float32)
     pdl_start(USE_PDL)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    # What the epilogue reads of the predecessors' outputs is loaded before the K loop: its latency hides there.
+    if ADD_NORM:
+        res_tile = fold[0] + offs_m[:, None] * fold[3] + offs_n[None, :]
+        residual = tl.load(res_tile, mask=mask, other=0.0).to(tl.float32)
+    else:
+        residual = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if ROW_SCALE:
+        factors = _row_factors(offs_m, M, fold, SCALE_BLOCKS)
+    else:
+        factors = tl.zeros([BLOCK_M], dtype=tl.float32)
     if USE_DOT:
         x_rows = tl.minimum(offs_m, M - 1).to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -558,10 +586,9 @@ def _skinny_linear_kernel(
             acc = _row_sum(acc5, acc, 5, BLOCK_M)
             acc = _row_sum(acc6, acc, 6, BLOCK_M)
             acc = _row_sum(acc7, acc, 7, BLOCK_M)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if SPLIT == 0:
         if ROW_SCALE:
-            acc = _row_scale(acc, offs_m, M, fold, SCALE_BLOCKS)
+            acc = acc * factors[:, None]
         _store(
             acc,
             bias_ptr,
@@ -576,6 +603,8 @@ def _skinny_linear_kernel(
             mask,
             rope,
             fold,
+            residual,
+            norm_w,
             HAS_BIAS,
             GATED,
             BLOCK_M,
@@ -601,7 +630,7 @@ def _skinny_linear_kernel(
                 for s in range(0, splits):
                     total += tl.load(ws_tile + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
                 if ROW_SCALE:
-                    total = _row_scale(total, offs_m, M, fold, SCALE_BLOCKS)
+                    total = total * factors[:, None]
                 _store(
                     total,
                     bias_ptr,
@@ -616,6 +645,8 @@ def _skinny_linear_kernel(
                     mask,
                     rope,
                     fold,
+                    residual,
+                    norm_w,
                     HAS_BIAS,
                     GATED,
                     BLOCK_M,

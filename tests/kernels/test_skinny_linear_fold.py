@@ -330,7 +330,11 @@ def test_gpu_fold_equals_the_plain_kernels(hidden: int, intermediate: int, m: in
     torch.testing.assert_close(folded.sum_squares.sum(1), squares, rtol=1e-5, atol=0)
     act = sk.skinny_linear_gated(folded.x_weighted, ops["next_weight"], counters=counters, row_scale=folded)
     scaled = sk.skinny_linear(folded.x_weighted, ops["next_weight"], counters=counters, row_scale=folded)
-    assert torch.equal(act, silu_and_mul(scaled))
+    # The two kernels may sum the row's partials in different orders (the compiler lays the reduction out per
+    # kernel): a factor an ulp apart flips an output's rounding now and then (the 8B's gate|up at 32 rows, H100).
+    unscaled_act = silu_and_mul(scaled)
+    assert (act != unscaled_act).float().mean().item() <= 0.01
+    torch.testing.assert_close(act.float(), unscaled_act.float(), rtol=2e-2, atol=1e-3)
     expected = skinny_linear_ref(folded.x_weighted, ops["next_weight"], row_scale=folded)
     bound = skinny_linear_error_bound(folded.x_weighted, ops["next_weight"], row_scale=folded)
     assert ((scaled.float() - expected.float()).abs() <= bound).all()
