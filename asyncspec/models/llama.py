@@ -205,7 +205,7 @@ class LlamaDecoderLayer(nn.Module):
         attn = self.self_attn
         if fold is None or not fold.folds(x) or attn.qk_norm or attn.tp.enabled:
             return None
-        if rope.cos is not None or rope.sin is not None or x.dim() != 2:
+        if rope.cos is not None or rope.sin is not None or x.dim() != 2 or not fold.supported(x, attn.qkv_proj.weight):
             return None
         return fold
 
