@@ -300,6 +300,77 @@ class TestInterpreted:
             linear_module.make_skinny_linear(torch.device("cpu"))
 
 
+# ------------------------------------------------------------------------------------- sm_90 compile
+
+
+def _compile_fold_for_h100(rope: bool, constexprs: dict[str, object]) -> str:
+    """The PTX of `_skinny_linear_kernel` compiled for sm_90 on this host (no GPU needed) with the fold's epilogues:
+    what the interpreter cannot check (layouts between the hoisted loads and the epilogue, the PDL wait's place)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from asyncspec.kernels.skinny_linear_triton import _skinny_linear_kernel as fn
+
+    pointers = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", ws_ptr="*fp32", counter_ptr="*i32")
+    signature: dict[str, object] = dict(pointers)
+    signature.update(dict.fromkeys(("M", "N", "K", "stride_xm", "stride_wn", "stride_om", "k_per_split"), "i32"))
+    values: dict[tuple, object] = {}
+    rope_index = fn.arg_names.index("rope")
+    if rope:
+        signature["rope"] = ("*i64", "*fp32", "*fp32", "*i64", "*bf16", "*bf16") + ("i32",) * 13
+    else:  # as launched without it: x six times, then 13 ints equal to 1 (Triton makes them constants)
+        signature["rope"] = ("*bf16",) * 6 + ("constexpr",) * 13
+        values.update({(rope_index, i): 1 for i in range(6, 19)})
+    # residual, norm weight, partials out, residual stride, partials in, their blocks, hidden, eps
+    signature["fold"] = ("*bf16", "*bf16", "*fp32", "i32", "*fp32", "i32", "fp32", "fp32")
+    for name in fn.arg_names:
+        if name not in signature:
+            signature[name] = "constexpr"
+    defaults = dict(GATED=False, ROPE_HALF=0, ADD_NORM=False, ROW_SCALE=False, SCALE_BLOCKS=1)
+    values.update({(fn.arg_names.index(n),): v for n, v in {**defaults, **constexprs}.items()})
+    source = ASTSource(fn=fn, signature=signature, constexprs=values)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    return compiled.asm["ptx"]
+
+
+@pytest.mark.skipif(INTERPRETING, reason="compiles the kernel: needs triton not in interpreter mode")
+def test_fold_epilogues_compile_for_sm90() -> None:
+    """The producer (add-norm, serial split-K) and the consumers (gated and rotary, row-scaled) compile for sm_90
+    with the epilogues' loads hoisted before the K loop; under PDL nothing is stored before the wait, W's first chunk
+    is loaded before it, and the row factors (from a predecessor's partial sums) are computed after it."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        if not os.path.isfile(get_ptxas(90).path or ""):
+            raise FileNotFoundError("ptxas")
+    except Exception as e:  # a triton build without the CUDA backend or its bundled ptxas
+        pytest.skip(f"cannot compile for sm_90 here: {e!r}")
+    tiles = dict(BLOCK_M=32, USE_DOT=True, HAS_BIAS=False, EVEN_K=True, SILU=False, UNROLL=1, USE_PDL=True, PRELOAD=1)
+    producer = _compile_fold_for_h100(False, {**tiles, "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT": 2, "ADD_NORM": True})
+    gated = _compile_fold_for_h100(
+        False,
+        {**tiles, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT": 0, "GATED": True, "ROW_SCALE": True, "SCALE_BLOCKS": 64},
+    )
+    rotary = _compile_fold_for_h100(
+        True,
+        {**tiles, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": 2, "ROPE_HALF": 32, "ROW_SCALE": True, "SCALE_BLOCKS": 32},
+    )
+    for ptx in (producer, gated, rotary):
+        wait = ptx.index("griddepcontrol.wait")
+        assert "st.global" not in ptx[:wait] and "atom" not in ptx[:wait], "a store before the PDL wait"
+        assert "ld.global" in ptx[:wait]  # W's first chunk (and the norm weight) before it
+    assert producer.count("st.global") > ptx_plain_stores()
+    for ptx in (gated, rotary):
+        assert "rsqrt" in ptx[ptx.index("griddepcontrol.wait") :]
+
+
+def ptx_plain_stores() -> int:
+    """st.global instructions of the plain serial split-K kernel with the producer's tiles (the add-norm epilogue
+    adds the residual's, the weighted output's and the partial sums' stores)."""
+    tiles = dict(BLOCK_M=32, USE_DOT=True, HAS_BIAS=False, EVEN_K=True, SILU=False, UNROLL=1, USE_PDL=True, PRELOAD=1)
+    return _compile_fold_for_h100(False, {**tiles, "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT": 2}).count("st.global")
+
+
 # ------------------------------------------------------------------------------------------------ gpu
 
 
