@@ -63,8 +63,11 @@
 #          bound of folding the norms into the tensor-core projections at 32 rows, where the 33 norm launches took 84 us
 #          of a 1.53 ms 32-stream step with PDL off (H100, 2026-12-05); last measured at batch 1 and one key (2026-11-27): ~3 min
 #   fold   the norms folded into the projections (ASYNCSPEC_NORM_FOLD=1, 2026-12-06): its compiled kernel tests and engine
-#          tests, then the 1B's graphed steps at 315 keys with the default, the fold and the no_norm bound (two
-#          rounds), the 8B's with and without, and the 1B's 32-stream steady window with the fold: ~8 min cold
+#          tests, then the 1B's graphed steps at 315 keys with the default, the fold (5 to 32 rows, and from one row:
+#          ASYNCSPEC_NORM_FOLD_MIN_ROWS=1) and the no_norm bound, two rounds, and the 8B's with and without: ~7 min
+#          cold (the first form: 1B b8 -4.2 %, b32 step -1.8 %, a third of the bound at 32 rows, H100 2026-12-06)
+#   fold-window  the 1B's 32-stream steady window without and with the fold, alternated twice, then where the folded
+#          step's time goes with PDL off (profile_step.py --streams 32): ~3 min
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
 # their wheels; the device README says how).
 set -uo pipefail
@@ -233,13 +236,19 @@ fi
 if [[ " $parts " == *" fold "* ]]; then
     timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_skinny_linear_fold.py \
         tests/engine/test_gpu_norm_fold.py --tb=short 2>&1 | tail -8
-    replay_1b_315_twice fold ASYNCSPEC_NORM_FOLD=1 GRAPH_REPLAY_PATCH=no_norm
+    f=ASYNCSPEC_NORM_FOLD=1
+    replay_1b_315_twice fold "$f" "$f+ASYNCSPEC_NORM_FOLD_MIN_ROWS=1" GRAPH_REPLAY_PATCH=no_norm
     timeout 200 python3 benchmarks/graph_replay.py --models llama-8b --context 315 \
-        --switches "ASYNCSPEC_PDL=1,ASYNCSPEC_PDL=1+ASYNCSPEC_NORM_FOLD=1" --output "$out/graph_replay_fold_8b.json" \
-        2>&1 | tail -4
-    ASYNCSPEC_NORM_FOLD=1 timeout 120 python3 benchmarks/gpu_step_speed.py --models llama-1b --parts bandwidth,async \
-        --concurrency 32 --window-batches 32 --sweep-batches 32 --trials 1 --output "$out/step_speed_fold_1b_32.json" \
-        2>&1 | tail -6
+        --switches "ASYNCSPEC_PDL=1,ASYNCSPEC_PDL=1+$f" --output "$out/graph_replay_fold_8b.json" 2>&1 | tail -4
+fi
+if [[ " $parts " == *" fold-window "* ]]; then
+    for run in 0:1 1:1 0:2 1:2; do  # fold:round
+        ASYNCSPEC_NORM_FOLD=${run%:*} timeout 90 python3 benchmarks/gpu_step_speed.py --models llama-1b \
+            --parts bandwidth,async --concurrency 32 --window-batches 32 --sweep-batches 32 --trials 1 \
+            --output "$out/step_speed_fold${run%:*}_round${run#*:}_1b_32.json" 2>&1 | grep -E "^async" | tail -1
+    done
+    ASYNCSPEC_PDL=0 ASYNCSPEC_NORM_FOLD=1 timeout 90 python3 benchmarks/profile_step.py --model llama-1b --streams 32 \
+        --top 10 2>&1 | grep -A12 "^GPU time per step" | tee "$out/profile_fold_1b_32_pdl0.txt"
 fi
 
 if [[ " $parts " == *" step "* ]]; then

@@ -33,12 +33,15 @@ NORM_FOLD_ENV = "ASYNCSPEC_NORM_FOLD"
 decode calls of `NORM_FOLD_MIN_ROWS` rows or more (the tensor-core tiles): no norm kernel runs between o and gate|up
 or between down and the next q|k|v. Off by default until a GPU measures it (docs/benchmarks.md)."""
 NORM_FOLD_MIN_ROWS = 5
-"""The fewest rows a folded call takes: from 5 rows every projection runs on the tensor-core tiles (the one-row
-form of the fold measured slower, 2026-11-30)."""
+"""The fewest rows a folded call takes by default: from 5 rows every projection runs on the tensor-core tiles (a
+one-row form of the fold, each program normalising its rows whole, measured slower on 2026-11-30)."""
+NORM_FOLD_MIN_ROWS_ENV = "ASYNCSPEC_NORM_FOLD_MIN_ROWS"
+"""Overrides NORM_FOLD_MIN_ROWS (1 to 32), to measure the fold at fewer rows: at one row it also stands in for the
+streamed MLP and attention input, whose kernels take the norms themselves."""
 
 
 class NormFoldSettingError(ValueError):
-    """ASYNCSPEC_NORM_FOLD holds a value other than 0 or 1."""
+    """ASYNCSPEC_NORM_FOLD or ASYNCSPEC_NORM_FOLD_MIN_ROWS holds a value it does not take."""
 
 
 def norm_fold_requested() -> bool:
@@ -47,6 +50,14 @@ def norm_fold_requested() -> bool:
     if value not in ("0", "1"):
         raise NormFoldSettingError(f"{NORM_FOLD_ENV}={value!r}: set it to 0 (off, the default) or 1 (on)")
     return value == "1"
+
+
+def norm_fold_min_rows() -> int:
+    """ASYNCSPEC_NORM_FOLD_MIN_ROWS read (unset: NORM_FOLD_MIN_ROWS); anything but 1 to 32 is an error."""
+    value = os.environ.get(NORM_FOLD_MIN_ROWS_ENV, str(NORM_FOLD_MIN_ROWS)).strip()
+    if not value.isdigit() or not 1 <= int(value) <= 32:
+        raise NormFoldSettingError(f"{NORM_FOLD_MIN_ROWS_ENV}={value!r}: set it to a row count from 1 to 32")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -72,16 +83,18 @@ class SkinnyLinear:
     """skinny_linear_add_norm(x, weight, bias, residual=..., norm_weight=..., eps=..., counters=...): a row-parallel
     projection with the residual add and the next norm's weighting in its epilogue, for the next projection's
     `row_scale=` (None: no fold; see NORM_FOLD_ENV)."""
+    fold_min_rows: int = NORM_FOLD_MIN_ROWS
+    """The fewest rows a folded call takes (NORM_FOLD_MIN_ROWS_ENV)."""
 
     def folds(self, x: torch.Tensor) -> bool:
         """Whether a decoder layer's call on x folds its norms into the projections: the fold is on and x is a
-        bf16 call of NORM_FOLD_MIN_ROWS to max_rows rows."""
+        bf16 call of fold_min_rows to max_rows rows."""
         return (
             self.add_norm_kernel is not None
             and self.rotary_kernel is not None
             and self.gated_kernel is not None
             and x.dtype == torch.bfloat16
-            and NORM_FOLD_MIN_ROWS <= x.shape[0] <= self.max_rows
+            and self.fold_min_rows <= x.shape[0] <= self.max_rows
         )
 
 
@@ -200,6 +213,7 @@ def make_skinny_linear(device: torch.device, max_rows: int | None = None) -> Ski
         skinny_linear_gated,
         None if os.environ.get(ROTARY_IN_LINEAR_ENV, "1") == "0" else skinny_linear_rotary,
         skinny_linear_add_norm if norm_fold_requested() else None,
+        norm_fold_min_rows(),
     )
 
 

@@ -295,9 +295,15 @@ class TestInterpreted:
         for a, b in zip(got + got_caches, baseline + baseline_caches, strict=True):
             assert torch.equal(a.isnan(), b.isnan())  # the same cache slots written
             torch.testing.assert_close(a.nan_to_num(), b.nan_to_num(), rtol=5e-2, atol=5e-2)
-        monkeypatch.setenv(linear_module.NORM_FOLD_ENV, "yes")
-        with pytest.raises(linear_module.NormFoldSettingError, match="ASYNCSPEC_NORM_FOLD='yes'"):
-            linear_module.make_skinny_linear(torch.device("cpu"))
+        # Down to 4 rows: the decode step folds too (three more calls of 4 rows).
+        monkeypatch.setenv(linear_module.NORM_FOLD_MIN_ROWS_ENV, "4")
+        calls.clear()
+        run("llama3", torch.bfloat16, fused_rotary=True, backend=backend)
+        assert calls == [10, 10, 10, 4, 4, 4]
+        for name, value in ((linear_module.NORM_FOLD_MIN_ROWS_ENV, "0"), (linear_module.NORM_FOLD_ENV, "yes")):
+            monkeypatch.setenv(name, value)
+            with pytest.raises(linear_module.NormFoldSettingError, match=f"{name}='{value}'"):
+                linear_module.make_skinny_linear(torch.device("cpu"))
 
 
 # ------------------------------------------------------------------------------------- sm_90 compile
