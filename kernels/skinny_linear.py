@@ -77,15 +77,17 @@ def skinny_linear_error_bound(
     to see a single wrong term should also count how many elements differ from the reference."""
     terms = x.float().abs() @ weight.float().abs().t()
     exact = x.float() @ weight.float().t()
+    factor_error: torch.Tensor | float = 0.0
     if row_scale is not None:
         # The factor itself may differ by a few ulp (a GPU's rsqrt, the partials' order): 2^-20 relative.
         factors = row_scale.row_factors()[:, None]
-        terms = terms * factors * (1 + 2.0**-20) + (exact * factors).abs() * 2.0**-20
+        terms = terms * factors
         exact = exact * factors
+        factor_error = exact.abs() * 2.0**-20
     if bias is not None:
         terms = terms + bias.float().abs()
     exact = exact + (0.0 if bias is None else bias.float())
-    sum_error = 2 * (x.shape[1] + 1) * 2.0**-24 * terms
+    sum_error = 2 * (x.shape[1] + 1) * 2.0**-24 * terms + factor_error
     tiny = torch.finfo(x.dtype).tiny
     return torch.finfo(x.dtype).eps * (exact.abs() + sum_error) + sum_error + tiny
 

@@ -662,6 +662,7 @@ def _split_reduce_kernel(
     ws_ptr,
     bias_ptr,
     out_ptr,
+    factor_ptr,
     M,
     N,
     stride_om,
@@ -669,8 +670,10 @@ def _split_reduce_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    ROW_SCALE: tl.constexpr = False,
 ):
-    """out[m, n] = round(sum over s in order of ws[s, m, n] (+ bias[n])): a fixed order, so deterministic."""
+    """out[m, n] = round(sum over s in order of ws[s, m, n] (* factor[m]) (+ bias[n])): a fixed order, so
+    deterministic."""
     pdl_start(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
@@ -679,6 +682,8 @@ def _split_reduce_kernel(
         acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
     m = offs // N
     n = offs % N
+    if ROW_SCALE:
+        acc *= tl.load(factor_ptr + m, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * stride_om + n, round_to_dtype(acc, out_ptr.dtype.element_ty), mask=mask)
@@ -944,17 +949,14 @@ def _launch(
     mode = 0 if split == 1 else 2 if counters is not None else 1
     if row_scale is not None:
         _check_row_scale(x, row_scale)
-        if mode == 1:
-            # A second kernel sums the partials and knows no epilogue: x normalised as the norm kernel would.
-            x = (x.float() * row_scale.row_factors()[:, None]).to(x.dtype)
-            return _launch(x, weight, bias, out, cfg, silu, counters, gated, rope, add_norm)
     if add_norm is not None and mode == 1:
         return _add_norm_unfused(_launch(x, weight, bias, None, cfg, silu, counters)[0], add_norm, out)
     if gated and (cfg.block_n % 2 or mode == 1):
         # The epilogue needs (gate, up) column pairs in one tile and the partials summed in-kernel.
-        return silu_and_mul(_launch(x, weight, bias, None, cfg, False, counters)[0], out=out), None
+        projection = _launch(x, weight, bias, None, cfg, False, counters, row_scale=row_scale)[0]
+        return silu_and_mul(projection, out=out), None
     if rope is not None and (cfg.block_n % 2 or mode == 1):
-        return rope.unfused(_launch(x, weight, bias, None, cfg, False, counters)[0]), None
+        return rope.unfused(_launch(x, weight, bias, None, cfg, False, counters, row_scale=row_scale)[0]), None
     sum_squares = None
     if add_norm is not None:
         sum_squares = torch.empty((m, grid[0]), dtype=torch.float32, device=x.device)
@@ -1001,10 +1003,13 @@ def _launch(
         **pdl_launch_options(pdl),
     )
     if mode == 1:
+        # The second kernel scales the sums by the rows' factors, computed here (the fp32 sum of the partials).
+        factors = row_scale.row_factors() if row_scale is not None else ws
         _split_reduce_kernel[(triton.cdiv(m * n, _REDUCE_BLOCK),)](
             ws,
             bias_arg,
             out,
+            factors,
             m,
             n,
             out.stride(0),
@@ -1012,6 +1017,7 @@ def _launch(
             HAS_BIAS=bias is not None,
             BLOCK=_REDUCE_BLOCK,
             USE_PDL=pdl,
+            ROW_SCALE=row_scale is not None,
             num_warps=4,
             **pdl_launch_options(pdl),
         )
@@ -1063,6 +1069,10 @@ def skinny_linear_add_norm(
             )
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps}")
+    # Programs write h over the residual while others still read x, and the weighted sum after h: no sharing.
+    storage = residual.untyped_storage().data_ptr()
+    if x.untyped_storage().data_ptr() == storage or (out is not None and out.untyped_storage().data_ptr() == storage):
+        raise ValueError("residual must not share memory with x or out (it is overwritten with the sum)")
     operands = _AddNormOperands(residual, norm_weight)
     x_weighted, sum_squares = _launch(x, weight, bias, out, config, False, counters, add_norm=operands)
     return FoldedNorm(x_weighted, cast("torch.Tensor", sum_squares), eps)  # _launch gives them with add_norm
