@@ -40,6 +40,13 @@ fused in bf16 only: fp32 and fp16 products must not be contracted into FMAs ther
 compiled for (enable_fp_fusion=False) and this kernel's loop is not; bf16's rounding by hand on the bits leaves
 nothing to contract.
 
+`skinny_linear_add_norm` and `row_scale=` fold a residual add + RMSNorm into the projections around it
+(`FoldedNorm` in kernels/skinny_linear.py): a row-parallel projection's epilogue adds the residual, writes the sum
+over it, the sum times the norm's weight, and each column block's sum of squares; the next projection (plain,
+gated or rotary) sums those partials into each row's rsqrt(mean(h^2) + eps) after its PDL wait and scales its own
+sums by it before its epilogue. What an epilogue reads of a predecessor's output (the residual tile, the partials)
+is loaded before the K loop; the norm's weight before the PDL wait.
+
 `skinny_linear_silu` is the down projection of the MLP's gate|up tensor. At M = 1 it is this kernel applying
 silu(gate) * up while loading x; above, the activation kernel runs first (measured faster). Either way the
 activation has exactly the two roundings of `silu_and_mul` (silu in fp32 rounded to the dtype, the product
