@@ -474,11 +474,11 @@ def _skinny_linear_kernel(
     else:
         norm_w = tl.zeros([BLOCK_N], dtype=tl.float32)
     pdl_start(USE_PDL)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     # What the epilogue reads of the predecessors' outputs is loaded before the K loop: its latency hides there.
     if ADD_NORM:
         res_tile = fold[0] + offs_m[:, None] * fold[3] + offs_n[None, :]
-        residual = tl.load(res_tile, mask=mask, other=0.0).to(tl.float32)
+        res_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        residual = tl.load(res_tile, mask=res_mask, other=0.0).to(tl.float32)
     else:
         residual = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if ROW_SCALE:
@@ -593,6 +593,7 @@ def _skinny_linear_kernel(
             acc = _row_sum(acc5, acc, 5, BLOCK_M)
             acc = _row_sum(acc6, acc, 6, BLOCK_M)
             acc = _row_sum(acc7, acc, 7, BLOCK_M)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if SPLIT == 0:
         if ROW_SCALE:
             acc = acc * factors[:, None]

@@ -146,10 +146,12 @@ def linear_rotary_kv_write(
     sin_cache: torch.Tensor,
     kv_cache: tuple[torch.Tensor, torch.Tensor],
     slot_mapping: torch.Tensor,
+    row_scale: FoldedNorm | None = None,
 ) -> torch.Tensor | None:
     """q rotated [T, H, D] from one kernel that also rotates k and writes k and v to the cache, for a bf16
     decode-sized x the kernel takes; None where it does not serve (the caller projects, then runs the rotary
-    kernel: bit for bit the same numbers, which the fused kernel keeps only in bf16)."""
+    kernel: bit for bit the same numbers, which the fused kernel keeps only in bf16). With `row_scale`, x is that
+    `FoldedNorm`'s x_weighted and the projection that of the folded norm's output."""
     if (
         skinny is None
         or skinny.rotary_kernel is None
@@ -173,6 +175,7 @@ def linear_rotary_kv_write(
         k_cache=k_cache,
         v_cache=v_cache,
         slot_mapping=slot_mapping,
+        row_scale=row_scale,
     )
 
 

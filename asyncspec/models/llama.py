@@ -63,20 +63,7 @@ class LlamaAttention(nn.Module):
         fused_rotary = (rope.cos is None or rope.sin is None) and not self.qk_norm
         if fused_rotary:
             # Triton, bf16, a decode-sized x: the projection, RoPE and the K/V write in one kernel.
-            qkv = self.qkv_proj
-            q_rot = linear_rotary_kv_write(
-                x,
-                qkv.weight,
-                qkv.bias,
-                qkv.skinny_linear,
-                num_heads=self.num_heads,
-                num_kv_heads=self.num_kv_heads,
-                positions=rope.positions,
-                cos_cache=rope.cos_cache,
-                sin_cache=rope.sin_cache,
-                kv_cache=kv_cache,
-                slot_mapping=attn_metadata.slot_mapping,
-            )
+            q_rot = self.project_rotated(x, rope, kv_cache, attn_metadata)
             if q_rot is not None:
                 return self.attend_rotated(q_rot, kv_cache, attn_metadata)
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -95,6 +82,32 @@ class LlamaAttention(nn.Module):
             q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
             o = self.attn(q, k, v, kv_cache, attn_metadata)
         return self.tp.all_reduce(self.o_proj(o.reshape(T, self.q_size)))
+
+    def project_rotated(
+        self,
+        x: torch.Tensor,
+        rope: RotaryInputs,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: AttentionMetadata,
+        row_scale: FoldedNorm | None = None,
+    ) -> torch.Tensor | None:
+        """q rotated [T, H, D] from the q|k|v projection with RoPE and the K/V write in its epilogue (x scaled by a
+        folded norm's row factors with `row_scale`), or None where that kernel does not serve x."""
+        qkv = self.qkv_proj
+        return linear_rotary_kv_write(
+            x,
+            qkv.weight,
+            qkv.bias,
+            qkv.skinny_linear,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            positions=rope.positions,
+            cos_cache=rope.cos_cache,
+            sin_cache=rope.sin_cache,
+            kv_cache=kv_cache,
+            slot_mapping=attn_metadata.slot_mapping,
+            row_scale=row_scale,
+        )
 
     def attend_rotated(
         self, q_rot: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], attn_metadata: AttentionMetadata
@@ -222,8 +235,7 @@ class LlamaDecoderLayer(nn.Module):
         """The block with its norms folded into the projections: q|k|v scales its sums by the input norm's row
         factors (or, for the first layer, the norm kernel runs), o adds the residual and weights the sum for the
         post-attention norm, gate|up scales, and down adds and weights for `next_norm` (none: its plain output)."""
-        assert fold.add_norm_kernel is not None and fold.rotary_kernel is not None  # noqa: S101 - fold.folds said so
-        assert fold.gated_kernel is not None  # noqa: S101
+        assert fold.add_norm_kernel is not None and fold.gated_kernel is not None  # noqa: S101 - fold.folds said so
         scale: FoldedNorm | None = None
         if isinstance(h, FoldedNorm):
             x, scale = h.x_weighted, h
@@ -231,22 +243,9 @@ class LlamaDecoderLayer(nn.Module):
             x, residual = self.input_layernorm.forward_residual(h, residual)
         assert residual is not None  # noqa: S101 - a FoldedNorm always comes with its residual stream
         attn, counters = self.self_attn, fold.counters
-        qkv = attn.qkv_proj
-        q_rot = fold.rotary_kernel(
-            x,
-            qkv.weight,
-            qkv.bias,
-            counters=counters,
-            num_heads=attn.num_heads,
-            num_kv_heads=attn.num_kv_heads,
-            positions=rope.positions,
-            cos_cache=rope.cos_cache,
-            sin_cache=rope.sin_cache,
-            k_cache=kv_cache[0],
-            v_cache=kv_cache[1],
-            slot_mapping=attn_metadata.slot_mapping,
-            row_scale=scale,
-        )
+        q_rot = attn.project_rotated(x, rope, kv_cache, attn_metadata, row_scale=scale)
+        if q_rot is None:  # fold.folds and fold.supported said the rotary kernel takes x
+            raise RuntimeError("the q|k|v projection's rotary epilogue refused a folded call")
         o = attn.attn.attend(q_rot, kv_cache, attn_metadata).reshape(x.shape[0], attn.q_size)
         norm, mlp = self.post_attention_layernorm, self.mlp
         folded = fold.add_norm_kernel(

@@ -359,6 +359,32 @@ def tiny_model(family: str, dtype: torch.dtype, device: str = "cpu") -> LlamaFor
     return model
 
 
+def tiny_models_on_the_skinny_kernel(monkeypatch, kernel_field: str) -> list[int]:
+    """From now on `tiny_model` builds models whose linear layers take the skinny kernel (as the engine sets it up,
+    from the env at each build), with its `kernel_field` (e.g. "rotary_kernel") recording the rows of every call;
+    returns that record."""
+    import dataclasses
+
+    from asyncspec.layers import linear as linear_module
+    from tests.kernels import test_rotary_kv_write
+
+    calls: list[int] = []
+    build = test_rotary_kv_write.tiny_model
+
+    def tiny_model_on_the_kernel(family, dtype, device="cpu"):
+        model = build(family, dtype, device)
+        skinny = linear_module.make_skinny_linear(torch.device(device))
+        kernel = getattr(skinny, kernel_field)
+        if kernel is not None:
+            recording = lambda x, *a, **kw: calls.append(x.shape[0]) or kernel(x, *a, **kw)  # noqa: E731
+            skinny = dataclasses.replace(skinny, **{kernel_field: recording})
+        linear_module.use_skinny_linear(model, skinny)
+        return model
+
+    monkeypatch.setattr(test_rotary_kv_write, "tiny_model", tiny_model_on_the_kernel)
+    return calls
+
+
 def run_tiny_model(
     family: str,
     dtype: torch.dtype,

@@ -231,21 +231,7 @@ class TestInterpreted:
         from tests.kernels import test_rotary_kv_write
 
         backend = dataclasses.replace(TORCH_REFERENCE, name="triton_rotary", rotary_kv_write=rotary_kv_write)
-        calls: list[int] = []
-        build = test_rotary_kv_write.tiny_model
-
-        def tiny_model_on_the_kernel(family, dtype, device="cpu"):
-            model = build(family, dtype, device)
-            skinny = linear_module.make_skinny_linear(torch.device(device))
-            rotary = skinny.rotary_kernel
-            if rotary is not None:
-                skinny = dataclasses.replace(
-                    skinny, rotary_kernel=lambda x, *a, **kw: calls.append(x.shape[0]) or rotary(x, *a, **kw)
-                )
-            linear_module.use_skinny_linear(model, skinny)
-            return model
-
-        monkeypatch.setattr(test_rotary_kv_write, "tiny_model", tiny_model_on_the_kernel)
+        calls = test_rotary_kv_write.tiny_models_on_the_skinny_kernel(monkeypatch, "rotary_kernel")
         monkeypatch.setenv(linear_module.ROTARY_IN_LINEAR_ENV, "0")
         baseline, baseline_caches = run_tiny_model("llama3", torch.bfloat16, fused_rotary=True, backend=backend)
         assert calls == []
