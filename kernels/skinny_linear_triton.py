@@ -757,6 +757,8 @@ def choose_config(m: int, n: int, k: int, sms: int = _DEFAULT_SMS) -> SkinnyConf
         return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=1, unroll=2)
     if n >= 14336 and (m > 8 or n <= 128 * sms):
         block_n, block_k, stages = 128, 128, 3  # one wave of 2-per-SM programs, or M > 8 on wide layers
+        if m > 16 and n >= 65536:
+            stages = 4  # a vocabulary-wide lm_head at M = 32: the 1B's 138.0 -> 133.6 us on an H200 (2026-12-06)
     elif m > 8 and k >= 2048 and 3 * n // 4 <= k <= 2 * n and (n // 16) % sms >= 0.85 * sms:
         # Row-parallel-like shapes at M = 16, 32 (the 1B and 8B o, the 8B's TP = 2, 4 down). An H100's sweep
         # chose 16 x 256 tiles for them; on an H200 (sweep of 2026-12-03) those ran 2-47 % slower than 32 x 256
@@ -764,6 +766,10 @@ def choose_config(m: int, n: int, k: int, sms: int = _DEFAULT_SMS) -> SkinnyConf
         block_n, block_k, stages = 32, 256, 3
     elif m > 8 or k <= 1024:
         block_n, block_k, stages = 64, 128, 4
+        if m > 16 and k >= 2048 and k < n <= 2 * k and n * k <= 8 << 20:
+            # The 1B's q|k|v at M = 32: 48 programs, each latency-bound on its 256 KB of W; a deeper ring took it
+            # from 6.97 to 6.41 us on an H200 (2026-12-06) and from 7.49 to 7.08 on an H100 (2026-12-05).
+            stages = 6
     else:
         block_n, block_k, stages = 64, 256, 3
     split = _dot_split(triton.cdiv(n, block_n), k, sms)

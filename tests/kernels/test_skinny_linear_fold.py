@@ -259,9 +259,10 @@ class TestInterpreted:
 
     def test_tiny_model_with_folded_norms(self, sk, monkeypatch) -> None:
         """A bf16 tiny Llama on the skinny kernels (attention on the torch reference, RoPE on the Triton kernel):
-        with ASYNCSPEC_NORM_FOLD=1 its 10-row step folds every norm between two projections (o and down of the
-        first layer, o of the last: three add-norm calls, none for the 4-row step), and its hidden states and
-        caches stay within bf16 roundings of the unfolded model's."""
+        by default its 10-row prefill and 4-row decode step fold every norm between two projections (o and down of
+        the first layer, o of the last: three add-norm calls a step), ASYNCSPEC_NORM_FOLD_MIN_ROWS=5 leaves the
+        4-row step unfolded, ASYNCSPEC_NORM_FOLD=0 both; the hidden states and caches stay within bf16 roundings of
+        the unfolded model's."""
         import dataclasses
 
         from asyncspec.kernels.rotary_kv_write_triton import rotary_kv_write
@@ -272,21 +273,23 @@ class TestInterpreted:
         backend = dataclasses.replace(TORCH_REFERENCE, name="triton_rotary", rotary_kv_write=rotary_kv_write)
         calls = test_rotary_kv_write.tiny_models_on_the_skinny_kernel(monkeypatch, "add_norm_kernel")
         run = test_rotary_kv_write.run_tiny_model
+        monkeypatch.setenv(linear_module.NORM_FOLD_ENV, "0")
         baseline, baseline_caches = run("llama3", torch.bfloat16, fused_rotary=True, backend=backend)
         assert calls == []
-        monkeypatch.setenv(linear_module.NORM_FOLD_ENV, "1")
-        got, got_caches = run("llama3", torch.bfloat16, fused_rotary=True, backend=backend)
-        assert calls == [10, 10, 10]
-        for a, b in zip(got + got_caches, baseline + baseline_caches, strict=True):
-            assert torch.equal(a.isnan(), b.isnan())  # the same cache slots written
-            torch.testing.assert_close(a.nan_to_num(), b.nan_to_num(), rtol=5e-2, atol=5e-2)
-        # Down to 4 rows: the decode step folds too (three more calls of 4 rows).
-        monkeypatch.setenv(linear_module.NORM_FOLD_MIN_ROWS_ENV, "4")
-        calls.clear()
+        monkeypatch.delenv(linear_module.NORM_FOLD_ENV)
         got, got_caches = run("llama3", torch.bfloat16, fused_rotary=True, backend=backend)
         assert calls == [10, 10, 10, 4, 4, 4]
         for a, b in zip(got + got_caches, baseline + baseline_caches, strict=True):
+            assert torch.equal(a.isnan(), b.isnan())  # the same cache slots written
             torch.testing.assert_close(a.nan_to_num(), b.nan_to_num(), rtol=5e-2, atol=5e-2)
+        # From 5 rows: the 4-row decode step keeps its norm kernels.
+        monkeypatch.setenv(linear_module.NORM_FOLD_MIN_ROWS_ENV, "5")
+        calls.clear()
+        got, got_caches = run("llama3", torch.bfloat16, fused_rotary=True, backend=backend)
+        assert calls == [10, 10, 10]
+        for a, b in zip(got + got_caches, baseline + baseline_caches, strict=True):
+            torch.testing.assert_close(a.nan_to_num(), b.nan_to_num(), rtol=5e-2, atol=5e-2)
+        monkeypatch.delenv(linear_module.NORM_FOLD_MIN_ROWS_ENV)
         # A layer handed a FoldedNorm that does not fold itself normalises it (never so in a uniform model).
         from asyncspec.models.llama import LlamaDecoderLayer
 
