@@ -1,7 +1,7 @@
 #!/bin/bash
 # A/B of two commits in one device call, the baseline rerun beside the change on the same card.
 #
-# Here (packs both commits, without the models, into the git-ignored .devdata/):
+# Here (packs both commits, without the models, results and docs, into the git-ignored .devdata/):
 #   benchmarks/ab_commits.sh pack BASE_COMMIT NEW_COMMIT
 # There (device tool, carry [".devdata"]; the models are linked from the working tree the call runs in):
 #   bash .devdata/ab_commits.sh run ROUNDS -- python3 benchmarks/gpu_step_speed.py --models bundled ...
@@ -15,8 +15,8 @@ case "${1:-}" in
 pack)
     base=$(git rev-parse "$2") new=$(git rev-parse "$3")
     mkdir -p .devdata
-    git archive "$base" --prefix=clean/ -o .devdata/ab_base.tar ':!models'
-    git archive "$new" --prefix=clean/ -o .devdata/ab_new.tar ':!models'
+    git archive "$base" --prefix=clean/ -o .devdata/ab_base.tar ':!models' ':!benchmarks/results' ':!docs'
+    git archive "$new" --prefix=clean/ -o .devdata/ab_new.tar ':!models' ':!benchmarks/results' ':!docs'
     [ "$0" -ef .devdata/ab_commits.sh ] || cp "$0" .devdata/ab_commits.sh
     echo "packed base $base and new $new into .devdata/ (carry it)"
     ;;
