@@ -58,16 +58,15 @@
 #          fixed cost (16 and 64 keys), its read rate (the slope up to 2,000 keys), one to four splits, the pool's blocks
 #          shuffled and in request order. The 1B's split pass took 15.3 us a layer for 20.7 MB of KV on an H100 with PDL
 #          off (1.35 TB/s, 2026-12-05, PARTS=profile32): ~2 min
-#   bounds315  what fusing the residual-add + RMSNorm kernels or the split-KV combine away could give at a real
-#          context (graph_replay.py --context 315, timing-only patches no_norm and no_combine, two rounds): the upper
-#          bound of folding the norms into the tensor-core projections at 32 rows, where the 33 norm launches took 84 us
-#          of a 1.53 ms 32-stream step with PDL off (H100, 2026-12-05); last measured at batch 1 and one key (2026-11-27): ~3 min
-#   fold   the norms folded into the projections (ASYNCSPEC_NORM_FOLD=1, 2026-12-06): its compiled kernel tests and engine
-#          tests, then the 1B's graphed steps at 315 keys with the default, the fold (5 to 32 rows, and from one row:
-#          ASYNCSPEC_NORM_FOLD_MIN_ROWS=1) and the no_norm bound, two rounds, and the 8B's with and without: ~7 min
-#          cold (the first form: 1B b8 -4.2 %, b32 step -1.8 %, a third of the bound at 32 rows, H100 2026-12-06)
+#   bounds315  what the norm kernels and the split-KV combine still cost at a real context (graph_replay.py --context
+#          315, two rounds): the fold off with the timing-only no_norm patch (no norm kernel at all, the fold's bound),
+#          and no_combine on the default: ~3 min
+#   fold   the norms folded into the projections (on by default from 4 rows since 2026-12-06): its compiled kernel
+#          tests and engine tests, then the 1B's graphed steps at 315 keys with the fold off (ASYNCSPEC_NORM_FOLD=0),
+#          the default, the fold from one row (ASYNCSPEC_NORM_FOLD_MIN_ROWS=1) and the no_norm bound, two rounds, and
+#          the 8B's with and without: ~4 min (H200 2026-12-06: 1B b8 -6.9 %, b32 -4.0 %; b2 +7.6 % from one row)
 #   fold-window  the 1B's 32-stream steady window without and with the fold, alternated twice, then where the folded
-#          step's time goes with PDL off (profile_step.py --streams 32): ~3 min
+#          step's time goes with PDL off (profile_step.py --streams 32): ~2 min
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
 # their wheels; the device README says how).
 set -uo pipefail
@@ -230,16 +229,16 @@ if [[ " $parts " == *" attn32 "* ]]; then
 fi
 
 if [[ " $parts " == *" bounds315 "* ]]; then
-    replay_1b_315_twice bounds315 GRAPH_REPLAY_PATCH=no_norm GRAPH_REPLAY_PATCH=no_combine
+    replay_1b_315_twice bounds315 ASYNCSPEC_NORM_FOLD=0+GRAPH_REPLAY_PATCH=no_norm GRAPH_REPLAY_PATCH=no_combine
 fi
 
 if [[ " $parts " == *" fold "* ]]; then
     timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_skinny_linear_fold.py \
         tests/engine/test_gpu_norm_fold.py --tb=short 2>&1 | tail -8
-    f=ASYNCSPEC_NORM_FOLD=1
-    replay_1b_315_twice fold "$f" "$f+ASYNCSPEC_NORM_FOLD_MIN_ROWS=1" GRAPH_REPLAY_PATCH=no_norm
+    off=ASYNCSPEC_NORM_FOLD=0
+    replay_1b_315_twice fold "$off" ASYNCSPEC_NORM_FOLD_MIN_ROWS=1 "$off+GRAPH_REPLAY_PATCH=no_norm"
     timeout 200 python3 benchmarks/graph_replay.py --models llama-8b --context 315 \
-        --switches "ASYNCSPEC_PDL=1,ASYNCSPEC_PDL=1+$f" --output "$out/graph_replay_fold_8b.json" 2>&1 | tail -4
+        --switches "ASYNCSPEC_PDL=1+$off,ASYNCSPEC_PDL=1" --output "$out/graph_replay_fold_8b.json" 2>&1 | tail -4
 fi
 if [[ " $parts " == *" fold-window "* ]]; then
     for run in 0:1 1:1 0:2 1:2; do  # fold:round
@@ -247,6 +246,14 @@ if [[ " $parts " == *" fold-window "* ]]; then
             --parts bandwidth,async --concurrency 32 --window-batches 32 --sweep-batches 32 --trials 1 \
             --output "$out/step_speed_fold${run%:*}_round${run#*:}_1b_32.json" 2>&1 | grep -E "^async" | tail -1
     done
+    python3 - "$out" <<'PY'
+import glob, json, sys
+for path in sorted(glob.glob(f"{sys.argv[1]}/step_speed_fold*_1b_32.json")):
+    model = json.load(open(path))["models"]["llama-1b"]
+    window = model["rows"]["async"]["windows"]["32"]
+    fraction = model["summary"]["configs"]["async"]["fraction_of_roofline_ref"]
+    print(f"{path.rsplit('/', 1)[-1]}: {window['wall_ms_per_step']:.4f} ms a step, {fraction:.3f} of the roofline")
+PY
     ASYNCSPEC_PDL=0 ASYNCSPEC_NORM_FOLD=1 timeout 90 python3 benchmarks/profile_step.py --model llama-1b --streams 32 \
         --top 10 2>&1 | grep -A12 "^GPU time per step" | tee "$out/profile_fold_1b_32_pdl0.txt"
 fi
