@@ -56,8 +56,8 @@
 #          each kernel's time is its own, then on: ~2 min
 #   attn32  where the 32-stream attention's time goes (attention_splits.py, the 1B and 8B heads at 32 requests): its
 #          fixed cost (16 and 64 keys), its read rate (the slope up to 2,000 keys), one to four splits, the pool's blocks
-#          shuffled and in request order. The 1B's split pass took 15.3 us a layer for 20.7 MB of KV on an H100 with PDL
-#          off (1.35 TB/s, 2026-12-05, PARTS=profile32): ~2 min
+#          shuffled and in request order; then the 1B's heads at 256 keys a step (attention_tiles.py). The 1B's split
+#          pass read 20.6 MB at 1.78 TB/s on an H200 (2026-12-06), 1.35 TB/s in an H100's PDL-off profile: ~3 min
 #   bounds315  what the norm kernels and the split-KV combine still cost at a real context (graph_replay.py --context
 #          315, two rounds): the fold off with the timing-only no_norm patch (no norm kernel at all, the fold's bound),
 #          and no_combine on the default: ~3 min
@@ -226,6 +226,11 @@ if [[ " $parts " == *" attn32 "* ]]; then
     timeout 240 python3 benchmarks/attention_splits.py --shapes llama-1b,llama-8b --batches 32 \
         --contexts 16,64,315,1000,2000 --splits 1,2,4 --block-order random,sorted --output "$out/attention_32.json" \
         2>&1 | tail -22
+    # Fewer, longer key steps: 256 keys a step (one or two steps a split at 315 keys), 4 or 8 warps, against the
+    # shipped 128 (the H200 walked 315 keys at 1.78 TB/s, 2026-12-06), with 1 to 3 splits.
+    timeout 150 python3 benchmarks/attention_tiles.py --shapes llama-1b --batches 32 --contexts 315,1000 \
+        --block-n 128,256 --warps 4,8 --stages 2,3 --splits auto,1,2,3 --output "$out/attention_tiles_32.json" \
+        2>&1 | tail -6
 fi
 
 if [[ " $parts " == *" bounds315 "* ]]; then
