@@ -15,6 +15,7 @@ from asyncspec.kernels.prepare_inputs import prepare_inputs_ref
 from asyncspec.kernels.rotary_kv_write import rotary_kv_write_ref
 from asyncspec.kernels.slot_mapping import compute_slot_mapping_ref
 from asyncspec.layers.attention_metadata import AttentionMetadata
+from asyncspec.layers.switches import on_off_switch
 
 
 @dataclass(frozen=True)
@@ -253,10 +254,9 @@ def use_fused_combine(model: nn.Module, device: torch.device) -> int:
     """Where ASYNCSPEC_ATTN_FUSED_COMBINE=1 and the Triton kernel serves `device`, gives every `Attention` of
     `model` one set of arrival counters, so that its split calls merge their splits in the split pass; the layers
     run one after another on one stream, so they share it. Returns how many layers took them (0 when off)."""
-    raw = os.environ.get(FUSED_COMBINE_ENV, "0").strip()
-    if raw not in ("0", "1"):
-        raise AttentionSettingError(f"{FUSED_COMBINE_ENV} must be 0 or 1, got {raw!r}")
-    if raw == "0" or select_backend(device) is not TRITON:
+    if not on_off_switch(FUSED_COMBINE_ENV, default=False, error=AttentionSettingError):
+        return 0
+    if select_backend(device) is not TRITON:
         return 0
     from asyncspec.kernels.paged_attention_triton import make_combine_counters
 
@@ -270,10 +270,9 @@ def use_fused_combine(model: nn.Module, device: torch.device) -> int:
 def use_early_kv(model: nn.Module, device: torch.device) -> int:
     """Where ASYNCSPEC_ATTN_EARLY_KV=1 and the Triton kernel serves `device`, has every `Attention` of `model` read
     its step inputs and older keys before its PDL wait. Returns how many layers took it (0 when off)."""
-    raw = os.environ.get(EARLY_KV_ENV, "0").strip()
-    if raw not in ("0", "1"):
-        raise AttentionSettingError(f"{EARLY_KV_ENV} must be 0 or 1, got {raw!r}")
-    if raw == "0" or select_backend(device) is not TRITON:
+    if not on_off_switch(EARLY_KV_ENV, default=False, error=AttentionSettingError):
+        return 0
+    if select_backend(device) is not TRITON:
         return 0
     layers = [module for module in model.modules() if isinstance(module, Attention)]
     for layer in layers:

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncspec.layers.switches import on_off_switch
+
 if TYPE_CHECKING:
     from asyncspec.kernels.skinny_linear import FoldedNorm
     from asyncspec.kernels.streamed_gemv_gluon import StreamedGemv
@@ -46,10 +48,7 @@ class NormFoldSettingError(ValueError):
 
 def norm_fold_requested() -> bool:
     """ASYNCSPEC_NORM_FOLD read: 1 or unset is on, 0 is off; anything else is an error."""
-    value = os.environ.get(NORM_FOLD_ENV, "1").strip()
-    if value not in ("0", "1"):
-        raise NormFoldSettingError(f"{NORM_FOLD_ENV}={value!r}: set it to 1 (on, the default) or 0 (off)")
-    return value == "1"
+    return on_off_switch(NORM_FOLD_ENV, default=True, error=NormFoldSettingError)
 
 
 def norm_fold_min_rows() -> int:

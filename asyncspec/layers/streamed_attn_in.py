@@ -9,13 +9,13 @@ blocks without q/k norm, q|k|v bias or tensor parallelism: the batch-1 decode st
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from asyncspec.layers.streamed_mlp import unavailable_reason
+from asyncspec.layers.switches import on_off_switch
 
 if TYPE_CHECKING:
     from asyncspec.kernels.streamed_attn_in_gluon import StreamedAttnIn
@@ -38,10 +38,7 @@ class StreamedAttnInSettingError(ValueError):
 
 def streamed_attn_in_requested() -> bool:
     """ASYNCSPEC_STREAMED_ATTN_IN read: 0 or unset is off, 1 is on; anything else is an error."""
-    value = os.environ.get(STREAMED_ATTN_IN_ENV, "0").strip()
-    if value not in ("0", "1"):
-        raise StreamedAttnInSettingError(f"{STREAMED_ATTN_IN_ENV}={value!r}: set it to 0 (off, the default) or 1 (on)")
-    return value == "1"
+    return on_off_switch(STREAMED_ATTN_IN_ENV, default=False, error=StreamedAttnInSettingError)
 
 
 def served_shapes(model: nn.Module) -> set[tuple[int, int, int, int]]:

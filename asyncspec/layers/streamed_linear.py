@@ -21,6 +21,7 @@ from torch import nn
 from asyncspec.layers.linear import DecodeLinear
 from asyncspec.layers.streamed_mlp import unavailable_reason
 from asyncspec.layers.streamed_shapes import MIN_STREAMED_TILE_COLUMNS, num_sms, one_tile_per_sm
+from asyncspec.layers.switches import on_off_switch
 
 if TYPE_CHECKING:
     from asyncspec.kernels.streamed_gemv import StreamedGemvConfig
@@ -50,10 +51,7 @@ class StreamedLinearSettingError(ValueError):
 
 def streamed_o_proj_requested() -> bool:
     """ASYNCSPEC_STREAMED_O_PROJ read: 0 or unset is off, 1 is on; anything else is an error."""
-    value = os.environ.get(STREAMED_O_PROJ_ENV, "0").strip()
-    if value not in ("0", "1"):
-        raise StreamedLinearSettingError(f"{STREAMED_O_PROJ_ENV}={value!r}: set it to 0 (off, the default) or 1 (on)")
-    return value == "1"
+    return on_off_switch(STREAMED_O_PROJ_ENV, default=False, error=StreamedLinearSettingError)
 
 
 def streamed_down_proj_setting() -> str:
