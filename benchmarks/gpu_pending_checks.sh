@@ -8,7 +8,8 @@
 #   tests  the whole gpu-marked suite but tensor parallelism: 7 to more than 10 min on an H100 (a cold machine
 #          compiles every kernel), so one call may not hold it: tests-a (worker, layers, kernels), tests-b (spec,
 #          engine, models, but the streamed kernels' engine tests), tests-c (the streamed MLP's engine tests) and
-#          tests-d (the other streamed kernels' engine tests) split it in four (tests-b whole ran past 560 s on a cold
+#          tests-d (the other streamed kernels' engine tests) split it in four, and tests-b1 (engine) and tests-b2 (spec,
+#          models, the rotary epilogue's layer tests) split tests-b (tests-b whole ran past 560 s on a cold
 #          H200, 2026-12-05)
 #   tp     the tensor-parallel GPU tests (two GPUs or more): ~5 min
 #   step   batch-1 TPOT and 32/128-stream throughput of the bundled pair at BASE and NEW, alternated twice (pack
@@ -52,6 +53,8 @@
 #   ab-315  one call for the open A/Bs at a real context (graph_replay.py --context 315): the 1B with the default,
 #          ASYNCSPEC_ATTN_EARLY_KV=1 and ASYNCSPEC_STREAMED_MLP=0, two rounds; the 8B with the default and early KV;
 #          then the 1B's 32-stream steady window (streams32): ~8 min on a cold machine
+#   positions32  the 1B's 32-stream step with PDL off, each projection's time by its place in the step (profile_step.py
+#          --by-position), to set beside its microbenchmark (skinny_linear.py): ~1.5 min
 #   profile32  where the 1B's 32-stream step goes, kernel by kernel (profile_step.py --streams 32), PDL off so that
 #          each kernel's time is its own, then on: ~2 min
 #   attn32  where the 32-stream attention's time goes (attention_splits.py, the 1B and 8B heads at 32 requests): its
@@ -75,9 +78,13 @@ mkdir -p "$out"
 parts=${PARTS:-tests}
 [ -e asyncspec/kernels ] || ln -s ../kernels asyncspec/kernels
 
+# Each test's outcome goes to $out/pytest_$1.log as it runs, so a call that runs out still says what passed.
 gpu_tests() {
-    timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu "$@" --deselect tests/worker/test_tensor_parallel_gpu.py \
-        --deselect tests/worker/test_symm_all_reduce_gpu.py 2>&1 | tail -15
+    local name=$1
+    shift
+    timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest -v -p no:cacheprovider -m gpu "$@" \
+        --deselect tests/worker/test_tensor_parallel_gpu.py --deselect tests/worker/test_symm_all_reduce_gpu.py 2>&1 |
+        tee "$out/pytest_$name.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
 }
 # The 1B's graphed steps at 315 keys of context: PDL on, then each variant ("SWITCH" or "A+B") on top of it, the
 # round twice in one call; $1 names the JSON.
@@ -90,20 +97,26 @@ replay_1b_315_twice() {
         --output "$out/graph_replay_${name}_1b.json" 2>&1 | tail -8
 }
 if [[ " $parts " == *" tests "* ]]; then
-    gpu_tests tests/worker tests/layers tests/kernels tests/spec tests/engine tests/models
+    gpu_tests all tests/worker tests/layers tests/kernels tests/spec tests/engine tests/models
 fi
 if [[ " $parts " == *" tests-a "* ]]; then
-    gpu_tests tests/worker tests/layers tests/kernels
+    gpu_tests a tests/worker tests/layers tests/kernels
 fi
 streamed_engine_tests=(tests/engine/test_gpu_streamed_*.py)
 if [[ " $parts " == *" tests-b "* ]]; then
-    gpu_tests tests/spec tests/engine tests/models "${streamed_engine_tests[@]/#/--ignore=}"
+    gpu_tests b tests/spec tests/engine tests/models "${streamed_engine_tests[@]/#/--ignore=}"
+fi
+if [[ " $parts " == *" tests-b1 "* ]]; then  # tests-b's engine half
+    gpu_tests b1 tests/engine "${streamed_engine_tests[@]/#/--ignore=}"
+fi
+if [[ " $parts " == *" tests-b2 "* ]]; then  # tests-b's spec and model half, with the rotary epilogue's GPU twin
+    gpu_tests b2 tests/spec tests/models tests/layers/test_linear.py
 fi
 if [[ " $parts " == *" tests-c "* ]]; then
-    gpu_tests tests/engine/test_gpu_streamed_mlp.py
+    gpu_tests c tests/engine/test_gpu_streamed_mlp.py
 fi
 if [[ " $parts " == *" tests-d "* ]]; then
-    gpu_tests tests/engine/test_gpu_streamed_down_proj.py
+    gpu_tests d tests/engine/test_gpu_streamed_down_proj.py
 fi
 if [[ " $parts " == *" tp "* ]]; then
     timeout 560 python3 -m pytest -q -p no:cacheprovider tests/worker/test_symm_all_reduce_gpu.py \
@@ -215,6 +228,10 @@ if [[ " $parts " == *" ab-315 "* ]]; then
         --window-batches 32 --sweep-batches 32 --trials 1 --output "$out/step_speed_1b_32.json" 2>&1 | tail -6
 fi
 
+if [[ " $parts " == *" positions32 "* ]]; then
+    ASYNCSPEC_PDL=0 timeout 150 python3 benchmarks/profile_step.py --model llama-1b --streams 32 --top 8 \
+        --by-position _skinny_linear_kernel 2>&1 | sed -n '/^GPU time per step/,$p' | tee "$out/positions_1b_32_pdl0.txt"
+fi
 if [[ " $parts " == *" profile32 "* ]]; then
     for pdl in 0 1; do
         ASYNCSPEC_PDL=$pdl timeout 150 python3 benchmarks/profile_step.py --model llama-1b --streams 32 --top 14 \

@@ -28,6 +28,12 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=1)
     parser.add_argument("--steps", type=int, default=32, help="decode steps profiled")
     parser.add_argument("--top", type=int, default=25, help="kernels listed")
+    parser.add_argument(
+        "--by-position",
+        default="",
+        help="a kernel name whose calls are also listed by their position in the step (e.g. _skinny_linear_kernel: "
+        "each layer's projections in order, then lm_head), to compare each call with its own microbenchmark",
+    )
     args = parser.parse_args()
     llm = LLM(
         model_dir(args.model),
@@ -63,7 +69,29 @@ def main() -> int:
     for name, t in sorted(time_us.items(), key=lambda kv: -kv[1])[: args.top]:
         n = count[name] / args.steps
         print(f"{t / args.steps:8.1f} {n:6.1f} {t / count[name]:7.2f} {t / total:6.1%}  {name[:110]}")
+    if args.by_position:
+        print_by_position(prof, args.by_position, args.steps)
     return 0
+
+
+def print_by_position(prof, kernel: str, steps: int) -> None:
+    """The named kernel's calls in launch order, one step's worth at a time: mean µs at each position."""
+    calls = sorted(
+        (event.time_range.start, event.device_time)
+        for event in prof.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.name == kernel
+    )
+    if not calls or len(calls) % steps:
+        print(f"{kernel}: {len(calls)} calls over {steps} steps, not a whole number a step; no positions")
+        return
+    per_step = len(calls) // steps
+    positions: dict[int, list[float]] = defaultdict(list)
+    for i, (_, device_time) in enumerate(calls):
+        positions[i % per_step].append(device_time)
+    print(f"{kernel} by position in the step ({per_step} calls a step), mean us over {steps} steps:")
+    means = [sum(times) / len(times) for _, times in sorted(positions.items())]
+    for start in range(0, per_step, 8):
+        print(f"  {start:3d}: " + " ".join(f"{mean:7.2f}" for mean in means[start : start + 8]))
 
 
 if __name__ == "__main__":
