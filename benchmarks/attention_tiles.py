@@ -71,11 +71,10 @@ def main() -> int:
             name = f"{block_m}/{block_n}/{warps}/{stages}/s{'auto' if split is None else split}"
             attn._tile_sizes = lambda *_a, _t=tile: _t  # type: ignore[assignment]
             try:
-                # tile= as well: a forced tile is never swapped for the wide decode tile (`_wide_single_pass`).
-                got = attn.paged_attention(**inputs, num_splits=split, tile=tile).float()
+                got = attn.paged_attention(**inputs, num_splits=split).float()
                 if not torch.allclose(got, reference, atol=2e-2, rtol=2e-2):
                     raise AssertionError(f"max err {(got - reference).abs().max().item():.3g}")
-                forced = functools.partial(call, num_splits=split, tile=tile)
+                forced = functools.partial(call, num_splits=split)
                 times[name] = graph_us([forced] * 20)
             except Exception as exc:  # an unlaunchable config (shared memory) or a wrong one: record it
                 times[name] = float("nan")

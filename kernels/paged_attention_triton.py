@@ -90,12 +90,6 @@ _DEFAULT_SMS = 132  # an H100 SXM; used where no CUDA device is asked (the inter
 # and 1.00-1.04x at 315; at 64-96 requests 0.99-1.00x at 1,000 and up to 1.08x at 315; at 32 requests 0.88-1.06x
 # at 600, and one request 1.18x at 315 (H100). benchmarks/attention_tiles.py, twelfth and thirteenth sessions.
 _LONG_KEY_STEP_MIN_REQS = 64
-# Fewer requests than that but at least this many, heads of at most 64, and a grid that the wave count would split
-# in two: one pass over 128 keys a step with 8 warps instead (`_wide_single_pass`). The 1B's 32 decodes on an H100
-# took 11.62 us at 315 keys and 31.3 at 1,000 against 12.40 and 32.55 for 64-key steps in two splits with their
-# combine (128 keys with 4 warps in one pass: 13.99 at 315; with 8 warps in two splits: 15.58). attention_tiles.py,
-# 2026-12-06.
-_WIDE_DECODE_MIN_REQS = 32
 # `early_kv` holds a K/V tile in registers across the PDL wait: about 200 registers a thread in the split pass on
 # sm_90 (128 without), so two programs of 4 warps fit an SM. Past that many programs an SM the grid would need a second
 # wave that it did not without, so such a call reads everything after the wait.
@@ -769,21 +763,6 @@ def _tile_sizes(num_tokens: int, num_reqs: int, group: int, head_dim: int, elem_
     return TileConfig(rows, block_n, num_warps, 2)
 
 
-_WIDE_DECODE_TILE = TileConfig(16, 128, 8, 2)
-
-
-def _wide_single_pass(
-    tile: TileConfig, num_reqs: int, num_kv_heads: int, head_dim: int, num_splits: int, num_sms: int
-) -> bool:
-    """Whether `_WIDE_DECODE_TILE` in one pass replaces a short tile's two splits: `_WIDE_DECODE_MIN_REQS` to
-    `_LONG_KEY_STEP_MIN_REQS` requests with heads of at most 64, whose grid alone is one to two waves."""
-    if num_splits != 2 or tile.block_m != 16 or head_dim > 64:
-        return False
-    if not _WIDE_DECODE_MIN_REQS <= num_reqs < _LONG_KEY_STEP_MIN_REQS:
-        return False
-    return num_sms < num_reqs * num_kv_heads <= 2 * num_sms
-
-
 def choose_num_splits(
     num_reqs: int, num_tokens: int, num_kv_heads: int, block_q: int, max_context: int, num_sms: int
 ) -> int:
@@ -834,17 +813,13 @@ def paged_attention(
     num_splits: int | None = None,
     counters: torch.Tensor | None = None,
     early_kv: bool = False,
-    tile: TileConfig | None = None,
 ) -> torch.Tensor:
     """Causal attention of query [T, H, D] over paged K/V [NB, BS, KVH, D]; returns [T, H, D] in query's dtype.
 
     Request b's q_len queries sit at the last q_len of its seq_lens[b] positions. Query head h reads
     KV head h // (H // KVH). With `sliding_window` w, a query at position p sees keys in (p - w, p].
     Padded rows (t >= query_start_loc[-1]) are written as zeros. No host sync: only shapes are read.
-    `num_splits` forces the number of KV splits (1: single pass); None lets `choose_num_splits` pick, and a batch
-    of 32 to 63 short decodes whose grid is one to two waves then takes one pass of `_WIDE_DECODE_TILE` for two
-    splits (`_wide_single_pass`). `tile` forces the keys a step, warps and stages (its block_m must be the shape's,
-    `_tile_sizes`'s): the warm-up and the benchmarks.
+    `num_splits` forces the number of KV splits (1: single pass); None lets `choose_num_splits` pick.
     `counters` (`make_combine_counters`) lets a split call merge its splits in the split pass itself, the last
     program of each query tile and KV head to finish merging them, instead of in a second kernel; calls sharing
     them must not run concurrently. A call whose grid has more (tile, KV head) pairs than counters takes the
@@ -875,15 +850,7 @@ def paged_attention(
     block_q = block_m // group
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
-        num_sms = _num_sms(query.device)
-        num_splits = choose_num_splits(num_reqs, num_tokens, num_kv_heads, block_q, max_context, num_sms)
-        shipped = TileConfig(block_m, block_n, num_warps, num_stages)
-        if tile is None and _wide_single_pass(shipped, num_reqs, num_kv_heads, head_dim, num_splits, num_sms):
-            tile, num_splits = _WIDE_DECODE_TILE, 1
-    if tile is not None:
-        if tile.block_m != block_m:
-            raise ValueError(f"tile.block_m must be the shape's own ({block_m}), got {tile.block_m}")
-        block_n, num_warps, num_stages = tile.block_n, tile.num_warps, tile.num_stages
+        num_splits = choose_num_splits(num_reqs, num_tokens, num_kv_heads, block_q, max_context, _num_sms(query.device))
     if not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {_MAX_SPLITS}], got {num_splits}")
     if counters is not None and (counters.dtype != torch.int32 or counters.device != query.device):
@@ -1038,21 +1005,9 @@ def compile_tile_variants(
     head_dim, group = k_cache.shape[3], num_heads // k_cache.shape[2]
     elem_size = torch.empty((), dtype=dtype).element_size()
     calls, tiles = 0, set()
-    # Average query lengths of the short, medium and tall tiles; the short one also for a large batch, and the wide
-    # decode tile's one pass (`_wide_single_pass`) where this head layout can take it.
-    variants: list[tuple[int, int, TileConfig | None, tuple[int, ...]]] = [
-        (1, 1, None, (1, 2)),
-        (1, _LONG_KEY_STEP_MIN_REQS, None, (1, 2)),
-        (16, 1, None, (1, 2)),
-        (64, 1, None, (1, 2)),
-    ]
-    if (
-        head_dim <= 64
-        and _tile_sizes(_WIDE_DECODE_MIN_REQS, _WIDE_DECODE_MIN_REQS, group, head_dim, elem_size).block_m == 16
-    ):
-        variants.append((1, _WIDE_DECODE_MIN_REQS, _WIDE_DECODE_TILE, (1,)))
-    for q_len, num_reqs, forced, splits in variants:
-        tile = forced or _tile_sizes(q_len * num_reqs, num_reqs, group, head_dim, elem_size)
+    # Average query lengths of the short, medium and tall tiles; the short one also for a large batch.
+    for q_len, num_reqs in ((1, 1), (1, _LONG_KEY_STEP_MIN_REQS), (16, 1), (64, 1)):
+        tile = _tile_sizes(q_len * num_reqs, num_reqs, group, head_dim, elem_size)
         if tile in tiles:
             continue
         tiles.add(tile)
@@ -1060,7 +1015,7 @@ def compile_tile_variants(
         query_start_loc = torch.arange(num_reqs + 1, dtype=torch.int32, device=device) * q_len
         seq_lens = torch.full((num_reqs,), q_len, dtype=torch.int32, device=device)
         block_tables = torch.zeros((num_reqs, -(-q_len // block_size)), dtype=torch.int32, device=device)
-        for num_splits in splits:
+        for num_splits in (1, 2):
             paged_attention(
                 query,
                 k_cache,
@@ -1074,7 +1029,6 @@ def compile_tile_variants(
                 num_splits=num_splits,
                 counters=counters,
                 early_kv=early_kv,
-                tile=forced,
             )
             calls += 1
     return calls

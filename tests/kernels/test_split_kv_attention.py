@@ -49,7 +49,7 @@ def attention() -> Callable[..., torch.Tensor]:
 
 @pytest.mark.skipif(INTERPRETING, reason="TestInterpreted runs in this process")
 def test_interpreter_suite(interpreted_suites) -> None:
-    interpreted_suites.check(__file__, 54)
+    interpreted_suites.check(__file__, 53)
 
 
 def check_split(
@@ -134,37 +134,6 @@ def test_large_decode_batches_take_long_key_steps() -> None:
     assert _tile_sizes(64, 64, 4, 128, 2).block_n == 64
     assert _tile_sizes(64 * 20, 64, 4, 64, 2) == (64, 64, 4, 2)  # medium tile
     assert _tile_sizes(64, 64, 32, 64, 4).block_m == 32  # a group of 32 rows: not the short tile
-
-
-def test_wide_decode_single_pass_replaces_two_splits_of_32_to_63_decodes() -> None:
-    """The 1B's 32 decodes (8 KV heads of 64, 256 programs on 132 SMs: two splits by the wave count) take one pass
-    of 128 keys a step with 8 warps; other request counts, wider heads, other split counts, taller tiles and grids
-    outside one to two waves keep the shipped choice."""
-    from asyncspec.kernels.paged_attention_triton import TileConfig, _wide_single_pass
-
-    short = TileConfig(16, 64, 4, 2)
-    assert _wide_single_pass(short, 32, 8, 64, 2, 132)
-    assert _wide_single_pass(short, 33, 8, 64, 2, 132)
-    assert not _wide_single_pass(short, 31, 8, 64, 2, 132)  # below _WIDE_DECODE_MIN_REQS
-    assert not _wide_single_pass(TileConfig(16, 128, 4, 2), 64, 8, 64, 2, 132)  # the long key step's own range
-    assert not _wide_single_pass(short, 32, 8, 128, 2, 132)  # the 8B's heads
-    assert not _wide_single_pass(short, 32, 8, 64, 1, 132)  # already one pass
-    assert not _wide_single_pass(short, 32, 8, 64, 3, 132)
-    assert not _wide_single_pass(TileConfig(64, 64, 4, 2), 32, 8, 64, 2, 132)  # a medium tile (prefill chunks)
-    assert not _wide_single_pass(short, 32, 2, 64, 2, 132)  # 64 programs: splits that fill the SMs
-    assert not _wide_single_pass(short, 40, 8, 64, 2, 132)  # 320 programs: past two waves
-
-
-def test_a_forced_tile_must_keep_the_shapes_rows() -> None:
-    from asyncspec.kernels.paged_attention_triton import TileConfig, paged_attention
-
-    gen = torch.Generator().manual_seed(0)
-    batch = make_batch(gen, DECODE, 16, num_pad=0)
-    k_cache, v_cache = fill_cache(gen, batch, 16, 1, 64, torch.float32)
-    query = torch.randn(batch.num_tokens, 4, 64, generator=gen)
-    args = (query, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, 0.125)
-    with pytest.raises(ValueError, match=r"tile.block_m must be the shape's own \(16\), got 64"):
-        paged_attention(*args, tile=TileConfig(64, 64, 4, 2))
 
 
 @pytest.mark.parametrize("num_splits", [0, 33])
@@ -288,31 +257,6 @@ class TestInterpreted:
         fused = functools.partial(attention, counters=counters)
         check_split(fused, batch, k_cache, v_cache, gen, heads[0], window, num_splits, _atol(dtype), True)
         assert not counters.any()
-
-    def test_32_decodes_take_the_wide_single_pass(self, attention, monkeypatch) -> None:
-        """32 decodes of the 1B's heads (32 over 8 KV heads of 64) with room for 600 keys: one launch of the
-        single-pass kernel at 128 keys a step and 8 warps, no split pass, and the reference's numbers."""
-        from asyncspec.kernels import paged_attention_triton as mod
-
-        launches: list[dict] = []
-        single = mod._paged_attention_kernel
-
-        class Spy:
-            def __getitem__(self, grid):
-                def launch(*args, **kwargs):
-                    launches.append(kwargs)
-                    return single[grid](*args, **kwargs)
-
-                return launch
-
-        monkeypatch.setattr(mod, "_paged_attention_kernel", Spy())
-        monkeypatch.setattr(mod, "_paged_attention_split_kernel", _Launches(mod._paged_attention_split_kernel, False))
-        gen = torch.Generator().manual_seed(32)
-        specs = [(600, 1)] + [(int(n), 1) for n in torch.randint(1, 300, (31,), generator=gen)]
-        batch = make_batch(gen, specs, 16, num_pad=2)
-        k_cache, v_cache = fill_cache(gen, batch, 16, 8, 64, torch.float32)
-        check_split(attention, batch, k_cache, v_cache, gen, 32, None, None, 2e-5)
-        assert [(k["BLOCK_N"], k["num_warps"]) for k in launches] == [(128, 8)]
 
     def test_too_few_counters_take_the_combine_kernel(self, attention, monkeypatch) -> None:
         from asyncspec.kernels import paged_attention_triton as mod
