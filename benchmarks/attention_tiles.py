@@ -43,6 +43,9 @@ def main() -> int:
     ap.add_argument("--query-lens", default="1", help="queries per request: 1 decodes, k + 1 verifies k drafts")
     ap.add_argument("--block-m", default="", help="tile heights (rows) to sweep; empty: the shipped one's")
     ap.add_argument("--splits", default="auto", help="KV split counts to sweep; auto: choose_num_splits's")
+    ap.add_argument(
+        "--spread", type=float, default=0.0, help="contexts spread over context * [1 - s, 1 + s] (make_inputs)"
+    )
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -59,7 +62,7 @@ def main() -> int:
     splits = [None if x == "auto" else int(x) for x in args.splits.split(",")]
     for shape, batch, context, query_len in cases(args):
         heads, kv_heads, head_dim = SHAPES[shape]
-        inputs = make_inputs(batch, context, heads, kv_heads, head_dim, gen, query_len)
+        inputs = make_inputs(batch, context, heads, kv_heads, head_dim, gen, query_len, spread=args.spread)
         out = torch.empty_like(inputs["query"])
         base = shipped(batch * query_len, batch, heads // kv_heads, head_dim, 2)
         reference = attn.paged_attention(**inputs).float()
@@ -89,6 +92,7 @@ def main() -> int:
                 "batch": batch,
                 "context": context,
                 "query_len": query_len,
+                "spread": args.spread,
                 "shipped": base._asdict(),
                 "us": times,
                 "best": best,
