@@ -66,7 +66,8 @@
 #          the shipped 2 stages (and at 3 or 4) each step asks for its K/V one step ahead and waits for it at once,
 #          so every 64-key step pays a DRAM latency (about 2.4 us a step on an H200 at 32 requests); from 5 stages
 #          the walk asks two steps ahead. attention_tiles.py on the 1B and 8B heads, 1/32/128 requests, contexts
-#          spread like the prompts' (--spread 0.6), 2 to 7 stages: ~3 min
+#          spread like the prompts' (--spread 0.6), 2 to 7 stages, the shipped split count and one pass (a deep
+#          single pass at batch 1 would drop the combine kernel: 16 launches, ~30 us of a 1B step): ~4 min
 #   attn-deep-ab  that branch against main in the engine (pack first: `benchmarks/ab_commits.sh pack main
 #          exp/attn-deep-pipeline`, and carry .devdata): the 1B's 32-stream window twice, then graph_replay.py
 #          --context 315 on the 1B and 8B once: ~7 min
@@ -261,7 +262,7 @@ fi
 
 if [[ " $parts " == *" attn-deep "* ]]; then
     timeout 300 python3 benchmarks/attention_tiles.py --shapes llama-1b,llama-8b --batches 1,32,128 \
-        --contexts 315,1000 --spread 0.6 --block-n 64,128 --warps 4 --stages 2,3,5,7 --splits auto \
+        --contexts 315,1000 --spread 0.6 --block-n 64,128 --warps 4 --stages 2,3,5,7 --splits auto,1 \
         --output "$out/attention_tiles_deep.json" 2>&1 | tail -14
 fi
 if [[ " $parts " == *" attn-deep-ab "* ]]; then
