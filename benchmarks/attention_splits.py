@@ -61,9 +61,9 @@ def make_inputs(
     if not 0.0 <= spread < 1.0:
         raise ValueError(f"spread must be in [0, 1), got {spread}")
     dev, dt = "cuda", torch.bfloat16
-    offsets = (
-        torch.linspace(-spread, spread, batch)[torch.randperm(batch, generator=gen)] if batch > 1 else torch.zeros(1)
-    )
+    offsets = torch.zeros(batch)
+    if spread > 0 and batch > 1:  # no draw from gen otherwise: equal contexts get the pools of earlier runs
+        offsets = torch.linspace(-spread, spread, batch)[torch.randperm(batch, generator=gen)]
     lens = (context * (1 + offsets)).round().clamp(min=query_len).to(torch.int32)
     if int(lens.max()) > MAX_MODEL_LEN:
         raise ValueError(f"the longest context, {int(lens.max())}, is past {MAX_MODEL_LEN} tokens")
