@@ -72,3 +72,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def sm90_compiler() -> None:
+    """Skips the test where Triton cannot compile for sm_90 on this host: interpreting, or a build without the
+    CUDA backend or its bundled ptxas. The compile tests check what only a compiled kernel shows (layouts, the PDL
+    wait's place, the pipelining depth), without a GPU."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("compiles the kernels: needs triton not in interpreter mode")
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        if not os.path.isfile(get_ptxas(90).path or ""):
+            raise FileNotFoundError("ptxas")
+    except Exception as e:  # a triton build without the CUDA backend or its bundled ptxas
+        pytest.skip(f"cannot compile for sm_90 here: {e!r}")

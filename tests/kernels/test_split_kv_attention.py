@@ -478,14 +478,7 @@ def _compile_for_h100(fn, dtype: str, ints_equal_one: tuple[str, ...], constexpr
 
 @pytest.mark.skipif(INTERPRETING, reason="compiles the kernels: needs triton not in interpreter mode")
 @pytest.mark.parametrize("dtype,ints_equal_one", [("bf16", ()), ("fp32", ("num_reqs", "sliding_window", "num_heads"))])
-def test_kernels_compile_for_sm90(dtype: str, ints_equal_one: tuple[str, ...]) -> None:
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        if not os.path.isfile(get_ptxas(90).path or ""):
-            raise FileNotFoundError("ptxas")
-    except Exception as e:  # a triton build without the CUDA backend or its bundled ptxas
-        pytest.skip(f"cannot compile for sm_90 here: {e!r}")
+def test_kernels_compile_for_sm90(dtype: str, ints_equal_one: tuple[str, ...], sm90_compiler) -> None:
     from asyncspec.kernels import paged_attention_triton as mod
 
     precision = "ieee" if dtype == "fp32" else "tf32"
