@@ -89,7 +89,7 @@ _DEFAULT_SMS = 132  # an H100 SXM; used where no CUDA device is asked (the inter
 # verifications of the 1B and bundled shapes took 0.83-0.93x the time of 64-key steps at 450-1,000 keys of context
 # and 1.00-1.04x at 315; at 64-96 requests 0.99-1.00x at 1,000 and up to 1.08x at 315; at 32 requests 0.88-1.06x
 # at 600, and one request 1.18x at 315 (H100). benchmarks/attention_tiles.py, twelfth and thirteenth sessions.
-_LONG_KEY_STEP_MIN_REQS = 64
+_LONG_KEY_STEP_MIN_REQS = 32
 # `early_kv` holds a K/V tile in registers across the PDL wait: about 200 registers a thread in the split pass on
 # sm_90 (128 without), so two programs of 4 warps fit an SM. Past that many programs an SM the grid would need a second
 # wave that it did not without, so such a call reads everything after the wait.
