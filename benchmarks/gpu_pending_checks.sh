@@ -61,16 +61,15 @@
 #          fixed cost (16 and 64 keys), its read rate (the slope up to 2,000 keys), one to four splits, the pool's blocks
 #          shuffled and in request order; then the 1B's heads at 256 keys a step (attention_tiles.py). The 1B's split
 #          pass read 20.6 MB at 1.78 TB/s on an H200 (2026-12-06), 1.35 TB/s in an H100's PDL-off profile: ~3 min
-#   attn-deep  the decode tiles' KV walk pipelined 5 or 7 stages deep (branch exp/attn-deep-pipeline, 2026-12-06).
-#          Compiled for sm_90, Triton 3.6 gives the walk's indirect loads (block ids, then K/V) two stages a level: at
-#          the shipped 2 stages (and at 3 or 4) each step asks for its K/V one step ahead and waits for it at once,
-#          so every 64-key step pays a DRAM latency (about 2.4 us a step on an H200 at 32 requests); from 5 stages
-#          the walk asks two steps ahead. attention_tiles.py on the 1B and 8B heads, 1/32/128 requests, contexts
-#          spread like the prompts' (--spread 0.6), 2 to 7 stages, the shipped split count and one pass (a deep
-#          single pass at batch 1 would drop the combine kernel: 16 launches, ~30 us of a 1B step): ~4 min
-#   attn-deep-ab  that branch against main in the engine (pack first: `benchmarks/ab_commits.sh pack main
-#          exp/attn-deep-pipeline`, and carry .devdata): the 1B's 32-stream window twice, then graph_replay.py
-#          --context 315 on the 1B and 8B once: ~7 min
+#   attn-deep  the decode tiles' KV walk pipelined 2 to 7 stages deep: attention_tiles.py on the 1B and 8B heads,
+#          1/32/128 requests, contexts spread like the prompts' (--spread 0.6), the shipped split count and one pass:
+#          ~1 min warm. Triton 3.6 asks for the walk's K/V two steps ahead only from 5 stages (kernel_pipelining.py);
+#          on an H100 (2026-12-06) 5 and 7 stages were slower than 2 in nearly every case (1B 32 x 315: 17.5 / 19.6
+#          against 13.2 us at 128 keys a step), and 128 keys a step at 32 requests won (0.95x / 0.89x at 315 / 1,000)
+#   attn-ab  a packed pair (`benchmarks/ab_commits.sh pack BASE NEW`, carry .devdata) in the engine: the 1B's
+#          32-stream window twice, then graph_replay.py --context 315 on the 1B and 8B once: ~5 min (128 keys a step
+#          from 32 requests: 1.424 / 1.426 -> 1.407 / 1.401 ms a step, H100 2026-12-06)
+#   attn-tests  the attention's GPU kernel tests, the no-recompile and warm-up tests: ~3 min cold
 #   bounds315  what the norm kernels and the split-KV combine still cost at a real context (graph_replay.py --context
 #          315, two rounds): the fold off with the timing-only no_norm patch (no norm kernel at all, the fold's bound),
 #          and no_combine on the default: ~3 min
@@ -265,13 +264,17 @@ if [[ " $parts " == *" attn-deep "* ]]; then
         --contexts 315,1000 --spread 0.6 --block-n 64,128 --warps 4 --stages 2,3,5,7 --splits auto,1 \
         --output "$out/attention_tiles_deep.json" 2>&1 | tail -14
 fi
-if [[ " $parts " == *" attn-deep-ab "* ]]; then
+if [[ " $parts " == *" attn-ab "* ]]; then
     OUT=$out timeout 300 bash .devdata/ab_commits.sh run 2 -- python3 benchmarks/gpu_step_speed.py --models llama-1b \
         --parts bandwidth,async --concurrency 32 --window-batches 32 --sweep-batches 32 --trials 1 \
         --output '$AB_OUT/window_1b_32.json' 2>&1 | grep -E "^===|^async" | tail -8
     OUT=$out timeout 280 bash .devdata/ab_commits.sh run 1 -- python3 benchmarks/graph_replay.py \
         --models llama-1b,llama-8b --context 315 --switches ASYNCSPEC_PDL=1 --output '$AB_OUT/replay_315.json' 2>&1 |
         grep -vE "^\s*$" | tail -12
+fi
+if [[ " $parts " == *" attn-tests "* ]]; then
+    gpu_tests attn tests/kernels/test_split_kv_attention.py tests/kernels/test_no_recompile.py \
+        tests/engine/test_warm_up.py
 fi
 if [[ " $parts " == *" bounds315 "* ]]; then
     replay_1b_315_twice bounds315 ASYNCSPEC_NORM_FOLD=0+GRAPH_REPLAY_PATCH=no_norm GRAPH_REPLAY_PATCH=no_combine

@@ -88,7 +88,9 @@ _DEFAULT_SMS = 132  # an H100 SXM; used where no CUDA device is asked (the inter
 # From this many requests a short tile walks 128 keys a step (`_tile_sizes`). On an H200, 128 decodes or k = 4
 # verifications of the 1B and bundled shapes took 0.83-0.93x the time of 64-key steps at 450-1,000 keys of context
 # and 1.00-1.04x at 315; at 64-96 requests 0.99-1.00x at 1,000 and up to 1.08x at 315; at 32 requests 0.88-1.06x
-# at 600, and one request 1.18x at 315 (H100). benchmarks/attention_tiles.py, twelfth and thirteenth sessions.
+# at 600, and one request 1.18x at 315 (H100). benchmarks/attention_tiles.py, twelfth and thirteenth sessions. With
+# contexts spread like real prompts (--spread 0.6), 32 requests took 0.95x / 0.89x at 315 / 1,000 keys, and the 1B's
+# 32-stream engine step 0.986x (H100, thirty-sixth session), so the rule starts at 32.
 _LONG_KEY_STEP_MIN_REQS = 32
 # `early_kv` holds a K/V tile in registers across the PDL wait: about 200 registers a thread in the split pass on
 # sm_90 (128 without), so two programs of 4 warps fit an SM. Past that many programs an SM the grid would need a second

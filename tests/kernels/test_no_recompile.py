@@ -64,7 +64,7 @@ def test_prepare_inputs_compiles_once_per_block_class(compiled):
 @pytest.mark.gpu
 def test_norm_and_attention_compile_once_across_batch_sizes(compiled):
     from asyncspec.kernels.fused_add_rms_norm_triton import fused_add_rms_norm
-    from asyncspec.kernels.paged_attention_triton import paged_attention
+    from asyncspec.kernels.paged_attention_triton import _LONG_KEY_STEP_MIN_REQS, paged_attention
 
     hidden, heads, kv_heads, head_dim, block_size = 256, 4, 2, 64, 16
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -82,10 +82,11 @@ def test_norm_and_attention_compile_once_across_batch_sizes(compiled):
         query = torch.randn(num_reqs, heads, head_dim, generator=gen, device="cuda").bfloat16()
         paged_attention(query, k_cache, v_cache, qsl, seq_lens, tables, 0.125, num_splits=num_splits)
 
-    step(5, 1)
-    step(5, 4)
+    for tile_reqs in (5, _LONG_KEY_STEP_MIN_REQS):  # both short tiles: 64 keys a step, and 128 for large batches
+        step(tile_reqs, 1)
+        step(tile_reqs, 4)
     warm = len(compiled)
-    for num_reqs in range(1, 40):
+    for num_reqs in range(1, _LONG_KEY_STEP_MIN_REQS + 8):
         step(num_reqs, 1)
         step(num_reqs, 2 + num_reqs % 31)  # every split count 2..32: the first split call compiled each BLOCK_S
     torch.cuda.synchronize()
