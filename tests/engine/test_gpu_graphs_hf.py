@@ -59,6 +59,22 @@ def test_bundled_target_fp32_graphs_equal_hf(spec):
     _check(llm, hf, load_prompts(6), 32)
 
 
+@pytest.mark.parametrize("spec", [None, "draft_model"])
+def test_bundled_target_fp32_graphs_equal_hf_at_40_requests(spec):
+    """From 32 requests the decode tiles walk 128 keys a step (`_LONG_KEY_STEP_MIN_REQS`): 40 prompts put the
+    graphed decode steps (and with the draft, the k = 4 verifications) on that tile."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncspec.kernels.paged_attention_triton import _LONG_KEY_STEP_MIN_REQS
+
+    prompts = load_prompts(40)
+    assert len(prompts) > _LONG_KEY_STEP_MIN_REQS
+    hf = AutoModelForCausalLM.from_pretrained(TARGET_MODEL, dtype=torch.float32).cuda().eval()
+    kwargs = dict(speculative_method=spec, num_speculative_tokens=4) if spec else {}
+    llm = LLM(str(TARGET_MODEL), device="cuda", dtype="float32", max_model_len=1024, num_kv_blocks=1024, **kwargs)
+    _check(llm, hf, prompts, 16)
+
+
 @pytest.mark.parametrize("spec", [None, "ngram"])
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_tiny_families_fp32_graphs_equal_hf(family, spec, tmp_path):
