@@ -43,6 +43,9 @@
 #   mlp-auto-ab  the 1B/8B graph-replay A/B of the default (ASYNCSPEC_STREAMED_MLP=auto: the 1B's MLP in the
 #          split-deep form, the 8B's chain) against ASYNCSPEC_STREAMED_MLP=0, two rounds: ~3 min (split-deep's 1B step
 #          was 0.8 % faster on an H100 in one round, 1.7-2.0 % on an H200 in two; the 8B's 3.2 % slower, 2026-12-05)
+#   goals  issue 8's three numbers in one call, for an H200 (the card they are set on): graph_replay.py --context 315
+#          on the 1B and 8B (the batch-1 step over its roofline; goals 1.3x and 1.1x), then streams32 twice (goal
+#          0.6 of the roofline, about 1.12 ms a step on an H200): ~6 min on a cold machine
 #   streams32  the 1B decode at 32 streams against its roofline (gpu_step_speed.py, bandwidth and async, one
 #          steady window of 32): issue 8's 0.6 goal, last 0.54 on an H200 (2026-12-03), 0.63 on an H100: ~2 min
 #   early-kv  the attention's step inputs and older keys read before the PDL wait (ASYNCSPEC_ATTN_EARLY_KV=1, of
@@ -201,6 +204,15 @@ if [[ " $parts " == *" mlp-auto-ab "* ]]; then
         --output "$out/graph_replay_mlp_auto_8b.json" 2>&1 | tail -3
 fi
 
+if [[ " $parts " == *" goals "* ]]; then
+    timeout 240 python3 benchmarks/graph_replay.py --models llama-1b,llama-8b --context 315 --switches ASYNCSPEC_PDL=1 \
+        --output "$out/graph_replay_goals.json" 2>&1 | tail -4
+    for round in 1 2; do
+        timeout 150 python3 benchmarks/gpu_step_speed.py --models llama-1b --parts bandwidth,async --concurrency 32 \
+            --window-batches 32 --sweep-batches 32 --trials 1 --output "$out/step_speed_1b_32_r$round.json" 2>&1 |
+            grep -E "^async" | tail -2
+    done
+fi
 if [[ " $parts " == *" streams32 "* ]]; then
     timeout 240 python3 benchmarks/gpu_step_speed.py --models llama-1b --parts bandwidth,async --concurrency 32 \
         --window-batches 32 --sweep-batches 32 --trials 1 --output "$out/step_speed_1b_32.json" 2>&1 | tail -12
