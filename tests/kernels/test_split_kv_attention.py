@@ -130,6 +130,7 @@ def test_large_decode_batches_take_long_key_steps() -> None:
 
     assert _tile_sizes(64, 64, 3, 64, 2) == (16, 128, 4, 2)
     assert _tile_sizes(128 * 5, 128, 4, 64, 2).block_n == 128  # k = 4 verifications
+    assert _tile_sizes(32, 32, 4, 64, 2).block_n == 128  # from 32 requests (the 1B's 32-stream decodes)
     assert _tile_sizes(31, 31, 3, 64, 2).block_n == 64
     assert _tile_sizes(64, 64, 4, 128, 2).block_n == 64
     assert _tile_sizes(64 * 20, 64, 4, 64, 2) == (64, 64, 4, 2)  # medium tile
