@@ -124,7 +124,7 @@ def test_choose_num_splits_keeps_single_pass() -> None:
 
 
 def test_large_decode_batches_take_long_key_steps() -> None:
-    """From 64 requests a short tile (decodes, verifications) of heads at most 64 wide walks 128 keys a step;
+    """From 32 requests a short tile (decodes, verifications) of heads at most 64 wide walks 128 keys a step;
     fewer requests, wider heads and taller tiles keep 64."""
     from asyncspec.kernels.paged_attention_triton import _tile_sizes
 
@@ -527,7 +527,7 @@ def _gpu_batch(gen: torch.Generator, num_reqs: int, q_len: int, max_seq: int, nu
         (3, 1, (6, 2), 64, torch.bfloat16, 1000),
         (2, 5, (8, 8), 80, torch.float32, None),
         (5, 1, (12, 4), 96, torch.bfloat16, None),
-        # From 64 requests a short tile walks 128 keys a step (heads of at most 64): decodes and verifications.
+        # From 32 requests a short tile walks 128 keys a step (heads of at most 64): decodes and verifications.
         (70, 1, (6, 2), 64, torch.bfloat16, None),
         (66, 5, (32, 8), 64, torch.bfloat16, 300),
         (64, 3, (8, 8), 32, torch.float32, None),
