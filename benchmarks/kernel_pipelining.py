@@ -26,14 +26,14 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import triton  # noqa: E402
+from attention_splits import SHAPES  # noqa: E402  (query heads, KV heads, head dim)
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import asyncspec.kernels.paged_attention_triton as attn  # noqa: E402
 import asyncspec.kernels.skinny_linear_triton as skinny  # noqa: E402
 
-# Query heads, KV heads, head dim (attention_splits.py's SHAPES) and the projections' (N, K).
-SHAPES = {"llama-1b": (32, 8, 64), "llama-8b": (32, 8, 128), "bundled": (6, 2, 64)}
+# The projections' (N, K).
 PROJECTIONS = {
     "llama-1b": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)},
     "llama-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
