@@ -51,8 +51,8 @@ GRAPH_REPLAY_GLUON_MLP, e.g. `s12/d2/w8/pdl1`); `gluon_o` runs one-row o project
 GEMV whose loader streams the weights from its start, before the PDL wait (GRAPH_REPLAY_GLUON_O).
 `pdl_early_attention` makes the attention kernels let their successor launch before their own PDL wait instead of
 after it (so the o projection's programs can start during attention); `pdl_early_all` does so for every Triton
-kernel of the decode path. The trigger's place cannot change the numbers: a successor still waits for its
-predecessor's completion in its own `griddepcontrol.wait`."""
+kernel of the decode path and the streamed Gluon kernels (MLP, GEMV). The trigger's place cannot change the
+numbers: a successor still waits for its predecessor's completion in its own `griddepcontrol.wait`."""
 
 
 def _apply_patches(patches: set[str]) -> None:
@@ -160,6 +160,20 @@ def _apply_patches(patches: set[str]) -> None:
             modules += [fused_add_rms_norm_triton, rotary_kv_write_triton, skinny_linear_triton]
         for module in modules:
             module.pdl_start = _pdl_start_early  # type: ignore[attr-defined]
+        if "pdl_early_all" in patches:
+            from triton.experimental import gluon
+
+            from asyncspec.kernels import streamed_gemv_gluon, streamed_mlp_gluon
+            from asyncspec.kernels.streamed_ring_gluon import _asm
+
+            @gluon.jit
+            def _gluon_pdl_start_early(pid, USE_PDL: tl.constexpr):
+                if USE_PDL:
+                    _asm(pid, "griddepcontrol.launch_dependents")
+                    _asm(pid, "griddepcontrol.wait")
+
+            for module in (streamed_gemv_gluon, streamed_mlp_gluon):
+                module._pdl_start = _gluon_pdl_start_early  # type: ignore[attr-defined]
     if "skinny_m2" in patches:
         make2 = model_runner.make_skinny_linear
         model_runner.make_skinny_linear = lambda device, max_rows=None: make2(device, 2)  # type: ignore[assignment]

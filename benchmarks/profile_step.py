@@ -34,6 +34,13 @@ def main() -> int:
         help="a kernel name whose calls are also listed by their position in the step (e.g. _skinny_linear_kernel: "
         "each layer's projections in order, then lm_head), to compare each call with its own microbenchmark",
     )
+    parser.add_argument(
+        "--sequence",
+        type=int,
+        default=0,
+        help="also list this many kernels of one middle step in launch order: each kernel's duration and the idle "
+        "time before it (the chain of a layer, to see which link pays a fixed cost)",
+    )
     args = parser.parse_args()
     llm = LLM(
         model_dir(args.model),
@@ -71,7 +78,29 @@ def main() -> int:
         print(f"{t / args.steps:8.1f} {n:6.1f} {t / count[name]:7.2f} {t / total:6.1%}  {name[:110]}")
     if args.by_position:
         print_by_position(prof, args.by_position, args.steps)
+    if args.sequence:
+        print_sequence(prof, args.sequence, args.steps, sum(count.values()) // args.steps)
     return 0
+
+
+def print_sequence(prof, shown: int, steps: int, per_step: int) -> None:
+    """`shown` kernels of the middle step in start order: start offset, duration and the idle time since the
+    previous kernel ended, in µs."""
+    kernels = sorted(
+        (event.time_range.start, event.time_range.end, event.name)
+        for event in prof.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA
+    )
+    first = (steps // 2) * per_step
+    chosen = kernels[first : first + shown]
+    if not chosen:
+        return
+    origin = chosen[0][0]
+    previous_end = kernels[first - 1][1] if first else origin
+    print(f"{'start':>8} {'us':>7} {'idle':>6}  kernel (one step's first {len(chosen)}, in order)")
+    for start, end, name in chosen:
+        print(f"{start - origin:8.1f} {end - start:7.2f} {start - previous_end:6.2f}  {name[:90]}")
+        previous_end = max(previous_end, end)
 
 
 def print_by_position(prof, kernel: str, steps: int) -> None:

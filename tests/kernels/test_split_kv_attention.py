@@ -527,7 +527,10 @@ def _gpu_batch(gen: torch.Generator, num_reqs: int, q_len: int, max_seq: int, nu
         (3, 1, (6, 2), 64, torch.bfloat16, 1000),
         (2, 5, (8, 8), 80, torch.float32, None),
         (5, 1, (12, 4), 96, torch.bfloat16, None),
-        # From 32 requests a short tile walks 128 keys a step (heads of at most 64): decodes and verifications.
+        # From 32 requests a short tile walks 128 keys a step (heads of at most 64): decodes and verifications, at
+        # the boundary (32, the 1B's heads), inside the range the engine's 32- to 63-request buckets take, and past it.
+        (32, 1, (32, 8), 64, torch.bfloat16, None),
+        (47, 5, (6, 2), 64, torch.bfloat16, 1000),
         (70, 1, (6, 2), 64, torch.bfloat16, None),
         (66, 5, (32, 8), 64, torch.bfloat16, 300),
         (64, 3, (8, 8), 32, torch.float32, None),
