@@ -139,41 +139,24 @@ def _apply_patches(patches: set[str]) -> None:
 
         gluon_layer_mlp.install_o_proj(os.environ.get(gluon_layer_mlp.O_SPEC_ENV, ""))
     if "pdl_early_attention" in patches or "pdl_early_all" in patches:
-        import triton
-        import triton.language as tl
+        import pdl_early
 
         from asyncspec.kernels import (
             fused_add_rms_norm_triton,
             paged_attention_triton,
             rotary_kv_write_triton,
             skinny_linear_triton,
+            streamed_gemv_gluon,
+            streamed_mlp_gluon,
         )
-
-        @triton.jit
-        def _pdl_start_early(USE_PDL: tl.constexpr):
-            if USE_PDL:
-                tl.extra.cuda.gdc_launch_dependents()
-                tl.extra.cuda.gdc_wait()
 
         modules = [paged_attention_triton]
         if "pdl_early_all" in patches:
             modules += [fused_add_rms_norm_triton, rotary_kv_write_triton, skinny_linear_triton]
+            for gluon_module in (streamed_gemv_gluon, streamed_mlp_gluon):
+                gluon_module._pdl_start = pdl_early.gluon_pdl_start_early  # type: ignore[attr-defined]
         for module in modules:
-            module.pdl_start = _pdl_start_early  # type: ignore[attr-defined]
-        if "pdl_early_all" in patches:
-            from triton.experimental import gluon
-
-            from asyncspec.kernels import streamed_gemv_gluon, streamed_mlp_gluon
-            from asyncspec.kernels.streamed_ring_gluon import _asm
-
-            @gluon.jit
-            def _gluon_pdl_start_early(pid, USE_PDL: tl.constexpr):
-                if USE_PDL:
-                    _asm(pid, "griddepcontrol.launch_dependents")
-                    _asm(pid, "griddepcontrol.wait")
-
-            for module in (streamed_gemv_gluon, streamed_mlp_gluon):
-                module._pdl_start = _gluon_pdl_start_early  # type: ignore[attr-defined]
+            module.pdl_start = pdl_early.pdl_start_early  # type: ignore[attr-defined]
     if "skinny_m2" in patches:
         make2 = model_runner.make_skinny_linear
         model_runner.make_skinny_linear = lambda device, max_rows=None: make2(device, 2)  # type: ignore[assignment]

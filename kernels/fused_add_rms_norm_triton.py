@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncspec.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
+from asyncspec.kernels.pdl import pdl_launch_options, pdl_mode, pdl_start
 from asyncspec.kernels.triton_rounding import round_to_dtype
 
 _MAX_BLOCK_H = 65536  # rows are held whole in registers
@@ -106,7 +106,7 @@ def fused_add_rms_norm(
     grid = (triton.cdiv(num_rows, block_t),)
     res_arg = residual if residual is not None else x
     res_out_arg = residual_out if residual_out is not None else out
-    pdl = pdl_enabled(x.device)
+    pdl = pdl_mode(x.device, num_rows)
     _fused_add_rms_norm_kernel[grid](
         x,
         x.stride(0),

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncspec.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
+from asyncspec.kernels.pdl import pdl_launch_options, pdl_mode, pdl_start
 
 
 def _patch_interpreter() -> None:
@@ -704,7 +704,7 @@ def _compile_combine_variants(
     num_heads: int,
     head_dim: int,
     block_d: int,
-    pdl: bool,
+    pdl: int,
 ) -> None:
     """Compiles (or loads from Triton's disk cache) the combine for every split count a call can take, the first
     time a layer's shapes split: each power of two up to _MAX_SPLITS is its own variant, and an eager step that met
@@ -867,7 +867,7 @@ def paged_attention(
     qk_scale = scale * math.log2(math.e)
     window = sliding_window if sliding_window is not None else 0
 
-    pdl = pdl_enabled(query.device)
+    pdl = pdl_mode(query.device, num_tokens)
     programs = num_tiles * num_kv_heads * num_splits
     early_kv = early_kv and programs <= _EARLY_KV_MAX_PROGRAMS_PER_SM * _num_sms(query.device)
     if num_splits == 1:

@@ -9,14 +9,18 @@ programmatic edges.
 
 The contract that keeps it correct: every kernel launched with PDL calls `pdl_start(USE_PDL)` before it
 reads or writes anything a predecessor may touch, so nothing it does overlaps another kernel's writes; the
-wait is transitive, since a predecessor only completes after its own wait. Every program waits before it lets
-its successor launch (`pdl_start` does both, in that order) and before it returns: so when a kernel's programs
-run, every kernel two or more launches back has completed. Only what no kernel of a step writes, the weights, is
-read before the wait (the skinny linear kernel's first chunks of W, the norm's weight): those loads then overlap
-the predecessor's tail. The one exception, opt-in, is the attention's `early_kv`: step inputs and keys of earlier
-steps, which only kernels two or more launches back write, read through L2. Kernels without PDL (torch's,
-cuBLAS's) keep ordinary stream order on both sides.
-`ASYNCSPEC_PDL=0` turns it off (an A/B, or a driver that mishandles it); the interpreter never uses it.
+wait is transitive, since a predecessor only completes after its own wait, and every program waits before it
+returns. Only what no kernel of a step writes, the weights, is read before the wait (the skinny linear kernel's
+first chunks of W, the norm's weight, the streamed kernels' rings): those loads then overlap the predecessor.
+
+Where a program lets its successor launch is a choice (`pdl_mode`). By default it waits first (`pdl_start` does
+both, in that order), so when a kernel's programs run, every kernel two or more launches back has completed; the
+attention's opt-in `early_kv` reads step inputs and keys of earlier steps before its wait on that promise. The
+decode graphs' small launches (at most ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS rows, default 8) trigger first: their
+successor's programs start as soon as all of theirs have, and stream weights while the chain ahead still runs;
+that holds nothing up, since a grid launches only once its predecessor's programs are all resident. Kernels
+without PDL (torch's, cuBLAS's) keep ordinary stream order on both sides and so end any such run-ahead.
+`ASYNCSPEC_PDL=0` turns PDL off (an A/B, or a driver that mishandles it); the interpreter never uses it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,13 @@ import triton
 import triton.language as tl
 
 PDL_ENV = "ASYNCSPEC_PDL"
+EARLY_TRIGGER_ROWS_ENV = "ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS"
+DEFAULT_EARLY_TRIGGER_ROWS = 8
+# The attention's opt-in early reads (layers/attention.py's EARLY_KV_ENV) rely on every kernel two launches back
+# having completed, which successors launched before their predecessor's wait no longer promise.
+_EARLY_KV_ENV = "ASYNCSPEC_ATTN_EARLY_KV"
+WAIT_FIRST = 1
+TRIGGER_FIRST = 2
 
 
 @functools.cache
@@ -44,15 +55,42 @@ def pdl_enabled(device: torch.device) -> bool:
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def pdl_launch_options(enabled: bool) -> dict[str, bool]:
-    """Launch keyword arguments of a kernel call (empty without PDL, which the interpreter needs)."""
+def pdl_launch_options(enabled: bool | int) -> dict[str, bool]:
+    """Launch keyword arguments of a kernel call (empty without PDL, which the interpreter needs); `enabled` may
+    be a `pdl_mode`."""
     return {"launch_pdl": True} if enabled else {}
+
+
+def early_trigger_rows() -> int:
+    """ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS (read at each launch): captured launches of at most this many rows let
+    their successor launch before their own wait; 0 never does."""
+    raw = os.environ.get(EARLY_TRIGGER_ROWS_ENV, str(DEFAULT_EARLY_TRIGGER_ROWS))
+    if not raw.isdigit():
+        raise ValueError(f"{EARLY_TRIGGER_ROWS_ENV} must be a row count >= 0 (0: never), got {raw!r}")
+    return int(raw)
+
+
+def pdl_mode(device: torch.device, rows: int) -> int:
+    """USE_PDL for a launch of `rows` rows (tokens): 0 without PDL; TRIGGER_FIRST for a launch captured into a
+    CUDA graph with at most `early_trigger_rows()` rows, so that its successor's programs start (and load their
+    weights) while this kernel still waits; WAIT_FIRST otherwise. On an H100 (2026-12-06) trigger-first took the
+    Llama-1B's batch-1 step from 1.058 to 0.997 ms and made 32 rows 1.5 % slower. Eager launches keep WAIT_FIRST,
+    so that no variant compiles mid-run for them."""
+    if not pdl_enabled(device):
+        return 0
+    early = rows <= early_trigger_rows() and os.environ.get(_EARLY_KV_ENV, "0") != "1"
+    return TRIGGER_FIRST if early and torch.cuda.is_current_stream_capturing() else WAIT_FIRST
 
 
 @triton.jit
 def pdl_start(USE_PDL: tl.constexpr):
     """Waits for the predecessor grid to complete (its writes visible), then lets the successor launch:
-    its programs may then be scheduled as this grid's programs finish, and wait in turn."""
-    if USE_PDL:
+    its programs may then be scheduled as this grid's programs finish, and wait in turn. With USE_PDL ==
+    TRIGGER_FIRST (2) the successor may launch first: its programs start once all of this grid's have, and run
+    up to their own wait."""
+    if USE_PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    elif USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

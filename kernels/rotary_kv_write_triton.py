@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncspec.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
+from asyncspec.kernels.pdl import pdl_launch_options, pdl_mode, pdl_start
 from asyncspec.kernels.triton_rounding import round_to_dtype, rounded_fp32
 
 
@@ -155,7 +155,7 @@ def rotary_kv_write(
     block_half = triton.next_power_of_2(head_dim // 2)
     # The q part holds 2 x [BLOCK_H, BLOCK_HALF] values: about 16 per thread.
     num_warps = min(max(2 * block_h * block_half // (16 * 32), 1), 8)
-    pdl = pdl_enabled(q.device)
+    pdl = pdl_mode(q.device, q.shape[0])
     _rotary_kv_write_kernel[(num_tokens, 2)](
         q,
         k,

@@ -66,7 +66,7 @@ import triton
 import triton.language as tl
 
 from asyncspec.kernels.paged_attention_triton import _patch_interpreter
-from asyncspec.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
+from asyncspec.kernels.pdl import pdl_launch_options, pdl_mode, pdl_start
 from asyncspec.kernels.rotary_kv_write_triton import rotary_kv_write, rotate_halves
 from asyncspec.kernels.silu_and_mul_triton import silu_and_mul, silu_mul
 from asyncspec.kernels.skinny_linear import FoldedNorm
@@ -978,7 +978,7 @@ def _launch(
     bias_arg = bias if bias is not None else x  # never read without HAS_BIAS
     # Without the rotary epilogue its operands are never read (ROPE_HALF = 0): x and ones stand in for them.
     rope_args = rope.kernel_args() if rope is not None else (x,) * 6 + (1,) * 13
-    pdl = pdl_enabled(x.device)
+    pdl = pdl_mode(x.device, m)
     preload = min(preload_chunks(), 1) if cfg.use_dot else preload_chunks()
     _skinny_linear_kernel[grid](
         x,

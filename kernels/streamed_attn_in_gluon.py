@@ -22,7 +22,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from asyncspec.kernels.pdl import pdl_enabled, pdl_launch_options
+from asyncspec.kernels.pdl import pdl_launch_options, pdl_mode
 from asyncspec.kernels.streamed_attn_in import (
     StreamedAttnInConfig,
     StreamedAttnInError,
@@ -332,7 +332,7 @@ def _constexprs(
     config: StreamedAttnInConfig,
     shape: tuple[int, int, int, int],
     num_progs: int,
-    pdl: bool,
+    pdl: int,
     has_residual: bool,
 ) -> dict:
     hidden, num_heads, num_kv_heads, head_dim = shape
@@ -537,7 +537,7 @@ class StreamedAttnIn:
         shape = (hidden, num_heads, num_kv_heads, head_dim)
         q_rot = torch.empty(1, num_heads, head_dim, dtype=x.dtype, device=x.device)
         summed = x if residual is None else torch.empty_like(x)
-        pdl = pdl_enabled(x.device)
+        pdl = pdl_mode(x.device, 1)
         _streamed_attn_in_kernel[(self.num_progs,)](
             self._descriptor_for(qkv_weight),
             x,

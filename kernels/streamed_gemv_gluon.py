@@ -20,7 +20,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from asyncspec.kernels.pdl import pdl_enabled, pdl_launch_options
+from asyncspec.kernels.pdl import WAIT_FIRST, pdl_launch_options, pdl_mode
 from asyncspec.kernels.streamed_gemv import (
     SHARED_MEMORY_BYTES,
     StreamedGemvConfig,
@@ -118,7 +118,7 @@ def _streamed_gemv_kernel(
     )
 
 
-def _constexprs(config: StreamedGemvConfig, n: int, k: int, num_progs: int, pdl: bool, room: int) -> dict:
+def _constexprs(config: StreamedGemvConfig, n: int, k: int, num_progs: int, pdl: int, room: int) -> dict:
     return {
         "N": n,
         "K": k,
@@ -132,10 +132,15 @@ def _constexprs(config: StreamedGemvConfig, n: int, k: int, num_progs: int, pdl:
 
 
 def compile_for_hopper(
-    config: StreamedGemvConfig, n: int, k: int, num_progs: int = 132, room: int = SHARED_MEMORY_BYTES
+    config: StreamedGemvConfig,
+    n: int,
+    k: int,
+    num_progs: int = 132,
+    room: int = SHARED_MEMORY_BYTES,
+    pdl: int = WAIT_FIRST,
 ) -> Any:
     """The kernel compiled for sm_90 without a GPU (Triton's own ptxas): a start-up-free check of a config and a
-    shape; the result's `metadata.shared` is the shared memory a program holds."""
+    shape; the result's `metadata.shared` is the shared memory a program holds. `pdl`: a `pdl_mode`."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -146,7 +151,7 @@ def compile_for_hopper(
         "x_ptr": "*bf16",
         "out_ptr": "*bf16",
     }
-    constexprs = _constexprs(config, n, k, num_progs, True, room)
+    constexprs = _constexprs(config, n, k, num_progs, pdl, room)
     names = _streamed_gemv_kernel.arg_names
     # The launcher's hints for 16-byte aligned pointers, so that this compiles the binary a launch would run.
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name, v in signature.items() if v.startswith("*")}
@@ -199,7 +204,7 @@ class StreamedGemv:
         """x @ weight^T [1, N] in bf16, as `streamed_gemv_ref`; the caller has checked `applies`."""
         n, k = weight.shape
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-        pdl = pdl_enabled(x.device)
+        pdl = pdl_mode(x.device, 1)
         _streamed_gemv_kernel[(self.num_progs,)](
             self._descriptor_for(weight),
             x,

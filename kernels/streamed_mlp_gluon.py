@@ -25,7 +25,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from asyncspec.kernels.pdl import pdl_enabled, pdl_launch_options
+from asyncspec.kernels.pdl import pdl_launch_options, pdl_mode
 from asyncspec.kernels.streamed_gemv import StreamedGemvConfig
 from asyncspec.kernels.streamed_gemv_gluon import StreamedGemv
 from asyncspec.kernels.streamed_mlp import (
@@ -226,7 +226,7 @@ def _streamed_mlp_kernel(
     )
 
 
-def _constexprs(config: StreamedMLPConfig, hidden: int, intermediate: int, num_progs: int, pdl: bool) -> dict:
+def _constexprs(config: StreamedMLPConfig, hidden: int, intermediate: int, num_progs: int, pdl: int) -> dict:
     return {
         "H": hidden,
         "INTER": intermediate,
@@ -348,7 +348,7 @@ class StreamedMLP:
         wgu_desc, wd_desc = self._descriptors_for(gate_up_weight, down_weight)
         out = torch.empty_like(x)
         residual_out = torch.empty_like(x)
-        pdl = pdl_enabled(x.device)
+        pdl = pdl_mode(x.device, 1)
         _streamed_mlp_kernel[(self.num_progs,)](
             wgu_desc,
             wd_desc,

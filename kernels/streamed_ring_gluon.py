@@ -35,8 +35,12 @@ def _asm(x, op: gl.constexpr):
 
 @gluon.jit
 def _pdl_start(pid, USE_PDL: gl.constexpr):
-    """pdl.pdl_start's contract: wait for the predecessor grid to complete, then let the successor launch."""
-    if USE_PDL:
+    """pdl.pdl_start's contract: wait for the predecessor grid to complete, then let the successor launch (with
+    USE_PDL == pdl.TRIGGER_FIRST, the other way round)."""
+    if USE_PDL == 2:
+        _asm(pid, "griddepcontrol.launch_dependents")
+        _asm(pid, "griddepcontrol.wait")
+    elif USE_PDL:
         _asm(pid, "griddepcontrol.wait")
         _asm(pid, "griddepcontrol.launch_dependents")
 

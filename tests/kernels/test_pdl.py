@@ -1,0 +1,109 @@
+"""Where a PDL launch lets its successor launch (`pdl_mode`, `pdl_start`): trigger-first only for small captured
+launches, and the order of the two instructions in the compiled kernels (sm_90, no GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncspec.kernels import pdl
+from asyncspec.kernels.pdl import (
+    DEFAULT_EARLY_TRIGGER_ROWS,
+    EARLY_TRIGGER_ROWS_ENV,
+    TRIGGER_FIRST,
+    WAIT_FIRST,
+    early_trigger_rows,
+    pdl_mode,
+)
+
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def hopper(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """A device that takes PDL, and a switch for whether the current stream is capturing a graph."""
+    capturing = [True]
+    monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.delenv(EARLY_TRIGGER_ROWS_ENV, raising=False)
+    monkeypatch.delenv("ASYNCSPEC_ATTN_EARLY_KV", raising=False)
+    return capturing
+
+
+def test_small_captured_launches_trigger_first(hopper: list[bool]) -> None:
+    assert early_trigger_rows() == DEFAULT_EARLY_TRIGGER_ROWS == 8
+    assert [pdl_mode(CUDA, rows) for rows in (1, 2, 8)] == [TRIGGER_FIRST] * 3
+    assert [pdl_mode(CUDA, rows) for rows in (9, 32, 4096)] == [WAIT_FIRST] * 3
+    hopper[0] = False  # eager launches never take the other variant: nothing compiles mid-run for them
+    assert pdl_mode(CUDA, 1) == WAIT_FIRST
+
+
+def test_the_row_limit_is_a_setting(hopper: list[bool], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(EARLY_TRIGGER_ROWS_ENV, "32")
+    assert pdl_mode(CUDA, 32) == TRIGGER_FIRST and pdl_mode(CUDA, 33) == WAIT_FIRST
+    monkeypatch.setenv(EARLY_TRIGGER_ROWS_ENV, "0")
+    assert pdl_mode(CUDA, 1) == WAIT_FIRST
+
+
+def test_early_kv_keeps_every_launch_wait_first(hopper: list[bool], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attention's early reads rely on every kernel two launches back having completed."""
+    monkeypatch.setenv("ASYNCSPEC_ATTN_EARLY_KV", "1")
+    assert pdl_mode(CUDA, 1) == WAIT_FIRST
+
+
+@pytest.mark.parametrize("raw", ["-1", "eight", "1.5", ""])
+def test_a_bad_row_limit_is_refused(hopper: list[bool], monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    monkeypatch.setenv(EARLY_TRIGGER_ROWS_ENV, raw)
+    with pytest.raises(ValueError, match=EARLY_TRIGGER_ROWS_ENV):
+        pdl_mode(CUDA, 1)
+
+
+def test_without_pdl_the_mode_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pdl, "pdl_enabled", lambda device: False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert pdl_mode(CUDA, 1) == 0
+    assert pdl_mode(torch.device("cpu"), 1) == 0
+
+
+def _order(ptx: str) -> list[str]:
+    """The PDL instructions of a kernel's PTX, in program order."""
+    marks = ("griddepcontrol.wait", "griddepcontrol.launch_dependents")
+    found = sorted((ptx.index(mark), mark.split(".")[1]) for mark in marks if mark in ptx)
+    return [name for _, name in found]
+
+
+@pytest.mark.parametrize(
+    ("mode", "order"),
+    [(0, []), (WAIT_FIRST, ["wait", "launch_dependents"]), (TRIGGER_FIRST, ["launch_dependents", "wait"])],
+)
+def test_triton_pdl_start_orders_the_instructions(sm90_compiler, mode: int, order: list[str]) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from asyncspec.kernels.fused_add_rms_norm_triton import _fused_add_rms_norm_kernel as fn
+
+    signature: dict[str, str] = {name: "constexpr" for name in fn.arg_names}
+    signature.update(dict.fromkeys(("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr"), "*bf16"))
+    signature.update(dict.fromkeys(("x_stride", "res_stride", "out_stride", "res_out_stride", "num_rows", "H"), "i32"))
+    signature["eps"] = "fp32"
+    constexprs = {"HAS_RESIDUAL": True, "STORE_RESIDUAL": True, "BLOCK_T": 1, "BLOCK_H": 2048, "USE_PDL": mode}
+    values = {(fn.arg_names.index(name),): value for name, value in constexprs.items()}
+    ptx = triton.compile(ASTSource(fn, signature, values), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    assert _order(ptx) == order
+    if mode == TRIGGER_FIRST:  # the norm's weight is still read before the wait; x and the residual after it
+        wait = ptx.index("griddepcontrol.wait")
+        assert "ld.global" in ptx[:wait] and "ld.global" in ptx[wait:] and "st.global" not in ptx[:wait]
+
+
+def test_gluon_pdl_start_orders_the_instructions(sm90_compiler) -> None:
+    pytest.importorskip("triton.experimental.gluon")
+    from asyncspec.kernels.streamed_gemv import StreamedGemvConfig
+    from asyncspec.kernels.streamed_gemv_gluon import compile_for_hopper
+
+    config = StreamedGemvConfig(stages=8, boxes=1, warps=4)
+    assert _order(compile_for_hopper(config, 2048, 2048).asm["ptx"]) == ["wait", "launch_dependents"]
+    early = compile_for_hopper(config, 2048, 2048, pdl=TRIGGER_FIRST).asm["ptx"]
+    assert _order(early) == ["launch_dependents", "wait"]
+    # The loader's TMA copies of W may precede both: they read only the weights.
+    assert "cp.async.bulk.tensor.2d" in early
