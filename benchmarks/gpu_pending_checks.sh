@@ -46,6 +46,10 @@
 #   goals  issue 8's three numbers in one call, for an H200 (the card they are set on): graph_replay.py --context 315
 #          on the 1B and 8B (the batch-1 step over its roofline; goals 1.3x and 1.1x), then streams32 twice (goal
 #          0.6 of the roofline, about 1.12 ms a step on an H200): ~6 min on a cold machine
+#   early-trigger  small captured launches letting their successor launch before their own wait (the default from
+#          2026-12-06, ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS=8): its GPU test (tests/kernels/test_pdl.py, not yet run), then
+#          graph_replay.py --context 315 with it off (=0) and on, the 1B twice and the 8B once: ~5 min (H100: the 1B
+#          step 1.055 -> 0.995 ms, the 8B's 5.316 -> 5.282; an H200 has not measured it)
 #   streams32  the 1B decode at 32 streams against its roofline (gpu_step_speed.py, bandwidth and async, one
 #          steady window of 32): issue 8's 0.6 goal, last 0.54 on an H200 (2026-12-03), 0.63 on an H100: ~2 min
 #   early-kv  the attention's step inputs and older keys read before the PDL wait (ASYNCSPEC_ATTN_EARLY_KV=1, of
@@ -212,6 +216,15 @@ if [[ " $parts " == *" goals "* ]]; then
             --window-batches 32 --sweep-batches 32 --trials 1 --output "$out/step_speed_1b_32_r$round.json" 2>&1 |
             grep -E "^async" | tail -2
     done
+fi
+if [[ " $parts " == *" early-trigger "* ]]; then
+    gpu_tests early_trigger tests/kernels/test_pdl.py
+    p=ASYNCSPEC_PDL=1
+    o="$p+ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS=0"
+    timeout 200 python3 benchmarks/graph_replay.py --models llama-1b --context 315 --switches "$o,$p,$o,$p" \
+        --output "$out/graph_replay_early_trigger_1b.json" 2>&1 | tail -5
+    timeout 150 python3 benchmarks/graph_replay.py --models llama-8b --context 315 --switches "$o,$p" \
+        --output "$out/graph_replay_early_trigger_8b.json" 2>&1 | tail -3
 fi
 if [[ " $parts " == *" streams32 "* ]]; then
     timeout 240 python3 benchmarks/gpu_step_speed.py --models llama-1b --parts bandwidth,async --concurrency 32 \

@@ -50,9 +50,11 @@ post-attention norm and MLP as one warp-specialised Gluon kernel (benchmarks/glu
 GRAPH_REPLAY_GLUON_MLP, e.g. `s12/d2/w8/pdl1`); `gluon_o` runs one-row o projections as a warp-specialised Gluon
 GEMV whose loader streams the weights from its start, before the PDL wait (GRAPH_REPLAY_GLUON_O).
 `pdl_early_attention` makes the attention kernels let their successor launch before their own PDL wait instead of
-after it (so the o projection's programs can start during attention); `pdl_early_all` does so for every Triton
-kernel of the decode path and the streamed Gluon kernels (MLP, GEMV). The trigger's place cannot change the
-numbers: a successor still waits for its predecessor's completion in its own `griddepcontrol.wait`."""
+after it (so the o projection's programs can start during attention) at every batch size; `pdl_early_all` does so
+for every Triton kernel of the decode path and the streamed Gluon kernels (MLP, GEMV). Since 2026-12-06 the engine
+does the latter by itself for graphs of at most ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS rows (kernels/pdl.py). The
+trigger's place cannot change the numbers: a successor still waits for its predecessor's completion in its own
+`griddepcontrol.wait`."""
 
 
 def _apply_patches(patches: set[str]) -> None:

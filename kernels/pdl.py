@@ -62,8 +62,8 @@ def pdl_launch_options(enabled: bool | int) -> dict[str, bool]:
 
 
 def early_trigger_rows() -> int:
-    """ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS (read at each launch): captured launches of at most this many rows let
-    their successor launch before their own wait; 0 never does."""
+    """ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS (read at each captured launch): captured launches of at most this many
+    rows let their successor launch before their own wait; 0 never does."""
     raw = os.environ.get(EARLY_TRIGGER_ROWS_ENV, str(DEFAULT_EARLY_TRIGGER_ROWS))
     if not raw.isdigit():
         raise ValueError(f"{EARLY_TRIGGER_ROWS_ENV} must be a row count >= 0 (0: never), got {raw!r}")
@@ -74,12 +74,15 @@ def pdl_mode(device: torch.device, rows: int) -> int:
     """USE_PDL for a launch of `rows` rows (tokens): 0 without PDL; TRIGGER_FIRST for a launch captured into a
     CUDA graph with at most `early_trigger_rows()` rows, so that its successor's programs start (and load their
     weights) while this kernel still waits; WAIT_FIRST otherwise. On an H100 (2026-12-06) trigger-first took the
-    Llama-1B's batch-1 step from 1.058 to 0.997 ms and made 32 rows 1.5 % slower. Eager launches keep WAIT_FIRST,
-    so that no variant compiles mid-run for them."""
+    Llama-1B's batch-1 step from 1.055 to 0.995 ms (8B: 5.316 to 5.282) and gained 2-3 % at 2 to 8 rows, but made
+    32 rows 1.5 % slower when every launch took it, hence the limit. Eager launches keep WAIT_FIRST, so that no
+    variant compiles mid-run for them."""
     if not pdl_enabled(device):
         return 0
+    if not torch.cuda.is_current_stream_capturing():
+        return WAIT_FIRST
     early = rows <= early_trigger_rows() and os.environ.get(_EARLY_KV_ENV, "0") != "1"
-    return TRIGGER_FIRST if early and torch.cuda.is_current_stream_capturing() else WAIT_FIRST
+    return TRIGGER_FIRST if early else WAIT_FIRST
 
 
 @triton.jit

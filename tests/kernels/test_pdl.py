@@ -53,9 +53,12 @@ def test_early_kv_keeps_every_launch_wait_first(hopper: list[bool], monkeypatch:
 
 @pytest.mark.parametrize("raw", ["-1", "eight", "1.5", ""])
 def test_a_bad_row_limit_is_refused(hopper: list[bool], monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    """Refused when the graphs are captured; eager launches do not read it."""
     monkeypatch.setenv(EARLY_TRIGGER_ROWS_ENV, raw)
     with pytest.raises(ValueError, match=EARLY_TRIGGER_ROWS_ENV):
         pdl_mode(CUDA, 1)
+    hopper[0] = False
+    assert pdl_mode(CUDA, 1) == WAIT_FIRST
 
 
 def test_without_pdl_the_mode_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -107,3 +110,50 @@ def test_gluon_pdl_start_orders_the_instructions(sm90_compiler) -> None:
     assert _order(early) == ["launch_dependents", "wait"]
     # The loader's TMA copies of W may precede both: they read only the weights.
     assert "cp.async.bulk.tensor.2d" in early
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_a_captured_chain_takes_its_mode_and_matches_eager(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+    """A norm then two projections (one split-K, one not) captured in a graph: launches of at most 8 rows trigger
+    first, larger ones wait first, and the replay gives the eager chain's numbers bit for bit."""
+    from asyncspec.kernels import fused_add_rms_norm_triton, skinny_linear_triton
+
+    if not pdl.pdl_enabled(CUDA):
+        pytest.skip("needs a GPU that takes PDL (compute capability 9.0+)")
+    monkeypatch.delenv(EARLY_TRIGGER_ROWS_ENV, raising=False)
+    modes: list[int] = []
+    for module in (fused_add_rms_norm_triton, skinny_linear_triton):
+        real = module.pdl_mode
+
+        def spy(device: torch.device, n: int, real=real) -> int:
+            modes.append(real(device, n))
+            return modes[-1]
+
+        monkeypatch.setattr(module, "pdl_mode", spy)
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16, generator=gen)
+    residual = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16, generator=gen)
+    norm_weight = torch.rand(2048, device="cuda", dtype=torch.bfloat16, generator=gen) + 0.5
+    w1 = torch.randn(3072, 2048, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    w2 = torch.randn(2048, 3072, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+
+    def chain() -> torch.Tensor:
+        h, _ = fused_add_rms_norm_triton.fused_add_rms_norm(x, residual, norm_weight, 1e-5)
+        return skinny_linear_triton.skinny_linear(skinny_linear_triton.skinny_linear(h, w1), w2)
+
+    eager = chain()
+    assert modes and set(modes) == {WAIT_FIRST}
+    modes.clear()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = chain()
+    torch.cuda.current_stream().wait_stream(stream)
+    assert set(modes) == {TRIGGER_FIRST if rows <= DEFAULT_EARLY_TRIGGER_ROWS else WAIT_FIRST}
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
