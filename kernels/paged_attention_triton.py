@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncspec.kernels.pdl import pdl_launch_options, pdl_mode, pdl_start
+from asyncspec.kernels.pdl import TRIGGER_FIRST, pdl_launch_options, pdl_mode, pdl_start
 
 
 def _patch_interpreter() -> None:
@@ -870,6 +870,9 @@ def paged_attention(
     pdl = pdl_mode(query.device, num_tokens)
     programs = num_tiles * num_kv_heads * num_splits
     early_kv = early_kv and programs <= _EARLY_KV_MAX_PROGRAMS_PER_SM * _num_sms(query.device)
+    # The early reads need every kernel two launches back completed: a predecessor of as many rows that let this
+    # kernel launch before its own wait would not promise that.
+    early_kv = early_kv and pdl != TRIGGER_FIRST
     if num_splits == 1:
         _paged_attention_kernel[(num_tiles, num_kv_heads)](
             query,

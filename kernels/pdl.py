@@ -64,8 +64,8 @@ def pdl_launch_options(enabled: bool | int) -> dict[str, bool]:
 def early_trigger_rows() -> int:
     """ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS (read at each captured launch): captured launches of at most this many
     rows let their successor launch before their own wait; 0 never does."""
-    raw = os.environ.get(EARLY_TRIGGER_ROWS_ENV, str(DEFAULT_EARLY_TRIGGER_ROWS))
-    if not raw.isdigit():
+    raw = os.environ.get(EARLY_TRIGGER_ROWS_ENV, str(DEFAULT_EARLY_TRIGGER_ROWS)).strip()
+    if not (raw.isascii() and raw.isdigit()):
         raise ValueError(f"{EARLY_TRIGGER_ROWS_ENV} must be a row count >= 0 (0: never), got {raw!r}")
     return int(raw)
 
@@ -74,14 +74,16 @@ def pdl_mode(device: torch.device, rows: int) -> int:
     """USE_PDL for a launch of `rows` rows (tokens): 0 without PDL; TRIGGER_FIRST for a launch captured into a
     CUDA graph with at most `early_trigger_rows()` rows, so that its successor's programs start (and load their
     weights) while this kernel still waits; WAIT_FIRST otherwise. On an H100 (2026-12-06) trigger-first took the
-    Llama-1B's batch-1 step from 1.055 to 0.995 ms (8B: 5.316 to 5.282) and gained 2-3 % at 2 to 8 rows, but made
-    32 rows 1.5 % slower when every launch took it, hence the limit. Eager launches keep WAIT_FIRST, so that no
-    variant compiles mid-run for them."""
+    Llama-1B's batch-1 step from 1.055 to 0.995 ms (its forward at 2 / 4 / 8 rows 2.9 / 0 / 1.9 % faster; the 8B's
+    step 5.316 to 5.282 ms, 0.5-0.9 % at 2 to 8 rows), but made 32 rows 1.5 % slower when every launch took it,
+    hence the limit. Eager launches keep WAIT_FIRST, so that no variant compiles mid-run for them: the
+    trigger-first variants compile during the graphs' capture at start-up."""
     if not pdl_enabled(device):
         return 0
     if not torch.cuda.is_current_stream_capturing():
         return WAIT_FIRST
-    early = rows <= early_trigger_rows() and os.environ.get(_EARLY_KV_ENV, "0") != "1"
+    # Read as layers/switches.py reads it ("1" once stripped), so that both sides agree on what is on.
+    early = rows <= early_trigger_rows() and os.environ.get(_EARLY_KV_ENV, "0").strip() != "1"
     return TRIGGER_FIRST if early else WAIT_FIRST
 
 
@@ -91,7 +93,7 @@ def pdl_start(USE_PDL: tl.constexpr):
     its programs may then be scheduled as this grid's programs finish, and wait in turn. With USE_PDL ==
     TRIGGER_FIRST (2) the successor may launch first: its programs start once all of this grid's have, and run
     up to their own wait."""
-    if USE_PDL == 2:
+    if USE_PDL == 2:  # TRIGGER_FIRST (a jit function reads no plain module constant)
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     elif USE_PDL:

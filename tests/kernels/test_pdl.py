@@ -115,13 +115,15 @@ def test_gluon_pdl_start_orders_the_instructions(sm90_compiler) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 8, 32])
 def test_a_captured_chain_takes_its_mode_and_matches_eager(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
-    """A norm then two projections (one split-K, one not) captured in a graph: launches of at most 8 rows trigger
-    first, larger ones wait first, and the replay gives the eager chain's numbers bit for bit."""
+    """A norm then two projections sharing one set of serial split-K counters (the second splits K at 8 rows)
+    captured in a graph: launches of at most 8 rows trigger first, larger ones wait first, and every replay, on new
+    inputs with its intermediates poisoned, gives the eager chain's numbers bit for bit."""
     from asyncspec.kernels import fused_add_rms_norm_triton, skinny_linear_triton
 
     if not pdl.pdl_enabled(CUDA):
         pytest.skip("needs a GPU that takes PDL (compute capability 9.0+)")
     monkeypatch.delenv(EARLY_TRIGGER_ROWS_ENV, raising=False)
+    monkeypatch.delenv("ASYNCSPEC_ATTN_EARLY_KV", raising=False)
     modes: list[int] = []
     for module in (fused_add_rms_norm_triton, skinny_linear_triton):
         real = module.pdl_mode
@@ -132,28 +134,38 @@ def test_a_captured_chain_takes_its_mode_and_matches_eager(monkeypatch: pytest.M
 
         monkeypatch.setattr(module, "pdl_mode", spy)
     gen = torch.Generator(device="cuda").manual_seed(rows)
-    x = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16, generator=gen)
-    residual = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16, generator=gen)
-    norm_weight = torch.rand(2048, device="cuda", dtype=torch.bfloat16, generator=gen) + 0.5
-    w1 = torch.randn(3072, 2048, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-    w2 = torch.randn(2048, 3072, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
 
-    def chain() -> torch.Tensor:
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    x, residual = randn(rows, 2048), randn(rows, 2048)
+    norm_weight = randn(2048).abs() + 0.5
+    w1, w2 = randn(3072, 2048) * 0.02, randn(2048, 3072) * 0.02
+    counters = skinny_linear_triton.make_split_counters("cuda")
+
+    def chain() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         h, _ = fused_add_rms_norm_triton.fused_add_rms_norm(x, residual, norm_weight, 1e-5)
-        return skinny_linear_triton.skinny_linear(skinny_linear_triton.skinny_linear(h, w1), w2)
+        mid = skinny_linear_triton.skinny_linear(h, w1, counters=counters)
+        return h, mid, skinny_linear_triton.skinny_linear(mid, w2, counters=counters)
 
-    eager = chain()
+    chain()
     assert modes and set(modes) == {WAIT_FIRST}
     modes.clear()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        out = chain()
+        captured = chain()
     torch.cuda.current_stream().wait_stream(stream)
     assert set(modes) == {TRIGGER_FIRST if rows <= DEFAULT_EARLY_TRIGGER_ROWS else WAIT_FIRST}
-    for _ in range(3):
-        out.fill_(float("nan"))
+    for _ in range(4):
+        x.copy_(randn(rows, 2048))
+        residual.copy_(randn(rows, 2048))
+        expected = [t.clone() for t in chain()]  # eager, wait-first
+        for t in captured:
+            t.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, eager)
+        for got, want in zip(captured, expected, strict=True):
+            assert torch.equal(got, want)
+    assert not counters.any()  # every split's last program reset its counter
