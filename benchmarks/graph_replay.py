@@ -52,7 +52,8 @@ GEMV whose loader streams the weights from its start, before the PDL wait (GRAPH
 `pdl_early_attention` makes the attention kernels let their successor launch before their own PDL wait instead of
 after it (so the o projection's programs can start during attention) at every batch size; `pdl_early_all` does so
 for every Triton kernel of the decode path and the streamed Gluon kernels (MLP, GEMV). Since 2026-12-06 the engine
-does the latter by itself for graphs of at most ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS rows (kernels/pdl.py). The
+does the latter by itself for graphs of at most ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS rows (kernels/pdl.py);
+`attention_wait_first` keeps the attention's kernels (passes and combine) waiting first whatever that limit. The
 trigger's place cannot change the numbers: a successor still waits for its predecessor's completion in its own
 `griddepcontrol.wait`."""
 
@@ -167,6 +168,12 @@ def _apply_patches(patches: set[str]) -> None:
         model_runner.make_skinny_linear = lambda device, max_rows=None: dataclasses.replace(  # type: ignore[assignment]
             make(device, max_rows), gated_kernel=None
         )
+    if "attention_wait_first" in patches:
+        from asyncspec.kernels import paged_attention_triton
+        from asyncspec.kernels.pdl import WAIT_FIRST
+
+        mode = paged_attention_triton.pdl_mode
+        paged_attention_triton.pdl_mode = lambda device, rows: min(mode(device, rows), WAIT_FIRST)  # type: ignore[assignment]
 
 
 def _time(fns: list, repeats: int) -> float:
