@@ -113,6 +113,15 @@ replay_1b_315_twice() {
     timeout 240 python3 benchmarks/graph_replay.py --models llama-1b --context 315 --switches "$round,$round" \
         --output "$out/graph_replay_${name}_1b.json" 2>&1 | tail -8
 }
+# An A/B at 315 keys of context: the 1B's switches, then the 8B's, each model in one graph_replay.py call; $1 names
+# the JSONs (graph_replay_$1_{1b,8b}.json).
+replay_315_1b_8b() {
+    local name=$1 switches_1b=$2 switches_8b=$3
+    timeout 240 python3 benchmarks/graph_replay.py --models llama-1b --context 315 --switches "$switches_1b" \
+        --output "$out/graph_replay_${name}_1b.json" 2>&1 | tail -7
+    timeout 200 python3 benchmarks/graph_replay.py --models llama-8b --context 315 --switches "$switches_8b" \
+        --output "$out/graph_replay_${name}_8b.json" 2>&1 | tail -3
+}
 if [[ " $parts " == *" tests "* ]]; then
     gpu_tests all tests/worker tests/layers tests/kernels tests/spec tests/engine tests/models
 fi
@@ -223,10 +232,7 @@ if [[ " $parts " == *" early-trigger "* ]]; then
     p=ASYNCSPEC_PDL=1
     o="$p+ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS=0"
     w="$p+ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS=32+GRAPH_REPLAY_PATCH=attention_wait_first"
-    timeout 240 python3 benchmarks/graph_replay.py --models llama-1b --context 315 --switches "$o,$p,$w,$o,$p,$w" \
-        --output "$out/graph_replay_early_trigger_1b.json" 2>&1 | tail -7
-    timeout 150 python3 benchmarks/graph_replay.py --models llama-8b --context 315 --switches "$o,$p" \
-        --output "$out/graph_replay_early_trigger_8b.json" 2>&1 | tail -3
+    replay_315_1b_8b early_trigger "$o,$p,$w,$o,$p,$w" "$o,$p"
 fi
 if [[ " $parts " == *" streams32 "* ]]; then
     timeout 240 python3 benchmarks/gpu_step_speed.py --models llama-1b --parts bandwidth,async --concurrency 32 \
@@ -243,10 +249,7 @@ if [[ " $parts " == *" early-kv-ab "* ]]; then
     p="ASYNCSPEC_PDL=1"
     e="ASYNCSPEC_ATTN_EARLY_KV=1"
     # Every request at a context of 315 keys, as gpu_step_speed.py's prompts give (the graphs as captured hold one).
-    timeout 150 python3 benchmarks/graph_replay.py --models llama-1b --context 315 --switches "$p,$p+$e,$p,$p+$e" \
-        --output "$out/graph_replay_early_kv_1b.json" 2>&1 | tail -5
-    timeout 200 python3 benchmarks/graph_replay.py --models llama-8b --context 315 --switches "$p,$p+$e" \
-        --output "$out/graph_replay_early_kv_8b.json" 2>&1 | tail -3
+    replay_315_1b_8b early_kv "$p,$p+$e,$p,$p+$e" "$p,$p+$e"
     for early in 0 1; do
         ASYNCSPEC_ATTN_EARLY_KV=$early timeout 100 python3 benchmarks/gpu_step_speed.py --models llama-1b \
             --parts bandwidth,async --concurrency 32 --window-batches 32 --sweep-batches 32 --trials 1 \

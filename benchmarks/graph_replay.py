@@ -49,13 +49,11 @@ GRAPH_REPLAY_L2_PREFETCH says what and where; the outputs do not change). `gluon
 post-attention norm and MLP as one warp-specialised Gluon kernel (benchmarks/gluon_layer_mlp.py, configured by
 GRAPH_REPLAY_GLUON_MLP, e.g. `s12/d2/w8/pdl1`); `gluon_o` runs one-row o projections as a warp-specialised Gluon
 GEMV whose loader streams the weights from its start, before the PDL wait (GRAPH_REPLAY_GLUON_O).
-`pdl_early_attention` makes the attention kernels let their successor launch before their own PDL wait instead of
-after it (so the o projection's programs can start during attention) at every batch size; `pdl_early_all` does so
-for every Triton kernel of the decode path and the streamed Gluon kernels (MLP, GEMV). Since 2026-12-06 the engine
-does the latter by itself for graphs of at most ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS rows (kernels/pdl.py);
-`attention_wait_first` keeps the attention's kernels (passes and combine) waiting first whatever that limit. The
-trigger's place cannot change the numbers: a successor still waits for its predecessor's completion in its own
-`griddepcontrol.wait`."""
+`pdl_early_attention` makes the attention's captured kernels (passes and combine) let their successor launch before
+their own PDL wait at every batch size; `attention_wait_first` keeps them waiting first whatever the engine's
+ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS (kernels/pdl.py: captured launches of at most that many rows trigger first; the
+session-37 `pdl_early_all` patch is that setting at a large row count). The trigger's place cannot change the
+numbers: a successor still waits for its predecessor's completion in its own `griddepcontrol.wait`."""
 
 
 def _apply_patches(patches: set[str]) -> None:
@@ -141,25 +139,19 @@ def _apply_patches(patches: set[str]) -> None:
         import gluon_layer_mlp
 
         gluon_layer_mlp.install_o_proj(os.environ.get(gluon_layer_mlp.O_SPEC_ENV, ""))
-    if "pdl_early_attention" in patches or "pdl_early_all" in patches:
-        import pdl_early
+    if "pdl_early_attention" in patches:
+        import torch
 
-        from asyncspec.kernels import (
-            fused_add_rms_norm_triton,
-            paged_attention_triton,
-            rotary_kv_write_triton,
-            skinny_linear_triton,
-            streamed_gemv_gluon,
-            streamed_mlp_gluon,
-        )
+        from asyncspec.kernels import paged_attention_triton
+        from asyncspec.kernels.pdl import TRIGGER_FIRST
 
-        modules = [paged_attention_triton]
-        if "pdl_early_all" in patches:
-            modules += [fused_add_rms_norm_triton, rotary_kv_write_triton, skinny_linear_triton]
-            for gluon_module in (streamed_gemv_gluon, streamed_mlp_gluon):
-                gluon_module._pdl_start = pdl_early.gluon_pdl_start_early  # type: ignore[attr-defined]
-        for module in modules:
-            module.pdl_start = pdl_early.pdl_start_early  # type: ignore[attr-defined]
+        early = paged_attention_triton.pdl_mode
+
+        def _attention_trigger_first(device, rows):
+            mode = early(device, rows)
+            return TRIGGER_FIRST if mode and torch.cuda.is_current_stream_capturing() else mode
+
+        paged_attention_triton.pdl_mode = _attention_trigger_first  # type: ignore[assignment]
     if "skinny_m2" in patches:
         make2 = model_runner.make_skinny_linear
         model_runner.make_skinny_linear = lambda device, max_rows=None: make2(device, 2)  # type: ignore[assignment]
