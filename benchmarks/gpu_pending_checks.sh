@@ -51,6 +51,9 @@
 #          graph_replay.py --context 315 with it off (=0) and on, the 1B twice and the 8B once, and once up to 32
 #          rows with the attention waiting first (taken everywhere, 32 rows lost 1.5 %, the attention alone 5 %):
 #          ~6 min (H100: the 1B step 1.055 -> 0.995 ms, the 8B's 5.316 -> 5.282; an H200 has not measured it)
+#   streamed-315  the streamed o projection and attention input, and the fused combine, again now that small graphs
+#          trigger first (a successor can now stream its weights through the whole attention, not only its combine):
+#          graph_replay.py --context 315, the 1B twice, the 8B once: ~5 min
 #   streams32  the 1B decode at 32 streams against its roofline (gpu_step_speed.py, bandwidth and async, one
 #          steady window of 32): issue 8's 0.6 goal, last 0.54 on an H200 (2026-12-03), 0.63 on an H100: ~2 min
 #   early-kv  the attention's step inputs and older keys read before the PDL wait (ASYNCSPEC_ATTN_EARLY_KV=1, of
@@ -233,6 +236,13 @@ if [[ " $parts " == *" early-trigger "* ]]; then
     o="$p+ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS=0"
     w="$p+ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS=32+GRAPH_REPLAY_PATCH=attention_wait_first"
     replay_315_1b_8b early_trigger "$o,$p,$w,$o,$p,$w" "$o,$p"
+fi
+if [[ " $parts " == *" streamed-315 "* ]]; then
+    p=ASYNCSPEC_PDL=1
+    o="$p+ASYNCSPEC_STREAMED_O_PROJ=1"
+    a="$p+ASYNCSPEC_STREAMED_ATTN_IN=1"
+    f="$p+ASYNCSPEC_ATTN_FUSED_COMBINE=1"
+    replay_315_1b_8b streamed_315 "$p,$o,$a,$o+ASYNCSPEC_STREAMED_ATTN_IN=1,$f,$p,$o,$a,$o+ASYNCSPEC_STREAMED_ATTN_IN=1,$f" "$p,$o,$a,$f"
 fi
 if [[ " $parts " == *" streams32 "* ]]; then
     timeout 240 python3 benchmarks/gpu_step_speed.py --models llama-1b --parts bandwidth,async --concurrency 32 \
