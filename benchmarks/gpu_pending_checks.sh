@@ -120,10 +120,10 @@ replay_1b_315_twice() {
 # the JSONs (graph_replay_$1_{1b,8b}.json).
 replay_315_1b_8b() {
     local name=$1 switches_1b=$2 switches_8b=$3
-    timeout 240 python3 benchmarks/graph_replay.py --models llama-1b --context 315 --switches "$switches_1b" \
-        --output "$out/graph_replay_${name}_1b.json" 2>&1 | tail -7
+    timeout 330 python3 benchmarks/graph_replay.py --models llama-1b --context 315 --switches "$switches_1b" \
+        --output "$out/graph_replay_${name}_1b.json" 2>&1 | tail -11
     timeout 200 python3 benchmarks/graph_replay.py --models llama-8b --context 315 --switches "$switches_8b" \
-        --output "$out/graph_replay_${name}_8b.json" 2>&1 | tail -3
+        --output "$out/graph_replay_${name}_8b.json" 2>&1 | tail -5
 }
 if [[ " $parts " == *" tests "* ]]; then
     gpu_tests all tests/worker tests/layers tests/kernels tests/spec tests/engine tests/models
