@@ -54,6 +54,9 @@
 #   streamed-315  the streamed o projection and attention input, and the fused combine, again now that small graphs
 #          trigger first (a successor can now stream its weights through the whole attention, not only its combine):
 #          graph_replay.py --context 315, the 1B twice, the 8B once: ~5 min
+#   o-proj-auto  the o projection's auto (from 2026-12-06: streamed where a program's share fits its ring, the 1B's
+#          and not the 8B's) against ASYNCSPEC_STREAMED_O_PROJ=0 at 315 keys (the 1B twice, the 8B once), then the
+#          GPU tests of the streamed GEMV and of the engines that now take it by default: ~8 min cold
 #   streams32  the 1B decode at 32 streams against its roofline (gpu_step_speed.py, bandwidth and async, one
 #          steady window of 32): issue 8's 0.6 goal, last 0.54 on an H200 (2026-12-03), 0.63 on an H100: ~2 min
 #   early-kv  the attention's step inputs and older keys read before the PDL wait (ASYNCSPEC_ATTN_EARLY_KV=1, of
@@ -243,6 +246,13 @@ if [[ " $parts " == *" streamed-315 "* ]]; then
     a="$p+ASYNCSPEC_STREAMED_ATTN_IN=1"
     f="$p+ASYNCSPEC_ATTN_FUSED_COMBINE=1"
     replay_315_1b_8b streamed_315 "$p,$o,$a,$o+ASYNCSPEC_STREAMED_ATTN_IN=1,$f,$p,$o,$a,$o+ASYNCSPEC_STREAMED_ATTN_IN=1,$f" "$p,$o,$a,$f"
+fi
+if [[ " $parts " == *" o-proj-auto "* ]]; then
+    p=ASYNCSPEC_PDL=1
+    z="$p+ASYNCSPEC_STREAMED_O_PROJ=0"
+    replay_315_1b_8b o_proj_auto "$z,$p,$z,$p" "$z,$p"
+    gpu_tests o_proj_auto tests/kernels/test_streamed_gemv.py tests/engine/test_gpu_streamed_mlp.py \
+        tests/engine/test_gpu_streamed_down_proj.py tests/engine/test_gpu_graphs_hf.py
 fi
 if [[ " $parts " == *" streams32 "* ]]; then
     timeout 240 python3 benchmarks/gpu_step_speed.py --models llama-1b --parts bandwidth,async --concurrency 32 \

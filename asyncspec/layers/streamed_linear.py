@@ -20,8 +20,7 @@ from torch import nn
 
 from asyncspec.layers.linear import DecodeLinear
 from asyncspec.layers.streamed_mlp import unavailable_reason
-from asyncspec.layers.streamed_shapes import MIN_STREAMED_TILE_COLUMNS, num_sms, one_tile_per_sm
-from asyncspec.layers.switches import on_off_switch
+from asyncspec.layers.streamed_shapes import MIN_STREAMED_TILE_COLUMNS, num_sms, one_tile_per_sm, share_fits_ring
 
 if TYPE_CHECKING:
     from asyncspec.kernels.streamed_gemv import StreamedGemvConfig
@@ -30,8 +29,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 STREAMED_O_PROJ_ENV = "ASYNCSPEC_STREAMED_O_PROJ"
-"""Set to 1 to run batch-1 decode layers' attention output projection as a streamed Gluon GEMV on Hopper (off by
-default until it is measured faster in the engine: docs/benchmarks.md). It has no grid barrier: safe under MPS. Only
+"""auto (the default) runs batch-1 decode layers' attention output projection as a streamed Gluon GEMV on Hopper
+for only the shapes whose every program's share of the weight fits its ring (`share_fits_ring`: the Llama-1B's
+[2048, 2048], one 64 KiB tile a program; not the 8B's [4096, 4096]), so that all of it is in shared memory by the
+time the attention ends. 1 takes every shape the kernel can, 0 none. It has no grid barrier: safe under MPS. Only
 the target model's one-row calls take it: a speculative verify step has k + 1 rows, and the draft keeps its kernels."""
 
 
@@ -42,28 +43,33 @@ GPU's SMs and all of them, one tile a program, each at least 4,096 columns wide 
 the 8B's 4,096 rows, nor the bundled target's [384, 1024]). 1 takes every shape the kernel can, 0 none. As the o
 projection's: no grid barrier, the target's one-row calls only. The streamed MLP (ASYNCSPEC_STREAMED_MLP), where
 on, runs the whole post-attention half instead; its own `auto` takes the same shapes, so `auto` here then stays off."""
-STREAMED_DOWN_PROJ_SETTINGS = ("0", "1", "auto")
+STREAMED_SETTINGS = ("0", "1", "auto")
 
 
 class StreamedLinearSettingError(ValueError):
     """ASYNCSPEC_STREAMED_O_PROJ or ASYNCSPEC_STREAMED_DOWN_PROJ holds a value it does not take."""
 
 
-def streamed_o_proj_requested() -> bool:
-    """ASYNCSPEC_STREAMED_O_PROJ read: 0 or unset is off, 1 is on; anything else is an error."""
-    return on_off_switch(STREAMED_O_PROJ_ENV, default=False, error=StreamedLinearSettingError)
+def _setting(env: str) -> str:
+    value = os.environ.get(env, "auto").strip().lower()
+    if value not in STREAMED_SETTINGS:
+        raise StreamedLinearSettingError(
+            f"{env}={value!r}: set it to 0 (off), 1 (on) or auto (the default: on for the shapes it was measured "
+            "faster on)"
+        )
+    return value
+
+
+def streamed_o_proj_setting() -> str:
+    """ASYNCSPEC_STREAMED_O_PROJ read: "auto" (also unset: the shapes of `share_fits_ring`), "1" (every shape it
+    takes) or "0" (off); anything else is an error."""
+    return _setting(STREAMED_O_PROJ_ENV)
 
 
 def streamed_down_proj_setting() -> str:
     """ASYNCSPEC_STREAMED_DOWN_PROJ read: "auto" (also unset: the shapes of `one_tile_per_sm`), "1" (every shape
     it takes) or "0" (off); anything else is an error."""
-    value = os.environ.get(STREAMED_DOWN_PROJ_ENV, "auto").strip().lower()
-    if value not in STREAMED_DOWN_PROJ_SETTINGS:
-        raise StreamedLinearSettingError(
-            f"{STREAMED_DOWN_PROJ_ENV}={value!r}: set it to 0 (off), 1 (on) or auto (the default: on for the shapes "
-            "it was measured faster on)"
-        )
-    return value
+    return _setting(STREAMED_DOWN_PROJ_ENV)
 
 
 def _projections(model: nn.Module, name: str) -> list[DecodeLinear]:
@@ -117,15 +123,27 @@ def _make_gemv(
 
 
 def make_streamed_o_proj(model: nn.Module, device: torch.device) -> StreamedGemv | None:
-    """The GEMV for `model`'s o projections on `device` when ASYNCSPEC_STREAMED_O_PROJ=1 asks for it and it can
-    serve them; otherwise None (logged when it was asked for)."""
-    if not streamed_o_proj_requested():
+    """The GEMV for `model`'s o projections on `device` when ASYNCSPEC_STREAMED_O_PROJ asks for it (1, or auto where
+    `share_fits_ring` holds) and it can serve them; otherwise None (logged when it was asked for)."""
+    setting = streamed_o_proj_setting()
+    if setting == "0":
         return None
-    from asyncspec.kernels.streamed_gemv import StreamedGemvConfig
+    from asyncspec.kernels.streamed_gemv import BOX_BYTES, StreamedGemvConfig, gemv_stages_for
 
     # The o projection is latency-bound (a few µs): a deeper ring measured no faster (docs/benchmarks.md).
     config = StreamedGemvConfig(stages=8, boxes=1, warps=4)
-    return _make_gemv(device, o_projections(model), config, STREAMED_O_PROJ_ENV, "o projection")
+    projections = o_projections(model)
+    shapes = {(p.weight.shape[0], p.weight.shape[1]) for p in projections}
+    if setting == "auto" and shapes and unavailable_reason(device) is None:
+        sms = num_sms(device)
+        if not share_fits_ring(shapes, sms, lambda k: gemv_stages_for(config, k) * config.boxes * BOX_BYTES):
+            logger.debug(
+                "streamed o projection off (auto): shapes %s need more than a program's ring of the %d SMs",
+                sorted(shapes),
+                sms,
+            )
+            return None
+    return _make_gemv(device, projections, config, STREAMED_O_PROJ_ENV, "o projection", setting)
 
 
 def make_streamed_down_proj(model: nn.Module, device: torch.device) -> StreamedGemv | None:

@@ -19,7 +19,7 @@ from asyncspec.layers.streamed_linear import (
     make_streamed_o_proj,
     o_projections,
     streamed_down_proj_setting,
-    streamed_o_proj_requested,
+    streamed_o_proj_setting,
     use_streamed_down_proj,
     use_streamed_o_proj,
 )
@@ -56,14 +56,15 @@ class _MLPs(nn.Module):
         self.layers = nn.ModuleList(LlamaMLP(config) for _ in range(config.num_hidden_layers))
 
 
-def test_setting_is_off_unless_asked(monkeypatch) -> None:
+def test_o_projection_setting(monkeypatch) -> None:
     monkeypatch.delenv(STREAMED_O_PROJ_ENV, raising=False)
-    assert not streamed_o_proj_requested()
-    monkeypatch.setenv(STREAMED_O_PROJ_ENV, "1")
-    assert streamed_o_proj_requested()
+    assert streamed_o_proj_setting() == "auto"
+    for value, want in (("1", "1"), (" Auto", "auto"), ("0", "0")):
+        monkeypatch.setenv(STREAMED_O_PROJ_ENV, value)
+        assert streamed_o_proj_setting() == want
     monkeypatch.setenv(STREAMED_O_PROJ_ENV, "on")
-    with pytest.raises(StreamedLinearSettingError, match="set it to 0 .* or 1"):
-        streamed_o_proj_requested()
+    with pytest.raises(StreamedLinearSettingError, match=f"{STREAMED_O_PROJ_ENV}='on': .*0 .*1 .*auto"):
+        streamed_o_proj_setting()
 
 
 def test_down_projection_setting(monkeypatch) -> None:
@@ -79,12 +80,38 @@ def test_down_projection_setting(monkeypatch) -> None:
 
 def test_not_on_the_cpu(monkeypatch, caplog) -> None:
     model = _Attentions(_config())
-    monkeypatch.delenv(STREAMED_O_PROJ_ENV, raising=False)
-    assert make_streamed_o_proj(model, torch.device("cpu")) is None
+    for unset in ("auto", "0"):
+        monkeypatch.setenv(STREAMED_O_PROJ_ENV, unset)
+        with caplog.at_level(logging.WARNING, logger="asyncspec.layers.streamed_linear"):
+            assert make_streamed_o_proj(model, torch.device("cpu")) is None
+    assert caplog.text == ""  # auto does not warn where the kernel cannot run
     monkeypatch.setenv(STREAMED_O_PROJ_ENV, "1")
     with caplog.at_level(logging.WARNING, logger="asyncspec.layers.streamed_linear"):
         assert make_streamed_o_proj(model, torch.device("cpu")) is None
     assert "streamed o projection is off: cpu is not a CUDA device" in caplog.text
+
+
+@pytest.mark.parametrize(("sms", "setting", "served"), [(8, "auto", True), (4, "auto", False), (4, "1", True)])
+def test_auto_takes_an_o_projection_whose_share_fits_the_ring(
+    monkeypatch, sms: int, setting: str, served: bool
+) -> None:
+    """o_proj [512, 512]: 32 sixteen-row tiles of 16 KiB. Over 8 SMs a program's 4 tiles fill the 64 KiB ring
+    exactly, so auto takes it; over 4 SMs its 8 tiles (128 KiB) do not fit, so auto leaves it and 1 still takes it."""
+    from asyncspec.layers import streamed_linear
+
+    made: list[tuple[set, str]] = []
+
+    def record(device, projections, config, env, what, setting="1"):
+        made.append(({tuple(p.weight.shape) for p in projections}, setting))
+        return "gemv"
+
+    monkeypatch.setattr(streamed_linear, "unavailable_reason", lambda device: None)  # as on a Hopper GPU
+    monkeypatch.setattr(streamed_linear, "num_sms", lambda device: sms)
+    monkeypatch.setattr(streamed_linear, "_make_gemv", record)
+    monkeypatch.setenv(STREAMED_O_PROJ_ENV, setting)
+    got = make_streamed_o_proj(_Attentions(_config()), torch.device("cuda"))
+    assert (got == "gemv") == served
+    assert made == ([({(512, 512)}, setting)] if served else [])
 
 
 def test_finds_the_bias_free_o_projections_only() -> None:
