@@ -57,6 +57,8 @@
 #   o-proj-auto  the o projection's auto (from 2026-12-06: streamed where a program's share fits its ring, the 1B's
 #          and not the 8B's) against ASYNCSPEC_STREAMED_O_PROJ=0 at 315 keys (the 1B twice, the 8B once), then the
 #          GPU tests of the streamed GEMV and of the engines that now take it by default: ~8 min cold
+#   rows-limit  the early trigger's row limit between 8 and 32 (ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS 8, 16, 24): the 1B's
+#          graphs of 8 to 32 rows at 315 keys (graph_replay.py --batches), two rounds: ~2.5 min cold
 #   streams32  the 1B decode at 32 streams against its roofline (gpu_step_speed.py, bandwidth and async, one
 #          steady window of 32): issue 8's 0.6 goal, last 0.54 on an H200 (2026-12-03), 0.63 on an H100: ~2 min
 #   early-kv  the attention's step inputs and older keys read before the PDL wait (ASYNCSPEC_ATTN_EARLY_KV=1, of
@@ -253,6 +255,11 @@ if [[ " $parts " == *" o-proj-auto "* ]]; then
     replay_315_1b_8b o_proj_auto "$z,$p,$z,$p" "$z,$p"
     gpu_tests o_proj_auto tests/kernels/test_streamed_gemv.py tests/engine/test_gpu_streamed_mlp.py \
         tests/engine/test_gpu_streamed_down_proj.py tests/engine/test_gpu_graphs_hf.py
+fi
+if [[ " $parts " == *" rows-limit "* ]]; then
+    r="ASYNCSPEC_PDL=1+ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS"
+    timeout 200 python3 benchmarks/graph_replay.py --models llama-1b --context 315 --batches 8,16,24,32 \
+        --rounds 2 --switches "$r=8,$r=16,$r=24" --output "$out/graph_replay_rows_limit_1b.json" 2>&1 | tail -7
 fi
 if [[ " $parts " == *" streams32 "* ]]; then
     timeout 240 python3 benchmarks/gpu_step_speed.py --models llama-1b --parts bandwidth,async --concurrency 32 \

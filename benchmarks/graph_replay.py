@@ -188,13 +188,12 @@ def _time(fns: list, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _set_context(runner, context: int) -> int:
+def _set_context(runner, context: int, num_reqs: int) -> int:
     """Rewrites the graphs' static inputs so that each of the largest batch's requests decodes position
-    `context` - 1 over its own blocks; returns the KV bytes one request's step reads."""
+    `context` - 1 over its own blocks (the first `num_reqs`); returns the KV bytes one request's step reads."""
     import torch
 
     static, block_size = runner.cuda_graphs.static, runner.cuda_graphs.block_size
-    num_reqs = max(BATCHES)
     blocks_per_req = -(-context // block_size)
     if blocks_per_req > static.block_tables.shape[1]:
         raise SystemExit(
@@ -220,7 +219,7 @@ def _set_context(runner, context: int) -> int:
     )
 
 
-def _one(model: str, repeats: int, context: int = 1) -> dict:
+def _one(model: str, repeats: int, context: int = 1, batches: tuple[int, ...] = BATCHES) -> dict:
     """In a child process: capture the model's graphs, time each (batch, 1) replay `repeats` times, alone
     and followed by its greedy tail (the logits and the argmax: a whole greedy decode step's GPU work), at
     `context` keys (1: the inputs as captured)."""
@@ -235,7 +234,7 @@ def _one(model: str, repeats: int, context: int = 1) -> dict:
         load_format="dummy",
         skip_tokenizer_init=True,
         max_model_len=2048,
-        max_num_seqs=max(BATCHES),
+        max_num_seqs=max(batches),
         enable_prefix_caching=False,
         gpu_memory_utilization=0.5,
     )
@@ -246,9 +245,11 @@ def _one(model: str, repeats: int, context: int = 1) -> dict:
     if runner.model.lm_head is not None:
         embed = runner.model.model.embed_tokens.weight
         weight_bytes -= embed.numel() * embed.element_size()
-    kv_bytes = _set_context(runner, context) if context > 1 else 0
+    kv_bytes = _set_context(runner, context, max(batches)) if context > 1 else 0
     out: dict = {"weight_bytes": weight_bytes, "kv_bytes_b1": kv_bytes, "context": context, "ms": {}, "step_ms": {}}
-    for batch in BATCHES:
+    for batch in batches:
+        if (batch, 1) not in graphs._graphs:
+            raise SystemExit(f"--batches {batch}: no graph of that size; captured {sorted(graphs._graphs)}")
         graph, _ = graphs._graphs[(batch, 1)]
         out["ms"][batch] = _time([graph.replay], repeats)
         if (batch, 1) in graphs._tails:
@@ -275,13 +276,22 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=1, help="the switches in turn, this many times")
     parser.add_argument("--context", type=int, default=1, help="keys each request attends to (1: as captured)")
+    parser.add_argument(
+        "--batches", default=",".join(map(str, BATCHES)), help="captured batch sizes to time, comma-separated"
+    )
     parser.add_argument("--output")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.context < 1:
         parser.error("--context must be at least 1")
+    try:
+        batches = tuple(sorted({int(b) for b in args.batches.split(",")}))
+    except ValueError:
+        parser.error(f"--batches {args.batches!r}: give batch sizes as integers, comma-separated")
+    if batches[0] < 1:
+        parser.error("--batches: every batch size must be at least 1")
     if args.one:
-        print(json.dumps(_one(args.one, args.repeats, args.context)))
+        print(json.dumps(_one(args.one, args.repeats, args.context, batches)))
         return 0
     results = []
     for model in args.models.split(","):
@@ -299,6 +309,8 @@ def main() -> int:
                         str(args.repeats),
                         "--context",
                         str(args.context),
+                        "--batches",
+                        args.batches,
                     ],
                     env=env,
                     capture_output=True,
@@ -315,14 +327,14 @@ def main() -> int:
     # Forward-pass graph alone per batch, then the whole greedy step (forward + tail) at batch 1, its ratio to
     # the first switch, and over the roofline: the weight bytes a step reads (lm_head included, an untied
     # embedding not) over the bandwidth measured in the same process.
-    head = " ".join(f"{'b' + str(b) + ' fwd':>8}" for b in BATCHES)
+    head = " ".join(f"{'b' + str(b) + ' fwd':>8}" for b in batches)
     print(f"{'model':9} {'switch':52} {head}  step b1  ratio  b1/RL")
     base: dict[str, float] = {}
     for r in results:
         step = r["step_ms"].get(1, float("nan"))
         base.setdefault(r["model"], step)
         roofline_ms = (r["weight_bytes"] + r.get("kv_bytes_b1", 0)) / r["read_bytes_per_s"] * 1e3
-        cells = " ".join(f"{r['ms'][b]:8.3f}" for b in BATCHES)
+        cells = " ".join(f"{r['ms'][b]:8.3f}" for b in batches)
         print(
             f"{r['model']:9} {r['switch']:52} {cells}  {step:7.3f}  {step / base[r['model']]:5.3f}  "
             f"{step / roofline_ms:5.2f}"
