@@ -434,6 +434,7 @@ def engine_facts(llm: Any) -> dict[str, Any]:
 def _spec_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
     keys = ("num_steps", "num_generation_tokens", "spec_num_drafts", "spec_num_accepted_tokens")
     d: dict[str, Any] = {k: after[k] - before[k] for k in keys}
+    d["num_device_steps"] = after.get("num_device_steps", 0) - before.get("num_device_steps", 0)
     d["cuda_graph_replays"] = after.get("cuda_graph_replays", 0) - before.get("cuda_graph_replays", 0)
     d["cuda_graph_eager_forwards"] = after.get("cuda_graph_eager_forwards", 0) - before.get(
         "cuda_graph_eager_forwards", 0
@@ -514,12 +515,16 @@ def decode_window(llm: Any, asyncspec: Any, batch: int, s: dict[str, Any], profi
         s1 = llm.stats()
         cuda = s["device"].startswith("cuda") and profiled
         if profiled:
+            device_steps_before = llm.stats()["num_device_steps"]
             with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
                 pwall, _, ptokens, _ = window()
+            # The profiler slows the host, and the adaptive loop may then plan two or more device steps at once
+            # (an H100's 32-stream window, 2026-12-06): the profiled figures are per device step, not per call.
+            psteps = int(llm.stats()["num_device_steps"] - device_steps_before) or steps
             totals = profile_totals(prof)  # on the CPU too (the code path), but only CUDA activity counts
             union_s = device_busy_seconds(prof)  # likewise: no device events on the CPU
         else:
-            pwall = None
+            pwall, psteps = None, steps
         finished = sum(r.is_finished for r in reqs)
     finally:
         engine.abort_requests([r.request_id for r in reqs if not r.is_finished])
@@ -536,7 +541,8 @@ def decode_window(llm: Any, asyncspec: Any, batch: int, s: dict[str, Any], profi
         "decode_tok_s": tokens / wall if wall > 0 else None,
         "mean_context_tokens": ctx,
         "finished_during_windows": finished,
-        "profiled_wall_ms_per_step": pwall / steps * 1e3 if pwall is not None else None,
+        "profiled_device_steps": psteps if pwall is not None else None,
+        "profiled_wall_ms_per_step": pwall / psteps * 1e3 if pwall is not None else None,
         "gpu_ms_per_step": None,
         "gpu_ms_per_token": None,
         "kernels_per_step": None,
@@ -552,19 +558,19 @@ def decode_window(llm: Any, asyncspec: Any, batch: int, s: dict[str, Any], profi
     if finished:
         out["window_warning"] = f"{finished} of {batch} requests finished inside the windows: steps ran fewer rows"
     if cuda:
-        gpu_ms = totals["gpu_us"] / 1e3 / steps
-        pper_seq = ptokens / steps / batch
+        gpu_ms = totals["gpu_us"] / 1e3 / psteps
+        pper_seq = ptokens / psteps / batch
         out.update(
             gpu_ms_per_step=gpu_ms,
             gpu_ms_per_token=gpu_ms / pper_seq if pper_seq else None,
-            kernels_per_step=totals["kernels"] / steps,
-            gpu_ops_per_step=totals["gpu_ops"] / steps,
-            graph_launches_per_step=totals["graph_launches"] / steps,
-            gpu_busy_fraction=gpu_ms / wall_ms if wall_ms else None,
+            kernels_per_step=totals["kernels"] / psteps,
+            gpu_ops_per_step=totals["gpu_ops"] / psteps,
+            graph_launches_per_step=totals["graph_launches"] / psteps,
+            gpu_busy_fraction=gpu_ms / (wall / (out["timed_num_device_steps"] or steps) * 1e3) if wall else None,
             gpu_busy_fraction_profiled=gpu_ms / out["profiled_wall_ms_per_step"],
         )
         if union_s > 0:
-            union_ms = union_s * 1e3 / steps
+            union_ms = union_s * 1e3 / psteps
             out.update(
                 gpu_busy_union_ms_per_step=union_ms,
                 gpu_busy_fraction_union=union_ms / out["profiled_wall_ms_per_step"],
@@ -684,6 +690,7 @@ def bench_asyncspec(model: str, part: str, s: dict[str, Any]) -> dict:
 
 # The GPU-time fields of a window, taken from the traced engine's run of it.
 _TRACED_FIELDS = (
+    "profiled_device_steps",
     "profiled_wall_ms_per_step",
     "gpu_busy_union_ms_per_step",
     "gpu_busy_fraction_union",
@@ -716,7 +723,10 @@ def profile_windows(asyncspec: Any, model: str, kwargs: dict[str, Any], windows:
             continue
         window.update({key: traced[key] for key in _TRACED_FIELDS if key in traced})
         window.update({new: traced[old] for old, new in _TRACED_RENAMED.items() if old in traced})
-        gpu_ms, wall_ms = traced["gpu_ms_per_step"], window["wall_ms_per_step"]
+        gpu_ms = traced["gpu_ms_per_step"]  # per device step
+        wall_ms = (
+            window["wall_ms_per_step"] * window["steps"] / (window.get("timed_num_device_steps") or window["steps"])
+        )
         window["gpu_busy_fraction"] = gpu_ms / wall_ms if gpu_ms is not None and wall_ms else None
         window["traced_wall_ms_per_step"] = traced["wall_ms_per_step"]
 

@@ -450,6 +450,8 @@ def test_decode_windows_outlast_multi_step_plans() -> None:
     window = gss.decode_window(llm, asyncspec, 2, s, profiled=True)
     assert window["tokens_per_step_per_seq"] > 1  # multi-step plans ran
     assert window["finished_during_windows"] == 0 and "window_warning" not in window
+    # Per-step figures of the profiled window count device steps, not engine calls (each ran several).
+    assert window["timed_num_device_steps"] > window["steps"] and window["profiled_device_steps"] > window["steps"]
 
 
 def test_persistent_mlp_matches_its_reference_under_the_interpreter() -> None:
