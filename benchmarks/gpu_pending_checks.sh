@@ -59,6 +59,9 @@
 #          GPU tests of the streamed GEMV and of the engines that now take it by default: ~8 min cold
 #   rows-limit  the early trigger's row limit between 8 and 32 (ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS 8, 16, 24): the 1B's
 #          graphs of 8 to 32 rows at 315 keys (graph_replay.py --batches), two rounds: ~2.5 min cold
+#   rows16  why triggering first lost 7.6 % at 16 rows (2026-12-06, H100): one 1B step of 16 streams kernel by kernel in
+#          launch order (profile_step.py --sequence, PDL on) with the row limit at 8 (16 rows wait first) and at 16
+#          (they trigger first): ~2 min
 #   streams32  the 1B decode at 32 streams against its roofline (gpu_step_speed.py, bandwidth and async, one
 #          steady window of 32): issue 8's 0.6 goal, last 0.54 on an H200 (2026-12-03), 0.63 on an H100: ~2 min
 #   early-kv  the attention's step inputs and older keys read before the PDL wait (ASYNCSPEC_ATTN_EARLY_KV=1, of
@@ -260,6 +263,13 @@ if [[ " $parts " == *" rows-limit "* ]]; then
     r="ASYNCSPEC_PDL=1+ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS"
     timeout 200 python3 benchmarks/graph_replay.py --models llama-1b --context 315 --batches 8,16,24,32 \
         --rounds 2 --switches "$r=8,$r=16,$r=24" --output "$out/graph_replay_rows_limit_1b.json" 2>&1 | tail -7
+fi
+if [[ " $parts " == *" rows16 "* ]]; then
+    for rows in 8 16; do
+        ASYNCSPEC_PDL=1 ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS=$rows timeout 150 python3 benchmarks/profile_step.py \
+            --model llama-1b --streams 16 --top 10 --sequence 30 > "$out/profile_1b_16_rows$rows.txt" 2>&1
+        grep -A40 "^GPU time per step" "$out/profile_1b_16_rows$rows.txt" | head -48
+    done
 fi
 if [[ " $parts " == *" streams32 "* ]]; then
     timeout 240 python3 benchmarks/gpu_step_speed.py --models llama-1b --parts bandwidth,async --concurrency 32 \
