@@ -515,12 +515,12 @@ def decode_window(llm: Any, asyncspec: Any, batch: int, s: dict[str, Any], profi
         s1 = llm.stats()
         cuda = s["device"].startswith("cuda") and profiled
         if profiled:
-            device_steps_before = llm.stats()["num_device_steps"]
+            device_steps_before = llm.stats().get("num_device_steps", 0)
             with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
                 pwall, _, ptokens, _ = window()
             # The profiler slows the host, and the adaptive loop may then plan two or more device steps at once
             # (an H100's 32-stream window, 2026-12-06): the profiled figures are per device step, not per call.
-            psteps = int(llm.stats()["num_device_steps"] - device_steps_before) or steps
+            psteps = int(llm.stats().get("num_device_steps", 0) - device_steps_before) or steps
             totals = profile_totals(prof)  # on the CPU too (the code path), but only CUDA activity counts
             union_s = device_busy_seconds(prof)  # likewise: no device events on the CPU
         else:
@@ -534,6 +534,7 @@ def decode_window(llm: Any, asyncspec: Any, batch: int, s: dict[str, Any], profi
         "batch": batch,
         "steps": steps,
         "wall_ms_per_step": wall_ms,
+        "wall_ms_per_device_step": None,
         "median_step_ms": statistics.median(per_step) * 1e3,
         "tokens": tokens,
         "tokens_per_step_per_seq": per_seq,
@@ -542,6 +543,7 @@ def decode_window(llm: Any, asyncspec: Any, batch: int, s: dict[str, Any], profi
         "mean_context_tokens": ctx,
         "finished_during_windows": finished,
         "profiled_device_steps": psteps if pwall is not None else None,
+        "profiled_wall_s": pwall,
         "profiled_wall_ms_per_step": pwall / psteps * 1e3 if pwall is not None else None,
         "gpu_ms_per_step": None,
         "gpu_ms_per_token": None,
@@ -555,6 +557,7 @@ def decode_window(llm: Any, asyncspec: Any, batch: int, s: dict[str, Any], profi
         **{f"timed_{k2}": v for k2, v in _spec_delta(s0, s1).items()},
         **_step_timing_delta(s0, s1, steps, wall),
     }
+    out["wall_ms_per_device_step"] = wall / (out.get("timed_num_device_steps") or steps) * 1e3
     if finished:
         out["window_warning"] = f"{finished} of {batch} requests finished inside the windows: steps ran fewer rows"
     if cuda:
@@ -566,7 +569,7 @@ def decode_window(llm: Any, asyncspec: Any, batch: int, s: dict[str, Any], profi
             kernels_per_step=totals["kernels"] / psteps,
             gpu_ops_per_step=totals["gpu_ops"] / psteps,
             graph_launches_per_step=totals["graph_launches"] / psteps,
-            gpu_busy_fraction=gpu_ms / (wall / (out["timed_num_device_steps"] or steps) * 1e3) if wall else None,
+            gpu_busy_fraction=gpu_ms / out["wall_ms_per_device_step"] if wall else None,
             gpu_busy_fraction_profiled=gpu_ms / out["profiled_wall_ms_per_step"],
         )
         if union_s > 0:
@@ -688,9 +691,17 @@ def bench_asyncspec(model: str, part: str, s: dict[str, Any]) -> dict:
     return row
 
 
+def _wall_ms_per_device_step(window: dict[str, Any]) -> float | None:
+    """A window's wall ms per device step: per `engine.step` call where the window predates the field (one
+    device step a call unless multi-step plans ran)."""
+    value = window.get("wall_ms_per_device_step")
+    return value if value is not None else window.get("wall_ms_per_step")
+
+
 # The GPU-time fields of a window, taken from the traced engine's run of it.
 _TRACED_FIELDS = (
     "profiled_device_steps",
+    "profiled_wall_s",
     "profiled_wall_ms_per_step",
     "gpu_busy_union_ms_per_step",
     "gpu_busy_fraction_union",
@@ -724,9 +735,7 @@ def profile_windows(asyncspec: Any, model: str, kwargs: dict[str, Any], windows:
         window.update({key: traced[key] for key in _TRACED_FIELDS if key in traced})
         window.update({new: traced[old] for old, new in _TRACED_RENAMED.items() if old in traced})
         gpu_ms = traced["gpu_ms_per_step"]  # per device step
-        wall_ms = (
-            window["wall_ms_per_step"] * window["steps"] / (window.get("timed_num_device_steps") or window["steps"])
-        )
+        wall_ms = _wall_ms_per_device_step(window)
         window["gpu_busy_fraction"] = gpu_ms / wall_ms if gpu_ms is not None and wall_ms else None
         window["traced_wall_ms_per_step"] = traced["wall_ms_per_step"]
 
@@ -1104,8 +1113,10 @@ def derive(results: dict[str, Any]) -> None:
                 "tok_s": {k: _get(v, "e2e_tok_s") for k, v in row.get("throughput", {}).items()},
                 "decode_tok_s": {k: _get(v, "decode_tok_s") for k, v in row.get("throughput", {}).items()},
             }
-            for key in ("wall_ms_per_step", "gpu_ms_per_step", "kernels_per_step", "tokens_per_step_per_seq"):
+            for key in ("gpu_ms_per_step", "kernels_per_step", "tokens_per_step_per_seq"):
                 c[f"{key}_b1"] = w1.get(key)
+            # Beside GPU time and the roofline, wall time per device step (a plan may run several a call).
+            c["wall_ms_per_step_b1"] = _wall_ms_per_device_step(w1) if w1 else None
             c["gpu_ms_per_token_b1"] = w1.get("gpu_ms_per_token")
             c["wall_ms_per_token_b1"] = w1.get("wall_ms_per_token")
             rl1 = roofline_ms(wb, kvt, 1, w1.get("mean_context_tokens") or 0, bw) if w1 else None
@@ -1132,7 +1143,7 @@ def derive(results: dict[str, Any]) -> None:
             c["fraction_of_roofline_ref"] = None
             if w_ref and "error" not in w_ref:
                 rl_w = roofline_ms(wb, kvt, ref, w_ref["mean_context_tokens"], bw)
-                c["fraction_of_roofline_ref"] = _ratio(rl_w, w_ref["wall_ms_per_step"])
+                c["fraction_of_roofline_ref"] = _ratio(rl_w, _wall_ms_per_device_step(w_ref))
             c["over_hf_batch"] = {str(st): _ratio(c["tok_s"].get(str(st)), hf) for st, hf in hf_batch.items()}
             summary["configs"][name] = c
         # Speculation on vs off at the same concurrency (the adaptive-k question).
@@ -1157,7 +1168,7 @@ def derive(results: dict[str, Any]) -> None:
             sweep.append(
                 {
                     "batch": b,
-                    "wall_ms_per_step": w["wall_ms_per_step"],
+                    "wall_ms_per_step": _wall_ms_per_device_step(w),
                     "gpu_ms_per_step": w["gpu_ms_per_step"],
                     "roofline_ms_per_step": rl,
                     "gpu_x_roofline": _ratio(w["gpu_ms_per_step"], rl),

@@ -328,12 +328,13 @@ def main() -> int:
     # the first switch, and over the roofline: the weight bytes a step reads (lm_head included, an untied
     # embedding not) over the bandwidth measured in the same process.
     head = " ".join(f"{'b' + str(b) + ' fwd':>8}" for b in batches)
-    print(f"{'model':9} {'switch':52} {head}  step b1  ratio  b1/RL")
+    first = batches[0]  # the step's columns: the smallest batch timed (1 unless --batches leaves it out)
+    print(f"{'model':9} {'switch':52} {head}  {'step b' + str(first):>7}  ratio  b{first}/RL")
     base: dict[str, float] = {}
     for r in results:
-        step = r["step_ms"].get(1, float("nan"))
+        step = r["step_ms"].get(first, float("nan"))
         base.setdefault(r["model"], step)
-        roofline_ms = (r["weight_bytes"] + r.get("kv_bytes_b1", 0)) / r["read_bytes_per_s"] * 1e3
+        roofline_ms = (r["weight_bytes"] + first * r.get("kv_bytes_b1", 0)) / r["read_bytes_per_s"] * 1e3
         cells = " ".join(f"{r['ms'][b]:8.3f}" for b in batches)
         print(
             f"{r['model']:9} {r['switch']:52} {cells}  {step:7.3f}  {step / base[r['model']]:5.3f}  "

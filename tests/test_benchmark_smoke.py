@@ -452,6 +452,12 @@ def test_decode_windows_outlast_multi_step_plans() -> None:
     assert window["finished_during_windows"] == 0 and "window_warning" not in window
     # Per-step figures of the profiled window count device steps, not engine calls (each ran several).
     assert window["timed_num_device_steps"] > window["steps"] and window["profiled_device_steps"] > window["steps"]
+    assert window["wall_ms_per_device_step"] == pytest.approx(
+        window["wall_ms_per_step"] * window["steps"] / window["timed_num_device_steps"]
+    )
+    assert window["profiled_wall_ms_per_step"] == pytest.approx(
+        window["profiled_wall_s"] * 1e3 / window["profiled_device_steps"]
+    )
 
 
 def test_persistent_mlp_matches_its_reference_under_the_interpreter() -> None:

@@ -328,8 +328,8 @@ class ModelRunner:
             )
             self._use_skinny(self._skinny)
         # The target's batch-1 post-attention halves, o projections and attention inputs as streamed kernels,
-        # where ASYNCSPEC_STREAMED_MLP and ASYNCSPEC_STREAMED_DOWN_PROJ (both auto by default: the shapes measured
-        # faster; the MLP first, since the down projection's auto stays off where it serves), ASYNCSPEC_STREAMED_O_PROJ
+        # where ASYNCSPEC_STREAMED_MLP, ASYNCSPEC_STREAMED_O_PROJ and ASYNCSPEC_STREAMED_DOWN_PROJ (auto by default:
+        # the shapes measured faster; the MLP first, since the down projection's auto stays off where it serves)
         # and ASYNCSPEC_STREAMED_ATTN_IN ask for them.
         use_streamed_mlp(self.model, make_streamed_mlp(self.model, self.device))
         use_streamed_o_proj(self.model, make_streamed_o_proj(self.model, self.device))
