@@ -66,6 +66,10 @@
 #   rows16  why triggering first lost 8 % at 16 rows (2026-12-06, H100): one 1B step of 16 streams kernel by kernel in
 #          launch order (profile_step.py --sequence, PDL on) with the row limit at 8 (16 rows wait first) and at 16
 #          (they trigger first): ~2 min
+#   sequence-b1  one 1B batch-1 step kernel by kernel in launch order (profile_step.py --sequence, PDL on) with the
+#          defaults of 2026-12-06 (trigger-first, the o projection streamed) and with ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS=0:
+#          before the early trigger (session 37's profile) the MLP half ran at its bytes and a layer's whole excess,
+#          about 10 us, lay between the norm and the MLP (norm, q|k|v, attention, combine, o): ~2 min
 #   streams32  the 1B decode at 32 streams against its roofline (gpu_step_speed.py, bandwidth and async, one
 #          steady window of 32): issue 8's 0.6 goal, last 0.54 on an H200 (2026-12-03), 0.63 on an H100: ~2 min
 #   early-kv  the attention's step inputs and older keys read before the PDL wait (ASYNCSPEC_ATTN_EARLY_KV=1, of
@@ -278,6 +282,13 @@ if [[ " $parts " == *" rows16 "* ]]; then
         ASYNCSPEC_PDL=1 ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS=$rows timeout 150 python3 benchmarks/profile_step.py \
             --model llama-1b --streams 16 --top 10 --sequence 30 > "$out/profile_1b_16_rows$rows.txt" 2>&1
         grep -A40 "^GPU time per step" "$out/profile_1b_16_rows$rows.txt" | head -48
+    done
+fi
+if [[ " $parts " == *" sequence-b1 "* ]]; then
+    for rows in 8 0; do
+        ASYNCSPEC_PDL=1 ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS=$rows timeout 150 python3 benchmarks/profile_step.py \
+            --model llama-1b --streams 1 --top 10 --sequence 30 > "$out/profile_1b_b1_rows$rows.txt" 2>&1
+        grep -A44 "^GPU time per step" "$out/profile_1b_b1_rows$rows.txt" | head -48
     done
 fi
 if [[ " $parts " == *" streams32 "* ]]; then
