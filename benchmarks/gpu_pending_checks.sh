@@ -52,8 +52,10 @@
 #          rows with the attention waiting first (taken everywhere, 32 rows lost 1.5 %, the attention alone 5 %):
 #          ~6 min (H100: the 1B step 1.055 -> 0.995 ms, the 8B's 5.316 -> 5.282; an H200 has not measured it)
 #   streamed-315  the streamed o projection and attention input, and the fused combine, against the o projection's own
-#          kernel (ASYNCSPEC_STREAMED_O_PROJ=0), again now that small graphs trigger first (a successor can now stream its weights through the whole attention, not only its combine):
-#          graph_replay.py --context 315, the 1B twice, the 8B once: ~5 min
+#          kernel (ASYNCSPEC_STREAMED_O_PROJ=0), again now that small graphs trigger first (a successor can stream
+#          its weights through the whole attention, not only its combine): graph_replay.py --context 315, the 1B
+#          twice, the 8B once: ~6 min cold (H100, 2026-12-06: the o projection 0.8 % faster on the 1B, 3.6 % slower
+#          on the 8B; the attention input and the fused combine slower on both)
 #   o-proj-auto  the o projection's auto (from 2026-12-06: streamed where a program's share fits its ring, the 1B's
 #          and not the 8B's) against ASYNCSPEC_STREAMED_O_PROJ=0 at 315 keys (the 1B twice, the 8B once): ~4 min cold
 #          (the 1B step 1.005-1.010 -> 0.998-1.000 ms on an H100, 2026-12-06)

@@ -32,10 +32,10 @@ def share_fits_ring(shapes: set[tuple[int, int]], num_sms: int, ring_bytes: Call
     to program i mod `num_sms`) fit `ring_bytes(K)` bytes of ring: a program then holds all its weight in shared
     memory by the time its PDL wait returns, having loaded it while the kernels ahead (the attention) ran.
     Measured on two o projections (an H100, 2026-12-06, small graphs triggering their successors first): the 1B's
-    [2048, 2048], one 64 KiB tile a program, made the step 0.8 % faster; the 8B's [4096, 4096], 256 KiB a program
+    [2048, 2048], one 64 KiB tile a program, made the step 0.5-1.2 % faster; the 8B's [4096, 4096], 256 KiB a program
     against a 64 KiB ring, 3.6 % slower. The shapes between are not measured."""
     return bool(shapes) and all(
-        _ceil_div(_ceil_div(n, 16), num_sms) * TILE_ROWS * k * BF16_BYTES <= ring_bytes(k) for n, k in shapes
+        _ceil_div(_ceil_div(n, TILE_ROWS), num_sms) * TILE_ROWS * k * BF16_BYTES <= ring_bytes(k) for n, k in shapes
     )
 
 
