@@ -144,6 +144,17 @@ replay_315_1b_8b() {
     timeout 200 python3 benchmarks/graph_replay.py --models llama-8b --context 315 --switches "$switches_8b" \
         --output "$out/graph_replay_${name}_8b.json" 2>&1 | tail -5
 }
+# One 1B step of $1 streams kernel by kernel in launch order (profile_step.py --sequence, PDL on), once for each
+# early-trigger row limit given after the file tag $2: profile_1b_$2_rows<limit>.txt.
+sequence_by_rows() {
+    local streams=$1 tag=$2 rows
+    shift 2
+    for rows in "$@"; do
+        ASYNCSPEC_PDL=1 ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS=$rows timeout 150 python3 benchmarks/profile_step.py \
+            --model llama-1b --streams "$streams" --top 10 --sequence 30 > "$out/profile_1b_${tag}_rows$rows.txt" 2>&1
+        grep -A44 "^GPU time per step" "$out/profile_1b_${tag}_rows$rows.txt" | head -48
+    done
+}
 if [[ " $parts " == *" tests "* ]]; then
     gpu_tests all tests/worker tests/layers tests/kernels tests/spec tests/engine tests/models
 fi
@@ -280,18 +291,10 @@ if [[ " $parts " == *" rows-limit "* ]]; then
         --rounds 2 --switches "$r=8,$r=16,$r=24" --output "$out/graph_replay_rows_limit_1b.json" 2>&1 | tail -7
 fi
 if [[ " $parts " == *" rows16 "* ]]; then
-    for rows in 8 16; do
-        ASYNCSPEC_PDL=1 ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS=$rows timeout 150 python3 benchmarks/profile_step.py \
-            --model llama-1b --streams 16 --top 10 --sequence 30 > "$out/profile_1b_16_rows$rows.txt" 2>&1
-        grep -A40 "^GPU time per step" "$out/profile_1b_16_rows$rows.txt" | head -48
-    done
+    sequence_by_rows 16 b16 8 16
 fi
 if [[ " $parts " == *" sequence-b1 "* ]]; then
-    for rows in 8 0; do
-        ASYNCSPEC_PDL=1 ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS=$rows timeout 150 python3 benchmarks/profile_step.py \
-            --model llama-1b --streams 1 --top 10 --sequence 30 > "$out/profile_1b_b1_rows$rows.txt" 2>&1
-        grep -A44 "^GPU time per step" "$out/profile_1b_b1_rows$rows.txt" | head -48
-    done
+    sequence_by_rows 1 b1 8 0
 fi
 if [[ " $parts " == *" streams32 "* ]]; then
     timeout 240 python3 benchmarks/gpu_step_speed.py --models llama-1b --parts bandwidth,async --concurrency 32 \

@@ -75,7 +75,7 @@ def pdl_mode(device: torch.device, rows: int) -> int:
     CUDA graph with at most `early_trigger_rows()` rows, so that its successor's programs start (and load their
     weights) while this kernel still waits; WAIT_FIRST otherwise. On an H100 (2026-12-06) trigger-first took the
     Llama-1B's batch-1 step from 1.055 to 0.995 ms (its forward at 2 / 4 / 8 rows 2.9 / 0 / 1.9 % faster; the 8B's
-    step 5.316 to 5.282 ms, 0.5-0.9 % at 2 to 8 rows), but made 32 rows 1.5 % slower when every launch took it,
+    step 5.316 to 5.282 ms, 0.5-0.9 % at 2 to 8 rows), but made 16, 24 and 32 rows 8 %, 3 % and 1.5 % slower,
     hence the limit. Eager launches keep WAIT_FIRST, so that no variant compiles mid-run for them: the
     trigger-first variants compile during the graphs' capture at start-up."""
     if not pdl_enabled(device):
