@@ -211,11 +211,27 @@ class TensorParallelExecutor:
     def _raise_error(self, rank: int, what: str, reply: tuple[Any, ...]) -> None:
         error, text = reply[1], reply[2]
         logger.error("tensor-parallel rank %d failed during %s:\n%s", rank, what, text)
+        # A rank whose peer died mid-collective fails with a transport error (a reset connection) that may reach
+        # us before the dead peer's exit does: name the peer, the cause, not the rank that reported it.
+        peer = self._exited_peer(rank) if what not in _START_UP else None
+        message = f"tensor-parallel rank {rank} failed during {what}: {error!r}"
+        if peer is not None:
+            message = (
+                f"tensor-parallel rank {peer} exited ({self._describe(peer)}) and rank {rank} failed during {what}: "
+                f"{error!r}"
+            )
         self._stop()
-        self._dead = WorkerDiedError(f"tensor-parallel rank {rank} failed during {what}: {error!r}")
+        self._dead = WorkerDiedError(message)
         if isinstance(error, AsyncSpecError) and what in _START_UP:
             raise error  # a config or model error: the same message as with one GPU
         raise self._dead
+
+    def _exited_peer(self, rank: int, grace_s: float = 0.5) -> int | None:
+        """The lowest other rank that has exited, or exits within `grace_s` (a killed process closes its sockets
+        a moment before it can be reaped); None if every other rank still runs."""
+        sentinels = {p.sentinel: other for other, p in enumerate(self._procs) if other != rank}
+        exited = wait(list(sentinels), timeout=grace_s) if sentinels else []
+        return min((sentinels[s] for s in exited if isinstance(s, int)), default=None)
 
     def _fail(self, message: str) -> None:
         self._stop()

@@ -240,6 +240,37 @@ def test_a_rank_failing_in_a_step_reports_its_own_error() -> None:
     _assert_gone(pids)
 
 
+def test_a_killed_rank_is_named_when_its_peer_reports_the_broken_collective() -> None:
+    """A rank killed mid-collective makes its peers fail with a transport error (a reset connection) that may
+    reach the engine before the kill does: the error names the killed rank, and keeps the reporter's error."""
+    with LLM(str(TARGET_MODEL), tensor_parallel_size=2, skip_tokenizer_init=True, **BUNDLED) as llm:
+        executor = _executor(llm)
+        pids = _pids(executor)
+        os.kill(pids[1], signal.SIGKILL)
+        reset = RuntimeError("Connection reset by peer")
+        with pytest.raises(
+            WorkerDiedError,
+            match=r"rank 1 exited \(pid \d+ killed by signal 9\) and rank 0 failed "
+            r"during collect: RuntimeError\('Connection reset by peer'\)",
+        ):
+            executor._raise_error(0, "collect", ("error", reset, "Traceback: ..."))
+        with pytest.raises(WorkerDiedError, match="rank 1 exited"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # the engine stays dead with that error
+    _assert_gone(pids)
+
+
+def test_a_rank_failing_alone_is_named_alone() -> None:
+    """A rank that reports an error while every other rank still runs is the one named (after a short grace for
+    a peer's exit)."""
+    with LLM(str(TARGET_MODEL), tensor_parallel_size=2, skip_tokenizer_init=True, **BUNDLED) as llm:
+        executor = _executor(llm)
+        pids = _pids(executor)
+        with pytest.raises(WorkerDiedError) as e:
+            executor._raise_error(1, "collect", ("error", ValueError("bad step"), "Traceback: ..."))
+        assert str(e.value) == "tensor-parallel rank 1 failed during collect: ValueError('bad step')"
+    _assert_gone(pids)
+
+
 def test_ranks_that_part_are_caught_in_debug_mode() -> None:
     """Debug mode (on in every test) compares every rank's step results; the comparison names the
     first field where a rank parted from rank 0."""
