@@ -52,16 +52,14 @@ class MemorySnapshot:
         return self.free + self.torch_reserved - self.torch_allocated
 
 
-def snapshot_at_start(device: torch.device, utilization: float) -> MemorySnapshot:
-    """The card before this engine loads anything. When this engine's share is not free, Python's cyclic garbage
-    (an engine the caller dropped in a reference cycle) and the allocator's cache are freed first, and the card
-    is read again."""
-    start = MemorySnapshot.take(device)
-    if start.available < int(start.total * utilization):
-        gc.collect()
-        torch.cuda.empty_cache()
-        start = MemorySnapshot.take(device)
-    return start
+def snapshot_at_start(device: torch.device) -> MemorySnapshot:
+    """The card before this engine loads anything, with Python's cyclic garbage (an engine the caller dropped in a
+    reference cycle) and this process's allocator cache freed first. An engine dropped earlier in the process leaves
+    its KV pool cached as a few segments of gigabytes each: this engine's weights would be carved out of one of them,
+    which could then never be released, and a pool as large as the last one would no longer fit beside it."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    return MemorySnapshot.take(device)
 
 
 def check_free_at_start(start: MemorySnapshot, utilization: float) -> None:

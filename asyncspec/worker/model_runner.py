@@ -297,7 +297,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._device_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
             # Before the weights: what the card holds already is not this engine's (gpu_memory.py).
-            self.memory_at_start = snapshot_at_start(self.device, config.gpu_memory_utilization)
+            self.memory_at_start = snapshot_at_start(self.device)
             check_free_at_start(self.memory_at_start, config.gpu_memory_utilization)
         self.model = load_model(
             config.model, model_config, self.dtype, self.device, config.load_format, config.seed, self.tp

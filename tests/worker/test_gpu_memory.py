@@ -1,5 +1,5 @@
 """The KV pool's share of GPU memory (worker/gpu_memory.py): the arithmetic on the CPU, and on a GPU an engine
-started beside another process that holds part of the card."""
+started beside another process that holds part of the card, or after another engine of the same process."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from asyncspec.errors import ConfigError
+from asyncspec.worker import gpu_memory
 from asyncspec.worker.gpu_memory import GIB, MemorySnapshot, check_free_at_start, kv_cache_budget
 from tests.conftest import TARGET_MODEL
+from tests.hf_tiny_models import save_tiny_family_model
 
 TOTAL = 80 * GIB
 
@@ -46,6 +48,23 @@ def test_a_share_larger_than_the_free_memory_fails_with_the_numbers() -> None:
         check_free_at_start(snapshot(free=20), 0.4)
     message = str(err.value)
     assert "gpu_memory_utilization=0.4" in message and "32.00 GiB" in message and "20.00 GiB are free" in message
+
+
+def test_the_start_snapshot_follows_the_release_of_garbage_and_cached_memory(monkeypatch) -> None:
+    """A dropped engine's KV pool, still cached by this process's allocator (or alive in a reference cycle), goes
+    back before the snapshot is read, so that the new engine's weights are not carved out of it."""
+    events: list[str] = []
+    monkeypatch.setattr(gpu_memory.gc, "collect", lambda: events.append("collect"))
+    monkeypatch.setattr(gpu_memory.torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    taken = snapshot(free=79)
+
+    def take(device: torch.device) -> MemorySnapshot:
+        events.append("take")
+        return taken
+
+    monkeypatch.setattr(MemorySnapshot, "take", staticmethod(take))
+    assert gpu_memory.snapshot_at_start(torch.device("cuda", 0)) is taken
+    assert events == ["collect", "empty_cache", "take"]
 
 
 def test_nothing_left_is_a_negative_budget() -> None:
@@ -104,3 +123,34 @@ def test_an_engine_whose_share_is_not_free_fails_at_once(other_process_holding) 
     other_process_holding(0.7)
     with pytest.raises(ConfigError, match="are free"):
         LLM(str(TARGET_MODEL), gpu_memory_utilization=0.4, max_num_seqs=4)
+
+
+@pytest.mark.gpu
+def test_an_engine_started_after_a_dropped_one_gets_the_same_share(tmp_path) -> None:
+    """Two engines one after the other in one process, each at the default gpu_memory_utilization, the first dropped
+    without a context manager or a garbage collection. The first one's pool stayed cached as four segments of about
+    18 GiB (two layers, K and V); the second one's weights were carved out of one, which then could not be released,
+    and its own pool's last tensor ran out of memory (H100, 2026-12-06)."""
+    from asyncspec import LLM, SamplingParams
+
+    paths = []
+    for heads in (8, 36):  # the second model's weights are larger than the first's
+        path = tmp_path / f"heads{heads}"
+        save_tiny_family_model(
+            "llama",
+            path,
+            torch.bfloat16,
+            hidden_size=heads * 64,
+            intermediate_size=1024,
+            num_attention_heads=heads,
+            head_dim=64,
+        )
+        paths.append(path)
+    first = LLM(str(paths[0]), device="cuda", skip_tokenizer_init=True, max_model_len=256, max_num_batched_tokens=64)
+    first_blocks = first.stats()["num_kv_blocks"]
+    del first
+    second = LLM(str(paths[1]), device="cuda", skip_tokenizer_init=True, max_model_len=256, max_num_batched_tokens=64)
+    # The same share less the second model's few extra megabytes of weights and activations.
+    assert second.stats()["num_kv_blocks"] > 0.99 * first_blocks
+    out = second.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
