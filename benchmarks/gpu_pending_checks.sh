@@ -59,11 +59,12 @@
 #   o-proj-auto  the o projection's auto (from 2026-12-06: streamed where a program's share fits its ring, the 1B's
 #          and not the 8B's) against ASYNCSPEC_STREAMED_O_PROJ=0 at 315 keys (the 1B twice, the 8B once): ~4 min cold
 #          (the 1B step 1.005-1.010 -> 0.998-1.000 ms on an H100, 2026-12-06)
-#   o-proj-tests  auto's own engine test (tests/engine/test_gpu_streamed_o_proj.py, not yet run on a GPU) and the one
+#   o-proj-tests  auto's own engine test (tests/engine/test_gpu_streamed_o_proj.py) and the one
 #          other GPU engine test whose model auto now streams (test_step_timing.py, the 1B shape; the tiny models of
 #          the others are 128 columns wide, the bundled target's 384, the long-context test's o projection too large).
 #          The streamed GEMV's kernel tests, the streamed MLP's and down projection's engine tests and
-#          test_gpu_graphs_hf.py passed on an H100 with it (2026-12-06): ~3 min cold
+#          test_gpu_graphs_hf.py passed on an H100 with it (2026-12-06); this part's tests too, once an engine restarted
+#          in one process no longer ran out of memory (session 39, tests/worker/test_gpu_memory.py): ~3 min cold
 #   rows-limit  the early trigger's row limit between 8 and 32 (ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS 8, 16, 24): the 1B's
 #          graphs of 8 to 32 rows at 315 keys (graph_replay.py --batches), two rounds: ~2.5 min cold
 #   rows16  why triggering first lost 8 % at 16 rows (2026-12-06, H100): one 1B step of 16 streams kernel by kernel in
@@ -72,7 +73,8 @@
 #   sequence-b1  one 1B batch-1 step kernel by kernel in launch order (profile_step.py --sequence, PDL on) with the
 #          defaults of 2026-12-06 (trigger-first, the o projection streamed) and with ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS=0:
 #          before the early trigger (session 37's profile) the MLP half ran at its bytes and a layer's whole excess,
-#          about 10 us, lay between the norm and the MLP (norm, q|k|v, attention, combine, o): ~2 min
+#          about 10 us, lay between the norm and the MLP (norm, q|k|v, attention, combine, o); with the early trigger
+#          (session 39, H100) the attention's own link, 6.6 us after q|k|v's end, is the longest of them: ~2 min
 #   streams32  the 1B decode at 32 streams against its roofline (gpu_step_speed.py, bandwidth and async, one
 #          steady window of 32): issue 8's 0.6 goal, last 0.54 on an H200 (2026-12-03), 0.63 on an H100: ~2 min
 #   early-kv  the attention's step inputs and older keys read before the PDL wait (ASYNCSPEC_ATTN_EARLY_KV=1, of
@@ -80,6 +82,7 @@
 #          tests, ~4 min on a cold machine
 #   early-kv-ab  its A/B at a real context: graph_replay.py --context 315 (the 1B twice, the 8B once; as captured
 #          the graphs hold a context of one key), then the 1B's 32-stream steady window with and without: ~5 min
+#          (with small graphs triggering first, early KV made the 1B's batch-1 step 7.5 % slower on an H100, session 39)
 #   ab-315  one call for the open A/Bs at a real context (graph_replay.py --context 315): the 1B with the default,
 #          ASYNCSPEC_ATTN_EARLY_KV=1 and ASYNCSPEC_STREAMED_MLP=0, two rounds; the 8B with the default and early KV;
 #          then the 1B's 32-stream steady window (streams32): ~8 min on a cold machine
