@@ -793,6 +793,13 @@ def make_combine_counters(device: torch.device | str) -> torch.Tensor:
     return torch.zeros(_COMBINE_COUNTER_SLOTS, dtype=torch.int32, device=device)
 
 
+def _early_reads_allowed(pdl: int) -> bool:
+    """Whether `early_kv`'s reads before the PDL wait are safe under launch mode `pdl`: they need every kernel two
+    launches back completed, which a predecessor of as many rows that let this kernel launch before its own wait
+    would not promise. (A module function so that a timing-only benchmark patch can lift it.)"""
+    return pdl != TRIGGER_FIRST
+
+
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     """SM count of a CUDA device (host-side, cached: no sync); a fixed H100-like default elsewhere."""
@@ -870,9 +877,7 @@ def paged_attention(
     pdl = pdl_mode(query.device, num_tokens)
     programs = num_tiles * num_kv_heads * num_splits
     early_kv = early_kv and programs <= _EARLY_KV_MAX_PROGRAMS_PER_SM * _num_sms(query.device)
-    # The early reads need every kernel two launches back completed: a predecessor of as many rows that let this
-    # kernel launch before its own wait would not promise that.
-    early_kv = early_kv and pdl != TRIGGER_FIRST
+    early_kv = early_kv and _early_reads_allowed(pdl)
     if num_splits == 1:
         _paged_attention_kernel[(num_tiles, num_kv_heads)](
             query,
