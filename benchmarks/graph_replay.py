@@ -53,11 +53,7 @@ GEMV whose loader streams the weights from its start, before the PDL wait (GRAPH
 their own PDL wait at every batch size; `attention_wait_first` keeps them waiting first whatever the engine's
 ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS (kernels/pdl.py: captured launches of at most that many rows trigger first; the
 session-37 `pdl_early_all` patch is that setting at a large row count). The trigger's place cannot change the
-numbers: a successor still waits for its predecessor's completion in its own `griddepcontrol.wait`.
-`early_kv_trigger_first` (with ASYNCSPEC_ATTN_EARLY_KV=1) keeps the early trigger that early KV otherwise turns off
-everywhere, and lets the attention read early under it. Timing only: under trigger-first nothing promises that the
-step inputs and older keys are complete before the wait (here they are: the graph's embedding, a kernel without
-PDL, ends every run-ahead before the layers, and graph_replay writes its inputs before the replays)."""
+numbers: a successor still waits for its predecessor's completion in its own `griddepcontrol.wait`."""
 
 
 def _apply_patches(patches: set[str]) -> None:
@@ -164,19 +160,6 @@ def _apply_patches(patches: set[str]) -> None:
         model_runner.make_skinny_linear = lambda device, max_rows=None: dataclasses.replace(  # type: ignore[assignment]
             make(device, max_rows), gated_kernel=None
         )
-    if "early_kv_trigger_first" in patches:
-        from asyncspec.kernels import paged_attention_triton
-        from asyncspec.layers import attention
-
-        use_early_kv = model_runner.use_early_kv
-
-        def _early_kv_keeping_the_trigger(model, device):
-            count = use_early_kv(model, device)
-            os.environ.pop(attention.EARLY_KV_ENV, None)  # kernels/pdl.py then keeps the early trigger
-            return count
-
-        model_runner.use_early_kv = _early_kv_keeping_the_trigger  # type: ignore[assignment]
-        paged_attention_triton._early_reads_allowed = lambda pdl: True  # type: ignore[assignment]
     if "attention_wait_first" in patches:
         from asyncspec.kernels import paged_attention_triton
         from asyncspec.kernels.pdl import WAIT_FIRST

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncspec.kernels.pdl import TRIGGER_FIRST, pdl_launch_options, pdl_mode, pdl_start
+from asyncspec.kernels.pdl import pdl_launch_options, pdl_mode, pdl_start
 
 
 def _patch_interpreter() -> None:
@@ -793,13 +793,6 @@ def make_combine_counters(device: torch.device | str) -> torch.Tensor:
     return torch.zeros(_COMBINE_COUNTER_SLOTS, dtype=torch.int32, device=device)
 
 
-def _early_reads_allowed(pdl: int) -> bool:
-    """Whether `early_kv`'s reads before the PDL wait are safe under launch mode `pdl`: they need every kernel two
-    launches back completed, which a predecessor of as many rows that let this kernel launch before its own wait
-    would not promise. (A module function so that a timing-only benchmark patch can lift it.)"""
-    return pdl != TRIGGER_FIRST
-
-
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     """SM count of a CUDA device (host-side, cached: no sync); a fixed H100-like default elsewhere."""
@@ -835,11 +828,13 @@ def paged_attention(
     combine kernel.
     `early_kv` reads the step inputs (query_start_loc, seq_lens, block_tables) and each program's first tile of
     keys below its request's context before the kernel's PDL wait, so that their latency overlaps the previous
-    kernel's tail; q and the keys at or past the context, which the previous kernel may be writing, after it. The
-    caller guarantees that the kernel launched just before this one writes none of those inputs nor any key below a
-    request's context: under PDL a kernel's programs start only once every program of its predecessor has passed
-    its own wait (each of this package's kernels waits before it lets its successor launch), so what was written
-    two kernels back is complete, and the loads go to L2. The numbers are the same as without it, bit for bit.
+    kernel's tail; q and the keys at or past the context, which the kernels before it may be writing, after it.
+    The caller guarantees that no kernel launched since its forward pass began writes those inputs nor any key below
+    a request's context, and that the pass begins with a launch without PDL (the token embedding's gather): that
+    launch completes only after every earlier kernel has, and every later kernel of the pass starts after it, even
+    where launches let their successor start before their own wait (`pdl_mode`). What the early reads load was
+    written before the pass, so it is complete, and the loads go to L2. The numbers are the same as without it,
+    bit for bit.
     A grid of more than `_EARLY_KV_MAX_PROGRAMS_PER_SM` programs an SM ignores it (the registers it holds).
     """
     num_tokens, num_heads, head_dim = query.shape
@@ -877,7 +872,6 @@ def paged_attention(
     pdl = pdl_mode(query.device, num_tokens)
     programs = num_tiles * num_kv_heads * num_splits
     early_kv = early_kv and programs <= _EARLY_KV_MAX_PROGRAMS_PER_SM * _num_sms(query.device)
-    early_kv = early_kv and _early_reads_allowed(pdl)
     if num_splits == 1:
         _paged_attention_kernel[(num_tiles, num_kv_heads)](
             query,

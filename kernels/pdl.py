@@ -14,12 +14,14 @@ returns. Only what no kernel of a step writes, the weights, is read before the w
 first chunks of W, the norm's weight, the streamed kernels' rings): those loads then overlap the predecessor.
 
 Where a program lets its successor launch is a choice (`pdl_mode`). By default it waits first (`pdl_start` does
-both, in that order), so when a kernel's programs run, every kernel two or more launches back has completed; the
-attention's opt-in `early_kv` reads step inputs and keys of earlier steps before its wait on that promise. The
+both, in that order), so when a kernel's programs run, every kernel two or more launches back has completed. The
 decode graphs' small launches (at most ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS rows, default 8) trigger first: their
 successor's programs start as soon as all of theirs have, and stream weights while the chain ahead still runs;
 that holds nothing up, since a grid launches only once its predecessor's programs are all resident. Kernels
-without PDL (torch's, cuBLAS's) keep ordinary stream order on both sides and so end any such run-ahead.
+without PDL (torch's, cuBLAS's) keep ordinary stream order on both sides and so end any such run-ahead: a model's
+forward pass begins with one (the token embedding's gather), so everything written before the pass is complete
+before any of its kernels starts, whichever way their launches trigger. The attention's opt-in `early_kv` reads
+step inputs and keys of earlier passes before its wait on that promise.
 `ASYNCSPEC_PDL=0` turns PDL off (an A/B, or a driver that mishandles it); the interpreter never uses it.
 """
 
@@ -35,9 +37,6 @@ import triton.language as tl
 PDL_ENV = "ASYNCSPEC_PDL"
 EARLY_TRIGGER_ROWS_ENV = "ASYNCSPEC_PDL_EARLY_TRIGGER_ROWS"
 DEFAULT_EARLY_TRIGGER_ROWS = 8
-# The attention's opt-in early reads (layers/attention.py's EARLY_KV_ENV) rely on every kernel two launches back
-# having completed, which successors launched before their predecessor's wait no longer promise.
-_EARLY_KV_ENV = "ASYNCSPEC_ATTN_EARLY_KV"
 WAIT_FIRST = 1
 TRIGGER_FIRST = 2
 
@@ -82,9 +81,7 @@ def pdl_mode(device: torch.device, rows: int) -> int:
         return 0
     if not torch.cuda.is_current_stream_capturing():
         return WAIT_FIRST
-    # Read as layers/switches.py reads it ("1" once stripped), so that both sides agree on what is on.
-    early = rows <= early_trigger_rows() and os.environ.get(_EARLY_KV_ENV, "0").strip() != "1"
-    return TRIGGER_FIRST if early else WAIT_FIRST
+    return TRIGGER_FIRST if rows <= early_trigger_rows() else WAIT_FIRST
 
 
 @triton.jit

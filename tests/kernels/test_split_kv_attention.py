@@ -764,3 +764,64 @@ def test_gpu_early_kv_waits_for_the_predecessor_s_keys(monkeypatch, num_splits, 
     _read_before_wait_kernel[(1,)](k_flat, slot_ids, seen, USE_PDL=True, launch_pdl=True)
     torch.cuda.synchronize()
     assert seen.isnan().all(), "the control read the key after its write: the test raced nothing"
+
+
+def _captured(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """`fn` captured into a CUDA graph, after one throwaway capture that compiles and loads its kernels' variants."""
+    for _ in range(2):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        torch.cuda.synchronize()
+    return graph
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [4, 1])
+def test_gpu_early_kv_under_trigger_first_reads_older_keys_after_a_launch_without_pdl(num_splits) -> None:
+    """early_kv in a captured chain whose launches trigger first (kernels/pdl.py): a kernel writes older keys (below
+    the context) late, and a launch without PDL (as a forward pass's embedding gather) stands between it and the
+    attention, so the early reads must see them. The control, the same graph without that launch, shows the race is
+    real: the early reads then see the NaN the writer overwrites."""
+    from asyncspec.kernels import paged_attention_triton as mod
+    from asyncspec.kernels.pdl import TRIGGER_FIRST, pdl_enabled, pdl_mode
+
+    if not pdl_enabled(torch.device("cuda")):
+        pytest.skip("needs PDL (compute capability 9.0+, ASYNCSPEC_PDL not 0)")
+    gen = torch.Generator().manual_seed(40 + num_splits)
+    batch = _gpu_batch(gen, 2, 1, 3000, num_pad=2)
+    k_cache, v_cache = fill_cache(gen, batch, 16, 8, 64, torch.bfloat16, device="cuda")
+    query = torch.randn(batch.num_tokens + 2, 32, 64, generator=gen).to("cuda", torch.bfloat16)
+    args = (query, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, 64**-0.5)
+    # Each request's first 16 keys: older keys, in the first tile of split 0 (the one the early reads load).
+    slot_ids = torch.cat([batch.block_tables[b, 0].long() * 16 + torch.arange(16, device="cuda") for b in range(2)])
+    k_flat, v_flat = k_cache.view(-1, 8 * 64), v_cache.view(-1, 8 * 64)
+    k_old, v_old = k_flat[slot_ids].clone(), v_flat[slot_ids].clone()
+    shipped = mod.paged_attention(*args, num_splits=num_splits)
+    out = torch.empty_like(query)
+    marker = torch.zeros(1, device="cuda")
+
+    def chain(barrier: bool) -> None:
+        _late_kv_write_kernel[(slot_ids.numel(),)](
+            k_old, v_old, k_flat, v_flat, slot_ids, 8 * 64, 200_000, BLOCK=512, launch_pdl=True
+        )
+        if barrier:
+            marker.add_(1)  # a torch kernel: no PDL
+        assert pdl_mode(query.device, query.shape[0]) == TRIGGER_FIRST
+        mod.paged_attention(*args, out=out, num_splits=num_splits, early_kv=True)
+
+    for barrier, expect_race in ((True, False), (False, True)):
+        graph = _captured(functools.partial(chain, barrier))
+        raced = False
+        for _ in range(3):
+            k_flat[slot_ids] = float("nan")
+            v_flat[slot_ids] = float("nan")
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            raced |= bool(out[: batch.num_tokens].isnan().any())
+            if not expect_race:
+                assert not raced, "an older key was read before its write"
+                assert torch.equal(out, shipped)
+        if expect_race:
+            assert raced, "without the launch between them the early reads never saw the NaN: the test raced nothing"
