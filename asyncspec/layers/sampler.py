@@ -444,7 +444,9 @@ class Sampler(nn.Module):
     @staticmethod
     def _gather_logprobs(out: SamplerOutput, raw_logprobs: Tensor, num: int) -> None:
         sampled = out.sampled_token_ids.unsqueeze(1)
-        sampled_lp = raw_logprobs.gather(1, sampled)
+        # A row without a valid token holds INVALID_TOKEN_ID; its request fails and its logprobs are dropped, but
+        # the gather must stay in range for every row (on a GPU an out-of-range index is a device-side assert).
+        sampled_lp = raw_logprobs.gather(1, sampled.clamp_min(0))
         num = min(num, raw_logprobs.shape[-1])
         if num > 0:
             top_lp, top_ids = raw_logprobs.topk(num, dim=-1)

@@ -207,6 +207,28 @@ def test_row_without_valid_token_fails_alone_and_never_emits_token_zero(engine, 
     assert _tokens(good) == reference[0].token_ids
 
 
+def test_row_without_valid_token_fails_alone_beside_a_request_asking_for_logprobs(engine, prompts, reference):
+    """Regression: with logprobs asked anywhere in the batch, the blocked row's invalid token reached the logprob
+    gather, and the engine died with every request."""
+    everything_blocked = SamplingParams(
+        temperature=0.8, max_tokens=5, min_tokens=3, stop_token_ids=list(range(VOCAB)), seed=1
+    )
+    greedy_logprobs = SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, ignore_eos=True, logprobs=2)
+
+    async def main():
+        good = asyncio.create_task(_collect(engine, prompts[0], greedy_logprobs, "good-logprobs"))
+        blocked = asyncio.create_task(_collect(engine, prompts[1], everything_blocked, "all-blocked-logprobs"))
+        results = await asyncio.gather(good, blocked, return_exceptions=True)
+        await wait_kv_free(engine)
+        return results
+
+    good, blocked = _run(main())
+    assert isinstance(blocked, RequestFailedError) and "no valid token" in str(blocked)
+    assert not isinstance(good, BaseException), good
+    assert _tokens(good) == reference[0].token_ids
+    assert all(d.logprobs is not None and len(d.logprobs) == len(d.token_ids) for d in good)
+
+
 # -- defect 3: seeds used only their low 32 bits on the CPU ------------------------------------
 def test_seeds_differing_in_high_bits_give_distinct_streams_through_the_engine(prompts):
     llm = bundled_llm(**CONFIG)

@@ -370,6 +370,24 @@ def test_blocked_ids_never_sampled_until_min_tokens() -> None:
     assert md.blocked_token_ids == {0: [stop_id]}
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_row_without_valid_token_beside_a_logprobs_row_keeps_the_batch(temperature: float) -> None:
+    """Regression: the logprob gather indexed the invalid row's -1 and raised for the whole batch."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    logits[1, 7] = float("nan")
+    params = [SamplingParams(temperature=temperature, logprobs=2, seed=i) for i in range(3)]
+    out = sampler(logits, meta(params), torch.Generator().manual_seed(0))
+    assert out.sampled_token_ids[1].item() == INVALID_TOKEN_ID
+    assert out.logprob_token_ids is not None and out.logprobs is not None and out.sampled_token_ranks is not None
+    assert out.logprob_token_ids[1, 0].item() == INVALID_TOKEN_ID
+    raw = torch.log_softmax(logits, dim=-1)
+    for r in (0, 2):
+        token = int(out.sampled_token_ids[r])
+        assert 0 <= token < 50
+        assert out.logprobs[r, 0].item() == pytest.approx(raw[r, token].item())
+        assert out.sampled_token_ranks[r].item() == int((raw[r] > raw[r, token]).sum()) + 1
+
+
 # -- logprobs ------------------------------------------------------------------------------
 def test_logprobs_from_raw_logits() -> None:
     torch.manual_seed(3)
