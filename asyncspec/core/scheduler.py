@@ -257,12 +257,14 @@ class Scheduler:
                 continue
             num_new = num_tokens - computed
             num_drafts = 0
-            if num_new > 1 and placeholders == 0 and self._resumes_seeded_stream(request):
+            # A recompute's chunk: even at one token it is not the decode of the last token, which verifies drafts.
+            recomputes = num_new > 1
+            if recomputes and placeholders == 0 and self._resumes_seeded_stream(request):
                 num_new -= 1
             # Chunk any multi-token catch-up: a prompt, or a preempted request's recompute.
             if threshold > 0 and num_new > 1:
                 num_new = min(num_new, threshold)
-            elif num_new == 1 and spec_k and (placeholders or request.output_token_ids):
+            elif num_new == 1 and not recomputes and spec_k and (placeholders or request.output_token_ids):
                 # A decode after a sampling step: the worker holds up to k drafts to verify. A run's steps verify
                 # k whatever max_tokens keeps (its tokens past it are dropped, as at k = 0).
                 if num_steps > 1:

@@ -152,7 +152,10 @@ class SpeculativeDecoder:
         """Keeps a row's sampled drafts for its request, preempted now (device copies, ordered after the step
         in flight that may still be proposing them). Its seeded stream has drawn their randomness already:
         when it resumes, `restore_drafts` gives the decode after its recompute the drafts the interrupted step
-        would have verified, so that its stream is the same as an uninterrupted run's."""
+        would have verified, so that its stream is the same as an uninterrupted run's. Preempted again before they
+        were restored (during its recompute, whose row proposed nothing), it keeps the drafts parked first."""
+        if request_id in self._parked:
+            return
         probs = self.draft_probs[row].clone() if self.draft_probs is not None else None
         self._parked[request_id] = ParkedDrafts(
             self.draft_token_ids[row].clone(), self.num_draft_tokens[row].clone(), probs, self.draft_base[row].clone()

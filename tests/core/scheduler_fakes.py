@@ -98,6 +98,10 @@ class FakeRunner:
                 # The block table the worker built from diffs is the manager's, and covers the step.
                 assert row.block_ids == kv.get_block_ids(rid), rid
                 assert len(row.block_ids) * kv.block_size >= row.num_computed_tokens + n * num_steps
+                drafts = so.num_draft_positions.get(rid, 0)
+                if num_steps == 1 and drafts:
+                    # Draft slots follow the last known token: a step that verifies drafts computes up to it.
+                    assert row.num_computed_tokens + n - drafts == row.num_tokens, (rid, n, drafts, row)
             out: list[int] = []
             for _ in range(num_steps):
                 if row.num_computed_tokens + n >= row.num_tokens:

@@ -174,6 +174,37 @@ def test_resumed_seeded_stream_recomputes_past_a_hit_of_all_but_its_last_token(s
     assert s.kv_cache_manager.num_free_blocks == 64
 
 
+@pytest.mark.parametrize("prompt_len", [5, 6, 7, 8])
+def test_resumed_seeded_stream_verifies_drafts_only_at_its_last_token(prompt_len):
+    """A seeded request's recompute in chunks that ends two tokens short: the chunk that stops one short is that
+    one token alone, not a decode. It verifies no drafts, which would sit where its last known token belongs
+    (FakeRunner checks where every step's draft slots start)."""
+    s = make_scheduler(
+        num_blocks=64,
+        enable_prefix_caching=False,
+        long_prefill_token_threshold=4,
+        num_speculative_tokens=2,
+        num_lookahead_tokens=2,
+    )
+    runner = FakeRunner(s)
+    s.add_request(make_request("a", prompt_len, max_tokens=12, temperature=0.8, seed=3))
+    while len(s.requests["a"].output_token_ids) < 3:
+        step(s, runner)
+    a = s.requests["a"]
+    s._preempt(a)  # as the scheduler does when memory runs short
+    runner.rows.pop("a")  # the worker drops its row (the step's preempted_req_ids)
+    plans = []
+    while a.num_computed_tokens < a.num_tokens - 1:
+        so, _ = step(s, runner)
+        plans.append((so.num_scheduled_tokens["a"], so.num_draft_positions.get("a", 0)))
+    assert all(drafts == 0 for _, drafts in plans), plans
+    assert sum(n for n, _ in plans) == a.num_tokens - 1  # it stopped one token short
+    so, _ = step(s, runner)
+    assert so.num_draft_positions.get("a", 0) == 2  # the decode of its last token verifies the drafts
+    run_to_completion(s, runner)
+    assert s.kv_cache_manager.num_free_blocks == 64
+
+
 def test_prefix_caching_off_no_hit():
     s = make_scheduler(num_blocks=64, enable_prefix_caching=False)
     runner = FakeRunner(s)

@@ -293,6 +293,34 @@ def test_random_arrivals_aborts_and_finishes_leave_the_pool_whole(stress_setup, 
         assert finished[request_id].token_ids == cache[key], request_id
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_seeded_stream_survives_preemption_during_a_chunked_recompute(method, async_scheduling):
+    """A seeded request preempted over and over in a pool of 16 to 19 blocks, its recompute chunked at 4 tokens:
+    it emits the tokens of its run alone. Two ways this went wrong: a chunk ending two tokens short was planned
+    as a decode with drafts (the last known token never computed, a draft in its place), and a request preempted
+    again during its recompute parked its new row's empty drafts over those parked first."""
+    config = dict(
+        block_size=4,
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
+        long_prefill_token_threshold=4,
+    )
+    greedy_long = list(range(300, 340)), SamplingParams(temperature=0.0, max_tokens=20)
+    seeded = list(range(500, 510)), SamplingParams(temperature=1.0, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = make_llm(method=method, k=2, num_kv_blocks=64, **config).generate([seeded[0]], seeded[1])[0].token_ids
+    for num_blocks in (16, 17, 18, 19):
+        llm = make_llm(method=method, k=2, async_scheduling=async_scheduling, num_kv_blocks=num_blocks, **config)
+        preempted = _record_preemptions(llm)
+        outputs = llm.generate([greedy_long[0], seeded[0]], [greedy_long[1], seeded[1]])
+        assert preempted, f"{num_blocks} blocks were meant to preempt"
+        assert outputs[1].token_ids == alone, num_blocks
+        assert_kv_free(llm.stats())
+        assert not llm.engine.engine_core.runner.spec._parked
+
+
 @pytest.mark.parametrize(
     "method",
     ["ngram", "draft_model"],
