@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 AUTH_TOKEN_ENV = "ASYNCSPEC_AUTH_TOKEN"
 """Environment variable holding the bearer token clients must send (unset: no auth)."""
+_ABORTED_STREAMS_END_S = 5.0  # how long a drain waits for aborted streams to send their final response
 
 
 class ServerStartError(AsyncSpecError):
@@ -217,17 +218,22 @@ class GenerationServer:
 
     async def drain(self, grace_s: float | None = None) -> None:
         """Readiness NOT_SERVING, new Generate calls UNAVAILABLE; in-flight streams run on for the grace
-        period; then the engine and the servers stop."""
+        period. Those still running then are aborted, so that each ends with a final ABORTED response and its
+        usage (the API's finish reason for a shutdown); then the engine and the servers stop."""
         if self.draining:
             await self._stopped.wait()
             return
         self.draining = True
         grace = self.config.drain_grace_s if grace_s is None else grace_s
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-        deadline = time.monotonic() + grace
+        await self._wait_streams_end(time.monotonic() + grace)
+        if self._service is not None and await self._service.abort_streams():
+            await self._wait_streams_end(time.monotonic() + _ABORTED_STREAMS_END_S)
+        await self.stop()
+
+    async def _wait_streams_end(self, deadline: float) -> None:
         while self._service is not None and self._service.num_active_streams > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        await self.stop()
 
     async def stop(self) -> None:
         if self.engine is not None:

@@ -50,6 +50,8 @@ def to_engine_request(request: pb.GenerateRequest) -> EngineRequest:
     for name in _STOPPING_SCALARS:
         if request.stopping.HasField(name):
             kwargs[name] = getattr(request.stopping, name)
+    # The API's default, as the proto documents it: up to max_model_len (SamplingParams' own default is 16).
+    kwargs.setdefault("max_tokens", None)
     if request.stopping.stop:
         kwargs["stop"] = list(request.stopping.stop)
     if request.stopping.stop_token_ids:

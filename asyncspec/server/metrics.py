@@ -167,6 +167,8 @@ class RequestTimer:
         self.arrival = arrival
         self.last: float | None = None
         self.num_tokens = 0
+        self.finished = False
+        """Whether on_finish ran: a stream counts once, whichever way it ends."""
 
     def on_delta(self, now: float, num_tokens: int) -> None:
         if num_tokens == 0:
@@ -184,6 +186,9 @@ class RequestTimer:
         self.num_tokens += num_tokens
 
     def on_finish(self, now: float, finish_reason: str, queued_seconds: float | None = None) -> None:
+        if self.finished:
+            return
+        self.finished = True
         self.metrics.request_success.labels(finish_reason).inc()
         if queued_seconds is not None:
             self.metrics.request_queue_time.observe(queued_seconds)

@@ -6,9 +6,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
+from tokenizers import Tokenizer
 
 from asyncspec.engine.async_engine import AsyncEngine
 from asyncspec.engine.engine_process import EngineProcessClient
@@ -47,7 +49,22 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.metrics = metrics
         self._is_draining = is_draining
         self._on_engine_dead = on_engine_dead
-        self.num_active_streams = 0
+        self._stream_ids: dict[object, str] = {}
+        """The request id of each Generate stream in flight, by a token of its own (ids may repeat)."""
+
+    @property
+    def num_active_streams(self) -> int:
+        return len(self._stream_ids)
+
+    async def abort_streams(self) -> int:
+        """Aborts the request of every stream in flight (the end of a drain): each stream then ends with a final
+        ABORTED response carrying its usage, as the API documents for a shutdown. Returns how many."""
+        engine = self._get_engine()
+        request_ids = set(self._stream_ids.values())
+        if engine is not None:
+            for request_id in request_ids:
+                await engine.abort(request_id)
+        return len(request_ids)
 
     async def _engine(self, context: grpc.aio.ServicerContext) -> ServingEngine:
         engine = self._get_engine()
@@ -68,8 +85,11 @@ class GenerationService(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         timer = RequestTimer(self.metrics, time.monotonic())
         usage = UsageCounter()
-        request_id = engine_request.request_id
-        self.num_active_streams += 1
+        # Named here (as the engine would name it) so that a drain can abort it before its first output.
+        request_id = engine_request.request_id or uuid.uuid4().hex
+        stream_token = object()
+        self._stream_ids[stream_token] = request_id
+        refused = False  # a typed refusal or the engine's failure: the request never ran to an end of its own
         try:
             # Deltas that piled up while this handler was busy go out as one message.
             stream = engine.generate(
@@ -83,7 +103,6 @@ class GenerationService(pb_grpc.GenerationServicer):
             # and the id's release happen at once.
             async with contextlib.aclosing(stream):
                 async for delta in stream:
-                    request_id = delta.request_id
                     now = time.monotonic()
                     timer.on_delta(now, len(delta.token_ids))
                     usage.add(delta)
@@ -91,26 +110,32 @@ class GenerationService(pb_grpc.GenerationServicer):
                         timer.on_finish(now, delta.finish_reason or "", delta.queued_seconds)
                     yield to_response(delta, usage)
         except (InvalidRequestError, InvalidSamplingParamsError) as e:
+            refused = True
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFullError as e:
+            refused = True
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except RequestFailedError as e:
             # This request alone failed: a final response says so, the stream ends normally.
             timer.on_finish(time.monotonic(), "error")
             yield pb.GenerateResponse(
-                request_id=request_id or "",
+                request_id=request_id,
                 finished=True,
                 finish_reason=pb.FINISH_REASON_ERROR,
                 error=str(e),
                 usage=pb.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens),
             )
         except EngineDeadError as e:
+            refused = True
             if self._is_draining():  # shut down at the end of a drain: another replica can serve it
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"the server shut down: {e}")
             self._on_engine_dead()
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
         finally:
-            self.num_active_streams -= 1
+            del self._stream_ids[stream_token]
+            if not refused and not timer.finished:
+                # The client cancelled or its deadline passed: closing the stream aborted the request.
+                timer.on_finish(time.monotonic(), "abort")
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:  # noqa: N802
         tokenizer = (await self._engine(context)).engine.tokenizer
@@ -131,13 +156,18 @@ class GenerationService(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the server runs without a tokenizer")
         assert tokenizer is not None  # context.abort raises
         vocab = llm_engine.vocab_size
-        for i, t in enumerate(request.token_ids):
-            if not 0 <= t < vocab:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"token_ids[{i}] is {t}, outside the vocabulary [0, {vocab})"
-                )
+        token_ids = request.token_ids
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return pb.DetokenizeResponse(text=tokenizer.decode(list(request.token_ids), skip_special_tokens=skip))
+        # Off the event loop, as Tokenize: a long list would stall every stream while it is checked and decoded.
+        bad, text = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: _checked_decode(tokenizer, token_ids, vocab, skip)
+        )
+        if bad is not None:
+            i, t = bad
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"token_ids[{i}] is {t}, outside the vocabulary [0, {vocab})"
+            )
+        return pb.DetokenizeResponse(text=text)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:  # noqa: N802
         engine = (await self._engine(context)).engine
@@ -162,3 +192,13 @@ class GenerationService(pb_grpc.GenerationServicer):
         found = engine.has_request(request.request_id)
         await engine.abort(request.request_id)
         return pb.AbortResponse(found=found)
+
+
+def _checked_decode(
+    tokenizer: Tokenizer, token_ids: Sequence[int], vocab: int, skip_special_tokens: bool
+) -> tuple[tuple[int, int] | None, str]:
+    """(the first id outside [0, vocab) with its index, or None; the text, when every id is in range)."""
+    for i, t in enumerate(token_ids):
+        if not 0 <= t < vocab:
+            return (i, t), ""
+    return None, tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

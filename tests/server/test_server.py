@@ -160,6 +160,42 @@ def test_client_cancel_and_deadline_abort_the_request(server, prompts):
     _wait_kv_free(server)
 
 
+def test_unset_max_tokens_generates_up_to_max_model_len(server, prompts):
+    """The proto's default: up to max_model_len (SamplingParams' own default of 16 must not leak through), so a
+    min_tokens alone above 16 is valid too."""
+    request = _request(prompts[0])
+    request.stopping.ClearField("max_tokens")
+    request.stopping.min_tokens = 100
+    responses = list(server.stub().Generate(request))
+    last = responses[-1]
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH
+    assert last.usage.completion_tokens == 256 - len(prompts[0]) == sum(len(r.token_ids) for r in responses)
+    _wait_kv_free(server)
+
+
+def test_cancelled_and_timed_out_streams_count_as_aborted_requests(server, prompts):
+    """vLLM counts a client's disconnect as a finished request with reason abort: so do request_success_total
+    and the end-to-end latency histogram, once each, for a cancel and a deadline."""
+    _wait_kv_free(server)
+    before = _metrics(server)
+    stub = server.stub()
+    call = stub.Generate(_request(prompts[0], 200))
+    next(call)
+    call.cancel()
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(_request(prompts[1], 200), timeout=0.3))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _wait_kv_free(server)
+    key = "asyncspec:request_success_total{finished_reason=abort}"
+    deadline = time.monotonic() + 10
+    while _metrics(server).get(key, 0.0) - before.get(key, 0.0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    after = _metrics(server)
+    assert after.get(key, 0.0) - before.get(key, 0.0) == 2
+    count = "asyncspec:e2e_request_latency_seconds_count"
+    assert after[count] - before.get(count, 0.0) == 2
+
+
 def test_abort_from_another_connection(server, prompts):
     request = _request(prompts[2], 200)
     request.request_id = "to-abort"
@@ -354,6 +390,26 @@ def test_drain_refuses_new_requests_and_turns_readiness_off(prompts):
         assert rest[-1].finished and rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
         drained.join(30)
         assert not drained.is_alive()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["in-process", "engine-process"])
+def test_streams_left_at_the_end_of_a_drain_end_aborted_with_their_usage(prompts, engine_process: bool):
+    """The API's finish reason for a shutdown: a stream still running when the grace period ends gets a final
+    ABORTED response with its usage, not an UNAVAILABLE status after partial output (a client retrying that
+    would generate the streamed text again)."""
+    server = ServerThread(engine_process=engine_process)
+    try:
+        call = server.stub().Generate(_request(prompts[0], 200))
+        first = next(call)
+        server.stop(grace_s=0.3)
+        responses = [first, *call]
+        last = responses[-1]
+        assert last.finished and last.finish_reason == pb.FINISH_REASON_ABORTED
+        received = sum(len(r.token_ids) for r in responses)
+        assert 0 < received < 200 and last.usage.completion_tokens == received
+        assert last.usage.prompt_tokens == len(prompts[0])
     finally:
         server.stop()
 
