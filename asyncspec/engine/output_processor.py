@@ -126,9 +126,11 @@ class OutputProcessor:
                     num_accepted = kept
                 del state.token_ids[detok.num_output_tokens :]
                 del state.logprobs[detok.num_output_tokens :]
-                if finish_reason is None or finish_reason == "length":
+                if finish_reason in (None, "length", "stop"):
                     if finish_reason is None:
                         processed.stopped.append(core.request_id)
+                    # Also over a stop token or EOS of the same step (as vLLM): the text and token ids end at
+                    # the stop string, and that token, if it came later, was cut.
                     finish_reason, stop_reason = "stop", stop_string
         state.num_accepted_tokens += num_accepted
         return self._make_output(state, finish_reason, stop_reason, core.num_cached_tokens)
