@@ -22,6 +22,8 @@ INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_PATTERNS = ("pytorch_model*.bin", "*.bin", "*.pt", "*.pth", "*.ckpt", "pytorch_model.bin.index.json")
 # Checkpoint tensors that carry no weights we need (recomputed buffers, or the duplicate of a tied head).
 _HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
+_TIED_HEAD, _EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+_TIED_CHECK_ROWS = 8192  # rows of the head compared with the embedding at a time
 
 
 def load_model(
@@ -152,6 +154,8 @@ def _fill_from_files(targets: dict[str, WeightTarget], files: dict[str, str], ti
     for name, path in files.items():
         if name not in targets and not _is_harmless(name, tied):
             raise ModelLoadError(f"unexpected tensor {name!r} in {path}: the model has no such parameter")
+    if tied and _TIED_HEAD in files and _EMBEDDING in files:
+        _check_tied_head_equals_embedding(files[_TIED_HEAD], files[_EMBEDDING])
     by_file: dict[str, list[str]] = {}
     for name in targets:
         by_file.setdefault(files[name], []).append(name)
@@ -181,4 +185,23 @@ def _fill_from_files(targets: dict[str, WeightTarget], files: dict[str, str], ti
 
 
 def _is_harmless(name: str, tied: bool) -> bool:
-    return name.endswith(_HARMLESS_SUFFIXES) or (tied and name == "lm_head.weight")
+    return name.endswith(_HARMLESS_SUFFIXES) or (tied and name == _TIED_HEAD)
+
+
+def _check_tied_head_equals_embedding(head_path: str, embedding_path: str) -> None:
+    """A tied model's checkpoint may carry its head, as a copy of the embedding. A different head would be thrown
+    away silently (transformers 5 keeps it untied instead): refused, in row chunks to bound host memory."""
+    with _open(head_path) as head_file, _open(embedding_path) as embedding_file:
+        head, embedding = head_file.get_slice(_TIED_HEAD), embedding_file.get_slice(_EMBEDDING)
+        rows = head.get_shape()[0]
+        same = head.get_shape() == embedding.get_shape()
+        for start in range(0, rows, _TIED_CHECK_ROWS):
+            if not same:
+                break
+            chunk = slice(start, min(start + _TIED_CHECK_ROWS, rows))
+            same = torch.equal(head[chunk], embedding[chunk])
+    if not same:
+        raise ModelLoadError(
+            f"config.json sets tie_word_embeddings, but {_TIED_HEAD!r} in {head_path} differs from {_EMBEDDING!r}: "
+            "set tie_word_embeddings to false to use that head, or remove it from the checkpoint to tie them"
+        )

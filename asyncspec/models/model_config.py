@@ -24,6 +24,10 @@ _ROPE_TYPES: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
+# transformers' defaults where a config leaves these keys out (its config classes, 5.x).
+_MAX_POSITION_DEFAULTS = {"MistralForCausalLM": 131072, "Qwen2ForCausalLM": 32768, "Qwen3ForCausalLM": 32768}
+_SLIDING_WINDOW_DEFAULTS = {"MistralForCausalLM": 4096}
+_QWEN_MAX_WINDOW_LAYERS_DEFAULT = 28
 
 
 @dataclass
@@ -157,7 +161,7 @@ class ModelConfig:
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ModelLoadError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
-        max_pos = int(cfg.get("max_position_embeddings", 2048))
+        max_pos = int(cfg.get("max_position_embeddings", _MAX_POSITION_DEFAULTS.get(arch, 2048)))
         rope_theta, rope_scaling = _parse_rope(cfg, max_pos, source)
 
         is_qwen2, is_qwen3 = arch == "Qwen2ForCausalLM", arch == "Qwen3ForCausalLM"
@@ -210,12 +214,18 @@ def _read_json(path: str, required: bool) -> dict[str, Any] | None:
 def _parse_rope(cfg: dict[str, Any], max_pos: int, source: str) -> tuple[float, dict[str, Any] | None]:
     """Accept both transformers-5 `rope_parameters` and the older `rope_theta` + `rope_scaling` keys."""
     params = cfg.get("rope_parameters")
+    scaling = cfg.get("rope_scaling")
     if isinstance(params, dict) and params:
         if any(isinstance(v, dict) for v in params.values()):
             raise ModelLoadError(f"{source}: per-layer-type rope_parameters are not supported")
+        if isinstance(scaling, dict) and scaling and _rope_kind(scaling) != _rope_kind(params):
+            # transformers lets rope_scaling win here (and then resets rope_theta): neither reading is safe.
+            raise ModelLoadError(
+                f"{source}: rope_parameters {params} and rope_scaling {scaling} disagree; keep one of them"
+            )
         params = dict(params)
     else:
-        params = dict(cfg.get("rope_scaling") or {})
+        params = dict(scaling or {})
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
@@ -237,15 +247,23 @@ def _parse_rope(cfg: dict[str, Any], max_pos: int, source: str) -> tuple[float, 
     return theta, scaling
 
 
+def _rope_kind(params: dict[str, Any]) -> dict[str, Any]:
+    """A RoPE dict without its theta, its type under one key: two spellings of one scaling compare equal."""
+    kind = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
+    kind["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return kind
+
+
 def _parse_sliding_window(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, list[str] | None]:
-    window = cfg.get("sliding_window")
+    # Missing keys take transformers' defaults for the architecture (a present null stays null).
+    window = cfg.get("sliding_window", _SLIDING_WINDOW_DEFAULTS.get(arch))
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         # Qwen ships a sliding_window value but only uses it when use_sliding_window is set.
         if not cfg.get("use_sliding_window", False) or window is None:
             return None, None
         types = cfg.get("layer_types")
         if types is None:
-            start = int(cfg.get("max_window_layers", num_layers))
+            start = int(cfg.get("max_window_layers", _QWEN_MAX_WINDOW_LAYERS_DEFAULT))
             types = ["sliding_attention" if i >= start else "full_attention" for i in range(num_layers)]
         return int(window), list(types)
     if arch == "MistralForCausalLM" and window is not None:

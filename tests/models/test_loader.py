@@ -117,6 +117,17 @@ def test_tied_embeddings_share_storage_and_ignore_lm_head(tmp_path) -> None:
     torch.testing.assert_close(model.compute_logits(h), expected)
 
 
+def test_tied_model_with_a_different_head_in_its_checkpoint_is_refused(tmp_path) -> None:
+    """transformers 5 keeps such a head untied; dropping it silently would change every logit."""
+    cfg = {**CONFIG, "tie_word_embeddings": True}
+    tensors = _write_model(tmp_path, cfg)
+    head = tensors["model.embed_tokens.weight"].clone()
+    head[-1, 0] += 1.0  # one value in the last row
+    save_file({**tensors, "lm_head.weight": head}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="tie_word_embeddings.*lm_head.weight.*differs"):
+        _load(tmp_path)
+
+
 def test_dummy_weights_are_seeded_and_need_no_files(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     cfg = ModelConfig.from_pretrained(str(tmp_path))

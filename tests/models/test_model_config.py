@@ -121,6 +121,48 @@ def test_unsupported_or_incomplete_rope_is_rejected(tmp_path, rope) -> None:
         ModelConfig.from_pretrained(_write(tmp_path, {**BASE, "rope_scaling": rope}))
 
 
+def test_rope_scaling_beside_rope_parameters_must_agree(tmp_path) -> None:
+    """A transformers-5 config (rope_parameters) with a rope_scaling added by hand, as model cards ask for long
+    context: transformers reads rope_scaling, the older key, first. A scaling that disagrees is refused, never
+    dropped; the same scaling spelled either way loads."""
+    params = {"rope_theta": 1e6, "rope_type": "default"}
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    with pytest.raises(ModelLoadError, match="rope_parameters .* rope_scaling .* disagree"):
+        ModelConfig.from_pretrained(_write(tmp_path, {**BASE, "rope_parameters": params, "rope_scaling": yarn}))
+    linear = {"rope_theta": 1e6, "rope_type": "linear", "factor": 2.0}
+    cfg = ModelConfig.from_pretrained(
+        _write(tmp_path, {**BASE, "rope_parameters": linear, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    )
+    assert cfg.rope_theta == 1e6 and cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+
+
+@pytest.mark.parametrize(
+    "hf_cls,arch",
+    [
+        (LlamaConfig, "LlamaForCausalLM"),
+        (MistralConfig, "MistralForCausalLM"),
+        (Qwen2Config, "Qwen2ForCausalLM"),
+        (Qwen3Config, "Qwen3ForCausalLM"),
+    ],
+)
+def test_keys_left_out_take_transformers_defaults(tmp_path, hf_cls, arch) -> None:
+    """max_position_embeddings, Mistral's sliding_window and Qwen's max_window_layers, when a config omits them."""
+    extra = {"use_sliding_window": True, "sliding_window": 16} if arch.startswith("Qwen") else {}
+    hf = hf_cls(**{**BASE, "num_hidden_layers": 30, **extra, "architectures": [arch]})
+    cfg = ModelConfig.from_pretrained(
+        _write(tmp_path, {**BASE, "num_hidden_layers": 30, **extra, "architectures": [arch]})
+    )
+    assert cfg.max_position_embeddings == hf.max_position_embeddings
+    windows = [cfg.sliding_window_for_layer(i) for i in range(30)]
+    if arch == "MistralForCausalLM":
+        assert windows == [hf.sliding_window] * 30 == [4096] * 30
+    elif arch.startswith("Qwen"):
+        assert windows == [16 if i >= hf.max_window_layers else None for i in range(30)]
+        assert windows[27:] == [None, 16, 16]
+    else:
+        assert windows == [None] * 30
+
+
 def test_eos_ids_merge_config_and_generation_config(tmp_path) -> None:
     path = _write(tmp_path, {**BASE, "eos_token_id": [5, 9]}, gen={"eos_token_id": [9, 11]})
     assert ModelConfig.from_pretrained(path).eos_token_ids == [5, 9, 11]
