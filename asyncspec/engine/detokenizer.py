@@ -30,6 +30,7 @@ from asyncspec.sampling_params import SamplingParams
 # Prompt tokens decoded in front of the first output token, so its text gets the right context.
 INITIAL_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
+_MAX_CHARACTER_TOKENS = 4  # a UTF-8 character has at most 4 bytes, so byte-level tokens
 
 
 def detokenize(tokenizer: Tokenizer, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -60,7 +61,7 @@ class IncrementalDetokenizer:
         context = list(prompt_token_ids[-INITIAL_CONTEXT_TOKENS:])
         self._token_ids = context
         self._prefix_offset = 0  # start of the decode window
-        self._read_offset = len(context)  # tokens before this have had their text emitted
+        self._read_offset = self._first_incomplete_token(context)  # tokens before this have had their text emitted
         self._sent_offset = 0  # characters of output_text already returned by get_text_delta
         self._flushed = False
         self._stream: DecodeStream | None = None
@@ -71,6 +72,20 @@ class IncrementalDetokenizer:
                     self._stream.step(tokenizer, token_id)
             except Exception:  # noqa: BLE001 - the library's stream is an optimisation: Python takes over
                 self._stream = None
+
+    def _first_incomplete_token(self, context: list[int]) -> int:
+        """Where the prompt's incomplete last character starts (token ids may be cut inside one), else its end:
+        the output token that completes the character then emits all of it, as the library's stream (and
+        vLLM's) does, whichever path decodes and however the tokens group into steps."""
+        if not context or not self._decode_ids(context).endswith(_REPLACEMENT_CHAR):
+            return len(context)
+        for start in range(len(context) - 1, max(len(context) - _MAX_CHARACTER_TOKENS, 0) - 1, -1):
+            if not self._decode_ids(context[:start]).endswith(_REPLACEMENT_CHAR):
+                return start
+        return len(context)
+
+    def _decode_ids(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
     # -- decoding ------------------------------------------------------------------------
     def _decode(self, start: int, end: int | None = None) -> str:

@@ -279,3 +279,22 @@ def test_a_step_of_several_tokens_goes_on_in_python(tok: Tokenizer, decode_path:
         detok.update([token_id])
     detok.finish()
     assert detok.output_text == detokenize(tok, ids)
+
+
+@pytest.mark.parametrize("grouping", ["one a step", "one step"])
+def test_a_prompt_ending_inside_a_character_gives_the_same_text_however_tokens_group(
+    tok: Tokenizer, decode_path: str, grouping: str
+) -> None:
+    """Token-id prompts may be cut mid-character: the first output token completing that character emits all of
+    it (as the library's stream and vLLM do), in either decode path and whatever the steps' sizes."""
+    ids = tok.encode("x = '日本' + 1").ids
+    cuts = [c for c in range(1, len(ids)) if detokenize(tok, ids[:c]).endswith("\ufffd")]
+    assert cuts  # the tokenizer splits these characters' bytes
+    for cut in cuts:
+        prompt, out = ids[:cut], ids[cut:]
+        detok = IncrementalDetokenizer(tok, prompt, SamplingParams())
+        for chunk in [[t] for t in out] if grouping == "one a step" else [out]:
+            detok.update(chunk)
+        detok.finish()
+        whole = detokenize(tok, ids)
+        assert detok.output_text == whole[len(detokenize(tok, prompt).rstrip("\ufffd")) :], cut
