@@ -201,6 +201,8 @@ class AsyncEngine:
         return self._register(request, put)
 
     def _register(self, request: Request, put: OutputSink) -> tuple[str, _Stream]:
+        # Again: the engine may have died or shut down while a text prompt was being tokenized.
+        self._raise_if_dead()
         if request.request_id in self._streams or request.request_id in self._pending_aborts:
             raise InvalidRequestError(f"request_id {request.request_id!r} is already in use")
         stream = _Stream(put, asyncio.get_running_loop())
@@ -263,7 +265,10 @@ class AsyncEngine:
         self._ensure_loop()
 
     def _ensure_loop(self) -> None:
-        """Starts the loop task on the running event loop unless it already runs there."""
+        """Starts the loop task on the running event loop unless it already runs there (never for an engine
+        that has failed or shut down: no stream could be served)."""
+        if self._dead is not None:
+            return
         loop = asyncio.get_running_loop()
         if self._loop_task is None or self._loop_task.done() or self._loop_task.get_loop() is not loop:
             # Fresh Events too: an asyncio.Event binds to the loop it was first awaited on.
@@ -408,7 +413,8 @@ class AsyncEngine:
         self._stats_snapshot = None  # the engine is stopped: the current counters are final
         streams, self._streams = self._streams, {}
         for stream in streams.values():
-            stream.put(EngineDeadError(*error.args))
+            if not stream.loop.is_closed():  # a closed loop's stream has no consumer, nor a queue to put to
+                stream.put(EngineDeadError(*error.args))
         if self._aborts_applied is not None:
             self._aborts_applied.set()  # callers waiting for an id see the engine is gone
 
@@ -418,20 +424,24 @@ class AsyncEngine:
         self._closed = True
         if self._dead is None:
             self._dead = EngineDeadError(_SHUT_DOWN)
-        task = self._loop_task
-        if task is not None and not task.done():
-            task.cancel()
-            if task.get_loop() is asyncio.get_running_loop():  # a task of a stopped loop never ends
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
+        loop = asyncio.get_running_loop()
+        try:
+            task = self._loop_task
+            # A task of a closed event loop can be neither cancelled nor awaited; one of a stopped loop never ends.
+            if task is not None and not task.done() and not task.get_loop().is_closed():
+                task.cancel()
+                if task.get_loop() is loop:
+                    try:
+                        await task
+                    except asyncio.CancelledError:
+                        pass
 
-        # Waits for a step still computing in the worker thread before touching engine state,
-        # without blocking the event loop.
-        await asyncio.get_running_loop().run_in_executor(None, lambda: self._executor.shutdown(wait=True))
-        self._end_all_streams(self._dead)
-        await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown)
+            # Waits for a step still computing in the worker thread before touching engine state,
+            # without blocking the event loop.
+            await loop.run_in_executor(None, lambda: self._executor.shutdown(wait=True))
+            self._end_all_streams(self._dead)
+        finally:
+            await loop.run_in_executor(None, self.engine.shutdown)  # its threads and worker processes, always
 
     def stats(self) -> dict[str, float]:
         return self.engine.stats()

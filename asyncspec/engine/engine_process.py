@@ -30,6 +30,7 @@ import functools
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.util
 import operator
 import pickle
 import signal
@@ -359,7 +360,11 @@ class EngineProcessClient:
         if message[0] != "ready":
             process.join(5)
             raise EngineProcessStartError(message[1])
-        return cls(process, parent, message[1], message[2])
+        client = cls(process, parent, message[1], message[2])
+        # A program that ends without shutdown(): the engine process stops when its pipe closes, but Python's
+        # exit joins the (non-daemon) process first, holding the pipe open. This runs before that join.
+        multiprocessing.util.Finalize(client, _stop_at_exit, args=(parent,), exitpriority=10)
+        return client
 
     # -- AsyncEngine's serving interface ----------------------------------------------------------
 
@@ -578,3 +583,15 @@ class EngineProcessClient:
     def _raise_if_dead(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(*self._dead.args)
+
+
+def _stop_at_exit(conn: Connection) -> None:
+    """Asks the engine process to stop (it then stops its own workers) and closes the pipe; nothing if shutdown()
+    already did."""
+    if conn.closed:
+        return
+    try:
+        conn.send_bytes(pickle.dumps(("shutdown",)))
+    except (OSError, ValueError):
+        pass  # already gone
+    conn.close()

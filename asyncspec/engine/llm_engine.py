@@ -100,7 +100,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this engine was started without a tokenizer: pass token ids")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+            try:
+                ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+            except TypeError as e:  # the tokenizer refuses what UTF-8 cannot hold (lone surrogates)
+                raise InvalidRequestError(f"the prompt is not valid Unicode text: {e}") from None
         elif isinstance(prompt, Sequence) or hasattr(prompt, "tolist"):
             raw: Any = prompt.tolist() if hasattr(prompt, "tolist") else prompt  # a tensor / array, or a list
             ids = list(raw)

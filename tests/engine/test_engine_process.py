@@ -7,7 +7,10 @@ import asyncio
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -289,3 +292,24 @@ def test_a_message_the_engine_process_cannot_apply_stops_it_instead_of_leaving_a
         return host.done.is_set()
 
     assert asyncio.run(run())
+
+
+def test_a_program_that_ends_without_shutdown_exits(tmp_path):
+    """Regression: Python's exit joined the non-daemon engine process while the client's end of the pipe, which
+    the engine process waits on, was still open: the program hung."""
+    script = tmp_path / "leave.py"
+    script.write_text(
+        "import asyncio, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
+        "from asyncspec.config import make_config\n"
+        "from asyncspec.engine.engine_process import EngineProcessClient\n"
+        "if __name__ == '__main__':  # the engine process is spawned: it imports this file\n"
+        f"    config = make_config({str(TARGET_MODEL)!r}, **{CONFIG!r})\n"
+        "    client = asyncio.run(EngineProcessClient.launch(config))\n"
+        "    print(client.pid, flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    pid = int(done.stdout.split()[0])
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # the engine process is gone too

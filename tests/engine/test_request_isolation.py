@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import threading
 
 import numpy as np
 import pytest
@@ -327,6 +328,68 @@ def test_generate_during_shutdown_is_refused_cleanly(prompts, caplog):
     assert str(outcome["inflight"]) == "the engine was shut down"
     assert not [r for r in caplog.records if r.name.startswith("asyncspec")], caplog.records
     assert_kv_free(engine.stats())
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_shutdown_while_a_text_prompt_is_tokenized_ends_its_stream(prompts, async_scheduling):
+    """Regression: the request registered after shutdown() had finished, restarted the engine loop and its
+    stream never got an output or an error."""
+    engine = _new_engine(async_scheduling=async_scheduling)
+    make_request = engine.engine.make_request
+    tokenizing, release = threading.Event(), threading.Event()
+
+    def slow_make_request(*args, **kwargs):
+        tokenizing.set()
+        release.wait(TIMEOUT)
+        return make_request(*args, **kwargs)
+
+    engine.engine.make_request = slow_make_request  # type: ignore[method-assign]
+
+    async def main():
+        client = asyncio.create_task(_collect(engine, "def main():\n", GREEDY, "tokenizing"))
+        await asyncio.get_running_loop().run_in_executor(None, tokenizing.wait, TIMEOUT)
+        await engine.shutdown()
+        release.set()
+        with pytest.raises(EngineDeadError, match="the engine was shut down"):
+            await asyncio.wait_for(client, 10)
+        assert engine._loop_task is None or engine._loop_task.done()
+
+    _run(main())
+
+
+def test_shutdown_after_the_driving_loop_was_closed_stops_the_engine(prompts):
+    """The loop that drove the engine closed with a stream still pending: shutdown() from another loop ends the
+    engine and its threads, and fails no more on the dead loop's task."""
+    before = set(threading.enumerate())
+    engine = _new_engine(async_scheduling=True)
+    loop = asyncio.new_event_loop()
+    keep = []
+
+    async def leave_running():
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in engine.generate(prompts[2], LONG, request_id="abandoned"):
+                started.set()
+
+        keep.append(asyncio.get_running_loop().create_task(consume()))
+        await started.wait()
+
+    loop.run_until_complete(leave_running())
+    loop.close()
+    assert set(threading.enumerate()) - before  # the engine's worker threads
+    _run(engine.shutdown())
+    left = {t.name for t in set(threading.enumerate()) - before if t.is_alive()}
+    assert not left, left
+    with pytest.raises(EngineDeadError, match="the engine was shut down"):
+        _run(_collect(engine, prompts[0], GREEDY, "after"))
+    keep.clear()
+
+
+def test_prompt_that_is_not_unicode_text_is_a_typed_error(engine, prompts, reference):
+    with pytest.raises(InvalidRequestError, match="not valid Unicode"):
+        _run(_collect(engine, "def f():\ud800\n", GREEDY, "surrogate"))
+    assert _tokens(_run(_collect(engine, prompts[0], GREEDY, "after-surrogate"))) == reference[0].token_ids
 
 
 # -- defect 6: stop strings without a tokenizer -------------------------------------------------
