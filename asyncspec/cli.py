@@ -23,8 +23,11 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from asyncspec.config import EngineConfig
+from asyncspec.config import EngineConfig, is_bundled_target
 from asyncspec.errors import AsyncSpecError, ConfigError
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+"""--log-level's choices (any case)."""
 
 
 def _field_parser(tp: Any):
@@ -117,7 +120,9 @@ def _generate_offline(argv: Sequence[str] | None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed-request", type=int, default=None, help="per-request sampling seed")
-    parser.add_argument("--log-level", default="INFO", help="start-up progress (CUDA graph capture) goes to stderr")
+    parser.add_argument(
+        "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="start-up progress goes to stderr"
+    )
     add_engine_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -160,7 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve = commands.add_parser("serve", help="run the gRPC server (metrics on their own HTTP port)")
     add_engine_args(serve, SERVE_DEFAULTS)
     add_dataclass_args(serve, ServerConfig)
-    serve.add_argument("--log-level", default="INFO", help="progress while loading goes to stderr")
+    serve.add_argument(
+        "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="progress while loading goes to stderr"
+    )
     generate = commands.add_parser("generate", help="stream a completion from a running server")
     generate.add_argument("prompt", help="prompt text; \\n is a newline")
     generate.add_argument("--address", default="127.0.0.1:50051")
@@ -205,6 +212,13 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not os.path.isdir(args.model):
         raise ConfigError(f"model directory {args.model!r} does not exist")
+    if args.speculative_method is None and args.num_speculative_tokens == SERVE_DEFAULTS["num_speculative_tokens"]:
+        args.num_speculative_tokens = 0  # `--speculative-method none` alone turns speculation off
+    if args.speculative_method == "draft_model" and args.draft_model is None and not is_bundled_target(args.model):
+        raise ConfigError(
+            f"serve speculates with the bundled draft by default, which serves only the bundled target, not "
+            f"{args.model!r}: pass --draft-model DIR, --speculative-method ngram, or --speculative-method none"
+        )
     engine_config = engine_config_from_args(args)
     server_config = ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)})
     return run(engine_config, server_config)
@@ -238,9 +252,12 @@ def _token(args: argparse.Namespace) -> str | None:
     from asyncspec.server.app import AUTH_TOKEN_ENV
 
     if args.auth_token_file:
-        with open(args.auth_token_file) as f:
-            return f.read().strip()
-    return os.environ.get(AUTH_TOKEN_ENV) or None
+        try:
+            with open(args.auth_token_file) as f:
+                return f.read().strip()
+        except OSError as e:
+            raise ConfigError(f"cannot read --auth-token-file {args.auth_token_file!r}: {e}") from None
+    return os.environ.get(AUTH_TOKEN_ENV, "").strip() or None
 
 
 def _bench(args: argparse.Namespace) -> int:

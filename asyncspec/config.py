@@ -30,7 +30,8 @@ def bundled_model_path(name: str = BUNDLED_TARGET) -> str:
     return str(path) if path.is_dir() else f"models/{name}"
 
 
-def _is_bundled_target(model: str) -> bool:
+def is_bundled_target(model: str) -> bool:
+    """Whether `model` is the bundled target with its bundled draft beside it (the draft is its default)."""
     path = Path(model)
     return path.name == BUNDLED_TARGET and (path.resolve().parent / BUNDLED_DRAFT).is_dir()
 
@@ -264,7 +265,7 @@ class EngineConfig:
                 raise ConfigError("draft_model is only used with speculative_method='draft_model'")
             _check_int("prompt_lookup_min", self.prompt_lookup_min, minimum=1)
             _check_int("prompt_lookup_max", self.prompt_lookup_max, minimum=self.prompt_lookup_min)
-        elif self.draft_model is None and not _is_bundled_target(self.model):
+        elif self.draft_model is None and not is_bundled_target(self.model):
             raise ConfigError(
                 "speculative_method='draft_model' needs draft_model=<directory> (the bundled draft is the "
                 "default only for the bundled target)"

@@ -129,6 +129,48 @@ def test_serve_errors_are_one_line_and_non_zero(capsys, tmp_path):
     assert err.startswith("asyncspec serve: error:") and str(port) in err
 
 
+def test_serve_flag_mistakes_are_one_line_errors(capsys, tmp_path):
+    import shutil
+
+    from asyncspec.cli import main
+    from tests.conftest import TARGET_MODEL
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--log-level", "bogus"])
+    assert e.value.code == 2 and "--log-level" in capsys.readouterr().err
+    assert main(["generate", "--auth-token-file", str(tmp_path / "none"), "x"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("asyncspec generate: error:") and "--auth-token-file" in err
+    # Another model: the bundled draft is not its default, and the error says what to pass.
+    other = tmp_path / "other"
+    shutil.copytree(TARGET_MODEL, other)
+    assert main(["serve", "--model", str(other), "--device", "cpu", "--metrics-port", "-1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "--speculative-method none" in err and len(err.splitlines()) == 1
+
+
+def test_serve_speculation_none_alone_turns_it_off(monkeypatch, tmp_path):
+    """`--speculative-method none` needs no `--num-speculative-tokens 0` beside it."""
+    import shutil
+
+    from asyncspec import cli
+    from tests.conftest import TARGET_MODEL
+
+    seen = {}
+
+    def fake_run(engine_config, server_config):
+        seen["config"] = engine_config
+        return 0
+
+    monkeypatch.setattr("asyncspec.server.app.run", fake_run)
+    other = tmp_path / "other"
+    shutil.copytree(TARGET_MODEL, other)
+    assert cli.main(["serve", "--model", str(other), "--device", "cpu", "--speculative-method", "none"]) == 0
+    assert seen["config"].speculative_method is None and seen["config"].num_speculative_tokens == 0
+    assert cli.main(["serve", "--device", "cpu"]) == 0  # the bundled target keeps its draft at k = 4
+    assert seen["config"].speculative_method == "draft_model" and seen["config"].num_speculative_tokens == 4
+
+
 @pytest.mark.parametrize("engine_process", [False, True], ids=["in-process", "engine-process"])
 def test_serve_process_streams_then_drains_on_sigterm(tmp_path, engine_process: bool):
     """The console script as an operator runs it: from another directory, on an ephemeral port; a

@@ -78,7 +78,8 @@ class ServerConfig:
             if not token:
                 raise ServerStartError(f"auth_token_file {self.auth_token_file!r} is empty")
             return token
-        return os.environ.get(AUTH_TOKEN_ENV) or None
+        # Stripped as the file is: a Secret written from a file usually ends in a newline, which no client can send.
+        return os.environ.get(AUTH_TOKEN_ENV, "").strip() or None
 
 
 _OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -149,6 +150,8 @@ class GenerationServer:
             ("grpc.keepalive_time_ms", int(cfg.keepalive_time_s * 1000)),
             ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+            # grpc sets SO_REUSEPORT by default: a second server on a port in use would start and split its calls.
+            ("grpc.so_reuseport", 0),
         ]
         interceptors = [BearerTokenInterceptor(token)] if token else []
         server = grpc.aio.server(options=options, interceptors=interceptors)

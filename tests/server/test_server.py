@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from asyncspec import SamplingParams
+from asyncspec.server.app import ServerConfig
 from asyncspec.server.service import SERVICE_NAME
 from asyncspec.v1 import asyncspec_pb2 as pb
 from tests.conftest import load_prompts
@@ -410,6 +411,30 @@ def test_streams_left_at_the_end_of_a_drain_end_aborted_with_their_usage(prompts
         received = sum(len(r.token_ids) for r in responses)
         assert 0 < received < 200 and last.usage.completion_tokens == received
         assert last.usage.prompt_tokens == len(prompts[0])
+    finally:
+        server.stop()
+
+
+def test_a_second_server_on_a_port_in_use_is_refused(server):
+    """grpc sets SO_REUSEPORT by default: a second server would bind the same port and take half its calls."""
+    import asyncio
+
+    from asyncspec.server.app import GenerationServer, ServerStartError
+
+    config = ServerConfig(host="127.0.0.1", port=server.server.port, metrics_port=0, engine_process=False)
+    second = GenerationServer(server.engine_config, config)
+    with pytest.raises(ServerStartError, match=str(server.server.port)):
+        asyncio.run(second.start())
+
+
+@pytest.mark.parametrize("env_token", ["s3cret", "s3cret\n"], ids=["plain", "trailing-newline"])
+def test_bearer_token_from_the_environment(monkeypatch, prompts, env_token):
+    """A Secret made from a file usually ends in a newline, which no client can send: stripped, as the file is."""
+    monkeypatch.setenv("ASYNCSPEC_AUTH_TOKEN", env_token)
+    server = ServerThread()
+    try:
+        ok = list(server.stub().Generate(_request(prompts[0], 2), metadata=[("authorization", "Bearer s3cret")]))
+        assert ok[-1].finished and ok[-1].usage.completion_tokens == 2
     finally:
         server.stop()
 
