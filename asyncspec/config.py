@@ -36,6 +36,14 @@ def is_bundled_target(model: str) -> bool:
     return path.name == BUNDLED_TARGET and (path.resolve().parent / BUNDLED_DRAFT).is_dir()
 
 
+_BOOL_FIELDS = (
+    "skip_tokenizer_init",
+    "enable_chunked_prefill",
+    "enable_prefix_caching",
+    "adaptive_speculation",
+    "enforce_eager",
+    "worker_process",
+)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -205,6 +213,10 @@ class EngineConfig:
                 raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ConfigError(f"async_scheduling must be True, False or None (CUDA: on), got {self.async_scheduling!r}")
+        for name in _BOOL_FIELDS:
+            # A string would pass every truth test: "false" would turn the option on.
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.load_format not in ("safetensors", "dummy"):
             raise ConfigError(f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}")
         for name in (
@@ -239,8 +251,9 @@ class EngineConfig:
                 f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_num_seqs={self.max_num_seqs}: "
                 "every running request needs at least one token per step"
             )
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not isinstance(utilization, int | float) or not 0.0 < utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be a number in (0, 1], got {utilization!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ConfigError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         self._validate_speculative()

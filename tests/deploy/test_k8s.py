@@ -143,6 +143,8 @@ def test_gpu_limit_matches_tensor_parallel_size(overlay):
     (deployment,) = by_kind(objects, "Deployment")
     limits = deployment["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert int(limits["nvidia.com/gpu"]) == size
+    # Without a usable GPU the pod must fail, not go Ready on the CPU (the engine's default device falls back).
+    assert flag(args, "--device") == "cuda"
     if size > 1:
         volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
         assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"  # NCCL's shared-memory transport
