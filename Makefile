@@ -7,6 +7,9 @@ PIP := $(VENV)/bin/pip
 TORCH_VERSION ?= 2.13.0
 # Triton runs its kernels in interpreter mode on CI's CPU; 3.6 is the GPU machine's version.
 TRITON_VERSION ?= 3.6.0
+# Where pip finds no CPU build of torch (PyPI's Linux torch is the CUDA build, which pins another triton),
+# the install retries from PyTorch's CPU index.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 # Test workers (pytest-xdist): CI has two cores. PYTEST_WORKERS=0 runs in one process (pdb, -s, timing one test).
 PYTEST_WORKERS ?= 2
@@ -16,7 +19,9 @@ PYTEST_WORKERS ?= 2
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==$(TORCH_VERSION) triton==$(TRITON_VERSION)
+	$(PIP) install -q torch==$(TORCH_VERSION) triton==$(TRITON_VERSION) || \
+		$(PIP) install -q --index-url $(TORCH_CPU_INDEX) --extra-index-url https://pypi.org/simple \
+			torch==$(TORCH_VERSION) triton==$(TRITON_VERSION)
 	$(PIP) install -q -e '.[test,lint]'
 	touch $@
 
