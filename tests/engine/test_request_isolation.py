@@ -262,11 +262,9 @@ def test_stream_left_by_a_finished_event_loop_frees_its_id_and_kv(engine, prompt
     _run(wait_kv_free(engine))
 
 
-def test_stream_of_a_loop_closed_without_cleanup_is_aborted_when_engine_is_next_driven(
-    engine, prompts, reference, caplog
-):
-    """The loop is closed with the consumer still pending (no task cancellation, no async-generator
-    shutdown): nothing ever runs the stream's cleanup. A later loop, using another id, frees it."""
+def _leave_a_stream_on_a_closed_loop(engine: AsyncEngine, prompt, request_id: str) -> list:
+    """A stream left running on an event loop closed with its consumer still pending (no task cancellation, no
+    async-generator shutdown); returns the pending tasks, which the caller keeps until it wants them collected."""
     loop = asyncio.new_event_loop()
     keep = []
 
@@ -274,7 +272,7 @@ def test_stream_of_a_loop_closed_without_cleanup_is_aborted_when_engine_is_next_
         started = asyncio.Event()
 
         async def consume():
-            async for _ in engine.generate(prompts[2], LONG, request_id="abandoned"):
+            async for _ in engine.generate(prompt, LONG, request_id=request_id):
                 started.set()
 
         keep.append(asyncio.get_running_loop().create_task(consume()))
@@ -282,6 +280,15 @@ def test_stream_of_a_loop_closed_without_cleanup_is_aborted_when_engine_is_next_
 
     loop.run_until_complete(leave_running())
     loop.close()
+    return keep
+
+
+def test_stream_of_a_loop_closed_without_cleanup_is_aborted_when_engine_is_next_driven(
+    engine, prompts, reference, caplog
+):
+    """The loop is closed with the consumer still pending (no task cancellation, no async-generator
+    shutdown): nothing ever runs the stream's cleanup. A later loop, using another id, frees it."""
+    keep = _leave_a_stream_on_a_closed_loop(engine, prompts[2], "abandoned")
     deltas = _run(_collect(engine, prompts[0], GREEDY, "next-client"))
     assert _tokens(deltas) == reference[0].token_ids
     _run(wait_kv_free(engine))
@@ -362,21 +369,7 @@ def test_shutdown_after_the_driving_loop_was_closed_stops_the_engine(prompts):
     engine and its threads, and fails no more on the dead loop's task."""
     before = set(threading.enumerate())
     engine = _new_engine(async_scheduling=True)
-    loop = asyncio.new_event_loop()
-    keep = []
-
-    async def leave_running():
-        started = asyncio.Event()
-
-        async def consume():
-            async for _ in engine.generate(prompts[2], LONG, request_id="abandoned"):
-                started.set()
-
-        keep.append(asyncio.get_running_loop().create_task(consume()))
-        await started.wait()
-
-    loop.run_until_complete(leave_running())
-    loop.close()
+    keep = _leave_a_stream_on_a_closed_loop(engine, prompts[2], "abandoned")
     assert set(threading.enumerate()) - before  # the engine's worker threads
     _run(engine.shutdown())
     left = {t.name for t in set(threading.enumerate()) - before if t.is_alive()}

@@ -21,6 +21,14 @@ BASE = {
 }
 
 
+FAMILIES = [
+    (LlamaConfig, "LlamaForCausalLM"),
+    (MistralConfig, "MistralForCausalLM"),
+    (Qwen2Config, "Qwen2ForCausalLM"),
+    (Qwen3Config, "Qwen3ForCausalLM"),
+]
+
+
 def _write(tmp_path, cfg: dict, gen: dict | None = None) -> str:
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     if gen is not None:
@@ -28,15 +36,7 @@ def _write(tmp_path, cfg: dict, gen: dict | None = None) -> str:
     return str(tmp_path)
 
 
-@pytest.mark.parametrize(
-    "hf_cls,arch",
-    [
-        (LlamaConfig, "LlamaForCausalLM"),
-        (MistralConfig, "MistralForCausalLM"),
-        (Qwen2Config, "Qwen2ForCausalLM"),
-        (Qwen3Config, "Qwen3ForCausalLM"),
-    ],
-)
+@pytest.mark.parametrize("hf_cls,arch", FAMILIES)
 def test_fields_match_transformers_config(tmp_path, hf_cls, arch) -> None:
     hf = hf_cls(
         vocab_size=100,
@@ -136,15 +136,7 @@ def test_rope_scaling_beside_rope_parameters_must_agree(tmp_path) -> None:
     assert cfg.rope_theta == 1e6 and cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
 
 
-@pytest.mark.parametrize(
-    "hf_cls,arch",
-    [
-        (LlamaConfig, "LlamaForCausalLM"),
-        (MistralConfig, "MistralForCausalLM"),
-        (Qwen2Config, "Qwen2ForCausalLM"),
-        (Qwen3Config, "Qwen3ForCausalLM"),
-    ],
-)
+@pytest.mark.parametrize("hf_cls,arch", FAMILIES)
 def test_keys_left_out_take_transformers_defaults(tmp_path, hf_cls, arch) -> None:
     """max_position_embeddings, Mistral's sliding_window and Qwen's max_window_layers, when a config omits them."""
     extra = {"use_sliding_window": True, "sliding_window": 16} if arch.startswith("Qwen") else {}
