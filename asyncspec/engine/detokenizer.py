@@ -30,7 +30,7 @@ from asyncspec.sampling_params import SamplingParams
 # Prompt tokens decoded in front of the first output token, so its text gets the right context.
 INITIAL_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
-_MAX_CHARACTER_TOKENS = 4  # a UTF-8 character has at most 4 bytes, so byte-level tokens
+_MAX_CHARACTER_TOKENS = 4  # a UTF-8 character has at most 4 bytes: at most 4 byte-level tokens
 
 
 def detokenize(tokenizer: Tokenizer, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
