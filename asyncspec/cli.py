@@ -264,7 +264,10 @@ def _bench(args: argparse.Namespace) -> int:
     from asyncspec.server import bench
 
     if not os.path.isfile(args.dataset):
-        raise ConfigError(f"dataset {args.dataset!r} does not exist")
+        where = " (the default ships with a source checkout only)" if args.dataset == _default_dataset() else ""
+        raise ConfigError(
+            f"dataset {args.dataset!r} does not exist{where}: pass --dataset FILE, a JSONL of prompt_token_ids lists"
+        )
     cfg = bench.BenchConfig(
         address=args.address,
         dataset=args.dataset,

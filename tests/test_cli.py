@@ -149,6 +149,14 @@ def test_serve_flag_mistakes_are_one_line_errors(capsys, tmp_path):
     assert "--speculative-method none" in err and len(err.splitlines()) == 1
 
 
+def test_bench_without_its_dataset_says_what_to_pass(capsys, tmp_path):
+    from asyncspec.cli import main
+
+    assert main(["bench", "--dataset", str(tmp_path / "prompts.jsonl")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("asyncspec bench: error:") and "pass --dataset FILE" in err and len(err.splitlines()) == 1
+
+
 def test_serve_speculation_none_alone_turns_it_off(monkeypatch, tmp_path):
     """`--speculative-method none` needs no `--num-speculative-tokens 0` beside it."""
     import shutil
