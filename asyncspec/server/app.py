@@ -23,6 +23,7 @@ from asyncspec.config import EngineConfig
 from asyncspec.engine.async_engine import AsyncEngine
 from asyncspec.engine.engine_process import EngineProcessClient
 from asyncspec.errors import AsyncSpecError
+from asyncspec.server.interceptors import MalformedRequestInterceptor
 from asyncspec.server.metrics import ServerMetrics
 from asyncspec.server.service import SERVICE_NAME, GenerationService, ServingEngine
 from asyncspec.v1 import asyncspec_pb2 as pb
@@ -153,7 +154,9 @@ class GenerationServer:
             # grpc sets SO_REUSEPORT by default: a second server on a port in use would start and split its calls.
             ("grpc.so_reuseport", 0),
         ]
-        interceptors = [BearerTokenInterceptor(token)] if token else []
+        # The token is checked first: an unauthenticated caller learns nothing about its message.
+        interceptors: list[grpc.aio.ServerInterceptor] = [BearerTokenInterceptor(token)] if token else []
+        interceptors.append(MalformedRequestInterceptor())
         server = grpc.aio.server(options=options, interceptors=interceptors)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)  # liveness: the process is up

@@ -285,6 +285,63 @@ def test_bad_requests_are_invalid_argument_naming_the_field(server, prompts):
     _wait_kv_free(server)
 
 
+def _raw_call(channel, method: str, kind: str = "unary_stream"):
+    """A call that sends bytes as they are: a message no generated stub would build."""
+    return getattr(channel, kind)(method, request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)
+
+
+def _bad_utf8(message) -> bytes:
+    """The message with its marker "XY" replaced by bytes that are not UTF-8."""
+    raw = message.SerializeToString()
+    assert raw.count(b"XY") == 1
+    return raw.replace(b"XY", b"\xff\xfe")
+
+
+def test_unparsable_messages_are_invalid_argument(server, prompts):
+    """A string field with invalid UTF-8 fails in protobuf's parser, before any servicer runs; grpc alone answers
+    UNKNOWN. Every unary-request method says INVALID_ARGUMENT with protobuf's reason, and the server keeps serving."""
+    channel = server.channel()
+    cases = [
+        ("/asyncspec.v1.Generation/Generate", "unary_stream", _bad_utf8(_request("abXY", 3)), "GenerateRequest"),
+        (
+            "/asyncspec.v1.Generation/Tokenize",
+            "unary_unary",
+            _bad_utf8(pb.TokenizeRequest(text="XY")),
+            "TokenizeRequest",
+        ),
+        ("/asyncspec.v1.Generation/Abort", "unary_unary", _bad_utf8(pb.AbortRequest(request_id="XY")), "AbortRequest"),
+        ("/asyncspec.v1.Generation/GetModelInfo", "unary_unary", b"\xff\xff\xff", "GetModelInfoRequest"),
+        (
+            "/grpc.health.v1.Health/Check",
+            "unary_unary",
+            _bad_utf8(health_pb2.HealthCheckRequest(service="XY")),
+            "Health",
+        ),
+        (
+            "/grpc.health.v1.Health/Watch",
+            "unary_stream",
+            _bad_utf8(health_pb2.HealthCheckRequest(service="XY")),
+            "Health",
+        ),
+    ]
+    for method, kind, raw, message_name in cases:
+        with pytest.raises(grpc.RpcError) as e:
+            result = _raw_call(channel, method, kind)(raw, timeout=20)
+            if kind == "unary_stream":
+                list(result)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.value.code(), e.value.details())
+        assert "malformed request" in e.value.details() and message_name in e.value.details(), e.value.details()
+    # Well-formed calls through the same wrapped handlers still work, streaming ones included.
+    stub = server.stub()
+    assert stub.Tokenize(pb.TokenizeRequest(text="hello")).token_ids
+    assert list(stub.Generate(_request(prompts[0], 3)))[-1].usage.completion_tokens == 3
+    health = health_pb2_grpc.HealthStub(channel)
+    watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=20)
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+    watch.cancel()
+    _wait_kv_free(server)
+
+
 def pb_stub(channel):
     from asyncspec.v1 import asyncspec_pb2_grpc as pb_grpc
 
@@ -450,6 +507,14 @@ def test_bearer_token(monkeypatch, prompts):
         with pytest.raises(grpc.RpcError) as e:
             stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=[("authorization", "Bearer wrong")])
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # An unparsable message without the token learns only that the token is missing.
+        generate = _raw_call(server.channel(), "/asyncspec.v1.Generation/Generate")
+        with pytest.raises(grpc.RpcError) as e:
+            list(generate(_bad_utf8(_request("abXY", 3))))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as e:
+            list(generate(_bad_utf8(_request("abXY", 3)), metadata=[("authorization", "Bearer s3cret")]))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         ok = list(stub.Generate(_request(prompts[0], 3), metadata=[("authorization", "Bearer s3cret")]))
         assert ok[-1].finished and ok[-1].usage.completion_tokens == 3
         health = health_pb2_grpc.HealthStub(server.channel())  # probes carry no token
