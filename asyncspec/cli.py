@@ -21,10 +21,13 @@ import time
 import types
 import typing
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncspec.config import EngineConfig, is_bundled_target
 from asyncspec.errors import AsyncSpecError, ConfigError
+
+if TYPE_CHECKING:
+    from asyncspec.server.client_channel import ChannelSecurity
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 """--log-level's choices (any case)."""
@@ -176,10 +179,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--timeout", type=float, default=300.0, help="deadline of the call, seconds")
     generate.add_argument("--auth-token-file", default=None, help="else $ASYNCSPEC_AUTH_TOKEN")
+    _add_tls_flags(generate)
     health = commands.add_parser("health", help="exit 0 when a server's gRPC health check says SERVING")
     health.add_argument("--address", default="127.0.0.1:50051")
     health.add_argument("--service", default="", help='"" (liveness) or asyncspec.v1.Generation (readiness)')
     health.add_argument("--timeout", type=float, default=5.0)
+    _add_tls_flags(health)
     bench = commands.add_parser("bench", help="load a running server and report throughput and latencies")
     bench.add_argument("--address", default="127.0.0.1:50051")
     bench.add_argument("--dataset", default=_default_dataset(), help='JSONL of {"prompt_token_ids": [...]}')
@@ -190,6 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--output", default=None, help="write the report as JSON here")
     bench.add_argument("--auth-token-file", default=None, help="else $ASYNCSPEC_AUTH_TOKEN")
+    _add_tls_flags(bench)
     args = parser.parse_args(argv)
     try:
         if args.command == "serve":
@@ -229,7 +235,7 @@ def _health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(args.address) as channel:
+    with _channel_security(args).channel(args.address) as channel:
         try:
             response = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
@@ -240,6 +246,22 @@ def _health(args: argparse.Namespace) -> int:
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
     print(f"{args.service or '(liveness)'}: {status}")
     return 0 if response.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def _add_tls_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's roots")
+    parser.add_argument(
+        "--tls-ca-file", default=None, help="connect with TLS, trusting this PEM (the server's CA or certificate)"
+    )
+    parser.add_argument(
+        "--tls-server-name", default=None, help="the name the server's certificate holds, if not the address's host"
+    )
+
+
+def _channel_security(args: argparse.Namespace) -> ChannelSecurity:
+    from asyncspec.server.client_channel import ChannelSecurity
+
+    return ChannelSecurity(tls=args.tls, ca_file=args.tls_ca_file, server_name=args.tls_server_name)
 
 
 def _default_dataset() -> str:
@@ -277,6 +299,7 @@ def _bench(args: argparse.Namespace) -> int:
         request_rate=args.request_rate,
         seed=args.seed,
         token=_token(args),
+        security=_channel_security(args),
     )
     return bench.main(cfg, args.output)
 
@@ -296,7 +319,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
     )
     if args.seed is not None:
         request.sampling.seed = args.seed
-    with grpc.insecure_channel(args.address) as channel:
+    with _channel_security(args).channel(args.address) as channel:
         stub = pb_grpc.GenerationStub(channel)
         try:
             last = None

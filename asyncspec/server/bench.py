@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from asyncspec.server.client_channel import ChannelSecurity
 from asyncspec.v1 import asyncspec_pb2 as pb
 from asyncspec.v1 import asyncspec_pb2_grpc as pb_grpc
 
@@ -35,6 +36,8 @@ class BenchConfig:
     seed: int = 0
     token: str | None = None
     timeout_s: float = 600.0
+    security: ChannelSecurity = field(default_factory=ChannelSecurity)
+    """Plaintext, or TLS as the server serves it."""
 
 
 @dataclass
@@ -95,7 +98,7 @@ async def _one(stub: pb_grpc.GenerationStub, prompt: list[int], cfg: BenchConfig
 async def run_bench(cfg: BenchConfig, prompts: list[list[int]], progress: bool = True) -> dict[str, Any]:
     metadata = [("authorization", f"Bearer {cfg.token}")] if cfg.token else None
     results: list[RequestResult] = []
-    async with grpc.aio.insecure_channel(cfg.address) as channel:
+    async with cfg.security.aio_channel(cfg.address) as channel:
         stub = pb_grpc.GenerationStub(channel)
         limit = asyncio.Semaphore(cfg.concurrency or len(prompts) or 1)
         rng = random.Random(cfg.seed)

@@ -15,11 +15,23 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 PREFIX = "asyncspec:"
-# Inter-token latency buckets from 1 ms (a graphed decode step of a small model is ~1 ms).
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
-E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+# Inter-token latency from 0.1 ms: a graphed batch-1 step of the bundled target takes about 0.2 ms on a GPU, and a
+# multi-step plan's delta spreads its gap over its tokens. The upper ends follow vLLM's (overload shows, not a cap).
+ITL_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0, 2560.0,
+)  # fmt: skip
+E2E_BUCKETS = (
+    0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
 FINISH_REASONS = ("stop", "length", "abort", "error")
+REFUSAL_REASONS = ("queue_full", "invalid_request", "unavailable")
+"""Why a Generate call was refused before it ran: RESOURCE_EXHAUSTED, INVALID_ARGUMENT, UNAVAILABLE."""
 
 # (metric name without prefix, help, engine stats key); counters get `_total` from prometheus_client.
 _GAUGES = (
@@ -121,6 +133,15 @@ class ServerMetrics:
         )
         for reason in FINISH_REASONS:
             self.request_success.labels(reason)  # every series exists from the start
+        self.request_refused = Counter(
+            PREFIX + "request_refused",
+            "Generate calls refused before they ran (not in request_success): load shed, bad input, loading or "
+            "draining.",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in REFUSAL_REASONS:
+            self.request_refused.labels(reason)
         self.time_to_first_token = Histogram(
             PREFIX + "time_to_first_token_seconds",
             "Time from the request's arrival to its first token.",

@@ -35,6 +35,9 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 """asyncspec.v1.Generation: the readiness service name of the health checks."""
 
 
+_LOADING = "the model is still loading; retry shortly"
+
+
 class GenerationService(pb_grpc.GenerationServicer):
     """Maps the engine's typed errors onto gRPC status codes; never ends a stream silently."""
 
@@ -69,7 +72,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def _engine(self, context: grpc.aio.ServicerContext) -> ServingEngine:
         engine = self._get_engine()
         if engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _LOADING)
         assert engine is not None
         return engine
 
@@ -77,12 +80,17 @@ class GenerationService(pb_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         if self._is_draining():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is draining; retry on another replica")
-        engine = await self._engine(context)
+            await self._refuse(
+                context, "unavailable", grpc.StatusCode.UNAVAILABLE, "the server is draining; retry on another replica"
+            )
+        engine = self._get_engine()
+        if engine is None:
+            await self._refuse(context, "unavailable", grpc.StatusCode.UNAVAILABLE, _LOADING)
+        assert engine is not None  # context.abort raises
         try:
             engine_request = to_engine_request(request)
         except (InvalidRequestError, InvalidSamplingParamsError, TypeError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await self._refuse(context, "invalid_request", grpc.StatusCode.INVALID_ARGUMENT, str(e))
         timer = RequestTimer(self.metrics, time.monotonic())
         usage = UsageCounter()
         # Named here (as the engine would name it) so that a drain can abort it before its first output.
@@ -111,10 +119,10 @@ class GenerationService(pb_grpc.GenerationServicer):
                     yield to_response(delta, usage)
         except (InvalidRequestError, InvalidSamplingParamsError) as e:
             refused = True
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await self._refuse(context, "invalid_request", grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFullError as e:
             refused = True
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            await self._refuse(context, "queue_full", grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except RequestFailedError as e:
             # This request alone failed: a final response says so, the stream ends normally.
             timer.on_finish(time.monotonic(), "error")
@@ -136,6 +144,13 @@ class GenerationService(pb_grpc.GenerationServicer):
             if not refused and not timer.finished:
                 # The client cancelled or its deadline passed: closing the stream aborted the request.
                 timer.on_finish(time.monotonic(), "abort")
+
+    async def _refuse(
+        self, context: grpc.aio.ServicerContext, reason: str, code: grpc.StatusCode, message: str
+    ) -> None:
+        """Counts a Generate call refused before it ran, then ends it with `code`."""
+        self.metrics.request_refused.labels(reason).inc()
+        await context.abort(code, message)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:  # noqa: N802
         tokenizer = (await self._engine(context)).engine.tokenizer

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from asyncspec.config import EngineConfig
 from asyncspec.server.app import ServerConfig
 from asyncspec.server.service import SERVICE_NAME
 
@@ -80,6 +81,51 @@ def test_custom_resources_have_their_required_fields(overlay):
             assert trigger["type"] == "prometheus" and {"serverAddress", "query", "threshold"} <= set(
                 trigger["metadata"]
             )
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda o: f"{o}-overlay")  # not "gpu": a marker name
+def test_pod_monitor_selects_only_this_deployments_pods(overlay):
+    """kustomize's labels do not reach a custom resource's selector: a lone `component: server` would scrape any
+    such pod of the namespace."""
+    objects = render(overlay)
+    (monitor,) = by_kind(objects, "PodMonitor")
+    (deployment,) = by_kind(objects, "Deployment")
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert selector.items() <= pod_labels.items() and selector.get("app.kubernetes.io/name") == "asyncspec"
+    assert selector == deployment["spec"]["selector"]["matchLabels"] | selector
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda o: f"{o}-overlay")  # not "gpu": a marker name
+def test_autoscaling_keeps_busy_replicas(overlay):
+    """On the queue alone, a fleet that just keeps up reads 0 waiting and scales down to its minimum: the running
+    requests per replica, at a target under --max-num-seqs, hold the replicas the load needs."""
+    objects = render(overlay)
+    args = serve_args(objects)
+    max_num_seqs = int(flag(args, "--max-num-seqs")) if "--max-num-seqs" in args else EngineConfig().max_num_seqs
+    targets: dict[str, float] = {}
+    for hpa in by_kind(objects, "HorizontalPodAutoscaler"):
+        for metric in hpa["spec"]["metrics"]:
+            targets[metric["pods"]["metric"]["name"]] = float(metric["pods"]["target"]["averageValue"])
+    for scaled in by_kind(objects, "ScaledObject"):
+        for trigger in scaled["spec"]["triggers"]:
+            (name,) = _metric_names_in(trigger["metadata"]["query"])
+            targets[name] = float(trigger["metadata"]["threshold"])
+    assert set(targets) == {"asyncspec:num_requests_waiting", "asyncspec:num_requests_running"}
+    assert 0 < targets["asyncspec:num_requests_running"] <= max_num_seqs
+
+
+def test_dashboard_fractions_are_not_summed_over_pods_and_legends_tell_series_apart():
+    dashboard = json.loads((DEPLOY / "grafana" / "asyncspec.json").read_text())
+    for panel in dashboard["panels"]:
+        exprs = [t["expr"] for t in panel["targets"]]
+        if panel["fieldConfig"]["defaults"].get("unit") == "percentunit":
+            # A per-pod fraction summed over eight pods reads up to 800 %; a ratio of sums is fine.
+            assert all(not e.startswith("sum(") or " / " in e for e in exprs), (panel["title"], exprs)
+        legends = [t.get("legendFormat", "") for t in panel["targets"]]
+        assert len(set(legends)) == len(legends), (panel["title"], legends)
+        if len(legends) > 1:
+            assert panel["title"] not in legends, (panel["title"], legends)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda o: f"{o}-overlay")  # not "gpu": a marker name

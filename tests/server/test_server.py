@@ -254,10 +254,18 @@ def _bad_requests(prompt: list[int]) -> list[tuple[str, pb.GenerateRequest]]:
     ]
 
 
+def _refused(server: ServerThread, reason: str) -> float:
+    value = server.server.metrics.registry.get_sample_value("asyncspec:request_refused_total", {"reason": reason})
+    assert value is not None
+    return value
+
+
 def test_bad_requests_are_invalid_argument_naming_the_field(server, prompts):
     stub = server.stub()
     bad = _bad_requests(prompts[0])
     assert len(bad) >= 25
+    refused_before = _refused(server, "invalid_request")
+    finished_before = sum(v for k, v in _metrics(server).items() if k.startswith("asyncspec:request_success_total"))
     for field, request in bad:
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(request))
@@ -272,6 +280,11 @@ def test_bad_requests_are_invalid_argument_naming_the_field(server, prompts):
         list(stub.Generate(live))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "dup" in e.value.details()
     call.cancel()
+    # Each refusal counted once, by reason, and none as a finished request (the cancelled live one is an abort).
+    assert _refused(server, "invalid_request") - refused_before == len(bad) + 1
+    _wait_kv_free(server)
+    finished = sum(v for k, v in _metrics(server).items() if k.startswith("asyncspec:request_success_total"))
+    assert finished - finished_before == 1
     # An oversized message is refused by the transport.
     small = grpc.insecure_channel(server.address)
     with pytest.raises(grpc.RpcError) as e:
@@ -443,6 +456,7 @@ def test_drain_refuses_new_requests_and_turns_readiness_off(prompts):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(_request(prompts[1], 4)))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert _refused(server, "unavailable") == 1
         # The stream in flight finishes within the grace period.
         rest = list(call)
         assert rest[-1].finished and rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
@@ -541,6 +555,7 @@ def test_full_queue_is_resource_exhausted_and_nothing_lost(prompts, engine_proce
                 assert "max_num_waiting" in e.details()
                 refused += 1
         assert refused
+        assert _refused(server, "queue_full") == refused
         assert list(running)[-1].finish_reason == pb.FINISH_REASON_LENGTH
         assert list(waiting)[-1].usage.completion_tokens == 4
         _wait_kv_free(server)
@@ -574,7 +589,7 @@ def test_engine_fault_ends_streams_with_internal_and_health_not_serving(prompts)
         server.stop()
 
 
-def test_tls_client_with_the_test_ca(tmp_path, prompts):
+def test_tls_client_with_the_test_ca(tmp_path, prompts, capsys):
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(
         [
@@ -593,7 +608,7 @@ def test_tls_client_with_the_test_ca(tmp_path, prompts):
             "-subj",
             "/CN=localhost",
             "-addext",
-            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "subjectAltName=DNS:localhost,DNS:asyncspec.internal",
         ],
         check=True,
         capture_output=True,
@@ -606,8 +621,39 @@ def test_tls_client_with_the_test_ca(tmp_path, prompts):
         assert responses[-1].usage.completion_tokens == 3
         with pytest.raises(grpc.RpcError):  # plaintext to a TLS port fails
             list(server.stub().Generate(_request(prompts[0], 3), timeout=5))
+        _command_line_clients_speak_tls(server, cert, tmp_path, capsys)
     finally:
         server.stop()
+
+
+def _command_line_clients_speak_tls(server: ServerThread, cert: Path, tmp_path: Path, capsys) -> None:
+    """The image's HEALTHCHECK, `generate` and `bench` reach a TLS server: dialling 127.0.0.1 (which the certificate
+    does not name) with the certificate's name given, or by a name it holds."""
+    import json
+
+    from asyncspec.cli import main
+
+    port = server.server.port
+    readiness = ["health", "--service", SERVICE_NAME, "--timeout", "10"]
+    assert main([*readiness, "--address", f"127.0.0.1:{port}"]) == 1  # plaintext
+    assert main([*readiness, "--address", f"127.0.0.1:{port}", "--tls-ca-file", str(cert)]) == 1  # name mismatch
+    named = ["--tls-ca-file", str(cert), "--tls-server-name", "asyncspec.internal"]
+    assert main([*readiness, "--address", f"127.0.0.1:{port}", *named]) == 0
+    assert main([*readiness, "--address", f"localhost:{port}", "--tls-ca-file", str(cert)]) == 0
+    assert main(["health", "--address", f"localhost:{port}", "--tls", "--timeout", "10"]) == 1  # not a public CA
+    capsys.readouterr()
+    args = ["--address", f"127.0.0.1:{port}", *named, "--max-tokens", "3"]
+    assert main(["generate", *args, "def f("]) == 0
+    assert "3 tokens" in capsys.readouterr().err
+    dataset, out = tmp_path / "prompts.jsonl", tmp_path / "bench.json"
+    dataset.write_text("".join(json.dumps({"prompt_token_ids": p[:16]}) + "\n" for p in load_prompts(2)))
+    bench = ["bench", *args, "--num-prompts", "2", "--dataset", str(dataset), "--output", str(out)]
+    assert main(bench) == 0 and json.loads(out.read_text())["completed"] == 2
+    # Flags that cannot work say so.
+    assert main(["health", "--address", f"127.0.0.1:{port}", "--tls-server-name", "asyncspec.internal"]) == 1
+    assert "--tls-server-name needs --tls" in capsys.readouterr().err
+    assert main([*readiness, "--address", f"127.0.0.1:{port}", "--tls-ca-file", str(tmp_path / "none.pem")]) == 1
+    assert "cannot read --tls-ca-file" in capsys.readouterr().err
 
 
 def test_bench_against_the_test_server_fills_every_field(server, tmp_path):
