@@ -280,6 +280,11 @@ class Scheduler:
                     continue
                 num_new += num_drafts
             if num_new > token_budget:
+                if num_drafts and num_new <= cfg.max_num_batched_tokens and self._draws_follow_drafts(request):
+                    # The budget left depends on the neighbours planned before it: a seeded stream waits for a
+                    # step with room for all its drafts rather than verify fewer (which moves its draws).
+                    index += 1
+                    continue
                 num_drafts = max(0, num_drafts - (num_new - token_budget))
                 num_new = token_budget
             if num_new <= 0:
@@ -534,6 +539,11 @@ class Scheduler:
                     return 1
             most_left = max(most_left, left)
         return max(1, min(num_steps, most_left))
+
+    def _draws_follow_drafts(self, request: Request) -> bool:
+        """A seeded sampling request: where its draws fall depends on how many drafts each step verifies."""
+        params = request.sampling_params
+        return params.seed is not None and not params.is_greedy
 
     def _resumes_seeded_stream(self, request: Request) -> bool:
         """A seeded sampling request recomputing its tokens under speculation (it was preempted): its

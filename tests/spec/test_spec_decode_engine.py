@@ -465,6 +465,24 @@ def test_seeded_sampling_independent_of_neighbours_mixed(method, seeded_prompts)
     assert_kv_free(llm.stats())
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("method", METHODS)
+def test_seeded_sampling_independent_of_a_neighbours_prompt_chunks(method, async_scheduling):
+    """A long prompt admitted first keeps its chunks ahead of the seeded decode in the running list, leaving less
+    budget than the decode's 1 + k tokens: the seeded request waits for room rather than verify fewer drafts,
+    whose positions its draws follow."""
+    prompts = load_prompts(2)
+    config = dict(block_size=16, max_model_len=256, num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=10)
+    llm = make_llm(method=method, k=4, long_prefill_token_threshold=8, async_scheduling=async_scheduling, **config)
+    alone = llm.generate([prompts[0][:20]], SEEDED)[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    crowd = llm.generate([prompts[1][:200], prompts[0][:20]], [greedy, SEEDED])[1]
+    at = first_difference(alone.token_ids, crowd.token_ids)
+    assert at is None, f"seeded output depends on the neighbour's chunks from output index {at} on"
+    assert crowd.num_draft_tokens > 0
+    assert_kv_free(llm.stats())
+
+
 # ------------------------------------------------------------------------------------------------ 6. logprobs
 
 LOGPROB_CONFIG = dict(block_size=16, max_model_len=96, num_kv_blocks=48, max_num_batched_tokens=64, max_num_seqs=8)
