@@ -101,7 +101,9 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise InvalidRequestError("this engine was started without a tokenizer: pass token ids")
             try:
-                ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+                # As Hugging Face and vLLM do: the tokenizer's post-processor adds what the model was trained
+                # to see first (Llama's <s> / <|begin_of_text|>); token-id prompts are taken as they are.
+                ids = self.tokenizer.encode(prompt, add_special_tokens=True).ids
             except TypeError as e:  # the tokenizer refuses what UTF-8 cannot hold (lone surrogates)
                 raise InvalidRequestError(f"the prompt is not valid Unicode text: {e}") from None
         elif isinstance(prompt, Sequence) or hasattr(prompt, "tolist"):

@@ -157,8 +157,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         if tokenizer is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the server runs without a tokenizer")
         assert tokenizer is not None  # context.abort raises
+        add_special_tokens = request.add_special_tokens if request.HasField("add_special_tokens") else True
         encoding = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: tokenizer.encode(request.text, add_special_tokens=False)
+            None, lambda: tokenizer.encode(request.text, add_special_tokens=add_special_tokens)
         )
         return pb.TokenizeResponse(token_ids=encoding.ids)
 

@@ -77,7 +77,7 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
-        """The model's token ids for a text (no special tokens added).
+        """The model's token ids for a text, with the special tokens Generate adds to a text prompt (add_special_tokens).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -208,3 +208,43 @@ def test_logprobs_zero_and_truncated_by_stop_string(llm, prompts, reference):
     )[0]
     assert out.finish_reason == "stop"
     assert len(out.logprobs) == len(out.token_ids)
+
+
+def _with_bos_post_processor(tmp_path):
+    """The bundled target with a Llama-style tokenizer.json: its post-processor puts a BOS token (id 0 here) first."""
+    import json
+    import shutil
+
+    model = tmp_path / "bos-model"
+    shutil.copytree(TARGET_MODEL, model)
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    bos = tokenizer["added_tokens"][0]["content"]
+    tokenizer["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [
+            {"SpecialToken": {"id": bos, "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+            {"Sequence": {"id": "B", "type_id": 1}},
+        ],
+        "special_tokens": {bos: {"id": bos, "ids": [tokenizer["added_tokens"][0]["id"]], "tokens": [bos]}},
+    }
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return model
+
+
+def test_text_prompts_get_the_tokenizers_special_tokens_as_in_hugging_face(tmp_path):
+    """Llama and Mistral tokenizers put <s> / <|begin_of_text|> first, which their models expect: a text prompt
+    is encoded as Hugging Face's tokenizer (and vLLM) encode it; token-id prompts are taken as they are."""
+    from transformers import AutoTokenizer
+
+    model = _with_bos_post_processor(tmp_path)
+    text = "import os\n"
+    hf_ids = AutoTokenizer.from_pretrained(model)(text).input_ids
+    plain = AutoTokenizer.from_pretrained(model)(text, add_special_tokens=False).input_ids
+    assert hf_ids == [0, *plain]
+    llm = LLM(str(model), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16, block_size=16)
+    by_text, by_ids = llm.generate([text, plain], GREEDY)
+    assert by_text.prompt_token_ids == hf_ids
+    assert by_ids.prompt_token_ids == plain
+    assert by_text.token_ids == llm.generate([hf_ids], GREEDY)[0].token_ids

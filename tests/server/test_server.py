@@ -134,6 +134,28 @@ def test_many_concurrent_streams_complete(server, prompts):
     _wait_kv_free(server)
 
 
+def test_tokenize_adds_the_special_tokens_generate_adds(server):
+    """With a Llama-style post-processor (BOS first), Tokenize's default ids are the prompt Generate runs for the
+    same text; add_special_tokens=false gives the bare text's ids."""
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = server.server.engine.engine.tokenizer
+    before = tokenizer.post_processor
+    bos = tokenizer.id_to_token(0)
+    tokenizer.post_processor = TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, 0)])
+    try:
+        stub = server.stub()
+        with_bos = list(stub.Tokenize(pb.TokenizeRequest(text="def main():\n")).token_ids)
+        bare = list(stub.Tokenize(pb.TokenizeRequest(text="def main():\n", add_special_tokens=False)).token_ids)
+        assert with_bos == [0, *bare]
+        by_text = [t for r in stub.Generate(_request("def main():\n", 6)) for t in r.token_ids]
+        assert by_text == [t for r in stub.Generate(_request(with_bos, 6)) for t in r.token_ids]
+        assert by_text != [t for r in stub.Generate(_request(bare, 6)) for t in r.token_ids]
+    finally:
+        tokenizer.post_processor = before
+    _wait_kv_free(server)
+
+
 def test_text_prompt_tokenize_detokenize_and_model_info(server):
     stub = server.stub()
     ids = list(stub.Tokenize(pb.TokenizeRequest(text="def main():\n")).token_ids)
