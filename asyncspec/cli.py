@@ -129,7 +129,7 @@ def _generate_offline(argv: Sequence[str] | None) -> int:
     add_engine_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    prompts = [p.encode().decode("unicode_escape") for p in (args.prompt or ["def fibonacci(n):\\n"])]
+    prompts = [_newlines(p) for p in (args.prompt or ["def fibonacci(n):\\n"])]
     config = engine_config_from_args(args)
     llm = LLM(**dataclasses.asdict(config))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed_request)
@@ -248,6 +248,12 @@ def _health(args: argparse.Namespace) -> int:
     return 0 if response.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+def _newlines(prompt: str) -> str:
+    """The documented escape only: `\\n` is a newline. Any other text, non-ASCII and backslashes (`C:\\x`) included,
+    is sent as typed."""
+    return prompt.replace("\\n", "\n")
+
+
 def _add_tls_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's roots")
     parser.add_argument(
@@ -313,7 +319,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
     token = _token(args)
     metadata = [("authorization", f"Bearer {token}")] if token else None
     request = pb.GenerateRequest(
-        text=args.prompt.encode().decode("unicode_escape"),
+        text=_newlines(args.prompt),
         sampling=pb.SamplingOptions(temperature=args.temperature),
         stopping=pb.StoppingOptions(max_tokens=args.max_tokens),
     )

@@ -267,3 +267,20 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] == "Z"
     except OSError:
         return True
+
+
+def test_generate_command_sends_non_ascii_and_backslashes_as_typed(capsys):
+    """Only the documented `\\n` is an escape: a prompt with accents, CJK and a backslash (a Windows path, a regex)
+    reaches the model as typed, the same ids as the Python API's."""
+    from asyncspec import LLM, SamplingParams
+
+    typed = '# café 日本語: C:\\x "\\d+"\\n'
+    meant = '# café 日本語: C:\\x "\\d+"\n'
+    common = ["--model", str(TARGET_MODEL), "--device", "cpu", "--dtype", "float32", "--max-tokens", "4"]
+    common += ["--max-model-len", "256", "--num-kv-blocks", "64", "--speculative-method", "none"]
+    assert generate_offline_main([*common, "--prompt", typed]) == 0
+    printed = capsys.readouterr().out.split("\n", 1)[1]
+    expected = LLM(str(TARGET_MODEL), device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=64).generate(
+        [meant], SamplingParams(temperature=0.0, max_tokens=4)
+    )[0]
+    assert printed.startswith(meant + expected.text)

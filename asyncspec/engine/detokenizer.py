@@ -145,8 +145,8 @@ class IncrementalDetokenizer:
     def _update_all(self, new_token_ids: Sequence[int]) -> bool:
         """The text of all the new tokens from one window: two decodes per step instead of two per
         token (speculative steps bring several tokens). Declines, changing nothing, when token by
-        token could differ: the window ends inside a character (the text before it is emitted now,
-        as one token per step would), adds no text, starts below min_tokens while stop strings are
+        token could differ: the window holds an incomplete or invalid character (the text before it is
+        emitted now, as one token per step would), adds no text, starts below min_tokens while stop strings are
         set, or completes a stop string (which token completed it decides where the output ends)."""
         if self.stop and self.num_output_tokens < self.min_tokens:
             return False
@@ -155,7 +155,9 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         new_text = self._decode(self._prefix_offset)
         delta = new_text[len(prefix_text) :]
-        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR) or self._would_stop(delta):
+        # U+FFFD anywhere, not only at the end: a byte-fallback tokenizer decodes a run of byte tokens that is not
+        # UTF-8 as one, where token by token a valid first byte ('"') was text of its own.
+        if len(new_text) <= len(prefix_text) or _REPLACEMENT_CHAR in delta or self._would_stop(delta):
             del self._token_ids[start:]
             return False
         self.num_output_tokens += len(new_token_ids)

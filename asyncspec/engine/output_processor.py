@@ -48,6 +48,8 @@ class RequestState:
     num_accepted_tokens: int = 0
     num_drafts: int = 0
     queued_seconds: float | None = None
+    num_cached_tokens: int = 0
+    """The prompt tokens the prefix cache held, as the core last reported: an abort's final output repeats it."""
     deferred_text: bool = False
     """The output is delivered only at its end (not streamed) and no stop string needs each step's text: a step
     only collects tokens, and the text is made once at the end (a decode of them all gives what one step at a
@@ -88,6 +90,7 @@ class OutputProcessor:
                 continue
             if state.queued_seconds is None:
                 state.queued_seconds = core.queued_seconds
+            state.num_cached_tokens = core.num_cached_tokens
             if state.deferred_text and core.finish_reason is None:
                 # A step of a whole output with no stop string: nothing to detokenize, cut or deliver yet.
                 self._collect(state, core)
@@ -163,7 +166,7 @@ class OutputProcessor:
         state = self.states.get(request_id)
         if state is None:
             return None
-        return self._make_output(state, "abort", None, 0)
+        return self._make_output(state, "abort", None, state.num_cached_tokens)
 
     def _make_output(
         self, state: RequestState, finish_reason: str | None, stop_reason, num_cached_tokens: int

@@ -142,6 +142,25 @@ def test_abort_mid_stream(engine, prompts):
     assert len([t for d in deltas for t in d.token_ids]) < 200
 
 
+def test_an_aborted_streams_last_output_keeps_its_prefix_cache_hit(engine, prompts):
+    """The gRPC usage of an aborted stream takes its last output's cached-token count."""
+
+    async def main():
+        async for _ in engine.generate(prompts[1], SamplingParams(max_tokens=2), request_id="warm-prefix"):
+            pass
+        deltas = []
+        async for delta in engine.generate(prompts[1], LONG, request_id="abort-cached"):
+            deltas.append(delta)
+            if len(deltas) == 3:
+                await engine.abort("abort-cached")
+        await wait_kv_free(engine)
+        return deltas
+
+    deltas = _run(main())
+    assert deltas[-1].finish_reason == "abort" and deltas[0].num_cached_tokens > 0
+    assert {d.num_cached_tokens for d in deltas} == {deltas[0].num_cached_tokens}
+
+
 def test_abort_unknown_or_finished_id_is_harmless(engine, prompts, reference):
     async def main():
         await engine.abort("never-existed")

@@ -298,3 +298,41 @@ def test_a_prompt_ending_inside_a_character_gives_the_same_text_however_tokens_g
         detok.finish()
         whole = detokenize(tok, ids)
         assert detok.output_text == whole[len(detokenize(tok, prompt).rstrip("\ufffd")) :], cut
+
+
+def _byte_fallback_tokenizer() -> Tokenizer:
+    """A Llama-2-style tokenizer: sentencepiece pieces, and <0xNN> tokens for bytes, decoded with ByteFallback."""
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ("▁", "a", "b", "▁x", "▁=", "▁1"):
+        vocab.setdefault(piece, len(vocab))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return tokenizer
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["streamed", "one-window"])
+def test_byte_tokens_that_are_not_utf8_give_the_same_text_however_tokens_group(decode_path, deferred) -> None:
+    """ByteFallback turns a run of byte tokens that is not UTF-8 into one U+FFFD a byte, its valid first byte
+    ('"') included, where token by token that byte was already text. A window holding U+FFFD anywhere goes on
+    token by token, so a step of several tokens (a speculative step; a whole output decoded at its end) gives
+    the text one token a step gives."""
+    tok = _byte_fallback_tokenizer()
+    ids = [tok.token_to_id(t) for t in ("a", "<0x22>", "<0xC5>", "<0x07>", "b")]
+    prompt = [tok.token_to_id(t) for t in ("▁x", "▁=", "▁1")]
+    one_at_a_time = IncrementalDetokenizer(tok, prompt, SamplingParams())
+    for token_id in ids:
+        one_at_a_time.update([token_id])
+    one_at_a_time.finish()
+    grouped = IncrementalDetokenizer(tok, prompt, SamplingParams())
+    if deferred:
+        grouped.update(ids)
+    else:
+        grouped.update(ids[:1])
+        grouped.update(ids[1:])
+    grouped.finish()
+    assert '"' in one_at_a_time.output_text and "\ufffd" in one_at_a_time.output_text
+    assert grouped.output_text == one_at_a_time.output_text
