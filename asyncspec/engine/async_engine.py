@@ -401,6 +401,28 @@ class AsyncEngine:
             for listener in self._death_listeners:
                 listener(self._dead)
 
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests submitted whose final output has not come yet (a slow reader's backlog not included)."""
+        return len(self._streams)
+
+    def declare_dead(self, reason: str) -> None:
+        """From outside (the server's stall watchdog): the engine makes no progress. Ends every stream with
+        EngineDeadError(reason) without touching the engine's state, which a hung step may still hold in the
+        worker thread; the death listeners hear of it. Nothing if the engine already stopped."""
+        if self._dead is not None:
+            return
+        self._dead = EngineDeadError(reason)
+        logger.error("%s", reason)
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            if not stream.loop.is_closed():
+                stream.put(EngineDeadError(reason))
+        if self._aborts_applied is not None:
+            self._aborts_applied.set()
+        for listener in self._death_listeners:
+            listener(self._dead)
+
     def _end_all_streams(self, error: EngineDeadError) -> None:
         """Aborts every live request (freeing its KV blocks, best effort) and ends every stream
         with `error`."""

@@ -503,8 +503,8 @@ class EngineProcessClient:
                 message = self._conn.recv()
             except (EOFError, OSError):
                 break
-            except Exception:  # closed under the reader (shutdown), or a message that cannot be read
-                if not self._closing:
+            except Exception:  # closed under the reader (shutdown, the at-exit stop), or a message that cannot be read
+                if not self._closing and not self._conn.closed:
                     logger.exception("cannot read from the engine process; treating it as gone")
                 break
             if message[0] == "stats":
@@ -512,7 +512,10 @@ class EngineProcessClient:
                 if reply is not None and not reply.done():
                     reply.set_result(message[2])
                 continue
-            self._loop.call_soon_threadsafe(self._dispatch, message)
+            try:
+                self._loop.call_soon_threadsafe(self._dispatch, message)
+            except RuntimeError:  # the event loop has closed (the program ended without shutdown()): nobody reads
+                break
             if message[0] == "dead":
                 break
         self._gone = True
@@ -562,6 +565,16 @@ class EngineProcessClient:
             EngineDeadError(f"the engine process exited unexpectedly (exit code {self._process.exitcode})"),
             notify=True,
         )
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests submitted whose final output has not come yet (a slow reader's backlog not included)."""
+        return len(self._streams)
+
+    def declare_dead(self, reason: str) -> None:
+        """From outside (the server's stall watchdog): the engine process makes no progress. Every stream ends
+        with EngineDeadError(reason) and the death listeners hear of it; shutdown() then stops (or kills) it."""
+        self._end(EngineDeadError(reason), notify=True)
 
     def _end(self, error: EngineDeadError, notify: bool) -> None:
         """Ends every stream with `error`; with `notify`, the engine failed: the death listeners hear of it."""

@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 AUTH_TOKEN_ENV = "ASYNCSPEC_AUTH_TOKEN"
 """Environment variable holding the bearer token clients must send (unset: no auth)."""
 _ABORTED_STREAMS_END_S = 5.0  # how long a drain waits for aborted streams to send their final response
+_STOP_AFTER_FAILURE_S = 90.0  # a failed engine's stop (a process's join and kill take up to 70 s); then exit without it
 
 
 class ServerStartError(AsyncSpecError):
@@ -64,6 +66,10 @@ class ServerConfig:
     """PEM private key of tls_cert_file."""
     auth_token_file: str | None = None
     """File holding the bearer token; else $ASYNCSPEC_AUTH_TOKEN; neither: no auth."""
+    engine_stall_timeout_s: float = 300.0
+    """How long the engine may hold unfinished requests with no step finishing before it counts as hung (a stuck
+    kernel or collective): the streams then end with INTERNAL, liveness goes NOT_SERVING and `serve` exits 1, so
+    the orchestrator restarts it. Above the longest step, first-use kernel compilation included; 0: never."""
     engine_process: bool = True
     """Run the engine (scheduling, output processing, the model) in a process of its own, so that the
     server's per-stream gRPC work never shares an interpreter lock with it; each step's outputs cross one pipe.
@@ -137,6 +143,9 @@ class GenerationServer:
         self.engine_failed = asyncio.Event()
         """Set when the engine has failed for good (a worker process died, the loop raised)."""
         self._health_task: asyncio.Task[None] | None = None
+        self._last_progress = time.monotonic()
+        """When a step last finished, or the engine last had no unfinished request (the stall watchdog's clock)."""
+        self._watchdog: asyncio.Task[None] | None = None
 
     def _stats(self) -> dict[str, float]:
         # Read by the metrics server's thread: the snapshot taken between steps.
@@ -144,6 +153,8 @@ class GenerationServer:
 
     async def start(self) -> None:
         cfg = self.config
+        if not cfg.engine_stall_timeout_s >= 0:
+            raise ServerStartError(f"engine_stall_timeout_s must be >= 0 (0: never), got {cfg.engine_stall_timeout_s}")
         token = cfg.auth_token()
         options = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
@@ -202,10 +213,36 @@ class GenerationServer:
             await self.stop()
             raise ServerStartError(f"the engine failed to start: {e}") from e
         self.engine.add_step_listener(self.metrics.iteration_tokens.observe)
+        self.engine.add_step_listener(self._on_step)
         self.engine.add_death_listener(self._on_engine_death)
         self.engine.start()
+        if cfg.engine_stall_timeout_s > 0:
+            self._last_progress = time.monotonic()
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch_for_stall(cfg.engine_stall_timeout_s))
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         logger.info("ready in %.1f s: serving %s", time.perf_counter() - start, self.engine_config.model)
+
+    def _on_step(self, num_tokens: int) -> None:
+        self._last_progress = time.monotonic()
+
+    async def _watch_for_stall(self, timeout_s: float) -> None:
+        """A hung engine is alive to every other check: it neither dies nor answers. Unfinished requests with no
+        step finishing for timeout_s declare it dead."""
+        period = min(5.0, timeout_s / 4)
+        while self.engine is not None and not self.engine_failed.is_set():
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            # Requests the engine has not finished, not streams: a stream whose client reads slowly may outlive
+            # its request's last step by any time.
+            waiting = self.engine.num_unfinished_requests
+            if waiting == 0:
+                self._last_progress = now
+            elif now - self._last_progress > timeout_s:
+                self.engine.declare_dead(
+                    f"the engine is hung: no step finished in {now - self._last_progress:.0f} s with {waiting} "
+                    f"requests unfinished (engine_stall_timeout_s {timeout_s:g})"
+                )
+                return
 
     def _on_engine_death(self, error: Exception) -> None:
         logger.error("the engine failed: %s", error)
@@ -242,6 +279,8 @@ class GenerationServer:
             await asyncio.sleep(0.02)
 
     async def stop(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if self.engine is not None:
             await self.engine.shutdown()
         if self._server is not None:
@@ -282,12 +321,32 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
     failing.cancel()
     if server.engine_failed.is_set():
         # Every stream has ended with INTERNAL; a restart (the orchestrator's) is the only way on.
-        await server.stop()
+        await _stop_failed(server.stop())
         print("asyncspec: the engine failed; exiting", file=sys.stderr, flush=True)
         return 1
     logger.info("draining (grace %.1f s)", server_config.drain_grace_s)
-    await server.drain()
-    return 0
+    draining = asyncio.ensure_future(server.drain())
+    failing = asyncio.ensure_future(server.engine_failed.wait())
+    await asyncio.wait([draining, failing], return_when=asyncio.FIRST_COMPLETED)
+    failing.cancel()
+    if not draining.done():  # the engine failed (or hung) during the drain
+        await _stop_failed(draining)
+    # An engine that failed during the drain is a failure too, for supervisors that restart on one.
+    return 1 if server.engine_failed.is_set() else 0
+
+
+async def _stop_failed(stopping: Awaitable[None]) -> None:
+    """Waits for a failed engine's stop, but not forever: a step hung in the engine's thread never returns, and
+    the process must still exit (non-zero) for the orchestrator to restart it."""
+    try:
+        await asyncio.wait_for(stopping, _STOP_AFTER_FAILURE_S)
+    except TimeoutError:
+        logger.error("the failed engine did not stop in %.0f s; exiting without it", _STOP_AFTER_FAILURE_S)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:

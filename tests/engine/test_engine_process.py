@@ -313,3 +313,28 @@ def test_a_program_that_ends_without_shutdown_exits(tmp_path):
     pid = int(done.stdout.split()[0])
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # the engine process is gone too
+
+
+def test_a_program_that_ends_mid_stream_without_shutdown_exits_quietly(tmp_path):
+    """The reader thread outlives the event loop when a program returns while a stream runs: it stops without a
+    traceback ("Event loop is closed", "cannot read from the engine process")."""
+    script = tmp_path / "leave_busy.py"
+    script.write_text(
+        "import asyncio, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
+        "from asyncspec import SamplingParams\n"
+        "from asyncspec.config import make_config\n"
+        "from asyncspec.engine.engine_process import EngineProcessClient\n"
+        "async def main():\n"
+        f"    client = await EngineProcessClient.launch(make_config({str(TARGET_MODEL)!r}, **{CONFIG!r}))\n"
+        "    async def long():\n"
+        "        async for _ in client.generate([7] * 30, SamplingParams(max_tokens=200, ignore_eos=True)):\n"
+        "            pass\n"
+        "    asyncio.get_running_loop().create_task(long())\n"
+        "    await asyncio.sleep(1.0)\n"
+        "if __name__ == '__main__':\n"
+        "    asyncio.run(main())\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "Exception in thread" not in done.stderr, done.stderr

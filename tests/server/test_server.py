@@ -611,6 +611,80 @@ def test_engine_fault_ends_streams_with_internal_and_health_not_serving(prompts)
         server.stop()
 
 
+def _liveness(server: ServerThread) -> int:
+    health = health_pb2_grpc.HealthStub(server.channel())
+    return health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
+
+
+def test_a_hung_engine_ends_its_streams_and_turns_liveness_off(prompts):
+    """A step that never returns (a stuck kernel) leaves the engine alive to every other check: with no step
+    finishing for engine_stall_timeout_s while requests are unfinished, the streams end with INTERNAL and liveness
+    goes NOT_SERVING (serve then exits 1), not a hang until each client's deadline."""
+    server = ServerThread(engine_stall_timeout_s=1.0)
+    release = threading.Event()
+    try:
+        core = server.server.engine.engine.engine_core
+        real_step = core.step
+        calls = {"n": 0}
+
+        def hanging_step():
+            calls["n"] += 1
+            if calls["n"] == 4:
+                release.wait(120)
+            return real_step()
+
+        core.step = hanging_step
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            list(server.stub().Generate(_request(prompts[0], 100), timeout=60))
+        assert e.value.code() == grpc.StatusCode.INTERNAL and "hung" in e.value.details(), e.value.details()
+        assert time.monotonic() - start < 15
+        assert server.server.engine_failed.is_set()
+        deadline = time.monotonic() + 5
+        while _liveness(server) != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        release.set()
+        server.stop()
+
+
+def test_a_frozen_engine_process_is_declared_hung(prompts):
+    """The engine in its own process, stopped by SIGSTOP: alive, silent, and caught by the same watchdog."""
+    server = ServerThread(engine_process=True, engine_stall_timeout_s=1.0)
+    pid = server.server.engine._process.pid
+    try:
+        stub = server.stub()
+        call = stub.Generate(_request(prompts[0], 200), timeout=60)
+        next(call)
+        os.kill(pid, signal.SIGSTOP)
+        with pytest.raises(grpc.RpcError) as e:
+            list(call)
+        assert e.value.code() == grpc.StatusCode.INTERNAL and "hung" in e.value.details(), e.value.details()
+        assert server.server.engine_failed.is_set()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        server.stop()
+
+
+def test_the_stall_watchdog_ignores_an_idle_engine_and_a_slow_reader(prompts):
+    """Neither an engine with nothing to do nor a client that stops reading after its request finished in the
+    engine is a hang."""
+    server = ServerThread(engine_stall_timeout_s=0.5)
+    try:
+        call = server.stub().Generate(_request(prompts[0], 12))
+        next(call)
+        _wait_kv_free(server)  # the request ended in the engine; its stream is not read yet
+        time.sleep(2.0)
+        rest = list(call)
+        assert rest[-1].finished and rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        time.sleep(1.5)
+        assert _liveness(server) == health_pb2.HealthCheckResponse.SERVING
+        assert not server.server.engine_failed.is_set()
+    finally:
+        server.stop()
+
+
 def test_tls_client_with_the_test_ca(tmp_path, prompts, capsys):
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(
