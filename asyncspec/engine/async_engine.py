@@ -38,6 +38,20 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
 
 
+_FINALIZER_TURNS = 4
+"""Event-loop turns asyncio takes to close an abandoned async generator: its finalizer hook schedules a task
+(call_soon_threadsafe) that runs aclose(), whose `finally` then runs."""
+
+
+async def let_finalizers_run(still_taken: Callable[[], bool]) -> None:
+    """A client that broke out of `async for` without closing its generator leaves it to asyncio's finalizer, which
+    aborts its request a few loop turns later: those turns pass before the id counts as taken."""
+    for _ in range(_FINALIZER_TURNS):
+        if not still_taken():
+            return
+        await asyncio.sleep(0)
+
+
 def merge_deltas(first: RequestOutput, second: RequestOutput) -> RequestOutput:
     """Two consecutive deltas of one request as one: tokens, text and logprobs concatenated, the
     cumulative counters and the finish information from the later one."""
@@ -189,6 +203,8 @@ class AsyncEngine:
         """Validates the request and registers its stream; the loop adds it to the engine before its next step."""
         self._raise_if_dead()
         self._ensure_loop()
+        if isinstance(request_id, str) and request_id in self._streams:
+            await let_finalizers_run(lambda: request_id in self._streams)
         if isinstance(request_id, str) and request_id in self._pending_aborts:
             await self._wait_for_abort(request_id)
         if isinstance(prompt, str):

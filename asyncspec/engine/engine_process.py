@@ -42,7 +42,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from asyncspec.config import EngineConfig
-from asyncspec.engine.async_engine import AsyncEngine, next_output
+from asyncspec.engine.async_engine import AsyncEngine, let_finalizers_run, next_output
 from asyncspec.engine.llm_engine import PromptType
 from asyncspec.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from asyncspec.models.model_config import ModelConfig
@@ -396,6 +396,8 @@ class EngineProcessClient:
             request_id = uuid.uuid4().hex
         elif not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._streams:
+            await let_finalizers_run(lambda: request_id in self._streams)
         while request_id in self._departed:  # its previous client just left: free once its abort is applied
             await self._departed[request_id].wait()
             self._raise_if_dead()

@@ -418,6 +418,29 @@ def test_id_reused_right_after_client_left_is_never_silently_aborted(engine, pro
         assert [t for d in deltas for t in d.token_ids] == reference[0].token_ids
 
 
+async def _break_after_first(engine, prompt, request_id) -> None:
+    """A client that breaks out of its `async for` and returns, leaving the generator to asyncio's finalizer."""
+    async for _ in engine.generate(prompt, LONG, request_id=request_id):
+        break
+
+
+def test_id_reused_right_after_a_client_broke_out_is_free(engine, prompts, reference):
+    """generate() promises that the id of a client that just left is free once its abort is applied: also when
+    the client broke out of `async for` without closing the generator (the common way to stop reading)."""
+
+    async def main():
+        outputs = []
+        for _ in range(3):
+            await _break_after_first(engine, prompts[1], "broke-out")
+            outputs.append(await _collect(engine, prompts[0], GREEDY, "broke-out"))
+        await wait_kv_free(engine)
+        return outputs
+
+    for deltas in _run(main()):
+        assert deltas[-1].finish_reason == "length"
+        assert [t for d in deltas for t in d.token_ids] == reference[0].token_ids
+
+
 def test_pipelined_loop_lets_other_tasks_run_every_step(prompts, monkeypatch):
     """When each step's results are ready by the time the loop looks (a device ahead of the host),
     the asynchronous loop must still yield every turn: a ticker task keeps running while a stream

@@ -105,6 +105,21 @@ def test_client_leaving_early_aborts_frees_kv_and_the_id_is_reusable(loop, clien
     assert stats["num_generation_tokens"] - before < LONG.max_tokens + GREEDY.max_tokens
 
 
+def test_id_reused_right_after_a_client_broke_out_is_free(loop, client, prompts):
+    async def break_after_first() -> None:
+        async for _ in client.generate(prompts[0], LONG, request_id="broke-out"):
+            break  # the generator is left to asyncio's finalizer
+
+    async def run():
+        for _ in range(3):
+            await break_after_first()
+            again = await _collect(client, prompts[1], GREEDY, request_id="broke-out")
+            assert again[-1].finish_reason == "length"
+        return await wait_kv_free(client)
+
+    assert_kv_free(loop.run_until_complete(run()))
+
+
 def test_abort_by_id_ends_the_stream_with_abort(loop, client, prompts):
     async def run():
         deltas = []
