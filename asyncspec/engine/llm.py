@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +30,7 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """One finished RequestOutput per prompt, in prompt order."""
-        # A tensor / array is one prompt (1-D) or a batch (2-D).
-        raw: Any = prompts.tolist() if hasattr(prompts, "tolist") else prompts
-        batch: list[PromptType] = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
-        prompts = batch
+        prompts = _prompt_batch(prompts)
         params = self._expand(sampling_params, len(prompts), "sampling_params")
         priorities = self._expand(priority, len(prompts), "priority") if priority is not None else [0] * len(prompts)
         # Validate everything first: a bad prompt anywhere leaves the engine untouched.
@@ -61,6 +59,9 @@ class LLM:
             return [SamplingParams()] * n
         if isinstance(value, (SamplingParams, int)):
             return [value] * n
+        if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+            kind = "a SamplingParams or a list of them" if name == "sampling_params" else "an int or a list of ints"
+            raise InvalidRequestError(f"{name} must be {kind}, got {type(value).__name__}")
         value = list(value)
         if len(value) != n:
             raise InvalidRequestError(f"{name} has {len(value)} entries for {n} prompts")
@@ -94,3 +95,20 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+
+def _prompt_batch(prompts: Any) -> list[PromptType]:
+    """One prompt (a str, a list of token ids, a 1-D tensor or array) or a batch of them (any iterable; a 2-D tensor
+    or array) as a list of prompts; anything else is an InvalidRequestError naming what a prompt may be."""
+    raw: Any = prompts.tolist() if hasattr(prompts, "tolist") else prompts
+    if isinstance(raw, str):
+        return [raw]
+    if isinstance(raw, (bytes, bytearray, Mapping)) or not isinstance(raw, Iterable):
+        raise InvalidRequestError(
+            f"prompts must be a str, a list of token ids, or a list of those; got {type(raw).__name__}"
+        )
+    if not isinstance(raw, Sequence):
+        raw = list(raw)  # a generator
+    if raw and isinstance(raw[0], numbers.Integral) and not isinstance(raw[0], bool):
+        return [raw]
+    return list(raw)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 import uuid
 from collections.abc import Iterable, Sequence
@@ -77,6 +78,12 @@ class LLMEngine:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use by a running request")
         if isinstance(priority, bool) or not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
             raise InvalidRequestError(f"priority must be a 64-bit signed integer, got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            # As vLLM: a priority this engine would ignore is refused rather than silently dropped.
+            raise InvalidRequestError(
+                f"priority {priority} needs scheduling_policy 'priority' (this engine schedules "
+                f"{self.config.scheduling_policy!r})"
+            )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError(
                 "stop strings need a tokenizer, but this engine was started with skip_tokenizer_init=True: "
@@ -106,25 +113,33 @@ class LLMEngine:
                 ids = self.tokenizer.encode(prompt, add_special_tokens=True).ids
             except TypeError as e:  # the tokenizer refuses what UTF-8 cannot hold (lone surrogates)
                 raise InvalidRequestError(f"the prompt is not valid Unicode text: {e}") from None
+        elif isinstance(prompt, (bytes, bytearray)):
+            # A Sequence of ints too, but never meant as token ids.
+            raise InvalidRequestError("a prompt is a str or a list of token ids, got bytes: decode it to str first")
         elif isinstance(prompt, Sequence) or hasattr(prompt, "tolist"):
             raw: Any = prompt.tolist() if hasattr(prompt, "tolist") else prompt  # a tensor / array, or a list
             ids = list(raw)
             # The common case in C (a set of types, min and max): a per-token loop costs ~1 us a token.
             if not ids or set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= self.vocab_size:
-                self._check_token_ids(ids)
+                ids = self._check_token_ids(ids)
         else:
             raise InvalidRequestError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         return ids
 
-    def _check_token_ids(self, ids: list[Any]) -> None:
-        """Raises for the first entry that is not a token id of this vocabulary."""
+    def _check_token_ids(self, ids: list[Any]) -> list[int]:
+        """The ids as Python ints (NumPy's integers taken); raises for the first entry that is not a token id of
+        this vocabulary."""
+        checked = []
         for i, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int):
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
                 raise InvalidRequestError(f"prompt token {i} is {t!r}, not an integer token id")
+            t = int(t)
             if not 0 <= t < self.vocab_size:
                 raise InvalidRequestError(f"prompt token {i} is {t}, outside the vocabulary [0, {self.vocab_size})")
+            checked.append(t)
+        return checked
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request: Request, stream_deltas: bool = True, enforce_queue_limit: bool = True) -> None:

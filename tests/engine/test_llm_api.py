@@ -96,6 +96,14 @@ def test_single_prompt_forms(llm, prompts, reference):
     assert [o.token_ids for o in llm.generate(t, GREEDY)] == [reference[0].token_ids]
     assert [o.token_ids for o in llm.generate(torch.stack([t, t]), GREEDY)] == [reference[0].token_ids] * 2
     assert [o.token_ids for o in llm.generate([t], GREEDY)] == [reference[0].token_ids]
+    # NumPy: an array or a list of its integers is one prompt; a generator of prompts is a batch.
+    import numpy as np
+
+    as_numpy = np.array(prompts[0], dtype=np.int64)
+    assert [o.token_ids for o in llm.generate(list(as_numpy), GREEDY)] == [reference[0].token_ids]
+    assert [o.token_ids for o in llm.generate(as_numpy, GREEDY)] == [reference[0].token_ids]
+    batch = llm.generate((p for p in prompts[:2]), GREEDY)
+    assert [o.token_ids for o in batch] == [r.token_ids for r in reference[:2]]
 
 
 def test_mixed_text_and_token_prompts(llm, prompts, reference):
@@ -116,6 +124,9 @@ def test_mixed_text_and_token_prompts(llm, prompts, reference):
         ([3, -1], InvalidRequestError),
         ([7] * 128, InvalidRequestError),  # no position left under max_model_len=128
         (None, InvalidRequestError),
+        (b"import os", InvalidRequestError),  # bytes are ints too, never meant as token ids
+        ({"prompt": "import os"}, InvalidRequestError),
+        ([1, True, 2], InvalidRequestError),
     ],
 )
 def test_bad_prompt_raises_before_any_work(llm, prompts, reference, bad, error):
@@ -140,6 +151,15 @@ def test_bad_params_raise_before_any_work(llm, prompts):
         llm.generate(prompts[:2], [GREEDY, {"temperature": 0.0}])
     with pytest.raises(InvalidSamplingParamsError):
         SamplingParams(temperature=float("nan"))
+    # A dict of options, or a single prompt's worth of anything but SamplingParams, names what is expected.
+    with pytest.raises(InvalidRequestError, match="sampling_params must be a SamplingParams or a list"):
+        llm.generate(prompts[:2], {"temperature": 0.0})
+    # A priority the fcfs engine would ignore is refused, as vLLM does.
+    with pytest.raises(InvalidRequestError, match="scheduling_policy 'priority'"):
+        llm.generate(prompts[:2], GREEDY, priority=[0, 3])
+    for bad in (b"import os", {"prompt": "import os"}, 7):
+        with pytest.raises(InvalidRequestError, match="prompts must be"):
+            llm.generate(bad, GREEDY)
     assert llm.stats()["num_steps"] == before
 
 

@@ -254,6 +254,7 @@ def _bad_requests(prompt: list[int]) -> list[tuple[str, pb.GenerateRequest]]:
         ("prompt token 1", _request([5, 9000])),
         ("prompt token 0", _request([-3, 5])),
         ("max_model_len", _request([5] * 300)),
+        ("priority", with_("priority", 3)),  # the test server schedules fcfs
         ("temperature", with_("sampling.temperature", float("nan"))),
         ("temperature", with_("sampling.temperature", float("inf"))),
         ("temperature", with_("sampling.temperature", -1.0)),
