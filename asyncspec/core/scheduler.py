@@ -375,7 +375,9 @@ class Scheduler:
                     memory_short = True
                     break
                 self.waiting.pop()
-                if request.num_computed_tokens == 0 and cfg.enable_prefix_caching:
+                if request.num_computed_tokens == 0 and cfg.enable_prefix_caching and request.num_cached_tokens < 0:
+                    # The first admission only: a preempted request finding its own blocks again, generated
+                    # tokens included, is no prompt lookup (and would inflate the hit rate under KV pressure).
                     kv.record_prefix_cache_query(request.num_tokens, num_hit)
                 request.num_computed_tokens += num_hit
                 if request.num_cached_tokens < 0:

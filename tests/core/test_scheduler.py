@@ -274,6 +274,10 @@ def test_preempted_request_uses_its_cached_prefix_on_resume():
             assert so.preempted_req_ids == {"b"}
     assert preempted_at is not None
     assert s.kv_cache_manager.num_free_blocks == 8
+    # Its resume hit its own blocks, but the prefix-cache counters count prompts, once each: 30 tokens looked up,
+    # none shared.
+    stats = s.kv_cache_manager.prefix_cache_stats
+    assert (stats.queries, stats.hits) == (30, 0)
 
 
 def test_priority_policy_preempts_lowest_priority_even_if_already_planned():
