@@ -26,7 +26,19 @@ _ROPE_TYPES: dict[str, tuple[str, ...]] = {
 }
 # transformers' defaults where a config leaves these keys out (its config classes, 5.x).
 _MAX_POSITION_DEFAULTS = {"MistralForCausalLM": 131072, "Qwen2ForCausalLM": 32768, "Qwen3ForCausalLM": 32768}
-_SLIDING_WINDOW_DEFAULTS = {"MistralForCausalLM": 4096}
+# Qwen's applies only where use_sliding_window is set.
+_SLIDING_WINDOW_DEFAULTS = {"MistralForCausalLM": 4096, "Qwen2ForCausalLM": 4096, "Qwen3ForCausalLM": 4096}
+_HEAD_DIM_DEFAULTS = {"Qwen3ForCausalLM": 128}  # the others default to hidden_size // num_attention_heads
+# The config keys each architecture's transformers config class takes: the others it ignores, and so must we.
+_TAKES_ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+_TAKES_MLP_BIAS = ("LlamaForCausalLM",)
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 _QWEN_MAX_WINDOW_LAYERS_DEFAULT = 28
 
 
@@ -140,6 +152,14 @@ class ModelConfig:
                 f"{source}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         # auto_map / trust_remote_code are deliberately ignored: no remote code is ever executed.
+        model_type = cfg.get("model_type")
+        if model_type is not None and model_type != _MODEL_TYPES[arch]:
+            # transformers builds the model of model_type, this engine the one of the architecture: refuse rather
+            # than pick one reading silently (biases, windows and defaults differ).
+            raise ModelLoadError(
+                f"{source}: model_type {model_type!r} does not match architecture {arch!r} "
+                f"(expected model_type {_MODEL_TYPES[arch]!r})"
+            )
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -153,7 +173,7 @@ class ModelConfig:
         except KeyError as e:
             raise ModelLoadError(f"{source}: required key {e.args[0]!r} is missing") from None
         kv_heads = cfg.get("num_key_value_heads") or heads
-        head_dim = cfg.get("head_dim") or hidden // heads
+        head_dim = cfg.get("head_dim") or _HEAD_DIM_DEFAULTS.get(arch) or hidden // heads
         if heads % kv_heads != 0:
             raise ModelLoadError(
                 f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
@@ -161,26 +181,26 @@ class ModelConfig:
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ModelLoadError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
-        max_pos = int(cfg.get("max_position_embeddings", _MAX_POSITION_DEFAULTS.get(arch, 2048)))
+        max_pos = int(_value_or(cfg, "max_position_embeddings", _MAX_POSITION_DEFAULTS.get(arch, 2048)))
         rope_theta, rope_scaling = _parse_rope(cfg, max_pos, source)
 
         is_qwen2, is_qwen3 = arch == "Qwen2ForCausalLM", arch == "Qwen3ForCausalLM"
-        attn_bias = True if is_qwen2 else bool(cfg.get("attention_bias", False))
-        sliding, layer_types = _parse_sliding_window(cfg, arch, int(cfg["num_hidden_layers"]))
+        attn_bias = True if is_qwen2 else arch in _TAKES_ATTENTION_BIAS and bool(cfg.get("attention_bias", False))
+        sliding, layer_types = _parse_sliding_window(cfg, arch, int(cfg["num_hidden_layers"]), source)
         eos = _merge_ids(cfg.get("eos_token_id"), (generation_config or {}).get("eos_token_id"))
         return cls(
             architecture=arch,
             **kwargs,
             num_key_value_heads=int(kv_heads),
             head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(_value_or(cfg, "rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=attn_bias,
             o_proj_bias=False if is_qwen2 else attn_bias,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            mlp_bias=arch in _TAKES_MLP_BIAS and bool(cfg.get("mlp_bias", False)),
             qk_norm=is_qwen3,
             hidden_act=act,
             sliding_window=sliding,
@@ -188,8 +208,14 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-            model_type=cfg.get("model_type"),
+            model_type=model_type,
         )
+
+
+def _value_or(cfg: dict[str, Any], key: str, default: Any) -> Any:
+    """The key's value, or the default where it is missing or null (transformers' reading of both)."""
+    value = cfg.get(key)
+    return default if value is None else value
 
 
 @overload
@@ -254,7 +280,9 @@ def _rope_kind(params: dict[str, Any]) -> dict[str, Any]:
     return kind
 
 
-def _parse_sliding_window(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, list[str] | None]:
+def _parse_sliding_window(
+    cfg: dict[str, Any], arch: str, num_layers: int, source: str
+) -> tuple[int | None, list[str] | None]:
     # Missing keys take transformers' defaults for the architecture (a present null stays null).
     window = cfg.get("sliding_window", _SLIDING_WINDOW_DEFAULTS.get(arch))
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
@@ -263,12 +291,23 @@ def _parse_sliding_window(cfg: dict[str, Any], arch: str, num_layers: int) -> tu
             return None, None
         types = cfg.get("layer_types")
         if types is None:
-            start = int(cfg.get("max_window_layers", _QWEN_MAX_WINDOW_LAYERS_DEFAULT))
+            start = int(_value_or(cfg, "max_window_layers", _QWEN_MAX_WINDOW_LAYERS_DEFAULT))
             types = ["sliding_attention" if i >= start else "full_attention" for i in range(num_layers)]
-        return int(window), list(types)
+        if not isinstance(types, list) or len(types) != num_layers or any(t not in _LAYER_TYPES for t in types):
+            raise ModelLoadError(
+                f"{source}: layer_types must list one of {', '.join(_LAYER_TYPES)} for each of the {num_layers} "
+                f"layers, got {types!r}"
+            )
+        return _checked_window(window, source), list(types)
     if arch == "MistralForCausalLM" and window is not None:
-        return int(window), None
+        return _checked_window(window, source), None
     return None, None
+
+
+def _checked_window(window: Any, source: str) -> int:
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ModelLoadError(f"{source}: sliding_window must be a positive integer (or null for none), got {window!r}")
+    return window
 
 
 def _merge_ids(*values: Any) -> list[int]:

@@ -214,3 +214,63 @@ def test_kv_bytes_per_token(tmp_path, dtype) -> None:
     cfg = ModelConfig.from_pretrained(_write(tmp_path, {**BASE, "num_key_value_heads": 2}))
     itemsize = 4 if dtype == torch.float32 else 2
     assert cfg.kv_bytes_per_token(dtype) == 2 * 3 * 2 * 8 * itemsize
+
+
+@pytest.mark.parametrize("hf_cls,arch", FAMILIES)
+def test_keys_a_family_ignores_and_its_own_defaults_read_as_transformers_reads_them(tmp_path, hf_cls, arch) -> None:
+    """Qwen's sliding window without a `sliding_window` key (4096 from layer max_window_layers on), Qwen3's head_dim
+    without its key (128), and attention_bias / mlp_bias only where the family's transformers model reads them
+    (Llama both, Qwen3 attention_bias; Mistral none; Qwen2 always its q/k/v biases)."""
+    written = {
+        **BASE,
+        "architectures": [arch],
+        "num_hidden_layers": 30,
+        "use_sliding_window": True,
+        "attention_bias": True,
+        "mlp_bias": True,
+    }
+    hf = hf_cls(**written)
+    cfg = ModelConfig.from_pretrained(_write(tmp_path, written))
+    assert cfg.head_dim == {"Qwen3ForCausalLM": 128}.get(arch, 8) == (getattr(hf, "head_dim", None) or 8)
+    windows = [cfg.sliding_window_for_layer(i) for i in range(30)]
+    if arch.startswith("Qwen"):
+        assert hf.sliding_window == 4096
+        assert windows == [4096 if t == "sliding_attention" else None for t in hf.layer_types]
+        assert windows[27:] == [None, 4096, 4096]
+    elif arch == "MistralForCausalLM":
+        assert windows == [hf.sliding_window] * 30 == [4096] * 30
+    else:
+        assert windows == [None] * 30
+    assert cfg.attention_bias == (arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"))
+    assert cfg.mlp_bias == (arch == "LlamaForCausalLM")
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window must be a positive"),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": -3}, "sliding_window must be a positive"),
+        (
+            {"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "layer_types": ["sliding_attention"]},
+            "layer_types must list",
+        ),
+        (
+            {
+                "architectures": ["Qwen2ForCausalLM"],
+                "use_sliding_window": True,
+                "layer_types": ["chunked_attention"] * 3,
+            },
+            "layer_types must list",
+        ),
+        ({"model_type": "mistral", "sliding_window": 8}, "model_type 'mistral' does not match"),
+        ({"architectures": ["Qwen2ForCausalLM"], "model_type": "llama"}, "model_type 'llama' does not match"),
+    ],
+)
+def test_configs_the_engine_would_misread_are_refused(tmp_path, extra, message) -> None:
+    with pytest.raises(ModelLoadError, match=message):
+        ModelConfig.from_pretrained(_write(tmp_path, {**BASE, **extra}))
+
+
+def test_null_optional_keys_take_their_defaults(tmp_path) -> None:
+    cfg = ModelConfig.from_pretrained(_write(tmp_path, {**BASE, "rms_norm_eps": None, "max_position_embeddings": None}))
+    assert cfg.rms_norm_eps == 1e-6 and cfg.max_position_embeddings == 2048
