@@ -40,7 +40,13 @@ def _field_parser(tp: Any):
     # `Optional[X]` has origin typing.Union, `X | None` has types.UnionType (the same object from 3.14).
     if origin in (typing.Union, types.UnionType) and len(args) == 1:
         inner = _field_parser(args[0])
-        return lambda s: None if s.lower() == "none" else inner(s)
+
+        def optional(text: str) -> Any:
+            return None if text.lower() == "none" else inner(text)
+
+        # argparse names the type in its message ("invalid int value: 'x'"), not "<lambda>".
+        optional.__name__ = getattr(inner, "__name__", "value")
+        return optional
     if origin is typing.Literal:
         return str
     if tp is bool:
@@ -70,12 +76,16 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, overrides: di
             default = f.default_factory()
         else:
             default = f.default
+        flag_options: dict[str, Any] = {}
+        if hints[f.name] is bool:
+            flag_options = dict(nargs="?", const=True)  # `--enforce-eager` alone means true, as in vLLM
         parser.add_argument(
             "--" + f.name.replace("_", "-"),
             dest=f.name,
             type=_field_parser(hints[f.name]),
             default=default,
             help=f"{docs.get(f.name, '')} (default: {default})",
+            **flag_options,
         )
 
 
@@ -161,8 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="asyncspec",
-        description="asyncspec: serve and query an LLM over gRPC. @FILE reads arguments from FILE, one per line.",
-        fromfile_prefix_chars="@",
+        description="asyncspec: serve and query an LLM over gRPC. @FILE as the first argument reads the arguments "
+        "from FILE, one per line.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the gRPC server (metrics on their own HTTP port)")
@@ -196,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--output", default=None, help="write the report as JSON here")
     bench.add_argument("--auth-token-file", default=None, help="else $ASYNCSPEC_AUTH_TOKEN")
     _add_tls_flags(bench)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_expand_argument_file(list(sys.argv[1:] if argv is None else argv)))
     try:
         if args.command == "serve":
             return _serve(args)
@@ -248,6 +258,22 @@ def _health(args: argparse.Namespace) -> int:
     return 0 if response.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+def _expand_argument_file(argv: list[str]) -> list[str]:
+    """`asyncspec @FILE` (the Kubernetes ConfigMap's form): FILE's lines are the arguments. Only as the first
+    argument: argparse's own @-expansion would read any later argument that starts with @ (a prompt that opens
+    with a decorator) as a file."""
+    if not argv or not argv[0].startswith("@"):
+        return argv
+    path = argv[0][1:]
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.strip() for line in f.read().splitlines()]
+    except OSError as e:
+        sys.stderr.write(f"asyncspec: error: cannot read the argument file {path!r}: {e}\n")
+        raise SystemExit(2) from None
+    return [line for line in lines if line] + argv[1:]
+
+
 def _newlines(prompt: str) -> str:
     """The documented escape only: `\\n` is a newline. Any other text, non-ASCII and backslashes (`C:\\x`) included,
     is sent as typed."""
@@ -296,6 +322,14 @@ def _bench(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"dataset {args.dataset!r} does not exist{where}: pass --dataset FILE, a JSONL of prompt_token_ids lists"
         )
+    for name, value, ok in (
+        ("--num-prompts", args.num_prompts, args.num_prompts >= 1),
+        ("--max-tokens", args.max_tokens, args.max_tokens >= 1),
+        ("--concurrency", args.concurrency, args.concurrency >= 1),
+        ("--request-rate", args.request_rate, args.request_rate is None or args.request_rate > 0),
+    ):
+        if not ok:
+            raise ConfigError(f"{name} must be positive, got {value}")
     cfg = bench.BenchConfig(
         address=args.address,
         dataset=args.dataset,

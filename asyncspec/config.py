@@ -101,7 +101,7 @@ class EngineConfig:
     prompt_lookup_min: int = 2
     """Shortest n-gram the "ngram" proposer matches against earlier tokens."""
     prompt_lookup_max: int = 5
-    """Longest n-gram the "ngram" proposer tries first."""
+    """Longest n-gram the "ngram" proposer tries first (at most 256)."""
     adaptive_speculation: bool = True
     """Choose the drafts verified per step (0, 1, k/2 or k) from the batch size, the measured acceptance and
     the step costs measured at CUDA-graph capture; False (or no graphs) always verifies num_speculative_tokens."""
@@ -278,6 +278,12 @@ class EngineConfig:
                 raise ConfigError("draft_model is only used with speculative_method='draft_model'")
             _check_int("prompt_lookup_min", self.prompt_lookup_min, minimum=1)
             _check_int("prompt_lookup_max", self.prompt_lookup_max, minimum=self.prompt_lookup_min)
+            if self.prompt_lookup_max > MAX_PROMPT_LOOKUP:
+                # The proposer compares every position's n-gram: memory and time grow as tokens x n per step.
+                raise ConfigError(
+                    f"prompt_lookup_max must be <= {MAX_PROMPT_LOOKUP} (each step compares n-grams of that length "
+                    f"at every position of every sequence), got {self.prompt_lookup_max}"
+                )
         elif self.draft_model is None and not is_bundled_target(self.model):
             raise ConfigError(
                 "speculative_method='draft_model' needs draft_model=<directory> (the bundled draft is the "
@@ -304,6 +310,10 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+
+MAX_PROMPT_LOOKUP = 256
+"""The longest n-gram the "ngram" proposer may try."""
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:

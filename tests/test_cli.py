@@ -284,3 +284,60 @@ def test_generate_command_sends_non_ascii_and_backslashes_as_typed(capsys):
         [meant], SamplingParams(temperature=0.0, max_tokens=4)
     )[0]
     assert printed.startswith(meant + expected.text)
+
+
+def test_an_argument_file_first_and_a_prompt_that_starts_with_at(tmp_path, capsys):
+    """`asyncspec @FILE` (the ConfigMap's form) reads FILE's lines as arguments; a later argument starting with @
+    (a decorator in a prompt) is text, not a file to read."""
+    from asyncspec.cli import main
+
+    args = tmp_path / "serve.args"
+    args.write_text("serve\n--device\ncpu\n\n--port\n70000\n--metrics-port\n-1\n")
+    assert main([f"@{args}"]) == 1  # read, parsed, then refused before anything starts
+    assert "port must be in [0, 65535] (0: ephemeral), got 70000" in capsys.readouterr().err
+    prompt = "@property\\ndef name(self):"
+    assert main(["generate", "--address", "127.0.0.1:1", "--timeout", "5", prompt]) == 1
+    err = capsys.readouterr().err
+    assert "UNAVAILABLE" in err and "No such file" not in err
+    with pytest.raises(SystemExit) as e:
+        main([f"@{tmp_path / 'missing.args'}"])
+    assert e.value.code == 2 and "cannot read the argument file" in capsys.readouterr().err
+
+
+def test_a_bad_switch_in_the_environment_is_one_line_not_a_traceback(monkeypatch, capsys):
+    monkeypatch.setenv("ASYNCSPEC_ATTENTION_BACKEND", "bogus")
+    common = ["--model", str(TARGET_MODEL), "--device", "cpu", "--max-tokens", "2", "--speculative-method", "none"]
+    assert generate_offline_main(common) == 1
+    err = capsys.readouterr().err
+    assert "ASYNCSPEC_ATTENTION_BACKEND must be 'torch' or 'triton'" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "lines, args, message",
+    [
+        ("", [], "holds no prompts"),
+        ('{"prompt": [1, 2]}\n', [], 'prompts.jsonl:1: not a JSON object with "prompt_token_ids"'),
+        ('{"prompt_token_ids": [1]}\nnot json\n', [], "prompts.jsonl:2: not a JSON object"),
+        ('{"prompt_token_ids": []}\n', [], "prompts.jsonl:1: prompt_token_ids must be a non-empty list"),
+        ('{"prompt_token_ids": [1]}\n', ["--concurrency", "-1"], "--concurrency must be positive"),
+        ('{"prompt_token_ids": [1]}\n', ["--request-rate", "0"], "--request-rate must be positive"),
+    ],
+)
+def test_bench_input_errors_are_one_line(capsys, tmp_path, lines, args, message):
+    from asyncspec.cli import main
+
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text(lines)
+    assert main(["bench", "--address", "127.0.0.1:1", "--dataset", str(dataset), *args]) == 1
+    err = capsys.readouterr().err
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_boolean_flags_alone_mean_true_and_bad_values_name_their_type(capsys):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--enforce-eager", "--enable-prefix-caching", "false"])
+    assert args.enforce_eager is True and args.enable_prefix_caching is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-model-len", "lots"])
+    assert "invalid int value: 'lots'" in capsys.readouterr().err

@@ -53,6 +53,10 @@ from tests.conftest import TARGET_MODEL
             },
             "prompt_lookup_max",
         ),
+        (  # a memory blow-up at the first step, not at start-up
+            {"speculative_method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 10**8},
+            "prompt_lookup_max must be <= 256",
+        ),
     ],
 )
 def test_bad_config_values_are_config_errors(kwargs, field):
@@ -97,3 +101,19 @@ def test_offline_generate_is_not_limited_by_the_online_queue_cap():
     outs = llm.generate([[5, 6, 7]] * 5, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [2] * 5
     assert llm.stats()["num_free_kv_blocks"] == 16
+
+
+@pytest.mark.parametrize(("value", "on"), [("", False), ("0", False), ("false", False), ("1", True), ("on", True)])
+def test_debug_invariants_switch_reads_false_as_off(monkeypatch, value, on):
+    from asyncspec.engine.engine_core import _debug_invariants_switch
+
+    monkeypatch.setenv("ASYNCSPEC_DEBUG_INVARIANTS", value)
+    assert _debug_invariants_switch() is on
+
+
+def test_debug_invariants_switch_refuses_a_typo(monkeypatch):
+    from asyncspec.engine.engine_core import _debug_invariants_switch
+
+    monkeypatch.setenv("ASYNCSPEC_DEBUG_INVARIANTS", "ture")
+    with pytest.raises(ConfigError, match="ASYNCSPEC_DEBUG_INVARIANTS must be 0 or 1"):
+        _debug_invariants_switch()

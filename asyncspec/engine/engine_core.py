@@ -152,7 +152,7 @@ class EngineCore:
         """Tokens scheduled in each retired step, until a listener drains them (metrics)."""
         self.step_trace: deque[tuple[str, int, float]] = deque(maxlen=256)
         """The latest launches and collections: (event, step id, time.perf_counter)."""
-        self.debug_invariants = os.environ.get("ASYNCSPEC_DEBUG_INVARIANTS", "") not in ("", "0")
+        self.debug_invariants = _debug_invariants_switch()
         """ASYNCSPEC_DEBUG_INVARIANTS=1: check the placeholder invariant and the host's reconciled
         counts against the device's at every step (tests; synchronizes the device)."""
         self.runner.set_debug_invariants(self.debug_invariants)
@@ -417,3 +417,14 @@ def _decode_key(so: SchedulerOutput) -> DecodeKey | None:
     if any(n != k + 1 for n in so.num_scheduled_tokens.values()):
         return None
     return (len(so.num_scheduled_tokens), k, so.num_proposals, so.num_steps)
+
+
+def _debug_invariants_switch() -> bool:
+    """ASYNCSPEC_DEBUG_INVARIANTS: 1 (or true, yes, on) checks every step; unset, 0, false, no or off do not. Any
+    other value is refused: a typo must not turn on a per-step device synchronization in production."""
+    value = os.environ.get("ASYNCSPEC_DEBUG_INVARIANTS", "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ConfigError(f"ASYNCSPEC_DEBUG_INVARIANTS must be 0 or 1, got {value!r}")

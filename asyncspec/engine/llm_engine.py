@@ -113,6 +113,14 @@ class LLMEngine:
                 ids = self.tokenizer.encode(prompt, add_special_tokens=True).ids
             except TypeError as e:  # the tokenizer refuses what UTF-8 cannot hold (lone surrogates)
                 raise InvalidRequestError(f"the prompt is not valid Unicode text: {e}") from None
+            if ids and max(ids) >= self.vocab_size:
+                # A tokenizer with added tokens past the model's rows (a mismatched --tokenizer, some fine-tunes):
+                # such an id must never reach the embedding lookup, which would fail the whole step.
+                bad = next(t for t in ids if t >= self.vocab_size)
+                raise InvalidRequestError(
+                    f"the tokenizer gave token id {bad} ({self.tokenizer.id_to_token(bad)!r}), outside the model's "
+                    f"vocabulary [0, {self.vocab_size}): the tokenizer does not match the model"
+                )
         elif isinstance(prompt, (bytes, bytearray)):
             # A Sequence of ints too, but never meant as token ids.
             raise InvalidRequestError("a prompt is a str or a list of token ids, got bytes: decode it to str first")

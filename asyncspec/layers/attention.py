@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from asyncspec.errors import ConfigError
 from asyncspec.kernels.kv_cache_write import write_kv_cache_ref
 from asyncspec.kernels.paged_attention import paged_attention_ref
 from asyncspec.kernels.prepare_inputs import prepare_inputs_ref
@@ -92,7 +93,7 @@ TRITON = AttentionBackend(
 )
 
 
-class AttentionSettingError(ValueError):
+class AttentionSettingError(ConfigError):
     """An attention setting (environment variable) that cannot be honoured, with what to change."""
 
 
@@ -124,7 +125,7 @@ def select_backend(device: torch.device) -> AttentionBackend:
     if choice == "triton":
         return TRITON
     if choice:
-        raise ValueError(f"{BACKEND_ENV} must be 'torch' or 'triton', got {choice!r}")
+        raise ConfigError(f"{BACKEND_ENV} must be 'torch' or 'triton', got {choice!r}")
     if torch.device(device).type == "cuda" and _triton_available():
         return TRITON
     return TORCH_REFERENCE

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncspec.errors import ConfigError
 from asyncspec.layers.switches import on_off_switch
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ NORM_FOLD_MIN_ROWS_ENV = "ASYNCSPEC_NORM_FOLD_MIN_ROWS"
 streamed MLP and attention input, whose kernels take the norms themselves."""
 
 
-class NormFoldSettingError(ValueError):
+class NormFoldSettingError(ConfigError):
     """ASYNCSPEC_NORM_FOLD or ASYNCSPEC_NORM_FOLD_MIN_ROWS holds a value it does not take."""
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from asyncspec.errors import ConfigError
 from asyncspec.layers.streamed_mlp import unavailable_reason
 from asyncspec.layers.switches import on_off_switch
 
@@ -32,7 +33,7 @@ program fits an SM beside one of the kernel before it (the split streamed MLP's 
 can start streaming while that one finishes. Not yet tuned on a GPU."""
 
 
-class StreamedAttnInSettingError(ValueError):
+class StreamedAttnInSettingError(ConfigError):
     """ASYNCSPEC_STREAMED_ATTN_IN holds a value other than 0 or 1."""
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from asyncspec.errors import ConfigError
 from asyncspec.layers.linear import DecodeLinear
 from asyncspec.layers.streamed_mlp import unavailable_reason
 from asyncspec.layers.streamed_shapes import MIN_STREAMED_TILE_COLUMNS, num_sms, one_tile_per_sm, share_fits_ring
@@ -46,7 +47,7 @@ on, runs the whole post-attention half instead; its own `auto` takes the same sh
 STREAMED_SETTINGS = ("0", "1", "auto")
 
 
-class StreamedLinearSettingError(ValueError):
+class StreamedLinearSettingError(ConfigError):
     """ASYNCSPEC_STREAMED_O_PROJ or ASYNCSPEC_STREAMED_DOWN_PROJ holds a value it does not take."""
 
 

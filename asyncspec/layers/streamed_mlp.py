@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from asyncspec.errors import ConfigError
 from asyncspec.layers.streamed_shapes import MIN_STREAMED_TILE_COLUMNS, num_sms, one_tile_per_sm
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ AUTO_STREAMED_MLP_FORM = "split-deep"
 """The form `auto` takes where the shapes qualify: of the three, the only one measured faster on both cards."""
 
 
-class StreamedMLPSettingError(ValueError):
+class StreamedMLPSettingError(ConfigError):
     """ASYNCSPEC_STREAMED_MLP holds a value other than 0, 1, auto, barrier, split or split-deep."""
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import os
 import signal
 import sys
@@ -74,6 +75,22 @@ class ServerConfig:
     """Run the engine (scheduling, output processing, the model) in a process of its own, so that the
     server's per-stream gRPC work never shares an interpreter lock with it; each step's outputs cross one pipe.
     False keeps it in the server's process (one process less, for debugging)."""
+
+    def validate(self) -> None:
+        """Raises ServerStartError naming the first field out of range (gRPC would wrap a port past 65535)."""
+        checks = [
+            ("port", self.port, 0 <= self.port <= 65535, "in [0, 65535] (0: ephemeral)"),
+            ("metrics_port", self.metrics_port, -1 <= self.metrics_port <= 65535, "in [-1, 65535] (-1: none)"),
+            ("max_message_bytes", self.max_message_bytes, self.max_message_bytes > 0, "> 0"),
+        ]
+        for name in ("drain_grace_s", "keepalive_time_s", "keepalive_timeout_s", "engine_stall_timeout_s"):
+            value = getattr(self, name)
+            positive = name.startswith("keepalive")
+            ok = math.isfinite(value) and (value > 0 if positive else value >= 0)
+            checks.append((name, value, ok, "a finite number > 0" if positive else "a finite number >= 0"))
+        for name, value, ok, allowed in checks:
+            if not ok:
+                raise ServerStartError(f"{name} must be {allowed}, got {value!r}")
 
     def auth_token(self) -> str | None:
         if self.auth_token_file:
@@ -153,8 +170,7 @@ class GenerationServer:
 
     async def start(self) -> None:
         cfg = self.config
-        if not cfg.engine_stall_timeout_s >= 0:
-            raise ServerStartError(f"engine_stall_timeout_s must be >= 0 (0: never), got {cfg.engine_stall_timeout_s}")
+        cfg.validate()
         token = cfg.auth_token()
         options = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),

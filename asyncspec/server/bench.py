@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from asyncspec.errors import ConfigError
 from asyncspec.server.client_channel import ChannelSecurity
 from asyncspec.v1 import asyncspec_pb2 as pb
 from asyncspec.v1 import asyncspec_pb2_grpc as pb_grpc
@@ -56,10 +57,22 @@ class RequestResult:
 
 def load_dataset(path: str, n: int, seed: int) -> list[list[int]]:
     """n prompts (token ids) from a JSONL file of {"prompt_token_ids": [...]}, cycled when shorter."""
+    prompts = []
     with open(path) as f:
-        prompts = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                ids = json.loads(line)["prompt_token_ids"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ConfigError(
+                    f'{path}:{number}: not a JSON object with "prompt_token_ids" ({type(e).__name__}: {e})'
+                ) from None
+            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+                raise ConfigError(f"{path}:{number}: prompt_token_ids must be a non-empty list of ints")
+            prompts.append(ids)
     if not prompts:
-        raise ValueError(f"{path} holds no prompts")
+        raise ConfigError(f"{path} holds no prompts")
     random.Random(seed).shuffle(prompts)
     return [prompts[i % len(prompts)] for i in range(n)]
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from asyncspec.errors import ConfigError
 from asyncspec.kernels.rejection_sample import rejection_sample_ref
 
 RejectionKernel = Callable[..., tuple[Tensor, Tensor]]
@@ -52,7 +53,7 @@ def select_rejection_kernel(device: torch.device | str) -> RejectionKernel:
     if choice == "triton":
         return _triton_rejection_sample
     if choice:
-        raise ValueError(f"{BACKEND_ENV} must be 'torch' or 'triton', got {choice!r}")
+        raise ConfigError(f"{BACKEND_ENV} must be 'torch' or 'triton', got {choice!r}")
     if torch.device(device).type == "cuda" and _triton_available():
         return _triton_rejection_sample
     return rejection_sample_ref

@@ -268,3 +268,31 @@ def test_text_prompts_get_the_tokenizers_special_tokens_as_in_hugging_face(tmp_p
     assert by_text.prompt_token_ids == hf_ids
     assert by_ids.prompt_token_ids == plain
     assert by_text.token_ids == llm.generate([hf_ids], GREEDY)[0].token_ids
+
+
+def test_a_tokenizer_with_ids_past_the_models_vocabulary_fails_the_request_not_the_engine(tmp_path):
+    """A tokenizer whose added tokens lie past the model's rows (a mismatched tokenizer, some fine-tunes): a text
+    prompt that uses one is refused with InvalidRequestError before any work, and the engine serves on."""
+    import json
+    import shutil
+
+    model = tmp_path / "wide-tokenizer"
+    shutil.copytree(TARGET_MODEL, model)
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    tokenizer["added_tokens"].append(
+        {
+            "id": BUNDLED_VOCAB + 5,
+            "content": "<tool>",
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+    )
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    llm = LLM(str(model), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16, block_size=16)
+    with pytest.raises(InvalidRequestError, match=r"token id \d+ \('<tool>'\), outside the model's vocabulary"):
+        llm.generate(["import os\n", "x = <tool>"], GREEDY)
+    assert llm.stats()["num_steps"] == 0
+    assert len(llm.generate(["import os\n"], GREEDY)[0].token_ids) == GREEDY.max_tokens

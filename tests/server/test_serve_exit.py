@@ -63,8 +63,22 @@ def test_serve_exits_without_a_failed_engine_that_never_stops(monkeypatch):
     assert exits == [1]
 
 
-def test_a_negative_stall_timeout_is_refused_before_anything_starts():
-    server = app.GenerationServer(EngineConfig(), app.ServerConfig(port=0, metrics_port=-1, engine_stall_timeout_s=-1))
-    with pytest.raises(app.ServerStartError, match="engine_stall_timeout_s must be >= 0"):
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("port", 70000),  # gRPC would listen on 70000 - 65536
+        ("port", -1),
+        ("metrics_port", 70000),
+        ("metrics_port", -2),
+        ("drain_grace_s", float("nan")),
+        ("keepalive_time_s", 0.0),
+        ("engine_stall_timeout_s", -1.0),
+        ("max_message_bytes", 0),
+    ],
+)
+def test_server_settings_out_of_range_are_refused_before_anything_starts(field, value):
+    config = app.ServerConfig(**{"port": 0, "metrics_port": -1, field: value})
+    server = app.GenerationServer(EngineConfig(), config)
+    with pytest.raises(app.ServerStartError, match=f"{field} must be"):
         asyncio.run(server.start())
     assert server.engine is None
