@@ -110,10 +110,13 @@ class EngineCore:
         num_blocks = self.runner.determine_num_kv_blocks()
         blocks_per_max_len = -(-self.max_model_len // config.block_size)
         if num_blocks < blocks_per_max_len:
+            knobs = "num_kv_blocks / kv_cache_bytes"
+            if config.torch_device.type == "cuda":  # the share of GPU memory sizes the pool only there
+                knobs += " / gpu_memory_utilization"
             raise ConfigError(
                 f"the KV pool holds {num_blocks} blocks of {config.block_size} tokens, fewer than one request of "
-                f"max_model_len={self.max_model_len} needs ({blocks_per_max_len}); raise num_kv_blocks / "
-                "kv_cache_bytes / gpu_memory_utilization or lower max_model_len"
+                f"max_model_len={self.max_model_len} needs ({blocks_per_max_len}); raise {knobs} or lower "
+                "max_model_len"
             )
         self.runner.initialize_kv_cache(num_blocks)
         self.startup_timings.kv_cache_seconds = time.perf_counter() - start

@@ -25,6 +25,10 @@ PromptType = str | Sequence[int]
 
 
 def load_tokenizer(path: str) -> Tokenizer:
+    if not os.path.isdir(path):
+        raise ModelLoadError(
+            f"directory {path!r} does not exist or is not a directory (the model's, where tokenizer= names no other)"
+        )
     file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(file):
         raise ModelLoadError(f"no tokenizer.json in {path!r}; pass tokenizer=<dir> or skip_tokenizer_init=True")

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncspec import LLM, RequestOutput, SamplingParams
-from asyncspec.errors import ConfigError, InvalidRequestError, InvalidSamplingParamsError
+from asyncspec.errors import ConfigError, InvalidRequestError, InvalidSamplingParamsError, ModelLoadError
 from tests.conftest import TARGET_MODEL, load_prompts
 from tests.engine.engine_helpers import (
     BUNDLED_VOCAB,
@@ -296,3 +296,13 @@ def test_a_tokenizer_with_ids_past_the_models_vocabulary_fails_the_request_not_t
         llm.generate(["import os\n", "x = <tool>"], GREEDY)
     assert llm.stats()["num_steps"] == 0
     assert len(llm.generate(["import os\n"], GREEDY)[0].token_ids) == GREEDY.max_tokens
+
+
+def test_a_missing_model_directory_says_so(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist or is not a directory"):
+        LLM(str(tmp_path / "no-such-model"), device="cpu")
+
+
+def test_a_kv_pool_too_small_on_the_cpu_names_the_settings_that_size_it():
+    with pytest.raises(ConfigError, match="raise num_kv_blocks / kv_cache_bytes or lower max_model_len"):
+        LLM(str(TARGET_MODEL), device="cpu", max_model_len=256, num_kv_blocks=4, block_size=16)
