@@ -89,7 +89,8 @@ class EngineConfig:
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     """"fcfs" serves in arrival order; "priority" serves lower `priority` values first."""
     max_num_waiting: int = 4096
-    """Most requests queued before new ones are refused."""
+    """Most requests waiting beyond the free running slots (max_num_seqs less those running) before new ones are
+    refused with QueueFullError (RESOURCE_EXHAUSTED over gRPC)."""
     max_stop_strings: int = 16
     """Most stop strings one request may give."""
     speculative_method: Literal["draft_model", "ngram"] | None = None

@@ -807,6 +807,7 @@ class Scheduler:
                         num_accepted += kept
                         n_drafts += valid
                         if valid:
+                            output.num_drafts += 1
                             draft_runs.append((valid, kept, valid, length - 1))
                             spec_accepted = request_decay * spec_accepted + length - 1
                             spec_rejected = request_decay * spec_rejected + (length - 1 < valid)
@@ -816,6 +817,7 @@ class Scheduler:
                     # Counted: the drafts at positions max_tokens could keep (the asynchronous loop plans them
                     # for the count that rejects every draft in flight: more than the exact count keeps).
                     n_drafts = verified if max_tokens is None else min(verified, max_tokens - len(output_ids) + num_new)
+                    output.num_drafts = 1 if n_drafts else 0
                     draft_runs.append((n_drafts, num_accepted, verified, num_sampled - 1))
                     request.spec_accepted = request_decay * request.spec_accepted + num_sampled - 1
                     request.spec_rejected = request_decay * request.spec_rejected + (num_sampled - 1 < verified)

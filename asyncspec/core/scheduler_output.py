@@ -101,6 +101,8 @@ class EngineCoreOutput:
     """Draft tokens verified for this request this step."""
     num_accepted_tokens: int = 0
     """Of them, accepted and kept."""
+    num_drafts: int = 0
+    """Verification steps of this request that held at least one draft: several for a multi-step plan's output."""
     new_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
     queued_seconds: float | None = None

@@ -153,13 +153,20 @@ class LLMEngine:
             checked.append(t)
         return checked
 
+    def _num_queued_beyond_free_slots(self) -> int:
+        """Requests that will really wait: those the next step can admit into free running slots (a burst on an
+        idle engine arrives before any step) are not queued behind anyone."""
+        scheduler = self.engine_core.scheduler
+        free_slots = max(self.config.max_num_seqs - len(scheduler.running), 0)
+        return max(len(scheduler.waiting) - free_slots, 0)
+
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request: Request, stream_deltas: bool = True, enforce_queue_limit: bool = True) -> None:
         """Queues a validated request. The offline LLM.generate submits its whole batch at once and
         passes enforce_queue_limit=False; online callers get QueueFullError past max_num_waiting."""
         if self.output_processor.has_request(request.request_id):
             raise InvalidRequestError(f"request_id {request.request_id!r} is already in use by a running request")
-        if enforce_queue_limit and len(self.engine_core.scheduler.waiting) >= self.config.max_num_waiting:
+        if enforce_queue_limit and self._num_queued_beyond_free_slots() >= self.config.max_num_waiting:
             raise QueueFullError(
                 f"{self.config.max_num_waiting} requests are already waiting (max_num_waiting); retry later"
             )

@@ -147,7 +147,7 @@ class OutputProcessor:
             state.logprobs.extend(core.new_logprobs)
         if core.num_draft_tokens:
             state.num_draft_tokens += core.num_draft_tokens
-            state.num_drafts += 1
+            state.num_drafts += core.num_drafts
 
     def _make_error_output(self, state: RequestState, error: str, num_cached_tokens: int) -> RequestOutput:
         """The final output of a request that failed alone; it carries no new tokens."""

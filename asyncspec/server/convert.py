@@ -103,6 +103,16 @@ class UsageCounter:
         self.accepted_tokens = delta.num_accepted_tokens
         self.num_drafts = delta.num_drafts
 
+    def to_proto(self) -> pb.Usage:
+        return pb.Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+            drafted_tokens=self.drafted_tokens,
+            accepted_tokens=self.accepted_tokens,
+            num_drafts=self.num_drafts,
+        )
+
 
 def to_response(delta: RequestOutput, usage: UsageCounter) -> pb.GenerateResponse:
     response = pb.GenerateResponse(request_id=delta.request_id, token_ids=delta.token_ids, text=delta.text)
@@ -118,14 +128,5 @@ def to_response(delta: RequestOutput, usage: UsageCounter) -> pb.GenerateRespons
             response.stop_reason = str(delta.stop_reason)
         if delta.error:
             response.error = delta.error
-        response.usage.CopyFrom(
-            pb.Usage(
-                prompt_tokens=usage.prompt_tokens,
-                completion_tokens=usage.completion_tokens,
-                cached_tokens=usage.cached_tokens,
-                drafted_tokens=usage.drafted_tokens,
-                accepted_tokens=usage.accepted_tokens,
-                num_drafts=usage.num_drafts,
-            )
-        )
+        response.usage.CopyFrom(usage.to_proto())
     return response

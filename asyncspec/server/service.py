@@ -131,7 +131,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 finished=True,
                 finish_reason=pb.FINISH_REASON_ERROR,
                 error=str(e),
-                usage=pb.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens),
+                usage=usage.to_proto(),  # what its outputs so far counted, cached and draft tokens included
             )
         except EngineDeadError as e:
             refused = True

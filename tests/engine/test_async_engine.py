@@ -313,6 +313,22 @@ def test_queue_full_is_typed_and_nothing_lost(prompts, reference, async_scheduli
             assert [t for d in r for t in d.token_ids] == reference[i % 2].token_ids
 
 
+def test_a_burst_on_an_idle_engine_is_refused_only_past_the_free_slots_and_the_queue(prompts, async_scheduling):
+    """max_num_waiting bounds the requests that really wait: a burst's first max_num_seqs go straight into the
+    free running slots at the next step, so they do not count against it."""
+    engine = _new_engine(async_scheduling, max_num_waiting=2, max_num_seqs=3)
+
+    async def main():
+        tasks = [asyncio.create_task(_collect(engine, prompts[i % 2], GREEDY, f"burst{i}")) for i in range(7)]
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        await wait_kv_free(engine)
+        await engine.shutdown()
+        return results
+
+    results = _run(main())
+    assert [isinstance(r, QueueFullError) for r in results] == [False] * 5 + [True] * 2, results
+
+
 def test_shutdown_ends_in_flight_streams(prompts, async_scheduling):
     """After shutdown no stream hangs: in-flight ones end (abort or a typed error), new ones are refused."""
     engine = _new_engine(async_scheduling)

@@ -163,6 +163,10 @@ def test_multi_step_speculative_plans_keep_greedy_output(k, async_scheduling, st
     assert stats["num_generation_tokens"] == sum(len(o.token_ids) for o in got)
     for a, b in zip(got, single_out, strict=True):
         assert a.token_ids == b.token_ids
+    # Each output counts the verification steps of its runs, not one per plan: together they are the engine's
+    # count, and no request's mean acceptance length passes k + 1.
+    assert sum(o.num_drafts for o in got) == stats["spec_num_drafts"]
+    assert all(o.num_accepted_tokens <= o.num_drafts * k for o in got)
     assert_kv_free(stats)
 
 

@@ -612,6 +612,33 @@ def test_engine_fault_ends_streams_with_internal_and_health_not_serving(prompts)
         server.stop()
 
 
+def test_a_request_that_fails_alone_reports_its_whole_usage(prompts, monkeypatch):
+    """FINISH_REASON_ERROR's usage carries what the request's outputs counted, its prefix-cache hit included."""
+    from asyncspec.engine import detokenizer
+
+    real_update = detokenizer.IncrementalDetokenizer.update
+
+    def failing_update(self, token_ids):
+        if self.num_output_tokens >= 5:
+            raise RuntimeError("injected detokenizer fault")
+        return real_update(self, token_ids)
+
+    server = ServerThread()
+    try:
+        stub = server.stub()
+        text = "import os\nimport sys\nimport time\nimport json\nimport re\n" * 4  # full blocks to hit
+        list(stub.Generate(_request(text, 4)))  # its blocks stay cached
+        monkeypatch.setattr(detokenizer.IncrementalDetokenizer, "update", failing_update)
+        responses = list(stub.Generate(_request(text, 30)))
+        last = responses[-1]
+        assert last.finish_reason == pb.FINISH_REASON_ERROR and "injected detokenizer fault" in last.error
+        assert last.usage.completion_tokens == sum(len(r.token_ids) for r in responses) >= 5
+        assert last.usage.cached_tokens > 0 and last.usage.prompt_tokens > last.usage.cached_tokens
+    finally:
+        monkeypatch.undo()
+        server.stop()
+
+
 def _liveness(server: ServerThread) -> int:
     health = health_pb2_grpc.HealthStub(server.channel())
     return health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
