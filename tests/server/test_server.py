@@ -648,7 +648,7 @@ def test_a_hung_engine_ends_its_streams_and_turns_liveness_off(prompts):
     """A step that never returns (a stuck kernel) leaves the engine alive to every other check: with no step
     finishing for engine_stall_timeout_s while requests are unfinished, the streams end with INTERNAL and liveness
     goes NOT_SERVING (serve then exits 1), not a hang until each client's deadline."""
-    server = ServerThread(engine_stall_timeout_s=1.0)
+    server = ServerThread(engine_stall_timeout_s=3.0)  # well above a step on a loaded 2-core machine
     release = threading.Event()
     try:
         core = server.server.engine.engine.engine_core
@@ -666,7 +666,7 @@ def test_a_hung_engine_ends_its_streams_and_turns_liveness_off(prompts):
         with pytest.raises(grpc.RpcError) as e:
             list(server.stub().Generate(_request(prompts[0], 100), timeout=60))
         assert e.value.code() == grpc.StatusCode.INTERNAL and "hung" in e.value.details(), e.value.details()
-        assert time.monotonic() - start < 15
+        assert time.monotonic() - start < 20
         assert server.server.engine_failed.is_set()
         deadline = time.monotonic() + 5
         while _liveness(server) != health_pb2.HealthCheckResponse.NOT_SERVING:
@@ -679,7 +679,7 @@ def test_a_hung_engine_ends_its_streams_and_turns_liveness_off(prompts):
 
 def test_a_frozen_engine_process_is_declared_hung(prompts):
     """The engine in its own process, stopped by SIGSTOP: alive, silent, and caught by the same watchdog."""
-    server = ServerThread(engine_process=True, engine_stall_timeout_s=1.0)
+    server = ServerThread(engine_process=True, engine_stall_timeout_s=3.0)
     pid = server.server.engine._process.pid
     try:
         stub = server.stub()
@@ -698,15 +698,15 @@ def test_a_frozen_engine_process_is_declared_hung(prompts):
 def test_the_stall_watchdog_ignores_an_idle_engine_and_a_slow_reader(prompts):
     """Neither an engine with nothing to do nor a client that stops reading after its request finished in the
     engine is a hang."""
-    server = ServerThread(engine_stall_timeout_s=0.5)
+    server = ServerThread(engine_stall_timeout_s=2.0)
     try:
         call = server.stub().Generate(_request(prompts[0], 12))
         next(call)
         _wait_kv_free(server)  # the request ended in the engine; its stream is not read yet
-        time.sleep(2.0)
+        time.sleep(5.0)
         rest = list(call)
         assert rest[-1].finished and rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
-        time.sleep(1.5)
+        time.sleep(3.0)
         assert _liveness(server) == health_pb2.HealthCheckResponse.SERVING
         assert not server.server.engine_failed.is_set()
     finally:
