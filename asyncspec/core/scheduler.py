@@ -800,15 +800,21 @@ class Scheduler:
                 if step_runs is not None:
                     # Several steps' runs: each one's drafts among the kept tokens, the steps after a stop none.
                     left, n_drafts = num_new, 0
+                    # Positions max_tokens lets each run keep, as a single step counts them (the steps after the
+                    # request's end verify drafts that can never be delivered).
+                    room = None if max_tokens is None else max_tokens - len(output_ids) + num_new
                     spec_accepted, spec_rejected = request.spec_accepted, request.spec_rejected
                     for valid, length in runs_begun:
                         kept = min(left, length - 1)
                         left = max(left - length, 0)
                         num_accepted += kept
-                        n_drafts += valid
+                        counted = valid if room is None else min(valid, max(room, 0))
+                        if room is not None:
+                            room -= length
+                        n_drafts += counted
                         if valid:
-                            output.num_drafts += 1
-                            draft_runs.append((valid, kept, valid, length - 1))
+                            output.num_drafts += 1 if counted else 0
+                            draft_runs.append((counted, kept, valid, length - 1))
                             spec_accepted = request_decay * spec_accepted + length - 1
                             spec_rejected = request_decay * spec_rejected + (length - 1 < valid)
                     request.spec_accepted, request.spec_rejected = spec_accepted, spec_rejected
@@ -852,7 +858,7 @@ class Scheduler:
     def _count_drafts(self, runs: list[tuple[int, int, int, int]]) -> None:
         """Counts a step's verifications: per request (drafts counted, drafts kept, _, _)."""
         stats = self.stats
-        stats.num_drafts += len(runs)
+        stats.num_drafts += sum(1 for num_drafts, _, _, _ in runs if num_drafts)  # those with drafts to count
         kept_counts: dict[int, int] = {}
         most = 0
         for num_drafts, num_kept, _, _ in runs:

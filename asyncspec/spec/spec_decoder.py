@@ -176,6 +176,8 @@ class SpeculativeDecoder:
         self.draft_token_ids[row].copy_(parked.token_ids)
         count = torch.where(parked.base == num_tokens, parked.count, 0)
         self.num_draft_tokens[row].copy_(count)
+        # The row's base is its previous occupant's: a preemption before this request's decode would park that.
+        self.draft_base[row].copy_(parked.base)
         if parked.probs is not None and self.draft_probs is not None:
             self.draft_probs[row].copy_(parked.probs)
         token_ids[row, num_tokens : num_tokens + self.k] = parked.token_ids

@@ -961,9 +961,16 @@ class ModelRunner:
                 self.spec.drop_parked_drafts(request_id)  # type: ignore[union-attr]
         for request_id in sorted(so.preempted_req_ids):
             state = batch.rows.get(request_id)
-            if parks and state is not None and state.generator is not None and not state.sampling_params.is_greedy:
+            if (
+                parks
+                and state is not None
+                and state.generator is not None
+                and not state.sampling_params.is_greedy
+                and state.output_token_ids
+            ):
                 # Its seeded stream has drawn the randomness of its drafts: the decode after its recompute
-                # verifies these, as the interrupted step would have.
+                # verifies these, as the interrupted step would have. Not before its first token: its row holds
+                # no drafts of its own yet, and an empty park would shadow the real ones of a later preemption.
                 self.spec.park_drafts(request_id, state.row)  # type: ignore[union-attr]
             batch.remove_request(request_id, preempted=True)
         failed: dict[str, str] = {}

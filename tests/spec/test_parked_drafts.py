@@ -56,3 +56,17 @@ def test_dropped_parked_drafts_are_gone():
     spec.drop_parked_drafts("s")
     spec.drop_parked_drafts("never-parked")  # finished requests that parked nothing: a no-op
     assert not spec.has_parked_drafts("s") and not spec._parked
+
+
+def test_restored_drafts_keep_their_base_through_a_second_preemption():
+    """Preempted again after the restore but before its decode: the row's base must be the restored drafts' own,
+    not the previous occupant's, or the second park records a base no resume matches (0 drafts verified)."""
+    spec, token_ids = _decoder(), torch.zeros((4, 16), dtype=torch.int64)
+    _propose_sampled(spec, 0, [5, 6, 7], base=9, token_ids=token_ids)
+    spec.park_drafts("s", 0)
+    _propose_sampled(spec, 2, [1, 1, 1], base=4, token_ids=token_ids)  # row 2's previous occupant
+    spec.restore_drafts("s", 2, 9, token_ids)
+    assert int(spec.draft_base[2]) == 9
+    spec.park_drafts("s", 2)  # preempted again before its decode
+    spec.restore_drafts("s", 1, 9, token_ids)
+    assert spec.draft_token_ids[1].tolist() == [5, 6, 7] and int(spec.num_draft_tokens[1]) == 3

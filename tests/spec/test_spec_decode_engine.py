@@ -483,6 +483,29 @@ def test_seeded_sampling_independent_of_a_neighbours_prompt_chunks(method, async
     assert_kv_free(llm.stats())
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_seeded_stream_preempted_before_and_after_its_first_token_keeps_its_drafts(async_scheduling):
+    """A 16-block pool preempts the seeded request during its prefill, then again after its first token: the
+    first preemption has no drafts to keep, and must not shadow the drafts of the later ones."""
+    prompts = load_prompts(3)
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=12)
+    config = dict(
+        adaptive_speculation=False,
+        enable_prefix_caching=False,
+        long_prefill_token_threshold=16,
+        max_model_len=256,
+        block_size=16,
+        async_scheduling=async_scheduling,
+    )
+    alone = make_llm(method="draft_model", k=4, num_kv_blocks=64, **config).generate([prompts[0][:100]], seeded)
+    llm = make_llm(method="draft_model", k=4, num_kv_blocks=16, **config)
+    greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 190)]
+    out = llm.generate([prompts[1][:60], prompts[2][:60], prompts[0][:100]], [*greedy, seeded])
+    assert llm.stats()["num_preemptions"] >= 2
+    assert out[2].token_ids == alone[0].token_ids
+    assert_kv_free(llm.stats())
+
+
 # ------------------------------------------------------------------------------------------------ 6. logprobs
 
 LOGPROB_CONFIG = dict(block_size=16, max_model_len=96, num_kv_blocks=48, max_num_batched_tokens=64, max_num_seqs=8)
