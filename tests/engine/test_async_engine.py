@@ -293,17 +293,18 @@ def test_invalid_sampling_params_rejected_at_construction():
     assert issubclass(InvalidSamplingParamsError, AsyncSpecError)
 
 
+async def _burst(engine, prompts, n: int) -> list:
+    """n greedy requests submitted at once to an idle engine; each one's deltas or its exception. Shuts it down."""
+    tasks = [asyncio.create_task(_collect(engine, prompts[i % 2], GREEDY, f"burst{i}")) for i in range(n)]
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    await wait_kv_free(engine)
+    await engine.shutdown()
+    return results
+
+
 def test_queue_full_is_typed_and_nothing_lost(prompts, reference, async_scheduling):
     engine = _new_engine(async_scheduling, max_num_waiting=1, max_num_seqs=1)
-
-    async def main():
-        tasks = [asyncio.create_task(_collect(engine, prompts[i % 2], GREEDY, f"q{i}")) for i in range(4)]
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        await wait_kv_free(engine)
-        await engine.shutdown()
-        return results
-
-    results = _run(main())
+    results = _run(_burst(engine, prompts, 4))
     served = [r for r in results if not isinstance(r, BaseException)]
     refused = [r for r in results if isinstance(r, BaseException)]
     assert served, "at least one request is served"
@@ -317,15 +318,7 @@ def test_a_burst_on_an_idle_engine_is_refused_only_past_the_free_slots_and_the_q
     """max_num_waiting bounds the requests that really wait: a burst's first max_num_seqs go straight into the
     free running slots at the next step, so they do not count against it."""
     engine = _new_engine(async_scheduling, max_num_waiting=2, max_num_seqs=3)
-
-    async def main():
-        tasks = [asyncio.create_task(_collect(engine, prompts[i % 2], GREEDY, f"burst{i}")) for i in range(7)]
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        await wait_kv_free(engine)
-        await engine.shutdown()
-        return results
-
-    results = _run(main())
+    results = _run(_burst(engine, prompts, 7))
     assert [isinstance(r, QueueFullError) for r in results] == [False] * 5 + [True] * 2, results
 
 
