@@ -232,6 +232,10 @@ class Scheduler:
                         next_k = self._plan_next_k()
                     if (next_k or 0) == spec_k:  # a steady k: this plan verifies it and proposes it again
                         num_steps = count
+                    elif defers_admission:
+                        # One step after all, so it admits: the next k is chosen once its admissions are known
+                        # (a seeded request admitted here must get the full k).
+                        next_k = None
                 defers_admission = defers_admission and num_steps > 1
         drops_drafts = bool(spec_k) and num_steps == 1 and bool(running) and self._admits_wave(defers_admission)
         if num_steps > 1:

@@ -287,3 +287,24 @@ def test_no_drafts_are_dropped_for_a_wave_the_kv_pool_cannot_hold():
         _measured_costs(s)
         _stop_string_batch(s, waiting=2, prompt=200, max_tokens=12)
         assert bool(_dropping_plans(s, FakeRunner(s))) == drops, num_blocks
+
+
+def test_a_deferral_that_falls_back_to_one_step_chooses_the_next_k_after_its_admissions():
+    """A slot frees and the policy, seeing 15 decodes, picks k = 0 where the plan before verified 2: the plan cannot
+    run several steps, so it admits after all. It admits a seeded sampling request, whose draws must not depend on
+    the policy: the next plan verifies the full k (the k chosen before the admission, for 15 greedy decodes, is 0)."""
+    s = _scheduler(delay=2, k=2)
+    s.spec_policy = SpeculationPolicy(
+        2, step_cost=lambda num_decodes, k: (1e-4 if k == 2 else 1e-3) if num_decodes >= MAX_NUM_SEQS else k * 1e-3
+    )
+    _load(s, short=(0,), waiting=0)
+    s.add_request(make_request("w0", 4, temperature=1.0, seed=11, max_tokens=10))
+    runner = FakeRunner(s)
+    while all(r.request_id != "w0" for r in s.running):
+        admitting = step(s, runner)[0]
+        assert s._step_id < 200
+    assert [r.request_id for r in admitting.scheduled_new_reqs] == ["w0"] and admitting.num_steps == 1
+    assert admitting.num_speculative_tokens == 2
+    assert admitting.num_proposals == 2
+    following, _ = step(s, runner)
+    assert following.num_speculative_tokens == 2
