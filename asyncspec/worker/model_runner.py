@@ -466,7 +466,8 @@ class ModelRunner:
         return (self.model_config.kv_bytes_per_token(self.dtype, self.tp.size) + draft) * self.block_size
 
     def determine_num_kv_blocks(self) -> int:
-        """The pool size from the config, or from available host memory on the CPU."""
+        """The pool size from the config, or from available host memory on the CPU (a quarter of it, shared by
+        the tensor-parallel ranks)."""
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
@@ -474,8 +475,9 @@ class ModelRunner:
             return num_blocks_for_bytes(cfg.kv_cache_bytes, self.bytes_per_block)
         if self.device.type == "cuda":
             return self._profile_num_kv_blocks()
-        available = _available_host_memory()
-        by_memory = int(available * _CPU_KV_MEMORY_FRACTION) // self.bytes_per_block
+        # Every rank of a tensor-parallel group is a process on this host, each with a pool of its own.
+        share = _available_host_memory() * _CPU_KV_MEMORY_FRACTION / self.tp.size
+        by_memory = int(share) // self.bytes_per_block
         # More than every request at full length is never useful.
         full_need = cfg.max_num_seqs * -(-self.max_model_len // self.block_size)
         return max(1, min(by_memory, full_need))

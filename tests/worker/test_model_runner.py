@@ -171,3 +171,21 @@ def test_an_all_greedy_step_samples_with_the_argmax_alone_and_a_random_row_bring
     tokens = _staggered_tokens(mixed, prompts, [greedy[0], random, greedy[2]])
     assert mixed_calls[0] > 0
     assert tokens["r0"] == fast_tokens["r0"] and tokens["r2"] == fast_tokens["r2"]
+
+
+def test_the_cpu_pool_sized_from_host_memory_is_shared_by_the_tensor_parallel_ranks(monkeypatch):
+    """Without num_kv_blocks or kv_cache_bytes the CPU pool takes a quarter of the host's available memory; the
+    ranks of a tensor-parallel group are processes on the same host, so each takes its share of that quarter."""
+    from asyncspec.layers.tensor_parallel import TensorParallel
+    from asyncspec.worker import model_runner
+
+    llm = LLM(str(TARGET_MODEL), device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=64)
+    runner = llm.engine.engine_core.runner
+    monkeypatch.setattr(runner.config, "num_kv_blocks", None)
+    monkeypatch.setattr(runner.config, "max_num_seqs", 10_000)  # the full-length cap above the memory's
+    monkeypatch.setattr(model_runner, "_available_host_memory", lambda: 4000 * 4 * runner.bytes_per_block)
+    assert runner.determine_num_kv_blocks() == 4000
+    monkeypatch.setattr(runner, "tp", TensorParallel(rank=1, size=4))
+    per_rank = runner.bytes_per_block  # the model's KV heads are split, so each rank's block is smaller
+    monkeypatch.setattr(model_runner, "_available_host_memory", lambda: 4000 * 4 * per_rank)
+    assert runner.determine_num_kv_blocks() == 1000
