@@ -297,8 +297,10 @@ class EngineCore:
     def retire_oldest(self) -> list[EngineCoreOutput]:
         """Collects the oldest step in flight (blocking until its results are on the host) and
         reconciles the scheduler with them."""
-        step = self._inflight.popleft()
+        step = self._inflight[0]
         runner_output = self.runner.collect(step.handle)
+        # Only now: a collect interrupted while it waits (Ctrl-C) leaves the step to be retired by the next call.
+        self._inflight.popleft()
         collected = time.perf_counter()
         self.step_trace.append(("collect", step.scheduler_output.step_id, collected))
         so = step.scheduler_output

@@ -51,6 +51,10 @@ class TensorParallelExecutor:
         self.last_wait_seconds = 0.0
         """Time the last `collect` blocked on rank 0's reply (what this process waited for the devices)."""
         self._handles: deque[StepHandle] = deque()
+        self._collect_ranks: list[int] | None = None
+        """The ranks asked for the oldest step's results and not all heard from yet (None: not asked)."""
+        self._collect_replies: dict[int, Any] = {}
+        """Their replies so far."""
         self._graph_stats: dict[str, int] = dict.fromkeys(GRAPH_STATS, 0)
         self._dead: WorkerDiedError | None = None
         self._debug = False
@@ -110,17 +114,22 @@ class TensorParallelExecutor:
         return handle
 
     def collect(self, handle: StepHandle) -> ModelRunnerOutput:
-        """Rank 0's results of the oldest step in flight (steps are collected in launch order)."""
+        """Rank 0's results of the oldest step in flight (steps are collected in launch order). A collect
+        interrupted while it waits (Ctrl-C in LLM.generate) may be called again for the same step: the ranks were
+        asked once, and their replies, whenever they come, are that step's."""
         if not self._handles or self._handles[0] is not handle:
             raise RuntimeError("steps must be collected in the order they were launched")
-        self._handles.popleft()
         wait_start = time.perf_counter()
-        if self._debug:
-            replies = self._call_all("collect")
+        if self._collect_ranks is None:
+            ranks = list(range(self.size)) if self._debug else [0]
+            self._send("collect", (), "all" if self._debug else "first")
+            self._collect_ranks = ranks
+        replies = self._replies(self._collect_ranks, "collect", self._collect_replies)
+        self._collect_ranks = None
+        self._collect_replies = {}
+        self._handles.popleft()
+        if len(replies) > 1:
             check_ranks_agree([reply[0] for reply in replies])
-        else:
-            self._send("collect", (), "first")
-            replies = self._replies([0], "collect")
         self.last_wait_seconds = time.perf_counter() - wait_start
         output, idle, self._graph_stats = replies[0]
         self.last_device_idle_seconds = idle
@@ -178,11 +187,12 @@ class TensorParallelExecutor:
                 self._raise_pending_error(rank)
                 self._fail(f"rank {rank} is unreachable ({self._describe(rank)})")
 
-    def _replies(self, ranks: Any, what: str) -> list[Any]:
+    def _replies(self, ranks: Any, what: str, values: dict[int, Any] | None = None) -> list[Any]:
         """One reply from each of `ranks`, in rank order, while watching every rank: an error reply
-        or an exit from any rank fails the executor."""
-        pending = {rank: self._conns[rank] for rank in ranks}
-        values: dict[int, Any] = {}
+        or an exit from any rank fails the executor. `values` keeps the replies read so far (if the wait is
+        interrupted, a later call with it waits only for the others)."""
+        values = {} if values is None else values
+        pending = {rank: self._conns[rank] for rank in ranks if rank not in values}
         sentinels = {p.sentinel: rank for rank, p in enumerate(self._procs)}
         watched = {conn: rank for rank, conn in enumerate(self._conns)}
         while pending:

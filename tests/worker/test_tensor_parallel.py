@@ -341,3 +341,41 @@ def test_worker_process_of_one_equals_the_in_process_runner(async_scheduling) ->
         assert_kv_free(stats)
         assert stats["spec_num_accepted_tokens"] > 0
     _assert_gone(pids)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("processes", "debug"),
+    [(dict(worker_process=True), False), (dict(tensor_parallel_size=2), True)],
+    ids=["worker-process", "tp2-debug"],
+)
+def test_ctrl_c_while_a_step_is_collected_leaves_the_engine_usable(monkeypatch, processes, debug) -> None:
+    """KeyboardInterrupt lands while LLM.generate waits for a step's results from the worker processes: the
+    generate call raises it and aborts its requests, and the next call runs on the same engine and returns what a
+    fresh engine returns (the interrupted step's results, arriving late, are not taken for a later step's)."""
+    from asyncspec.worker import tp_executor
+
+    prompts = [p[:40] for p in load_prompts(3)]
+    kwargs = dict(async_scheduling=True, speculative_method="draft_model", num_speculative_tokens=3)
+    with LLM(str(TARGET_MODEL), **kwargs, **BUNDLED) as single:
+        reference = _greedy(single, prompts, 20)
+    with LLM(str(TARGET_MODEL), **kwargs, **processes, **BUNDLED) as llm:
+        executor = _executor(llm)
+        if debug:
+            executor.set_debug_invariants(True)
+        real_wait = tp_executor.wait
+        waits_in_collect = []
+
+        def interrupted_wait(*args, **kw):
+            if executor._collect_ranks is not None:
+                waits_in_collect.append(1)
+                if len(waits_in_collect) == 6:
+                    raise KeyboardInterrupt
+            return real_wait(*args, **kw)
+
+        monkeypatch.setattr(tp_executor, "wait", interrupted_wait)
+        with pytest.raises(KeyboardInterrupt):
+            _greedy(llm, prompts, 60)
+        assert len(waits_in_collect) == 6
+        assert _greedy(llm, prompts, 20) == reference
+        assert_kv_free(llm.stats())
