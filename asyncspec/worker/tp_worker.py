@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import multiprocessing as mp
 import os
 import pickle
 import signal
 import sys
+import threading
 import traceback
 from collections import deque
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
@@ -126,6 +128,7 @@ def worker_main(args: WorkerArgs, conn: Connection) -> None:
     """The spawned process's entry point. Replies are ("ok", value) or ("error", exception, text)."""
     # Ctrl-C reaches the whole process group: the engine process decides when ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_the_engine()
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s rank{args.rank} %(name)s: %(message)s")
     try:
         worker = _start(args)
@@ -133,14 +136,35 @@ def worker_main(args: WorkerArgs, conn: Connection) -> None:
         _send_error(conn, e)
         sys.exit(1)
     conn.send(("ok", None))
+    ending = "failed"
     try:
-        failed = _serve(worker, conn)
+        ending = _serve(worker, conn)
     finally:
+        if ending == "orphaned":
+            # No one is left to wait for a clean end, and a step may be stuck in a collective with a rank
+            # that stopped: closing the runner would wait for it.
+            os._exit(1)
         worker.runner.close()  # the CPU stream's step, if one runs, ends before the group goes
         if dist.is_initialized():
             dist.destroy_process_group()
-    if failed:
+    if ending == "failed":
         sys.exit(1)
+
+
+def _exit_with_the_engine() -> None:
+    """Ends this process as soon as the engine's process is gone, whatever its threads are doing: a rank whose
+    step hangs (a collective whose peer stopped) would otherwise outlive an engine that exited without stopping
+    it (serve's bounded shutdown ends with os._exit, which skips the daemon children's clean-up; a SIGKILL too)."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+    sentinel = parent.sentinel
+
+    def watch() -> None:
+        wait([sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="asyncspec-engine-watch", daemon=True).start()
 
 
 def _start(args: WorkerArgs) -> RankWorker:
@@ -172,24 +196,25 @@ def _start(args: WorkerArgs) -> RankWorker:
     return RankWorker(runner)
 
 
-def _serve(worker: RankWorker, conn: Connection) -> bool:
+def _serve(worker: RankWorker, conn: Connection) -> str:
     """Commands arrive as pickled (method, args, reply): reply "all" (every rank answers), "first"
     (rank 0 answers: a step's results) or "none". An error ends the process after reporting it (the
-    group cannot go on with one rank out of step). Returns whether it ended on an error."""
+    group cannot go on with one rank out of step). Returns how it ended: "stopped" (told to), "failed" (an
+    error) or "orphaned" (the engine's end of the pipe closed without a stop)."""
     rank = worker.runner.tp.rank
     while True:
         try:
             method, call_args, reply = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
-            return False  # the engine process is gone
+            return "orphaned"
         if method == "stop":
-            return False
+            return "stopped"
         try:
             value = getattr(worker, method)(*call_args)
         except BaseException as e:
             logger.exception("rank %d failed in %s", rank, method)
             _send_error(conn, e)
-            return True
+            return "failed"
         if reply == "all" or (reply == "first" and rank == 0):
             conn.send(("ok", value))
 

@@ -379,3 +379,63 @@ def test_ctrl_c_while_a_step_is_collected_leaves_the_engine_usable(monkeypatch, 
         assert len(waits_in_collect) == 6
         assert _greedy(llm, prompts, 20) == reference
         assert_kv_free(llm.stats())
+
+
+_ENGINE_EXITS_WITH_A_STUCK_STEP = """
+import os, signal, sys, threading, time
+from asyncspec import LLM, SamplingParams
+llm = LLM(sys.argv[1], tensor_parallel_size=2, device="cpu", dtype="float32", block_size=16, max_model_len=256,
+          num_kv_blocks=64)
+pids = [p.pid for p in llm.engine.engine_core.runner._procs]
+print(*pids, flush=True)
+os.kill(pids[1], signal.SIGSTOP)
+params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+threading.Thread(target=llm.generate, args=([[5, 6, 7, 8]], params), daemon=True).start()
+time.sleep(float(sys.argv[2]))
+os._exit(0)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for a reaper that a container may lack)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _running(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.timeout(180)
+def test_ranks_exit_with_an_engine_that_exits_while_a_step_is_stuck() -> None:
+    """Rank 1 is stopped (SIGSTOP), so rank 0's step waits in a collective for it, and the engine's process exits
+    with os._exit (as serve's bounded shutdown does, skipping the ranks' clean-up): rank 0 exits at once rather than
+    wait for its step, and rank 1 does as soon as it runs again."""
+    import subprocess
+    import sys
+
+    engine = subprocess.Popen(
+        [sys.executable, "-c", _ENGINE_EXITS_WITH_A_STUCK_STEP, str(TARGET_MODEL), "3"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert engine.stdout is not None
+    pids = [int(p) for p in engine.stdout.readline().split()]
+    assert len(pids) == 2, pids
+    try:
+        assert engine.wait(120) == 0
+        assert _wait_gone(pids[0], 10), "rank 0 outlived its engine"
+        os.kill(pids[1], signal.SIGCONT)
+        assert _wait_gone(pids[1], 10), "rank 1 outlived its engine"
+    finally:
+        for pid in pids:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
