@@ -106,6 +106,11 @@ class SamplingParams:
     """Return the sampled token's logprob plus this many top logprobs (0..20); None = none."""
     skip_special_tokens: bool = True
     """Leave special tokens (e.g. <|endoftext|>) out of the output text."""
+    n: int = 1
+    """Completions per request: 1 only (vLLM's field, taken so that its refusal is clear); for several, submit the
+    prompt several times, each with its own seed (the prefix cache computes the prompt once)."""
+    prompt_logprobs: int | None = None
+    """Logprobs of the prompt's own tokens: None only (vLLM's field; not supported)."""
 
     def __post_init__(self) -> None:
         self.temperature = _real("temperature", self.temperature, ">= 0; 0 means greedy")
@@ -148,6 +153,12 @@ class SamplingParams:
         self.stop = self._normalise_stop(self.stop)
         self._check_num_stop_strings(MAX_STOP_STRINGS)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        one = "1 (one completion a request: submit the prompt several times, each with its own seed, for several)"
+        if _int("n", self.n, one) != 1:
+            raise _err("n", self.n, one)
+        self.n = 1
+        if self.prompt_logprobs is not None:
+            raise _err("prompt_logprobs", self.prompt_logprobs, "None (prompt logprobs are not supported)")
         if self.logprobs is not None:
             self.logprobs = _int("logprobs", self.logprobs, f"in [0, {MAX_LOGPROBS}] or None")
             if not 0 <= self.logprobs <= MAX_LOGPROBS:

@@ -78,6 +78,12 @@ BAD_VALUES = [
     ("logprobs", 21),
     ("logprobs", 1.0),
     ("logprobs", True),
+    ("n", 2),
+    ("n", 0),
+    ("n", 1.0),
+    ("n", True),
+    ("prompt_logprobs", 0),
+    ("prompt_logprobs", 5),
     # Values that passed validation and then failed in the worker's int64 / float32 device tables
     # (regression: one of them used to end every stream of the AsyncEngine).
     ("top_k", 2**63),
@@ -152,6 +158,17 @@ def test_defaults_match_vllm() -> None:
     assert p.stop == [] and p.stop_token_ids == []
     assert not p.include_stop_str_in_output and p.skip_special_tokens
     assert not p.is_greedy and not p.uses_penalties
+    assert (p.n, p.prompt_logprobs) == (1, None)
+
+
+def test_vllm_fields_it_does_not_support_are_refused_with_what_to_do_instead() -> None:
+    """n > 1 and prompt_logprobs, vLLM's, are taken only at their defaults: the error says what to do, not Python's
+    unexpected keyword argument."""
+    with pytest.raises(InvalidSamplingParamsError, match=r"n must be 1 .*submit the prompt several times"):
+        SamplingParams(n=4, seed=3)
+    with pytest.raises(InvalidSamplingParamsError, match=r"prompt_logprobs must be None .*not supported\), got 1"):
+        SamplingParams(prompt_logprobs=1)
+    assert SamplingParams(n=1, prompt_logprobs=None).n == 1
 
 
 def test_normalisation() -> None:

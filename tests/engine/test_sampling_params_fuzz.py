@@ -106,6 +106,8 @@ ORDINARY = {
     "include_stop_str_in_output": st.booleans(),
     "logprobs": st.none() | st.integers(0, 20),
     "skip_special_tokens": st.booleans(),
+    "n": st.just(1),
+    "prompt_logprobs": st.none(),
 }
 assert set(ORDINARY) == set(FIELDS), "every SamplingParams field is fuzzed"
 
