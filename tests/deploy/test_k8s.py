@@ -30,12 +30,10 @@ K8S_VERSION = "1.35"
 """The Kubernetes version whose schemas the built-in objects are validated against."""
 
 
-def render(overlay: str) -> list[dict]:
+def render(overlay: str, k8s: Path = DEPLOY / "k8s") -> list[dict]:
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl (with kustomize) is not installed")
-    out = subprocess.run(
-        ["kubectl", "kustomize", str(DEPLOY / "k8s" / "overlays" / overlay)], capture_output=True, text=True
-    )
+    out = subprocess.run(["kubectl", "kustomize", str(k8s / "overlays" / overlay)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
@@ -113,6 +111,28 @@ def test_autoscaling_keeps_busy_replicas(overlay):
             targets[name] = float(trigger["metadata"]["threshold"])
     assert set(targets) == {"asyncspec:num_requests_waiting", "asyncspec:num_requests_running"}
     assert 0 < targets["asyncspec:num_requests_running"] <= max_num_seqs
+
+
+def test_keda_queries_read_the_namespace_the_overlay_deploys_in(tmp_path):
+    """The ScaledObject's PromQL names a namespace inside a string, which kustomize's namespace does not rewrite:
+    the overlay copies its namespace into the queries, so that changing it in one place moves both."""
+    for namespace in (None, "llm-prod"):
+        k8s = DEPLOY / "k8s"
+        if namespace is not None:
+            k8s = tmp_path / "k8s"
+            shutil.copytree(DEPLOY / "k8s", k8s)
+            kustomization = k8s / "overlays" / "keda" / "kustomization.yaml"
+            text = kustomization.read_text()
+            assert "\nnamespace: default\n" in text
+            kustomization.write_text(text.replace("\nnamespace: default\n", f"\nnamespace: {namespace}\n"))
+        objects = render("keda", k8s)
+        (scaled,) = by_kind(objects, "ScaledObject")
+        deployed_in = {o["metadata"].get("namespace") for o in objects}
+        assert deployed_in == {namespace or "default"}
+        queries = [trigger["metadata"]["query"] for trigger in scaled["spec"]["triggers"]]
+        assert len(queries) == 2
+        for query in queries:
+            assert re.findall(r'namespace="([^"]*)"', query) == [namespace or "default"], query
 
 
 def test_dashboard_fractions_are_not_summed_over_pods_and_legends_tell_series_apart():
