@@ -297,9 +297,15 @@ def _channel_security(args: argparse.Namespace) -> ChannelSecurity:
 
 
 def _default_dataset() -> str:
+    """The bundled model's benchmark prompts: a source checkout's benchmarks/data, else the installed package's
+    copy (asyncspec.bench_data, pyproject.toml's package data)."""
     from pathlib import Path
 
-    return str(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "prompts-code.jsonl")
+    package = Path(__file__).resolve().parent
+    name = "prompts-code.jsonl"
+    checkout = package.parent / "benchmarks" / "data" / name
+    installed = package / "bench_data" / name
+    return str(installed if not checkout.is_file() and installed.is_file() else checkout)
 
 
 def _token(args: argparse.Namespace) -> str | None:
@@ -318,7 +324,9 @@ def _bench(args: argparse.Namespace) -> int:
     from asyncspec.server import bench
 
     if not os.path.isfile(args.dataset):
-        where = " (the default ships with a source checkout only)" if args.dataset == _default_dataset() else ""
+        where = (
+            " (the default, which a source checkout and the package hold)" if args.dataset == _default_dataset() else ""
+        )
         raise ConfigError(
             f"dataset {args.dataset!r} does not exist{where}: pass --dataset FILE, a JSONL of prompt_token_ids lists"
         )

@@ -1,7 +1,9 @@
-"""`kernels/` installs as `asyncspec.kernels`, never as a top-level `kernels` (a PyPI name transformers probes)."""
+"""`kernels/` installs as `asyncspec.kernels`, never as a top-level `kernels` (a PyPI name transformers probes); the
+benchmark prompts install as `asyncspec.bench_data`."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -51,6 +53,17 @@ def test_built_wheel_places_kernels_inside_the_package(tmp_path):
     assert "asyncspec/kernels/__init__.py" in names
     assert "asyncspec/kernels/paged_attention.py" in names
     assert not any(n.startswith("kernels/") for n in names)
+    # `asyncspec bench`'s default prompts, for an installed package (an image) too.
+    assert "asyncspec/bench_data/prompts-code.jsonl" in names
+    installed = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(installed)
+    probe = "from asyncspec.cli import _default_dataset; print(_default_dataset())"
+    env = {**os.environ, "PYTHONPATH": str(installed)}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    default = Path(out.stdout.strip())
+    assert default == installed / "asyncspec" / "bench_data" / "prompts-code.jsonl"
+    assert default.read_bytes() == (REPO / "benchmarks" / "data" / "prompts-code.jsonl").read_bytes()
 
 
 _SHADOW_PROBE = """
