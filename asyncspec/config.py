@@ -86,6 +86,11 @@ class EngineConfig:
     """Largest prefill chunk one request gets per step; 0 means only the token budget limits it."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
+    prefix_sharing_wait_tokens: int = 32
+    """With prefix caching: a waiting request whose prompt shares at least this many tokens, past what the cache
+    holds, with prompts that running requests are computing (a burst with one system prompt) waits for their
+    blocks, a plan or a few, and hits them, rather than compute the same tokens; the requests behind it go on.
+    0 admits it at once (it computes them again)."""
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     """"fcfs" serves in arrival order; "priority" serves lower `priority` values first."""
     max_num_waiting: int = 4096
@@ -231,7 +236,13 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("long_prefill_token_threshold", "seed", "num_speculative_tokens", "admission_delay_runs"):
+        for name in (
+            "long_prefill_token_threshold",
+            "seed",
+            "num_speculative_tokens",
+            "admission_delay_runs",
+            "prefix_sharing_wait_tokens",
+        ):
             _check_int(name, getattr(self, name), minimum=0)
         if self.num_scheduler_steps is not None:
             _check_int("num_scheduler_steps", self.num_scheduler_steps, minimum=1)

@@ -79,6 +79,9 @@ class KVCacheManager:
         """request_id -> chained hashes of its leading full blocks (lookup or commit)."""
         self._req_num_cached: dict[str, int] = {}
         """request_id -> how many leading blocks cache_blocks() has already processed."""
+        self._pending_blocks: dict[bytes, str] = {}
+        """Hash -> the request computing that full prompt block into a block of its own: looked up at its
+        admission, not registered yet (`num_pending_shared_tokens`)."""
         self.prefix_cache_stats = PrefixCacheStats()
 
     # ------------------------------------------------------------------ queries
@@ -143,6 +146,32 @@ class KVCacheManager:
             hit.append(block.block_id)
         return hit, len(hit) * self.block_size
 
+    def num_pending_shared_tokens(self, request: RequestLike, num_hit_tokens: int) -> int:
+        """Tokens right after the request's cached prefix (`num_hit_tokens`, from get_computed_blocks) whose
+        blocks other requests are computing now, as part of their own prompts: the request would hit them once
+        those are registered, a step or a few later."""
+        pending = self._pending_blocks
+        if not pending:
+            return 0
+        request_id = request.request_id
+        hashes = self._req_hashes.get(request_id, ())
+        end = min(len(hashes), max(request.num_tokens - 1, 0) // self.block_size)
+        index = start = num_hit_tokens // self.block_size
+        while index < end and pending.get(hashes[index], request_id) != request_id:
+            index += 1
+        return (index - start) * self.block_size
+
+    def _mark_pending(self, request_id: str, start: int) -> None:
+        """The request's looked-up prompt blocks from `start` on (none hit): it computes them now."""
+        for block_hash in self._req_hashes.get(request_id, ())[start:]:
+            self._pending_blocks.setdefault(block_hash, request_id)
+
+    def _unmark_pending(self, request_id: str, hashes: Sequence[bytes]) -> None:
+        pending = self._pending_blocks
+        for block_hash in hashes:
+            if pending.get(block_hash) == request_id:
+                del pending[block_hash]
+
     def record_prefix_cache_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Counts one admitted lookup (the scheduler calls this once per admission, not per retry)."""
         self.prefix_cache_stats.queries += num_tokens
@@ -173,6 +202,8 @@ class KVCacheManager:
             # A False return (hash already owned by another block) leaves this block
             # unhashed; later blocks still chain off the content hash, so they can register.
             self.pool.cache_block(blocks[block_ids[i]], hashes[i])
+        if self._pending_blocks:
+            self._unmark_pending(request_id, hashes[done:num_full])
         self._req_num_cached[request_id] = max(done, num_full)
 
     def reset_prefix_cache(self) -> bool:
@@ -210,16 +241,12 @@ class KVCacheManager:
         if not new_computed_blocks:
             # Hot path: a decode step; usually the last block still has room.
             deficit = -(-total // self.block_size) - num_held
-            if deficit <= 0:
-                if block_ids is None:
-                    self._req_blocks[request_id] = []
-                return []
             if deficit > len(pool.free_queue):
                 return None
-            new_blocks = pool.get_new_blocks(deficit)
-            new_ids = [b.block_id for b in new_blocks]
+            new_ids = [b.block_id for b in pool.get_new_blocks(deficit)] if deficit > 0 else []
             if block_ids is None:
-                self._req_blocks[request_id] = list(new_ids)
+                self._req_blocks[request_id] = new_ids.copy()
+                self._mark_pending(request_id, 0)
             else:
                 block_ids.extend(new_ids)
             return new_ids
@@ -269,6 +296,7 @@ class KVCacheManager:
         self._req_blocks[request_id] = list(new_computed_blocks) + new_ids
         # The hit blocks are registered already; cache_blocks() starts after them.
         self._req_num_cached[request_id] = len(computed)
+        self._mark_pending(request_id, len(computed))
         return new_ids
 
     def free(self, request: RequestLike) -> None:
@@ -277,8 +305,10 @@ class KVCacheManager:
 
     def free_by_id(self, request_id: str) -> None:
         """`free` for callers that only hold the id (aborts)."""
-        self._req_hashes.pop(request_id, None)
-        self._req_num_cached.pop(request_id, None)
+        hashes = self._req_hashes.pop(request_id, None)
+        num_cached = self._req_num_cached.pop(request_id, 0)
+        if hashes and self._pending_blocks:
+            self._unmark_pending(request_id, hashes[num_cached:])
         block_ids = self._req_blocks.pop(request_id, None)
         if block_ids:
             blocks = self.pool.blocks

@@ -35,6 +35,9 @@ class SchedulerConfig:
     """Largest prefill chunk per request per step; 0 = no limit beyond the budget."""
     enable_prefix_caching: bool = True
     """Look up cached prefix blocks when a request is admitted."""
+    prefix_sharing_wait_tokens: int = 0
+    """A waiting request whose prompt shares at least this many tokens, past its cached prefix, with prompts
+    that running requests are computing waits for their blocks rather than compute the same ones (0: never)."""
     num_lookahead_tokens: int = 0
     """KV slots reserved per decode beyond the scheduled tokens (the drafter's k proposals)."""
     num_speculative_tokens: int = 0
@@ -71,6 +74,9 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_admission_deferrals: int = 0
     """Multi-step runs planned while requests that could have been admitted waited (admission waves)."""
+    num_prefix_sharing_waits: int = 0
+    """Plans in which a waiting request waited for the prompt blocks another request was computing (one per
+    request and plan; SchedulerConfig.prefix_sharing_wait_tokens)."""
     num_prompt_tokens_computed: int = 0
     """Prompt tokens run through prefill steps, recomputation after a preemption included."""
     num_prompt_tokens: int = 0
@@ -350,6 +356,7 @@ class Scheduler:
             self.stats.num_admission_deferrals += 1
         elif not preempted_ids:
             self._admission_deferrals = 0
+            sharing_waits: list[Request] = []
             while self.waiting and token_budget > 0 and len(self.running) < cfg.max_num_seqs:
                 request = self.waiting.peek()
                 if request.num_computed_tokens == 0 and cfg.enable_prefix_caching:
@@ -358,6 +365,13 @@ class Scheduler:
                         # Its recompute must stop one token short (_resumes_seeded_stream): a hit that leaves it
                         # only its last token would skip the drafts the interrupted step verified there.
                         computed_blocks, num_hit = computed_blocks[:-1], num_hit - kv.block_size
+                    wait_tokens = cfg.prefix_sharing_wait_tokens
+                    if wait_tokens and kv.num_pending_shared_tokens(request, num_hit) >= wait_tokens:
+                        # Another request is computing this prompt's next blocks (admitted in this plan, or
+                        # in one whose step has not retired): they are registered, and hit, a plan or a few later.
+                        sharing_waits.append(self.waiting.pop())
+                        self.stats.num_prefix_sharing_waits += 1
+                        continue
                 else:
                     computed_blocks, num_hit = [], 0
                 num_new = request.num_tokens - request.num_computed_tokens - num_hit
@@ -407,6 +421,8 @@ class Scheduler:
                 else:
                     prompts_pending = True
                 token_budget -= num_new
+            for request in reversed(sharing_waits):  # back in their places, ahead of those never looked at
+                self.waiting.prepend(request)
 
         self._admitted_last_plan = bool(new_reqs) and bool(self.waiting) and len(self.running) < cfg.max_num_seqs
         self._memory_short = memory_short

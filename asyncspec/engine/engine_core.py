@@ -129,6 +129,7 @@ class EngineCore:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 enable_prefix_caching=config.enable_prefix_caching,
+                prefix_sharing_wait_tokens=config.prefix_sharing_wait_tokens,
                 num_lookahead_tokens=config.num_lookahead_tokens,
                 num_speculative_tokens=config.num_lookahead_tokens,
                 policy=config.scheduling_policy,

@@ -217,6 +217,7 @@ class LLMEngine:
             "scheduler_steps_per_plan": scheduler.steps_per_plan,
             "num_preemptions": scheduler.stats.num_preemptions,
             "num_admission_deferrals": scheduler.stats.num_admission_deferrals,
+            "num_prefix_sharing_waits": scheduler.stats.num_prefix_sharing_waits,
             "num_prompt_tokens_computed": scheduler.stats.num_prompt_tokens_computed,
             "num_prompt_tokens": scheduler.stats.num_prompt_tokens,
             "num_prompt_tokens_cached": scheduler.stats.num_prompt_tokens_cached,

@@ -61,6 +61,11 @@ _COUNTERS = (
         "num_admission_deferrals",
     ),
     (
+        "num_prefix_sharing_waits",
+        "Plans in which a waiting request waited for prompt blocks another request was computing (then hit).",
+        "num_prefix_sharing_waits",
+    ),
+    (
         "prompt_tokens",
         "Prompt tokens of the requests that started generating: once per request, prefix-cache hits included.",
         "num_prompt_tokens",

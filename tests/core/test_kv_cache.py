@@ -290,3 +290,54 @@ def test_bad_geometry_is_a_config_error() -> None:
         KVCacheManager(num_blocks=0, block_size=16)
     with pytest.raises(ConfigError):
         KVCacheManager(num_blocks=4, block_size=0)
+
+
+def _admit(m: KVCacheManager, request: Request) -> int:
+    """Looks the request up and allocates its prompt (with its hits), as the scheduler admits it."""
+    hits, n_hit = m.get_computed_blocks(request)
+    assert m.allocate_slots(request, request.num_tokens - n_hit, 0, hits, n_hit) is not None
+    request.num_computed_tokens = n_hit
+    return n_hit
+
+
+def test_prompt_blocks_being_computed_are_pending_until_registered() -> None:
+    """A admitted computes its prompt's blocks: B, with the same first 12 tokens, would hit 3 of them once A's step
+    registers them; until then they are pending (B waits for them, SchedulerConfig.prefix_sharing_wait_tokens)."""
+    m = KVCacheManager(num_blocks=32, block_size=4)
+    shared = list(range(100, 112))
+    a = make_request("a", shared + [1, 2, 3, 4, 5])
+    assert _admit(m, a) == 0
+    b = make_request("b", shared + [7, 7])
+    hits, n_hit = m.get_computed_blocks(b)
+    assert n_hit == 0 and m.num_pending_shared_tokens(b, n_hit) == 12
+    # Its own pending blocks do not count, nor a prompt that diverges in the first block.
+    assert m.num_pending_shared_tokens(a, 0) == 0
+    other = make_request("other", [100, 101, 102, 0] + shared[4:])
+    m.get_computed_blocks(other)
+    assert m.num_pending_shared_tokens(other, 0) == 0
+    # Two of A's blocks registered: B hits them and waits for the third only.
+    m.cache_blocks(a, 8)
+    hits, n_hit = m.get_computed_blocks(b)
+    assert n_hit == 8 and m.num_pending_shared_tokens(b, n_hit) == 4
+    m.cache_blocks(a, a.num_tokens)
+    hits, n_hit = m.get_computed_blocks(b)
+    assert n_hit == 12 and m.num_pending_shared_tokens(b, n_hit) == 0
+    assert not m._pending_blocks
+
+
+def test_pending_blocks_of_a_freed_request_are_forgotten() -> None:
+    """A preempted or aborted request never registers its blocks: nothing may wait for them."""
+    m = KVCacheManager(num_blocks=32, block_size=4)
+    a = make_request("a", list(range(20)))
+    _admit(m, a)
+    m.cache_blocks(a, 4)
+    b = make_request("b", list(range(20)) + [9])
+    _, n_hit = m.get_computed_blocks(b)
+    assert (n_hit, m.num_pending_shared_tokens(b, n_hit)) == (4, 12)
+    m.free(a)
+    assert m.num_pending_shared_tokens(b, n_hit) == 0 and not m._pending_blocks
+    # B, admitted now, computes them: they are B's pending blocks.
+    assert _admit(m, b) == 4
+    c = make_request("c", list(range(20)))
+    _, n_hit = m.get_computed_blocks(c)
+    assert (n_hit, m.num_pending_shared_tokens(c, n_hit)) == (4, 12)

@@ -51,9 +51,9 @@ def test_bundled_target_matches_hf_under_batching_chunking_prefix_cache_and_pree
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate(prompts[:8], params)
     assert llm.stats()["num_preemptions"] > 0, "the KV pool was meant to force preemption"
-    # The repeats come later: prompts admitted in one step share no blocks (those register as the step that
-    # computes them retires), a preempted request finding its own blocks is no prefix-cache hit, and the run above
-    # evicts most of what it cached. So prompts 0 and 2 run again, then the repeats hit what they left.
+    # The repeats come later: a preempted request finding its own blocks is no prefix-cache hit, and the run above
+    # evicts most of what it cached. So prompts 0 and 2 run again, then the repeats hit what they left (prompts that
+    # arrive together are test_a_burst_sharing_a_prefix_matches_hf's).
     outputs[0], outputs[2] = llm.generate([prompts[0], prompts[2]], params)
     hits_before = llm.stats()["prefix_cache_hits"]
     outputs += llm.generate(prompts[8:], params)
@@ -69,6 +69,41 @@ def test_bundled_target_matches_hf_under_batching_chunking_prefix_cache_and_pree
         if tuple(prompt) not in expected:
             expected[tuple(prompt)] = hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)
         assert out.token_ids == expected[tuple(prompt)]
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        dict(async_scheduling=False),
+        dict(async_scheduling=True, speculative_method="draft_model", num_speculative_tokens=3),
+    ],
+    ids=["sync", "async-draft"],
+)
+def test_a_burst_sharing_a_prefix_matches_hf(hf_model, code_prompts, engine):
+    """Four prompts with one 160-token prefix arrive together (beside one that shares nothing): the first
+    computes the prefix, the others wait for its blocks (prefix_sharing_wait_tokens) and hit them, in one generate
+    call, with the draft model's KV of the shared blocks too; the tokens are transformers'."""
+    prefix = list(code_prompts[3][:160])
+    prompts = [prefix + list(code_prompts[4 + i][: 9 + 5 * i]) for i in range(4)]
+    prompts.insert(2, list(code_prompts[5][:50]))
+    llm = LLM(
+        str(TARGET_MODEL),
+        device="cpu",
+        dtype="float32",
+        block_size=16,
+        max_model_len=512,
+        num_kv_blocks=128,
+        max_num_batched_tokens=512,
+        **engine,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    stats = llm.stats()
+    assert stats["num_prefix_sharing_waits"] >= 3
+    assert stats["prefix_cache_hits"] >= 3 * 160, stats["prefix_cache_hits"]
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"], "KV blocks leaked"
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.token_ids == hf_greedy(hf_model, prompt, 24)
 
 
 def test_text_prompt_matches_hf_and_detokenizes(hf_model):
