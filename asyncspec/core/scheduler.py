@@ -371,6 +371,8 @@ class Scheduler:
                         # in one whose step has not retired): they are registered, and hit, a plan or a few later.
                         sharing_waits.append(self.waiting.pop())
                         self.stats.num_prefix_sharing_waits += 1
+                        if len(sharing_waits) >= cfg.max_num_seqs:
+                            break  # a burst of thousands with one prompt: the rest wait unexamined
                         continue
                 else:
                     computed_blocks, num_hit = [], 0

@@ -136,3 +136,20 @@ def test_requests_that_wait_keep_their_places(policy):
     so, _ = step(s, runner)
     assert [(r.request_id, r.num_computed_tokens) for r in so.scheduled_new_reqs] == [("b", 32)]
     assert [r.request_id for r in s.waiting] == ["g"]
+
+
+def test_a_plan_examines_at_most_a_batch_of_waiting_requests_sharing_a_prefix():
+    """Two hundred requests with one prompt arrive together: the plan admits the first, sets max_num_seqs (16)
+    aside to wait for its blocks and looks no further; the next plan admits those 16 with the hit."""
+    s = _scheduler(16)
+    for i in range(200):
+        s.add_request(make_request(f"r{i}", SHARED + [i % 50 + 1], temperature=0.0, max_tokens=2))
+    runner = FakeRunner(s)
+    first, _ = step(s, runner)
+    assert [r.request_id for r in first.scheduled_new_reqs] == ["r0"]
+    assert s.stats.num_prefix_sharing_waits == 16
+    assert [r.request_id for r in s.waiting][:3] == ["r1", "r2", "r3"]
+    second, _ = step(s, runner)
+    assert [(r.request_id, r.num_computed_tokens) for r in second.scheduled_new_reqs] == [
+        (f"r{i}", 32) for i in range(1, 16)
+    ]
