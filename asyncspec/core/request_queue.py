@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from typing import Protocol
@@ -14,6 +15,7 @@ from asyncspec.request import Request
 class RequestQueue(Protocol):
     def add(self, request: Request) -> None: ...
     def prepend(self, request: Request) -> None: ...
+    def put_back(self, requests: list[Request]) -> None: ...
     def peek(self) -> Request: ...
     def pop(self) -> Request: ...
     def remove(self, request: Request) -> None: ...
@@ -33,6 +35,10 @@ class FCFSQueue:
     def prepend(self, request: Request) -> None:
         self._queue.appendleft(request)
 
+    def put_back(self, requests: list[Request]) -> None:
+        """Requests popped in this order, in front again, in the same order."""
+        self._queue.extendleft(reversed(requests))
+
     def peek(self) -> Request:
         return self._queue[0]
 
@@ -50,16 +56,26 @@ class FCFSQueue:
 
 
 class PriorityQueue:
-    """Lowest (priority, arrival_time) first; a preempted request keeps its original place."""
+    """Lowest (priority, arrival_time) first, then the order of first arrival in the queue; a request that comes
+    back (preempted, or put back) keeps its original place."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[int, float, int, Request]] = []
         self._counter = itertools.count()
+        self._order: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
+        """Each request's tie-breaker, kept for as long as the request lives."""
 
     def add(self, request: Request) -> None:
-        heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._counter), request))
+        order = self._order.get(request)
+        if order is None:
+            order = self._order[request] = next(self._counter)
+        heapq.heappush(self._heap, (request.priority, request.arrival_time, order, request))
 
     prepend = add
+
+    def put_back(self, requests: list[Request]) -> None:
+        for request in requests:
+            self.add(request)
 
     def peek(self) -> Request:
         return self._heap[0][3]

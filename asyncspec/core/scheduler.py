@@ -223,6 +223,7 @@ class Scheduler:
         # policy's choice before the run: a run admits no request, so the batch it saw is the run's).
         num_steps = 1
         next_k: int | None = None
+        chosen_k: int | None = None  # the policy's choice when it was made before the admissions (next_k: final)
         prompts_pending = False  # a prompt (or a recompute) this plan leaves unfinished
         defers_admission = False
         if self.steps_per_plan > 1 and (spec_k == 0 or cfg.multi_step_speculation):
@@ -239,9 +240,9 @@ class Scheduler:
                     if (next_k or 0) == spec_k:  # a steady k: this plan verifies it and proposes it again
                         num_steps = count
                     elif defers_admission:
-                        # One step after all, so it admits: the next k is chosen once its admissions are known
-                        # (a seeded request admitted here must get the full k).
-                        next_k = None
+                        # One step after all, so it admits: the choice holds, but its rules apply once the
+                        # admissions are known (a seeded request admitted here must get the full k).
+                        chosen_k, next_k = next_k, None
                 defers_admission = defers_admission and num_steps > 1
         drops_drafts = bool(spec_k) and num_steps == 1 and bool(running) and self._admits_wave(defers_admission)
         if num_steps > 1:
@@ -357,74 +358,81 @@ class Scheduler:
         elif not preempted_ids:
             self._admission_deferrals = 0
             sharing_waits: list[Request] = []
-            while self.waiting and token_budget > 0 and len(self.running) < cfg.max_num_seqs:
-                request = self.waiting.peek()
-                if request.num_computed_tokens == 0 and cfg.enable_prefix_caching:
-                    computed_blocks, num_hit = kv.get_computed_blocks(request)
-                    if num_hit and request.num_tokens - num_hit < 2 and self._resumes_seeded_stream(request):
-                        # Its recompute must stop one token short (_resumes_seeded_stream): a hit that leaves it
-                        # only its last token would skip the drafts the interrupted step verified there.
-                        computed_blocks, num_hit = computed_blocks[:-1], num_hit - kv.block_size
-                    wait_tokens = cfg.prefix_sharing_wait_tokens
-                    if wait_tokens and kv.num_pending_shared_tokens(request, num_hit) >= wait_tokens:
-                        # Another request is computing this prompt's next blocks (admitted in this plan, or
-                        # in one whose step has not retired): they are registered, and hit, a plan or a few later.
-                        sharing_waits.append(self.waiting.pop())
-                        self.stats.num_prefix_sharing_waits += 1
-                        if len(sharing_waits) >= cfg.max_num_seqs:
-                            break  # a burst of thousands with one prompt: the rest wait unexamined
-                        continue
-                else:
-                    computed_blocks, num_hit = [], 0
-                num_new = request.num_tokens - request.num_computed_tokens - num_hit
-                if num_new > 1 and self._resumes_seeded_stream(request):
-                    num_new -= 1
-                if cfg.long_prefill_token_threshold > 0:
-                    num_new = min(num_new, cfg.long_prefill_token_threshold)
-                if num_new > token_budget:
-                    if not cfg.enable_chunked_prefill:
-                        break
-                    num_new = token_budget
-                # A chunk that completes the prompt samples, and then the drafter writes k slots ahead.
-                end = request.num_computed_tokens + num_hit + num_new
-                lookahead = self._lookahead_for(end, request.num_tokens, cfg.num_lookahead_tokens, cfg.max_model_len)
-                new_block_ids = kv.allocate_slots(
-                    request, num_new, lookahead, new_computed_blocks=computed_blocks, num_new_computed_tokens=num_hit
-                )
-                if new_block_ids is None:
-                    memory_short = True
-                    break
-                self.waiting.pop()
-                if request.num_computed_tokens == 0 and cfg.enable_prefix_caching and request.num_cached_tokens < 0:
-                    # The first admission only: a preempted request finding its own blocks again, generated
-                    # tokens included, is no prompt lookup (and would inflate the hit rate under KV pressure).
-                    kv.record_prefix_cache_query(request.num_tokens, num_hit)
-                request.num_computed_tokens += num_hit
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_hit
-                    request.queued_seconds = time.monotonic() - request.arrival_time
-                request.status = RequestStatus.RUNNING
-                self.running.append(request)
-                num_scheduled[request.request_id] = num_new
-                new_reqs.append(
-                    NewRequestData(
-                        request_id=request.request_id,
-                        token_ids=list(request.all_token_ids),
-                        num_prompt_tokens=request.num_prompt_tokens,
-                        sampling_params=request.sampling_params,
-                        block_ids=kv.get_block_ids(request.request_id),
-                        num_computed_tokens=request.num_computed_tokens,
+            try:
+                while self.waiting and token_budget > 0 and len(self.running) < cfg.max_num_seqs:
+                    request = self.waiting.peek()
+                    if request.num_computed_tokens == 0 and cfg.enable_prefix_caching:
+                        computed_blocks, num_hit = kv.get_computed_blocks(request)
+                        if num_hit and request.num_tokens - num_hit < 2 and self._resumes_seeded_stream(request):
+                            # Its recompute must stop one token short (_resumes_seeded_stream): a hit that leaves it
+                            # only its last token would skip the drafts the interrupted step verified there.
+                            computed_blocks, num_hit = computed_blocks[:-1], num_hit - kv.block_size
+                        wait_tokens = cfg.prefix_sharing_wait_tokens
+                        if wait_tokens and kv.num_pending_shared_tokens(request, num_hit) >= wait_tokens:
+                            # Another request is computing this prompt's next blocks (admitted in this plan, or
+                            # in one whose step has not retired): they are registered, and hit, a plan or a few later.
+                            sharing_waits.append(self.waiting.pop())
+                            self.stats.num_prefix_sharing_waits += 1
+                            if len(sharing_waits) >= cfg.max_num_seqs:
+                                break  # a burst of thousands with one prompt: the rest wait unexamined
+                            continue
+                    else:
+                        computed_blocks, num_hit = [], 0
+                    num_new = request.num_tokens - request.num_computed_tokens - num_hit
+                    if num_new > 1 and self._resumes_seeded_stream(request):
+                        num_new -= 1
+                    if cfg.long_prefill_token_threshold > 0:
+                        num_new = min(num_new, cfg.long_prefill_token_threshold)
+                    if num_new > token_budget:
+                        if not cfg.enable_chunked_prefill:
+                            break
+                        num_new = token_budget
+                    # A chunk that completes the prompt samples, and then the drafter writes k slots ahead.
+                    end = request.num_computed_tokens + num_hit + num_new
+                    lookahead = self._lookahead_for(
+                        end, request.num_tokens, cfg.num_lookahead_tokens, cfg.max_model_len
                     )
-                )
-                request.num_computed_tokens += num_new  # optimistic, as above
-                if request.num_computed_tokens >= request.num_tokens:
-                    request.num_output_placeholders = 1
-                    request.num_inflight_steps = 1
-                else:
-                    prompts_pending = True
-                token_budget -= num_new
-            for request in reversed(sharing_waits):  # back in their places, ahead of those never looked at
-                self.waiting.prepend(request)
+                    new_block_ids = kv.allocate_slots(
+                        request,
+                        num_new,
+                        lookahead,
+                        new_computed_blocks=computed_blocks,
+                        num_new_computed_tokens=num_hit,
+                    )
+                    if new_block_ids is None:
+                        memory_short = True
+                        break
+                    self.waiting.pop()
+                    if request.num_computed_tokens == 0 and cfg.enable_prefix_caching and request.num_cached_tokens < 0:
+                        # The first admission only: a preempted request finding its own blocks again, generated
+                        # tokens included, is no prompt lookup (and would inflate the hit rate under KV pressure).
+                        kv.record_prefix_cache_query(request.num_tokens, num_hit)
+                    request.num_computed_tokens += num_hit
+                    if request.num_cached_tokens < 0:
+                        request.num_cached_tokens = num_hit
+                        request.queued_seconds = time.monotonic() - request.arrival_time
+                    request.status = RequestStatus.RUNNING
+                    self.running.append(request)
+                    num_scheduled[request.request_id] = num_new
+                    new_reqs.append(
+                        NewRequestData(
+                            request_id=request.request_id,
+                            token_ids=list(request.all_token_ids),
+                            num_prompt_tokens=request.num_prompt_tokens,
+                            sampling_params=request.sampling_params,
+                            block_ids=kv.get_block_ids(request.request_id),
+                            num_computed_tokens=request.num_computed_tokens,
+                        )
+                    )
+                    request.num_computed_tokens += num_new  # optimistic, as above
+                    if request.num_computed_tokens >= request.num_tokens:
+                        request.num_output_placeholders = 1
+                        request.num_inflight_steps = 1
+                    else:
+                        prompts_pending = True
+                    token_budget -= num_new
+            finally:
+                self.waiting.put_back(sharing_waits)  # their places, ahead of those never looked at
 
         self._admitted_last_plan = bool(new_reqs) and bool(self.waiting) and len(self.running) < cfg.max_num_seqs
         self._memory_short = memory_short
@@ -439,7 +447,7 @@ class Scheduler:
             preempted_req_ids=preempted_ids,
             num_speculative_tokens=spec_k,
             num_proposals=self._next_proposals(
-                next_k, prompts_pending or (not memory_short and self._admissions_pending())
+                next_k, prompts_pending or (not memory_short and self._admissions_pending()), chosen_k
             ),
             num_draft_positions=draft_positions,
             num_steps=num_steps,
@@ -453,13 +461,13 @@ class Scheduler:
         self._finished_since_last_step = set()
         return output
 
-    def _next_proposals(self, next_k: int | None, prompts_pending: bool = False) -> int:
+    def _next_proposals(self, next_k: int | None, prompts_pending: bool = False, chosen_k: int | None = None) -> int:
         """The drafts the worker proposes after this plan (the next plan's k): the choice already made when the
         plan could take several steps (no admission possible), else the policy's now that the admissions are
         known; 0 when the next plan computes prompt chunks (`_plan_next_k`)."""
         if not self.config.num_speculative_tokens:
             return 0
-        return self._plan_next_k(prompts_pending) if next_k is None else next_k
+        return self._plan_next_k(prompts_pending, chosen_k) if next_k is None else next_k
 
     def _defers_admission(self) -> bool:
         """Whether this plan leaves the waiting requests waiting and runs several decode steps instead (if it can):
@@ -582,7 +590,7 @@ class Scheduler:
             and not params.is_greedy
         )
 
-    def _plan_next_k(self, prompts_pending: bool = False) -> int:
+    def _plan_next_k(self, prompts_pending: bool = False, chosen_k: int | None = None) -> int:
         """Commits to the k of the next step, once this step's admissions are known: the worker
         proposes that many drafts now, and the next step verifies exactly them. The policy's k,
         except the full k while a seeded sampling request runs: how much randomness a seeded stream
@@ -591,10 +599,13 @@ class Scheduler:
         measured costs (as the policy: on the CPU it keeps max k), 0 when the next plan computes
         prompt chunks (`prompts_pending`: a prompt left unfinished, or admissions waiting): such a
         plan runs eagerly or from a mixed graph, where verification is host work that the policy's
-        measurements of decode steps do not see, and the prompts keep the GPU busy anyway."""
+        measurements of decode steps do not see, and the prompts keep the GPU busy anyway. `chosen_k`: the
+        policy's choice for this plan, made already (the policy is asked once a plan: it counts its choices)."""
         max_k = self.config.num_speculative_tokens
         if prompts_pending and self.config.adaptive_speculation and self.spec_policy.step_cost is not None:
             k = 0
+        elif chosen_k is not None:
+            k = chosen_k
         else:
             running, policy = self.running, self.spec_policy
             if policy.adaptive and policy.step_cost is not None:  # else it keeps max k, whatever the counts

@@ -271,7 +271,8 @@ class EngineCore:
         device's work on the newer one; a step that needs exact host counts (min_tokens) is
         launched only once the step before it was retired."""
         if not self.async_scheduling:
-            self.launch_next()
+            if not self._inflight:  # one left by an interrupted collect (Ctrl-C) is retired first
+                self.launch_next()
             return self._inflight[0] if self._inflight else None
         if self._inflight and self.scheduler.requires_exact_counts():
             return self._inflight[0]

@@ -55,6 +55,8 @@ class TensorParallelExecutor:
         """The ranks asked for the oldest step's results and not all heard from yet (None: not asked)."""
         self._collect_replies: dict[int, Any] = {}
         """Their replies so far."""
+        self._last_collected: tuple[StepHandle, ModelRunnerOutput] | None = None
+        """The last step collected and its output."""
         self._graph_stats: dict[str, int] = dict.fromkeys(GRAPH_STATS, 0)
         self._dead: WorkerDiedError | None = None
         self._debug = False
@@ -117,13 +119,15 @@ class TensorParallelExecutor:
         """Rank 0's results of the oldest step in flight (steps are collected in launch order). A collect
         interrupted while it waits (Ctrl-C in LLM.generate) may be called again for the same step: the ranks were
         asked once, and their replies, whenever they come, are that step's."""
+        if self._dead is not None:
+            raise WorkerDiedError(*self._dead.args)
+        if self._last_collected is not None and self._last_collected[0] is handle:
+            return self._last_collected[1]  # interrupted after its collect returned, before the engine took it
         if not self._handles or self._handles[0] is not handle:
             raise RuntimeError("steps must be collected in the order they were launched")
         wait_start = time.perf_counter()
-        if self._collect_ranks is None:
-            ranks = list(range(self.size)) if self._debug else [0]
-            self._send("collect", (), "all" if self._debug else "first")
-            self._collect_ranks = ranks
+        self._ask_collect()
+        assert self._collect_ranks is not None
         replies = self._replies(self._collect_ranks, "collect", self._collect_replies)
         self._collect_ranks = None
         self._collect_replies = {}
@@ -133,7 +137,21 @@ class TensorParallelExecutor:
         self.last_wait_seconds = time.perf_counter() - wait_start
         output, idle, self._graph_stats = replies[0]
         self.last_device_idle_seconds = idle
+        self._last_collected = (handle, output)
         return output
+
+    def _ask_collect(self) -> None:
+        """Asks the ranks for the oldest step's results, unless an interrupted collect already did."""
+        if self._collect_ranks is None:
+            ranks = list(range(self.size)) if self._debug else [0]
+            self._send("collect", (), "all" if self._debug else "first")
+            self._collect_ranks = ranks
+
+    def _take_pending_collect(self) -> None:
+        """Reads the replies of a collect that was interrupted (Ctrl-C) before a command that waits for replies
+        of its own: they come first in the pipes. The next collect returns them."""
+        if self._collect_ranks is not None and self._dead is None:
+            self._replies(self._collect_ranks, "collect", self._collect_replies)
 
     def reset_device_idle(self) -> None:
         self._send("reset_device_idle", (), "none")
@@ -170,10 +188,12 @@ class TensorParallelExecutor:
 
     # -- plumbing -------------------------------------------------------------------------------
     def _call_all(self, method: str, *args: Any) -> list[Any]:
+        self._take_pending_collect()
         self._send(method, args, "all")
         return self._replies(range(self.size), method)
 
     def _call_first(self, method: str, *args: Any) -> Any:
+        self._take_pending_collect()
         self._send(method, args, "first")
         return self._replies([0], method)[0]
 

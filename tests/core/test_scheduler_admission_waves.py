@@ -308,3 +308,27 @@ def test_a_deferral_that_falls_back_to_one_step_chooses_the_next_k_after_its_adm
     assert admitting.num_proposals == 2
     following, _ = step(s, runner)
     assert following.num_speculative_tokens == 2
+
+
+def test_a_deferral_that_falls_back_asks_the_policy_once():
+    """The policy counts its choices (and runs its probes by them): the fallback's plan asks it once, then applies
+    the rules that depend on the admissions to that choice."""
+    s = _scheduler(delay=2, k=2)
+    s.spec_policy = SpeculationPolicy(
+        2, step_cost=lambda num_decodes, k: (1e-4 if k == 2 else 1e-3) if num_decodes >= MAX_NUM_SEQS else k * 1e-3
+    )
+    _load(s, short=(0,), waiting=1)
+    runner = FakeRunner(s)
+    choose = s.spec_policy.choose
+    choices_per_plan = []
+
+    def counting(*args, **kw):
+        choices_per_plan[-1] += 1
+        return choose(*args, **kw)
+
+    s.spec_policy.choose = counting
+    while s.has_unfinished_requests():
+        choices_per_plan.append(0)
+        step(s, runner)
+        assert s._step_id < 300
+    assert max(choices_per_plan) == 1

@@ -153,3 +153,36 @@ def test_a_plan_examines_at_most_a_batch_of_waiting_requests_sharing_a_prefix():
     assert [(r.request_id, r.num_computed_tokens) for r in second.scheduled_new_reqs] == [
         (f"r{i}", 32) for i in range(1, 16)
     ]
+
+
+def test_priority_ties_keep_their_order_through_sharing_waits():
+    """Equal priorities and arrival times: the queue's order of arrival breaks the tie, also for requests set aside
+    and put back plan after plan."""
+    s = _scheduler(16, policy="priority", max_num_seqs=4)
+    s.add_request(make_request("a", SHARED + [1], temperature=0.0, max_tokens=40, arrival_time=1.0))
+    for name in "bcd":
+        s.add_request(make_request(name, SHARED + [2], temperature=0.0, max_tokens=40, arrival_time=2.0))
+    s.add_request(make_request("e", 8, temperature=0.0, max_tokens=40, arrival_time=2.0))
+    runner = FakeRunner(s)
+    orders = []
+    for _ in range(4):
+        step(s, runner)
+        orders.append([r.request_id for r in s.waiting])
+    assert orders[0] == ["b", "c", "d"]  # e, behind them, was admitted
+    assert orders[1:] == [["d"]] * 3  # two slots free for three: b and c first
+
+
+def test_requests_set_aside_are_back_in_the_queue_if_planning_fails(monkeypatch):
+    s = _scheduler(16)
+    _burst(s)
+    allocate = s.kv_cache_manager.allocate_slots
+
+    def failing(request, *args, **kw):
+        if request.request_id == "d":
+            raise RuntimeError("allocation failed")
+        return allocate(request, *args, **kw)
+
+    monkeypatch.setattr(s.kv_cache_manager, "allocate_slots", failing)
+    with pytest.raises(RuntimeError):
+        s.schedule()
+    assert [r.request_id for r in s.waiting] == ["b", "c", "d"]

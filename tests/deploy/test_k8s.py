@@ -313,3 +313,39 @@ def test_cpu_image_entry_point_serves_passes_its_health_check_and_drains():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cpu"])
+def test_what_the_dockerfile_copies_builds_the_package_with_its_data(name, tmp_path):
+    """The image installs the package from what its COPY lines put in /app: those alone must build the wheel
+    (pyproject.toml's package-dir maps folders outside asyncspec/), with the kernels and the benchmark prompts."""
+    import zipfile
+
+    app = tmp_path / "app"
+    app.mkdir()
+    for line in (DEPLOY / name).read_text().splitlines():
+        parts = line.split()
+        if len(parts) < 3 or parts[0] != "COPY" or not parts[-1].startswith("/app"):
+            continue
+        destination = Path(parts[-1])
+        for source in parts[1:-1]:
+            if source == "models":
+                continue  # the weights, not part of the wheel
+            target = app / destination.relative_to("/app")
+            if len(parts) > 3 or parts[-1].endswith("/"):
+                target = target / Path(source).name
+            if (REPO / source).is_dir():
+                shutil.copytree(REPO / source, target)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(REPO / source, target)
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), "."],
+        cwd=app,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    names = zipfile.ZipFile(next(tmp_path.glob("asyncspec-*.whl"))).namelist()
+    assert "asyncspec/kernels/paged_attention.py" in names
+    assert "asyncspec/bench_data/prompts-code.jsonl" in names

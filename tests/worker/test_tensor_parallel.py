@@ -349,7 +349,7 @@ def test_worker_process_of_one_equals_the_in_process_runner(async_scheduling) ->
     [(dict(worker_process=True), False), (dict(tensor_parallel_size=2), True)],
     ids=["worker-process", "tp2-debug"],
 )
-def test_ctrl_c_while_a_step_is_collected_leaves_the_engine_usable(monkeypatch, processes, debug) -> None:
+def test_ctrl_c_while_a_step_is_collected_leaves_the_engine_usable(monkeypatch, tmp_path, processes, debug) -> None:
     """KeyboardInterrupt lands while LLM.generate waits for a step's results from the worker processes: the
     generate call raises it and aborts its requests, and the next call runs on the same engine and returns what a
     fresh engine returns (the interrupted step's results, arriving late, are not taken for a later step's)."""
@@ -377,8 +377,36 @@ def test_ctrl_c_while_a_step_is_collected_leaves_the_engine_usable(monkeypatch, 
         with pytest.raises(KeyboardInterrupt):
             _greedy(llm, prompts, 60)
         assert len(waits_in_collect) == 6
+        # A command that waits for replies, before the next generate: the interrupted collect's replies come
+        # first in the pipes, and are the next collect's, not the command's.
+        llm.start_profile(tmp_path, with_cpu=False)
+        summaries = llm.stop_profile()
+        assert len(summaries) == executor.size
         assert _greedy(llm, prompts, 20) == reference
         assert_kv_free(llm.stats())
+
+
+def test_a_worker_dead_during_a_collect_fails_every_later_call_the_same_way(monkeypatch) -> None:
+    """The worker dies while a step is collected: that generate raises WorkerDiedError, and so does every later
+    one (the step it left in flight is not waited for again on closed pipes)."""
+    from asyncspec.worker import tp_executor
+
+    with LLM(str(TARGET_MODEL), async_scheduling=True, worker_process=True, **BUNDLED) as llm:
+        executor = _executor(llm)
+        real_wait = tp_executor.wait
+        waits_in_collect = []
+
+        def killing_wait(*args, **kw):
+            if executor._collect_ranks is not None:
+                waits_in_collect.append(1)
+                if len(waits_in_collect) == 5:
+                    os.kill(executor._procs[0].pid, signal.SIGKILL)
+            return real_wait(*args, **kw)
+
+        monkeypatch.setattr(tp_executor, "wait", killing_wait)
+        for _ in range(3):
+            with pytest.raises(WorkerDiedError):
+                _greedy(llm, [p[:40] for p in load_prompts(3)], 60)
 
 
 _ENGINE_EXITS_WITH_A_STUCK_STEP = """
