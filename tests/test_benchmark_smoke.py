@@ -508,3 +508,17 @@ def test_l2_prefetch_spec_and_regions() -> None:
     assert regions[1][0] is layer.mlp.gate_up_proj.weight
     # A megabyte count past the tensor takes the whole tensor.
     assert l2._regions(layer, l2.parse("targets=down;mb=64"))[0][1] == 64 * 2048 * 2
+
+
+def test_prefix_sharing_benchmark_smoke(tmp_path):
+    """benchmarks/prefix_sharing.py --smoke: the engine that waits for a shared prefix's blocks computes fewer
+    prompt tokens than the one that does not, by what it hits."""
+    out = tmp_path / "prefix_sharing.json"
+    _run(str(REPO / "benchmarks" / "prefix_sharing.py"), "--smoke", "--output", str(out))
+    r = json.loads(out.read_text())
+    without, waiting = r["median"]["wait 0"], r["median"]["wait 32"]
+    assert without["sharing_waits"] == 0 and waiting["sharing_waits"] > 0
+    assert waiting["prefix_cache_hits"] > without["prefix_cache_hits"]
+    saved = without["prompt_tokens_computed"] - waiting["prompt_tokens_computed"]
+    assert saved == waiting["prefix_cache_hits"] - without["prefix_cache_hits"] > 0
+    assert all(_positive(row["ttft_ms_p50"]) for rows in r["rows"].values() for row in rows)
