@@ -75,6 +75,9 @@
 #          before the early trigger (session 37's profile) the MLP half ran at its bytes and a layer's whole excess,
 #          about 10 us, lay between the norm and the MLP (norm, q|k|v, attention, combine, o); with the early trigger
 #          (session 39, H100) the attention's own link, 6.6 us after q|k|v's end, is the longest of them: ~2 min
+#   prefix-sharing  a burst of 64 prompts with one 1024-token prefix, the engine waiting for the prefix's blocks
+#          (prefix_sharing_wait_tokens=32, the default from 2026-12-06) against one that computes it for each
+#          (benchmarks/prefix_sharing.py): wall, TTFT, prompt tokens computed: ~2 min
 #   streams32  the 1B decode at 32 streams against its roofline (gpu_step_speed.py, bandwidth and async, one
 #          steady window of 32): issue 8's 0.6 goal, last 0.54 on an H200 (2026-12-03), 0.63 on an H100: ~2 min
 #   early-kv  the attention's step inputs and older keys read before the PDL wait (ASYNCSPEC_ATTN_EARLY_KV=1, of
@@ -258,6 +261,9 @@ if [[ " $parts " == *" mlp-auto-ab "* ]]; then
         --output "$out/graph_replay_mlp_auto_8b.json" 2>&1 | tail -3
 fi
 
+if [[ " $parts " == *" prefix-sharing "* ]]; then
+    timeout 240 python3 benchmarks/prefix_sharing.py --output "$out/prefix_sharing.json" 2>&1 | tail -4
+fi
 if [[ " $parts " == *" goals "* ]]; then
     timeout 240 python3 benchmarks/graph_replay.py --models llama-1b,llama-8b --context 315 --switches ASYNCSPEC_PDL=1 \
         --output "$out/graph_replay_goals.json" 2>&1 | tail -4
