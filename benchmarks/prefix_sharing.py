@@ -8,6 +8,7 @@ prompt tokens the engine computed, the prefix-cache hits and the waits, and the 
 one stream per request).
 
     python3 benchmarks/prefix_sharing.py --output $OUT/prefix_sharing.json   # GPU
+    python3 benchmarks/prefix_sharing.py --cpu --requests 16 --prefix-tokens 512 --new-tokens 16 --trials 3
     python3 benchmarks/prefix_sharing.py --smoke                             # CPU: the script only
 """
 
@@ -75,8 +76,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     base: dict[str, Any] = dict(
         ENGINE_SETTINGS, enable_prefix_caching=True, max_num_seqs=max(args.requests, 8), gpu_memory_utilization=0.4
     )
-    if args.smoke:
-        base.update(device="cpu", dtype="float32", num_kv_blocks=1024, max_model_len=1024)
+    if args.smoke or args.cpu:
+        blocks = -(-(args.prefix_tokens + args.tail_tokens + args.new_tokens) // 16) * (args.requests + 1) * 2
+        base.update(device="cpu", dtype="float32", num_kv_blocks=max(blocks, 64), max_model_len=2048)
         base.pop("gpu_memory_utilization")
     engines = {
         f"wait {w}": asyncspec.AsyncEngine(make_config(str(TARGET), **base, prefix_sharing_wait_tokens=w))
@@ -110,6 +112,7 @@ def main() -> int:
     ap.add_argument("--wait-tokens", type=int, default=32, help="prefix_sharing_wait_tokens of the engine that waits")
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny settings: checks the script")
+    ap.add_argument("--cpu", action="store_true", help="on the CPU (fp32), with the sizes given")
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
     if args.smoke:
