@@ -86,11 +86,12 @@ class EngineConfig:
     """Largest prefill chunk one request gets per step; 0 means only the token budget limits it."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
-    prefix_sharing_wait_tokens: int = 32
+    prefix_sharing_wait_tokens: int = 256
     """With prefix caching: a waiting request whose prompt shares at least this many tokens, past what the cache
     holds, with prompts that running requests are computing (a burst with one system prompt) waits for their
     blocks, a plan or a few, and hits them, rather than compute the same tokens; the requests behind it go on.
-    0 admits it at once (it computes them again)."""
+    The wait costs it about two steps of time to first token, worth it where computing the shared tokens again
+    costs as much (a few hundred tokens on a GPU). 0 admits it at once (it computes them again)."""
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     """"fcfs" serves in arrival order; "priority" serves lower `priority` values first."""
     max_num_waiting: int = 4096

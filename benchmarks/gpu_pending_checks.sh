@@ -76,7 +76,7 @@
 #          about 10 us, lay between the norm and the MLP (norm, q|k|v, attention, combine, o); with the early trigger
 #          (session 39, H100) the attention's own link, 6.6 us after q|k|v's end, is the longest of them: ~2 min
 #   prefix-sharing  a burst of 64 prompts with one 1024-token prefix, the engine waiting for the prefix's blocks
-#          (prefix_sharing_wait_tokens=32, the default from 2026-12-06) against one that computes it for each
+#          (prefix_sharing_wait_tokens=256, the default from 2026-12-06) against one that computes it for each
 #          (benchmarks/prefix_sharing.py): wall, TTFT, prompt tokens computed: ~2 min
 #   streams32  the 1B decode at 32 streams against its roofline (gpu_step_speed.py, bandwidth and async, one
 #          steady window of 32): issue 8's 0.6 goal, last 0.54 on an H200 (2026-12-03), 0.63 on an H100: ~2 min

@@ -1,5 +1,5 @@
 """Prompts that share a long prefix, arriving together (a burst with one system prompt), with the waiting requests
-waiting for the prefix's blocks (`prefix_sharing_wait_tokens`, 32 by default) and without (0: each computes it).
+waiting for the prefix's blocks (`prefix_sharing_wait_tokens`, 256 by default) and without (0: each computes it).
 
 Each trial sends `--requests` prompts at once: one `--prefix-tokens` prefix (dataset prompts joined, a new one each
 trial, so that no trial hits what an earlier one cached), then a tail of `--tail-tokens` of its own, and
@@ -78,7 +78,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.smoke or args.cpu:
         blocks = -(-(args.prefix_tokens + args.tail_tokens + args.new_tokens) // 16) * (args.requests + 1) * 2
-        base.update(device="cpu", dtype="float32", num_kv_blocks=max(blocks, 64), max_model_len=2048)
+        base.update(device="cpu", dtype="float32", num_kv_blocks=max(blocks, 256), max_model_len=2048)
         base.pop("gpu_memory_utilization")
     engines = {
         f"wait {w}": asyncspec.AsyncEngine(make_config(str(TARGET), **base, prefix_sharing_wait_tokens=w))
@@ -109,7 +109,7 @@ def main() -> int:
     ap.add_argument("--prefix-tokens", type=int, default=1024)
     ap.add_argument("--tail-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--wait-tokens", type=int, default=32, help="prefix_sharing_wait_tokens of the engine that waits")
+    ap.add_argument("--wait-tokens", type=int, default=256, help="prefix_sharing_wait_tokens of the engine that waits")
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny settings: checks the script")
     ap.add_argument("--cpu", action="store_true", help="on the CPU (fp32), with the sizes given")
@@ -117,6 +117,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.smoke:
         args.requests, args.prefix_tokens, args.tail_tokens, args.new_tokens, args.trials = 6, 96, 8, 4, 1
+        args.wait_tokens = 32
     if args.trials * 7 >= 500:
         ap.error("at most 71 trials (each takes a prefix of its own from the dataset)")
     if min(args.requests, args.prefix_tokens, args.tail_tokens, args.new_tokens, args.trials, args.wait_tokens) < 1:

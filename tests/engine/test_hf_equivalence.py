@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncspec import LLM, SamplingParams
+from asyncspec.config import EngineConfig
 from tests.conftest import TARGET_MODEL
 
 MAX_NEW_TOKENS = 64
@@ -80,10 +81,11 @@ def test_bundled_target_matches_hf_under_batching_chunking_prefix_cache_and_pree
     ids=["sync", "async-draft"],
 )
 def test_a_burst_sharing_a_prefix_matches_hf(hf_model, code_prompts, engine):
-    """Four prompts with one 160-token prefix arrive together (beside one that shares nothing): the first
+    """Four prompts with one 288-token prefix arrive together (beside one that shares nothing): the first
     computes the prefix, the others wait for its blocks (prefix_sharing_wait_tokens) and hit them, in one generate
     call, with the draft model's KV of the shared blocks too; the tokens are transformers'."""
-    prefix = list(code_prompts[3][:160])
+    prefix = (list(code_prompts[3]) + list(code_prompts[6]))[:288]
+    assert len(prefix) == 288 >= EngineConfig().prefix_sharing_wait_tokens
     prompts = [prefix + list(code_prompts[4 + i][: 9 + 5 * i]) for i in range(4)]
     prompts.insert(2, list(code_prompts[5][:50]))
     llm = LLM(
@@ -100,7 +102,7 @@ def test_a_burst_sharing_a_prefix_matches_hf(hf_model, code_prompts, engine):
     outputs = llm.generate(prompts, params)
     stats = llm.stats()
     assert stats["num_prefix_sharing_waits"] >= 3
-    assert stats["prefix_cache_hits"] >= 3 * 160, stats["prefix_cache_hits"]
+    assert stats["prefix_cache_hits"] >= 3 * 288, stats["prefix_cache_hits"]
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"], "KV blocks leaked"
     for prompt, out in zip(prompts, outputs, strict=True):
         assert out.token_ids == hf_greedy(hf_model, prompt, 24)
