@@ -200,12 +200,17 @@ class TensorParallelExecutor:
     def _send(self, method: str, args: tuple[Any, ...], reply: str) -> None:
         self._check_alive()
         message = pickle.dumps((method, args, reply), protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, conn in enumerate(self._conns):
-            try:
-                conn.send_bytes(message)
-            except OSError:
-                self._raise_pending_error(rank)
-                self._fail(f"rank {rank} is unreachable ({self._describe(rank)})")
+        try:
+            for rank, conn in enumerate(self._conns):
+                try:
+                    conn.send_bytes(message)
+                except OSError:
+                    self._raise_pending_error(rank)
+                    self._fail(f"rank {rank} is unreachable ({self._describe(rank)})")
+        except KeyboardInterrupt:
+            # Some ranks may hold the command and others not, or one a part of it: they cannot go on in step.
+            self._interrupted(f"sending {method} to the ranks")
+            raise
 
     def _replies(self, ranks: Any, what: str, values: dict[int, Any] | None = None) -> list[Any]:
         """One reply from each of `ranks`, in rank order, while watching every rank: an error reply
@@ -224,19 +229,34 @@ class TensorParallelExecutor:
                     continue
                 try:
                     reply = self._conns[rank].recv()
+                    if reply[0] != "error" and rank in pending:
+                        values[rank] = reply[1]
                 except (EOFError, OSError):
                     self._fail(f"rank {rank} exited during {what} ({self._describe(rank)})")
+                except KeyboardInterrupt:
+                    if rank not in values:  # a reply read in part, or read and not kept: the pipe is out of step
+                        self._interrupted(f"reading rank {rank}'s reply to {what}")
+                    raise
                 if reply[0] == "error":
                     self._raise_error(rank, what, reply)
                 if rank not in pending:
                     self._fail(f"rank {rank} answered {what} unexpectedly")
-                values[rank] = reply[1]
                 del pending[rank]
             for item in ready:
                 rank = sentinels.get(item) if isinstance(item, int) else None
                 if rank is not None and not self._conns[rank].poll():
                     self._fail(f"rank {rank} exited during {what} ({self._describe(rank)})")
         return [values[rank] for rank in sorted(values)]
+
+    def _interrupted(self, what: str) -> None:
+        """Ctrl-C came in a pipe's read or write, not in the wait between them (where it is harmless): the ranks'
+        commands and replies are no longer known to match, so the ranks are stopped (a clear error for the next
+        call, not a hang)."""
+        self._stop()
+        self._dead = WorkerDiedError(
+            f"interrupted while {what}: the tensor-parallel ranks were stopped, since they could be out of step; "
+            f"start a new engine"
+        )
 
     def _raise_error(self, rank: int, what: str, reply: tuple[Any, ...]) -> None:
         error, text = reply[1], reply[2]

@@ -467,3 +467,28 @@ def test_ranks_exit_with_an_engine_that_exits_while_a_step_is_stuck() -> None:
         for pid in pids:
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_ctrl_c_while_a_command_is_written_stops_the_ranks_with_a_clear_error() -> None:
+    """Ctrl-C lands while a step's command is written to the ranks' pipes (rank 0 has it, rank 1 not): they can no
+    longer run in step, so they are stopped, and the next call says why instead of hanging in a collective."""
+    prompts = [p[:40] for p in load_prompts(2)]
+    with LLM(str(TARGET_MODEL), tensor_parallel_size=2, async_scheduling=True, **BUNDLED) as llm:
+        executor = _executor(llm)
+        pids = _pids(executor)
+        conn = executor._conns[1]
+        send_bytes = conn.send_bytes
+        sends = []
+
+        def interrupted_send(message):
+            sends.append(1)
+            if len(sends) == 5:
+                raise KeyboardInterrupt
+            return send_bytes(message)
+
+        conn.send_bytes = interrupted_send
+        with pytest.raises(KeyboardInterrupt):
+            _greedy(llm, prompts, 40)
+        with pytest.raises(WorkerDiedError, match="interrupted while sending .* start a new engine"):
+            _greedy(llm, prompts, 8)
+    _assert_gone(pids)
