@@ -241,12 +241,16 @@ class KVCacheManager:
         if not new_computed_blocks:
             # Hot path: a decode step; usually the last block still has room.
             deficit = -(-total // self.block_size) - num_held
+            if deficit <= 0:
+                if block_ids is None:
+                    self._req_blocks[request_id] = []
+                return []
             if deficit > len(pool.free_queue):
                 return None
-            new_ids = [b.block_id for b in pool.get_new_blocks(deficit)] if deficit > 0 else []
+            new_ids = [b.block_id for b in pool.get_new_blocks(deficit)]
             if block_ids is None:
-                self._req_blocks[request_id] = new_ids.copy()
-                self._mark_pending(request_id, 0)
+                self._req_blocks[request_id] = list(new_ids)
+                self._mark_pending(request_id, 0)  # a first allocation: its prompt's blocks, computed from now
             else:
                 block_ids.extend(new_ids)
             return new_ids
