@@ -62,6 +62,13 @@ class IncrementalDetokenizer:
         self._token_ids = context
         self._prefix_offset = 0  # start of the decode window
         self._read_offset = self._first_incomplete_token(context)  # tokens before this have had their text emitted
+        # The complete characters of prompt tokens after the read offset (a token holding a space and a character's
+        # first byte): the first output text repeats them, and they are the prompt's, not the output's.
+        self._prompt_chars_to_skip = 0
+        if self._read_offset < len(context):
+            complete = self._decode_ids(context).rstrip(_REPLACEMENT_CHAR)
+            before = self._decode_ids(context[: self._read_offset])
+            self._prompt_chars_to_skip = max(len(complete) - len(before), 0)
         self._sent_offset = 0  # characters of output_text already returned by get_text_delta
         self._flushed = False
         self._stream: DecodeStream | None = None
@@ -100,6 +107,14 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._token_ids)
         return new_text[len(prefix_text) :]
 
+    def _without_prompt_text(self, delta: str) -> str:
+        """The delta less the prompt's characters it still starts with (see `_prompt_chars_to_skip`)."""
+        if not self._prompt_chars_to_skip:
+            return delta
+        num_skipped = min(self._prompt_chars_to_skip, len(delta))
+        self._prompt_chars_to_skip -= num_skipped
+        return delta[num_skipped:]
+
     def _step(self, token_id: int) -> str:
         """Appends one token; returns the text it completes ("" while a character is incomplete)."""
         self._token_ids.append(token_id)
@@ -135,6 +150,13 @@ class IncrementalDetokenizer:
             self.num_output_tokens += 1
             delta = self._step(token_id)
             if not delta:
+                # A token ending inside a character may still complete a stop string with the characters before:
+                # it is the last token delivered, not those that complete the character after it.
+                if self.stop and self.num_output_tokens > self.min_tokens and self._stops_before_partial():
+                    return self.stop_reason
+                continue
+            delta = self._without_prompt_text(delta)
+            if not delta:
                 continue
             self.output_text += delta
             # As vLLM: stop strings count only once min_tokens have been generated.
@@ -155,15 +177,28 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         new_text = self._decode(self._prefix_offset)
         delta = new_text[len(prefix_text) :]
+        output_delta = delta[self._prompt_chars_to_skip :]
         # U+FFFD anywhere, not only at the end: a byte-fallback tokenizer decodes a run of byte tokens that is not
         # UTF-8 as one, where token by token a valid first byte ('"') was text of its own.
-        if len(new_text) <= len(prefix_text) or _REPLACEMENT_CHAR in delta or self._would_stop(delta):
+        if len(new_text) <= len(prefix_text) or _REPLACEMENT_CHAR in delta or self._would_stop(output_delta):
             del self._token_ids[start:]
             return False
         self.num_output_tokens += len(new_token_ids)
         self._prefix_offset, self._read_offset = self._read_offset, len(self._token_ids)
-        self.output_text += delta
+        self.output_text += self._without_prompt_text(delta)
         return True
+
+    def _stops_before_partial(self) -> bool:
+        """Whether the complete characters of the tokens whose text waits for a character split across them
+        complete a stop string; if so, they are emitted and the output cut at it."""
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        complete = self._decode(self._prefix_offset).rstrip(_REPLACEMENT_CHAR)
+        delta = complete[len(prefix_text) :][self._prompt_chars_to_skip :]
+        if not delta or not self._would_stop(delta):
+            return False
+        self._prompt_chars_to_skip = 0
+        self.output_text += delta
+        return self._check_stop(len(delta))
 
     def _would_stop(self, delta: str) -> bool:
         """Whether appending `delta` would complete one of the stop strings."""
@@ -198,7 +233,7 @@ class IncrementalDetokenizer:
             return
         self._flushed = True
         if self._read_offset < len(self._token_ids):
-            self.output_text += self._pending_text(allow_partial=True)
+            self.output_text += self._without_prompt_text(self._pending_text(allow_partial=True))
 
     def get_text_delta(self, finished: bool) -> str:
         """Text not yet returned; while unfinished, the last max_stop_str_len - 1 characters are

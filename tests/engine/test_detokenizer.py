@@ -282,12 +282,14 @@ def test_a_step_of_several_tokens_goes_on_in_python(tok: Tokenizer, decode_path:
 
 
 @pytest.mark.parametrize("grouping", ["one a step", "one step"])
+@pytest.mark.parametrize("text", ["x = '日本' + 1", "y = €\nz"])
 def test_a_prompt_ending_inside_a_character_gives_the_same_text_however_tokens_group(
-    tok: Tokenizer, decode_path: str, grouping: str
+    tok: Tokenizer, decode_path: str, grouping: str, text: str
 ) -> None:
     """Token-id prompts may be cut mid-character: the first output token completing that character emits all of
-    it (as the library's stream and vLLM do), in either decode path and whatever the steps' sizes."""
-    ids = tok.encode("x = '日本' + 1").ids
+    it (as the library's stream and vLLM do), in either decode path and whatever the steps' sizes. The prompt's
+    own complete characters in that token (" €" is one token of a space and the euro's first byte) stay out."""
+    ids = tok.encode(text).ids
     cuts = [c for c in range(1, len(ids)) if detokenize(tok, ids[:c]).endswith("\ufffd")]
     assert cuts  # the tokenizer splits these characters' bytes
     for cut in cuts:
@@ -298,6 +300,43 @@ def test_a_prompt_ending_inside_a_character_gives_the_same_text_however_tokens_g
         detok.finish()
         whole = detokenize(tok, ids)
         assert detok.output_text == whole[len(detokenize(tok, prompt).rstrip("\ufffd")) :], cut
+
+
+@pytest.mark.parametrize("grouping", ["one a step", "one step"])
+def test_a_stop_string_in_the_prompt_part_of_a_split_character_does_not_stop(
+    tok: Tokenizer, decode_path: str, grouping: str
+) -> None:
+    ids = tok.encode("y = €\nz").ids
+    cut = next(c for c in range(1, len(ids)) if detokenize(tok, ids[:c]) == "y = \ufffd")  # the space is the prompt's
+    detok = IncrementalDetokenizer(tok, ids[:cut], SamplingParams(stop=[" "]))
+    stops = [detok.update(chunk) for chunk in ([[t] for t in ids[cut:]] if grouping == "one a step" else [ids[cut:]])]
+    detok.finish()
+    assert stops == [None] * len(stops) and detok.output_text == "€\nz"
+
+
+@pytest.mark.parametrize("grouping", ["one a step", "one step"])
+def test_a_stop_string_ends_at_the_token_whose_bytes_complete_it(
+    tok: Tokenizer, decode_path: str, grouping: str
+) -> None:
+    """A token holding a space and a character's first byte completes "= ": the output ends at it, not at the
+    tokens after it that complete the character (they come after the stop string)."""
+    ids = tok.encode("a = €b").ids
+    num_to_stop = next(n for n in range(1, len(ids)) if "= " in detokenize(tok, ids[:n]).rstrip("\ufffd"))
+    assert detokenize(tok, ids[:num_to_stop]).endswith("\ufffd")  # the case: it ends inside a character
+    detok = IncrementalDetokenizer(tok, tok.encode(PROMPT).ids, SamplingParams(stop=["= "]))
+    stop = None
+    for chunk in [[t] for t in ids] if grouping == "one a step" else [ids]:
+        stop = stop or detok.update(chunk)
+    assert stop == "= " and detok.num_output_tokens == num_to_stop
+    assert detok.get_text_delta(finished=True) == "a "
+
+
+def test_a_stop_string_before_a_split_character_waits_for_min_tokens(tok: Tokenizer, decode_path: str) -> None:
+    ids = tok.encode("a = €b").ids
+    detok = IncrementalDetokenizer(tok, tok.encode(PROMPT).ids, SamplingParams(stop=["= "], min_tokens=len(ids)))
+    assert [detok.update([t]) for t in ids] == [None] * len(ids)
+    detok.finish()
+    assert detok.output_text == "a = €b"
 
 
 def _byte_fallback_tokenizer() -> Tokenizer:

@@ -36,3 +36,21 @@ def test_stop_string_and_stop_token_in_one_step_report_the_stop_string(tok, stre
     assert output.finish_reason == "stop" and output.stop_reason == "\n\n"
     assert output.text == " return x"
     assert output.token_ids == ids[: len(output.token_ids)] and len(output.token_ids) < len(tokens)
+
+
+@pytest.mark.parametrize("stream_deltas", [True, False], ids=["deltas", "whole"])
+@pytest.mark.parametrize("core_finish", ["length", "stop"])
+def test_a_request_ending_inside_a_character_still_stops_at_a_stop_string_before_it(tok, stream_deltas, core_finish):
+    """The last token holds a space and a character's first byte: the space completes the stop string "= ", so the
+    output ends there with finish "stop", whether the core ended it at max_tokens or on EOS right after."""
+    ids = tok.encode("a = €").ids
+    tokens = next(ids[:n] for n in range(1, len(ids)) if tok.decode(ids[:n]) == "a = \ufffd")
+    if core_finish == "stop":
+        tokens = [*tokens, 0]  # EOS
+    processor = OutputProcessor(tok)
+    processor.add_request("r", tok.encode("x = 1\n").ids, SamplingParams(stop=["= "], max_tokens=10), stream_deltas)
+    processed = processor.process_outputs([EngineCoreOutput("r", tokens, finish_reason=core_finish)])
+    *_, output = processed.outputs
+    assert "".join(o.text for o in processed.outputs) == "a "
+    assert output.finish_reason == "stop" and output.stop_reason == "= "
+    assert [t for o in processed.outputs for t in o.token_ids] == tokens[:3]
