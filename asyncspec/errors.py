@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncspec.outputs import RequestOutput
+
 
 class AsyncSpecError(Exception):
     """Base class of every error this package raises on purpose."""
@@ -26,6 +31,12 @@ class ModelLoadError(AsyncSpecError):
 class RequestFailedError(AsyncSpecError, RuntimeError):
     """One request failed while it was admitted, computed or detokenized (for example its logits
     held no valid token). Only its own stream ends with this error; the engine serves on."""
+
+    def __init__(self, message: str, output: RequestOutput | None = None) -> None:
+        super().__init__(message)
+        self.output = output
+        """The request's last output (finish_reason "error"), where the engine made one: its prompt and
+        prefix-cache counts, for a usage report even when the request failed before its first token."""
 
 
 class EngineDeadError(AsyncSpecError, RuntimeError):

@@ -346,7 +346,7 @@ class AsyncEngine:
         if stream is None:
             return
         if output.finish_reason == "error":
-            stream.put(RequestFailedError(f"request {output.request_id!r} failed: {output.error}"))
+            stream.put(RequestFailedError(f"request {output.request_id!r} failed: {output.error}", output))
         else:
             stream.put(output)
         if output.finished:

@@ -103,6 +103,12 @@ class UsageCounter:
         self.accepted_tokens = delta.num_accepted_tokens
         self.num_drafts = delta.num_drafts
 
+    def add_failure(self, output: RequestOutput) -> None:
+        """A failed request's error output: its prompt and cached tokens (it carries no tokens or draft counts,
+        which the deltas before it counted)."""
+        self.prompt_tokens = len(output.prompt_token_ids)
+        self.cached_tokens = output.num_cached_tokens
+
     def to_proto(self) -> pb.Usage:
         return pb.Usage(
             prompt_tokens=self.prompt_tokens,

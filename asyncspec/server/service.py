@@ -126,6 +126,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         except RequestFailedError as e:
             # This request alone failed: a final response says so, the stream ends normally.
             timer.on_finish(time.monotonic(), "error")
+            if e.output is not None:  # its prompt counts, also when it failed before its first token
+                usage.add_failure(e.output)
             yield pb.GenerateResponse(
                 request_id=request_id,
                 finished=True,

@@ -612,14 +612,16 @@ def test_engine_fault_ends_streams_with_internal_and_health_not_serving(prompts)
         server.stop()
 
 
-def test_a_request_that_fails_alone_reports_its_whole_usage(prompts, monkeypatch):
-    """FINISH_REASON_ERROR's usage carries what the request's outputs counted, its prefix-cache hit included."""
+@pytest.mark.parametrize("fail_after", [5, 0], ids=["after-5-tokens", "before-its-first-token"])
+def test_a_request_that_fails_alone_reports_its_whole_usage(prompts, monkeypatch, fail_after):
+    """FINISH_REASON_ERROR's usage carries what the request's outputs counted, its prefix-cache hit included, also
+    when it failed before a first delta."""
     from asyncspec.engine import detokenizer
 
     real_update = detokenizer.IncrementalDetokenizer.update
 
     def failing_update(self, token_ids):
-        if self.num_output_tokens >= 5:
+        if self.num_output_tokens >= fail_after:
             raise RuntimeError("injected detokenizer fault")
         return real_update(self, token_ids)
 
@@ -632,8 +634,9 @@ def test_a_request_that_fails_alone_reports_its_whole_usage(prompts, monkeypatch
         responses = list(stub.Generate(_request(text, 30)))
         last = responses[-1]
         assert last.finish_reason == pb.FINISH_REASON_ERROR and "injected detokenizer fault" in last.error
-        assert last.usage.completion_tokens == sum(len(r.token_ids) for r in responses) >= 5
-        assert last.usage.cached_tokens > 0 and last.usage.prompt_tokens > last.usage.cached_tokens
+        assert last.usage.completion_tokens == sum(len(r.token_ids) for r in responses) >= fail_after
+        prompt_ids = list(stub.Tokenize(pb.TokenizeRequest(text=text)).token_ids)
+        assert last.usage.prompt_tokens == len(prompt_ids) and 0 < last.usage.cached_tokens < len(prompt_ids)
     finally:
         monkeypatch.undo()
         server.stop()
