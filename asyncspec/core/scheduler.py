@@ -17,6 +17,7 @@ from asyncspec.core.scheduler_output import (
 )
 from asyncspec.core.spec_policy import SpeculationPolicy
 from asyncspec.request import Request, RequestStatus
+from asyncspec.sampling_params import SamplingParams
 
 
 @dataclass
@@ -284,7 +285,7 @@ class Scheduler:
                     num_drafts = 0
                 else:
                     num_drafts = self._num_drafts_for(request, computed, spec_k, max_model_len)
-                if num_drafts < spec_k and placeholders and request.sampling_params.seed is not None:
+                if num_drafts < spec_k and placeholders and _is_seeded_stream(request.sampling_params):
                     # Near its end the drafts a request verifies depend on what the step in flight
                     # accepts; a seeded stream's draws depend on them: plan it once that is known.
                     index += 1
@@ -511,7 +512,7 @@ class Scheduler:
         chunk = min(head.num_tokens - head.num_computed_tokens, cfg.max_num_batched_tokens)
         if kv.num_free_blocks * kv.block_size < chunk + len(self.running) * (1 + self._planned_k):
             return False
-        return not any(r.sampling_params.seed is not None for r in self.running)
+        return not any(_is_seeded_stream(r.sampling_params) for r in self.running)
 
     def _admissions_pending(self) -> bool:
         """Requests wait that the next plan may admit: the batch has room (the caller rules out a wait for KV
@@ -574,21 +575,16 @@ class Scheduler:
 
     def _draws_follow_drafts(self, request: Request) -> bool:
         """A seeded sampling request: where its draws fall depends on how many drafts each step verifies."""
-        params = request.sampling_params
-        return params.seed is not None and not params.is_greedy
+        return _is_seeded_stream(request.sampling_params)
 
     def _resumes_seeded_stream(self, request: Request) -> bool:
         """A seeded sampling request recomputing its tokens under speculation (it was preempted): its
         recompute stops one token short, so that the decode of its last token verifies the drafts
         the interrupted step would have verified (the worker proposes them at the recompute's end).
         Its draws then go to the same positions as in an uninterrupted run."""
-        params = request.sampling_params
-        return bool(
-            self.config.num_speculative_tokens
-            and request.output_token_ids
-            and params.seed is not None
-            and not params.is_greedy
-        )
+        if not self.config.num_speculative_tokens or not request.output_token_ids:
+            return False
+        return _is_seeded_stream(request.sampling_params)
 
     def _plan_next_k(self, prompts_pending: bool = False, chosen_k: int | None = None) -> int:
         """Commits to the k of the next step, once this step's admissions are known: the worker
@@ -612,9 +608,7 @@ class Scheduler:
                 k = policy.choose(len(running), [r.spec_accepted for r in running], [r.spec_rejected for r in running])
             else:
                 k = policy.choose(len(running))
-        if k < max_k and any(
-            r.sampling_params.seed is not None and not r.sampling_params.is_greedy for r in self.running
-        ):
+        if k < max_k and any(_is_seeded_stream(r.sampling_params) for r in self.running):
             k = max_k
         self._planned_k = k
         return k
@@ -630,7 +624,7 @@ class Scheduler:
         params = request.sampling_params
         max_tokens = params.max_tokens
         if max_tokens is not None:
-            in_flight = request.num_output_placeholders if params.seed is not None else request.num_inflight_steps
+            in_flight = request.num_output_placeholders if _is_seeded_stream(params) else request.num_inflight_steps
             num_drafts = min(num_drafts, max_tokens - len(request.output_token_ids) - in_flight - 1)
         return max(num_drafts, 0)
 
@@ -641,7 +635,7 @@ class Scheduler:
         the steps in flight do end it, its results in the new step are void (as after an EOS); if they do not,
         it does not sit out a plan while the device runs the others (the tail of a speculating batch)."""
         params = request.sampling_params
-        if params.seed is not None or params.max_tokens is None:
+        if _is_seeded_stream(params) or params.max_tokens is None:
             return True
         return len(request.output_token_ids) + request.num_inflight_steps >= params.max_tokens
 
@@ -957,3 +951,9 @@ def _steps_begun(runs: list[tuple[int, int]], num_kept: int) -> int:
             return j
         emitted += length
     return len(runs)
+
+
+def _is_seeded_stream(params: SamplingParams) -> bool:
+    """A seeded sampling request: its tokens depend on where its generator's draws fall. A greedy request's seed
+    draws nothing, so it constrains no plan."""
+    return params.seed is not None and not params.is_greedy

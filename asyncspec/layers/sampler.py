@@ -1,7 +1,8 @@
 """Sampler: logits of one row per request -> next token ids (+ logprobs), as vLLM does it.
 
-Order: raw logprobs -> blocked ids -> penalties -> greedy argmax | temperature, top-k, top-p,
-min-p, exponential-race sampling. Everything is vectorised over rows except the per-row draws
+Order: raw logprobs -> blocked ids -> penalties -> greedy argmax | temperature, min-p, top-k,
+top-p, exponential-race sampling (vLLM's order: min-p is one of its argmax-invariant logits processors, applied
+before top-k/top-p). Everything is vectorised over rows except the per-row draws
 of seeded requests, which use each request's own generator so that a seeded request's tokens
 never depend on its batch neighbours or position. Nothing here reads a device tensor back to
 the host, so the sampler adds no hidden host-device sync to the hot loop.
@@ -172,14 +173,16 @@ class SamplingMetadata:
 
         greedy = [p.is_greedy for p in params]
         random_rows = [p for p, g in zip(params, greedy, strict=True) if not g]
-        # Truncation parameters only matter for random rows; greedy rows take the argmax.
+        # Truncation parameters only matter for random rows; greedy rows take the argmax, and carry neutral values:
+        # speculative verification runs them through the same processing as their random neighbours.
         top_k = top_p = min_p = None
         if any(p.top_k > 0 for p in random_rows):
-            top_k = _to_device(torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64), device)
+            values = [0 if g else max(p.top_k, 0) for p, g in zip(params, greedy, strict=True)]
+            top_k = _to_device(torch.tensor(values, dtype=torch.int64), device)
         if any(p.top_p < 1.0 for p in random_rows):
-            top_p = f32([p.top_p for p in params])
+            top_p = f32([1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)])
         if any(p.min_p > 0.0 for p in random_rows):
-            min_p = f32([p.min_p for p in params])
+            min_p = f32([0.0 if g else p.min_p for p, g in zip(params, greedy, strict=True)])
 
         presence = frequency = repetition = None
         prompts = None
@@ -313,14 +316,15 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
 
 
 def process_logits(logits: Tensor, metadata: SamplingMetadata) -> Tensor:
-    """Temperature, top-k, top-p, min-p for random rows (greedy rows are divided by 1)."""
+    """Temperature, min-p, top-k, top-p for random rows (greedy rows are divided by 1 and carry neutral truncation
+    values). Min-p before top-k/top-p, as vLLM: its threshold is relative to the most likely token, which
+    truncation keeps, but the survivors' renormalised mass that top-p reads is not."""
     temperature = metadata.temperature
     temperature = torch.where(temperature < SAMPLING_EPS, torch.ones_like(temperature), temperature)
     logits = logits / temperature.unsqueeze(1)
-    logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
     if metadata.min_p is not None:
         logits = apply_min_p(logits, metadata.min_p)
-    return logits
+    return apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
 
 
 def random_sample(

@@ -6,8 +6,8 @@ each position decides. Everything here reads the step's device buffers (the runn
 static inputs the forward pass read) and writes its results into device buffers, with shapes fixed
 by (batch bucket, query length): no host value, no sync. The runner replays it as the tail of its
 verification graphs, or calls it eagerly where no graph serves the step; both give the tokens of the
-eager verification path (`SpeculativeDecoder.verify`), whose greedy rows take the same argmax of the
-same probabilities in the same rejection kernel.
+eager verification path (`SpeculativeDecoder.verify`), whose greedy rows take the same one-hot of the
+same argmax in the same rejection kernel.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch import Tensor
 
 from asyncspec.layers.attention_metadata import StaticInputs
 from asyncspec.spec.spec_decoder import SpeculativeDecoder
+from asyncspec.spec.verification import greedy_target_probs
 
 
 @dataclass
@@ -77,7 +78,7 @@ class GreedyVerification:
             b,
             q,
         )
-        probs = self.compute_logits(rows).softmax(dim=-1).view(b, q, -1)
+        probs = greedy_target_probs(self.compute_logits(rows)).view(b, q, -1)
         # Greedy rows read neither the uniforms nor the exponentials: left unfilled.
         uniform = torch.empty((b, k), dtype=torch.float32, device=probs.device)
         exponential = torch.empty((b, probs.shape[-1]), dtype=torch.float32, device=probs.device)

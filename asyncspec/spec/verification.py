@@ -2,7 +2,9 @@
 
 Position j of a request's verification run comes after its j first drafts: penalties count those
 drafts as generated tokens, and `min_tokens` blocks stop tokens by the same count, so an accepted
-run is what one-token-per-step decoding would have produced.
+run is what one-token-per-step decoding would have produced. A greedy row's distribution is the one-hot of
+the plain sampler's argmax of its (penalised) logits: the argmax of their softmax could differ where two
+logits round to one probability (bf16 ties), and greedy speculation must emit what greedy decoding does.
 """
 
 from __future__ import annotations
@@ -10,7 +12,23 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from asyncspec.layers.sampler import SamplingMetadata, apply_blocked_tokens, apply_penalties, process_logits
+from asyncspec.layers.sampler import (
+    SamplingMetadata,
+    apply_blocked_tokens,
+    apply_penalties,
+    greedy_sample,
+    process_logits,
+)
+from asyncspec.sampling_params import SAMPLING_EPS
+
+
+def greedy_target_probs(logits: Tensor) -> Tensor:
+    """[N, V] logits -> [N, V] float32: one-hot of `greedy_sample`'s token (the first of equal maxima); a row with
+    no valid token (NaN logits, or all -inf) is NaN, which the rejection sampler never accepts or emits."""
+    tokens = greedy_sample(logits)
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    probs = (vocab == tokens.unsqueeze(1)).to(torch.float32)
+    return probs.masked_fill(tokens.unsqueeze(1) < 0, float("nan"))
 
 
 def expand_rows(metadata: SamplingMetadata, positions: int) -> SamplingMetadata:
@@ -70,7 +88,14 @@ def verification_probs(
             counts,
             prompt_mask,
         )
-    probs = process_logits(flat, expand_rows(metadata, num_positions)).softmax(dim=-1)
+    if metadata.all_greedy:
+        probs = greedy_target_probs(flat)
+    else:
+        expanded = expand_rows(metadata, num_positions)
+        probs = process_logits(flat, expanded).softmax(dim=-1)
+        if not metadata.all_random:
+            greedy_rows = (expanded.temperature < SAMPLING_EPS).unsqueeze(1)
+            probs = torch.where(greedy_rows, greedy_target_probs(flat), probs)
     return probs.view(num_rows, num_positions, vocab_size)
 
 

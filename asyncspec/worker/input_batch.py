@@ -82,12 +82,15 @@ def _check_representable(values: dict[str, float]) -> None:
 
 
 def _row_sampling_values(params: SamplingParams) -> dict[str, float]:
-    # Greedy rows carry temperature 0 (the sampler's marker); disabled top-k is 0. In _SAMPLING_FIELDS order.
+    # Greedy rows carry temperature 0 (the sampler's marker) and neutral truncation values (verification processes
+    # them beside random rows, and their argmax must not depend on their own top-p); disabled top-k is 0. In
+    # _SAMPLING_FIELDS order.
+    greedy = params.is_greedy
     return {
-        "temperature": 0.0 if params.is_greedy else params.temperature,
-        "top_k": max(params.top_k, 0),
-        "top_p": params.top_p,
-        "min_p": params.min_p,
+        "temperature": 0.0 if greedy else params.temperature,
+        "top_k": 0 if greedy else max(params.top_k, 0),
+        "top_p": 1.0 if greedy else params.top_p,
+        "min_p": 0.0 if greedy else params.min_p,
         "presence_penalty": params.presence_penalty,
         "frequency_penalty": params.frequency_penalty,
         "repetition_penalty": params.repetition_penalty,
@@ -222,7 +225,7 @@ class InputBatch:
             output_token_ids=data.token_ids[data.num_prompt_tokens :],
             generator=self._parked_generators.get(data.request_id),
         )
-        if state.generator is None and params.seed is not None:
+        if state.generator is None and params.seed is not None and not params.is_greedy:  # greedy draws nothing
             state.generator = make_generator(params.seed, self.device)
         values = _row_sampling_values(params)
         _check_representable(values)

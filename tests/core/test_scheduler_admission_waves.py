@@ -165,9 +165,22 @@ def test_a_wave_keeps_its_drafts_without_step_costs_or_with_a_seeded_request():
             _measured_costs(s)
         _load(s, short=(0,))
         if seeded:
-            s.requests["r3"].sampling_params = SamplingParams(temperature=0.0, max_tokens=60, seed=5)
+            s.requests["r3"].sampling_params = SamplingParams(temperature=0.8, max_tokens=60, seed=5)
         first, *_ = _admitting_plans(s, FakeRunner(s))
         assert len(first.num_draft_positions) == MAX_NUM_SEQS - 1, seeded
+
+
+def test_a_greedy_request_with_a_seed_does_not_stop_a_wave():
+    """A greedy request's seed draws nothing: the plan defers admissions as without it."""
+    plans = []
+    for seed in (None, 5):
+        s = _scheduler(delay=2, k=2)
+        _measured_costs(s)
+        _load(s, short=(0,))
+        s.requests["r3"].sampling_params = SamplingParams(temperature=0.0, max_tokens=60, seed=seed)
+        first, *_ = _admitting_plans(s, FakeRunner(s))
+        plans.append(len(first.num_draft_positions))
+    assert plans[0] == plans[1] != MAX_NUM_SEQS - 1
 
 
 def test_dropped_drafts_emit_the_same_tokens():

@@ -195,8 +195,12 @@ def _reference_support(logits: np.ndarray, p: SamplingParams) -> tuple[set[int],
     x = logits.astype(np.float64) / p.temperature
     order = np.argsort(-x, kind="stable")
     keep = np.ones(len(x), dtype=bool)
+    if p.min_p > 0.0:  # first, as vLLM: relative to the most likely token of the whole distribution
+        probs = np.exp(x - x.max())
+        keep[probs / probs.sum() < p.min_p * (probs / probs.sum()).max()] = False
     if p.top_k > 0:
-        keep[order[p.top_k :]] = False
+        kept = order[keep[order]]
+        keep[kept[p.top_k :]] = False
     near_boundary = False
     if p.top_p < 1.0:
         kept = order[keep[order]]
@@ -206,11 +210,6 @@ def _reference_support(logits: np.ndarray, p: SamplingParams) -> tuple[set[int],
         n = int(np.searchsorted(cum, p.top_p - 1e-12)) + 1  # smallest prefix with mass >= p
         near_boundary = bool(np.any(np.abs(cum - p.top_p) < 1e-5))
         keep[kept[n:]] = False
-    if p.min_p > 0.0:
-        kept = np.flatnonzero(keep)
-        probs = np.exp(x[kept] - x[kept].max())
-        probs /= probs.sum()
-        keep[kept[probs < p.min_p * probs.max()]] = False
     return set(np.flatnonzero(keep).tolist()), near_boundary
 
 

@@ -155,3 +155,18 @@ def test_rows_admitted_together_are_written_at_once_and_a_failed_one_leaves_noth
     assert together.sampling_tensors["top_k"][rows].tolist() == [0, 5, 0]
     together.write_admitted()  # nothing pending: a no-op
     assert (together.token_ids[3] == -3).all()
+
+
+def test_a_greedy_row_carries_neutral_truncation_values_and_no_generator():
+    """Verification processes greedy rows beside random ones: a greedy row's own top-k/top-p/min-p must not apply
+    (its token is the argmax), and its seed draws nothing, so it makes no seeded stream."""
+    batch = InputBatch(max_num_reqs=2, max_model_len=16, block_size=4, vocab_size=VOCAB, device=torch.device("cpu"))
+    greedy = SamplingParams(temperature=0.0, top_k=3, top_p=0.2, min_p=0.4, seed=7)
+    random_ = SamplingParams(temperature=0.9, top_k=3, top_p=0.2, min_p=0.4, seed=7)
+    states = [batch.add_request(_new(f"r{i}", [1, 2], 2, p)) for i, p in enumerate([greedy, random_])]
+    values = {name: table[[s.row for s in states]].tolist() for name, table in batch.sampling_tensors.items()}
+    assert values["temperature"][0] == 0.0 and values["temperature"][1] == pytest.approx(0.9)
+    assert [values["top_k"][0], values["top_p"][0], values["min_p"][0]] == [0, 1.0, 0.0]
+    assert [values["top_k"][1], values["top_p"][1], values["min_p"][1]] == pytest.approx([3, 0.2, 0.4])
+    assert states[0].generator is None and states[1].generator is not None
+    assert batch.feature_counts["seeded"] == 1
