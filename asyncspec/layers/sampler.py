@@ -260,13 +260,9 @@ def apply_penalties(
 
     Device-resident `output_token_counts` [N, V] / `prompt_token_mask` [N, V], when given, replace
     building them from the id lists (no host work per step)."""
-    n, vocab_size = logits.shape
-    device = logits.device
+    vocab_size = logits.shape[1]
     if output_token_counts is None:
-        out_ids = _padded_ids(output_token_ids, vocab_size, device)
-        counts = torch.zeros(n, vocab_size + 1, dtype=torch.float32, device=device)
-        counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
-        counts = counts[:, :vocab_size]
+        counts = output_counts_from_ids(output_token_ids, vocab_size, logits.device)
     else:
         counts = output_token_counts
     in_output = counts > 0
@@ -274,15 +270,28 @@ def apply_penalties(
     if prompt_token_mask is not None:
         seen = seen | prompt_token_mask
     elif prompt_token_ids is not None:
-        prompt_ids = _padded_ids(prompt_token_ids, vocab_size, device)
-        in_prompt = torch.zeros(n, vocab_size + 1, dtype=torch.bool, device=device)
-        in_prompt.scatter_(1, prompt_ids, True)
-        seen = seen | in_prompt[:, :vocab_size]
+        seen = seen | prompt_mask_from_ids(prompt_token_ids, vocab_size, logits.device)
     rep = repetition_penalty.unsqueeze(1)
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalised, logits)
     logits = logits - frequency_penalty.unsqueeze(1) * counts
     return logits - presence_penalty.unsqueeze(1) * in_output.to(logits.dtype)
+
+
+def output_counts_from_ids(output_token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> Tensor:
+    """[N, V] float32 counts of each row's output ids (what the device tables hold, built from the lists)."""
+    out_ids = _padded_ids(output_token_ids, vocab_size, device)
+    counts = torch.zeros(len(output_token_ids), vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def prompt_mask_from_ids(prompt_token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> Tensor:
+    """[N, V] bool: the ids each row's prompt holds."""
+    prompt_ids = _padded_ids(prompt_token_ids, vocab_size, device)
+    in_prompt = torch.zeros(len(prompt_token_ids), vocab_size + 1, dtype=torch.bool, device=device)
+    in_prompt.scatter_(1, prompt_ids, True)
+    return in_prompt[:, :vocab_size]
 
 
 def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:

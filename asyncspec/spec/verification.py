@@ -17,7 +17,9 @@ from asyncspec.layers.sampler import (
     apply_blocked_tokens,
     apply_penalties,
     greedy_sample,
+    output_counts_from_ids,
     process_logits,
+    prompt_mask_from_ids,
 )
 from asyncspec.sampling_params import SAMPLING_EPS
 
@@ -74,8 +76,15 @@ def verification_probs(
         apply_blocked_tokens(flat, blocked_token_ids)
     if metadata.presence_penalty is not None:
         assert metadata.frequency_penalty is not None and metadata.repetition_penalty is not None
-        counts = _counts_per_position(metadata, draft_token_ids, num_valid_drafts, num_positions, vocab_size)
+        # The engine's metadata holds device tables; metadata built from id lists (SamplingMetadata.from_params) gets
+        # the same tables built from them.
+        base = metadata.output_token_counts
+        if base is None:
+            base = output_counts_from_ids(metadata.output_token_ids, vocab_size, logits.device)
+        counts = _counts_per_position(base, draft_token_ids, num_valid_drafts, num_positions)
         prompt_mask = metadata.prompt_token_mask
+        if prompt_mask is None and metadata.prompt_token_ids is not None:
+            prompt_mask = prompt_mask_from_ids(metadata.prompt_token_ids, vocab_size, logits.device)
         if prompt_mask is not None:
             prompt_mask = prompt_mask.repeat_interleave(num_positions, dim=0)
         flat = apply_penalties(
@@ -99,14 +108,9 @@ def verification_probs(
     return probs.view(num_rows, num_positions, vocab_size)
 
 
-def _counts_per_position(
-    metadata: SamplingMetadata, drafts: Tensor, num_valid: Tensor, num_positions: int, vocab_size: int
-) -> Tensor:
-    """[S * P, V] output-token counts at each position: the request's counts plus its earlier drafts."""
-    base = metadata.output_token_counts
-    num_rows = drafts.shape[0]
-    if base is None:
-        base = torch.zeros((num_rows, vocab_size), dtype=torch.float32, device=drafts.device)
+def _counts_per_position(base: Tensor, drafts: Tensor, num_valid: Tensor, num_positions: int) -> Tensor:
+    """[S * P, V] output-token counts at each position: the request's counts `base` [S, V] plus its earlier drafts."""
+    num_rows, vocab_size = base.shape
     increments = torch.zeros((num_rows, num_positions, vocab_size), dtype=torch.float32, device=drafts.device)
     if num_positions > 1:
         k = num_positions - 1

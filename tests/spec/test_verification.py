@@ -69,3 +69,22 @@ def test_greedy_target_probs_is_the_one_hot_of_greedy_sample() -> None:
             assert probs[i].isnan().all()
         else:
             assert probs[i].tolist() == [float(j == token) for j in range(VOCAB)]
+
+
+def test_penalties_from_id_lists_apply_at_every_position() -> None:
+    """Metadata built from id lists (no device tables): position j penalises the prompt, the outputs and the j drafts
+    before it, as the plain sampler does after those tokens."""
+    torch.manual_seed(1)
+    params = [SamplingParams(temperature=0.0, repetition_penalty=5.0, frequency_penalty=0.7, presence_penalty=0.4)]
+    prompt, output, drafts = [[1, 2]], [[3, 3]], [[4, 5]]
+    logits = torch.randn(1, 3, VOCAB) + 4.0  # positive: the repetition penalty divides
+    for seen in (1, 2, 3, 4, 5):
+        logits[0, :, seen] += 2.0  # the penalised tokens would win without their penalties
+    metadata = SamplingMetadata.from_params(params, prompt_token_ids=prompt, output_token_ids=output)
+    probs = verification_probs(logits, metadata, torch.tensor(drafts), torch.tensor([2]), {})
+    for j in range(3):
+        plain = SamplingMetadata.from_params(
+            params, prompt_token_ids=prompt, output_token_ids=[output[0] + drafts[0][:j]]
+        )
+        expected = Sampler()(logits[:, j], plain).sampled_token_ids.item()
+        assert probs[0, j].argmax().item() == expected and probs[0, j, expected] == 1.0, j
