@@ -968,11 +968,14 @@ class ModelRunner:
                 and state is not None
                 and state.generator is not None
                 and not state.sampling_params.is_greedy
-                and state.output_token_ids
+                and (state.output_token_ids or state.num_computed_tokens >= state.num_tokens)
             ):
                 # Its seeded stream has drawn the randomness of its drafts: the decode after its recompute
-                # verifies these, as the interrupted step would have. Not before its first token: its row holds
-                # no drafts of its own yet, and an empty park would shadow the real ones of a later preemption.
+                # verifies these, as the interrupted step would have. Also when the step that samples its first
+                # token is launched but not yet collected (on a GPU, collect comes after the next plan's launch):
+                # that step proposes the drafts, and the park, stream-ordered after it, copies them. Not while its
+                # prompt is unfinished: its row holds no drafts of its own yet, and an empty park would shadow the
+                # real ones of a later preemption.
                 self.spec.park_drafts(request_id, state.row)  # type: ignore[union-attr]
             batch.remove_request(request_id, preempted=True)
         failed: dict[str, str] = {}

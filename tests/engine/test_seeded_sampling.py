@@ -107,3 +107,53 @@ def test_unseeded_reproducible_from_engine_seed(prompts, llm):
     assert [o.token_ids for o in a] != [o.token_ids for o in c]
     for o in a:
         assert_ids_in_vocab(o.token_ids)
+
+
+def _with_gpu_launch_order(llm) -> None:
+    """The runner's CUDA ordering on the CPU: a step's finish (its tokens into the worker's row state) runs at
+    collect, after the next plan's launch, instead of on the CPU's step thread before it."""
+    runner = llm.engine.engine_core.runner
+    runner._cpu_stream.shutdown(wait=True)
+    runner._cpu_stream = None
+    copy_to_host = runner._copy_to_host
+
+    def copy_apart(tensors):  # the CPU has no copy engine: keep a step's copy from the next launch's writes
+        flat, event = copy_to_host(tensors)
+        return flat.clone(), event
+
+    runner._copy_to_host = copy_apart
+
+
+def test_seeded_draft_model_stream_survives_preemption_before_its_first_token_is_collected(prompts):
+    """A seeded request preempted while the step that samples its first token (and proposes its drafts) is in
+    flight: its drafts are parked, and the decode after its recompute verifies them, so its tokens equal those of
+    a run without preemption."""
+    from tests.conftest import DRAFT_MODEL
+
+    spec = dict(speculative_method="draft_model", draft_model=str(DRAFT_MODEL), num_speculative_tokens=4)
+    config = dict(CONFIG, max_model_len=96, max_num_batched_tokens=64, max_num_seqs=8, **spec)
+    seeded = SamplingParams(temperature=1.5, seed=1, max_tokens=20)
+    long_prompt = load_prompts(1)[0][:45]
+    results = []
+    for async_scheduling, num_kv_blocks in ((False, 64), (True, 6)):
+        llm = bundled_llm(**dict(config, async_scheduling=async_scheduling, num_kv_blocks=num_kv_blocks))
+        try:
+            if async_scheduling:
+                _with_gpu_launch_order(llm)
+            engine = llm.engine
+            engine.add_request(
+                engine.make_request(long_prompt, SamplingParams(temperature=0.0, max_tokens=60), "A"), False
+            )
+            out, steps = {}, 0
+            while engine.has_unfinished_requests() or steps <= 3:
+                if steps == 3:
+                    engine.add_request(engine.make_request(prompts[1][:20], seeded, "B"), False)
+                out.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+                steps += 1
+            results.append((out["B"], llm.stats()["num_preemptions"]))
+            assert_kv_free(llm.stats())
+        finally:
+            llm.shutdown()
+    (alone, _), (preempted, num_preemptions) = results
+    assert num_preemptions > 0  # the case: the small pool preempts B
+    assert preempted == alone
