@@ -37,6 +37,22 @@ def bundled_llm(**overrides):
     return LLM(str(TARGET_MODEL), **kwargs)
 
 
+def use_gpu_launch_order(llm) -> None:
+    """The runner's CUDA ordering on the CPU: a step's finish (its tokens into the worker's row state) runs at
+    collect, after the next plan's launch, instead of on the CPU's step thread before it. The asynchronous loop on a
+    GPU runs in this order; on the CPU it otherwise never does."""
+    runner = llm.engine.engine_core.runner
+    runner._cpu_stream.shutdown(wait=True)
+    runner._cpu_stream = None
+    copy_to_host = runner._copy_to_host
+
+    def copy_apart(tensors):  # the CPU has no copy engine: keep a step's copy from the next launch's writes
+        flat, event = copy_to_host(tensors)
+        return flat.clone(), event
+
+    runner._copy_to_host = copy_apart
+
+
 def assert_kv_free(stats: dict) -> None:
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"], f"KV blocks leaked: {stats}"
     assert stats["num_running_requests"] == 0 and stats["num_waiting_requests"] == 0, stats

@@ -7,7 +7,7 @@ import pytest
 
 from asyncspec import SamplingParams
 from tests.conftest import load_prompts
-from tests.engine.engine_helpers import assert_ids_in_vocab, assert_kv_free, bundled_llm
+from tests.engine.engine_helpers import assert_ids_in_vocab, assert_kv_free, bundled_llm, use_gpu_launch_order
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -109,21 +109,6 @@ def test_unseeded_reproducible_from_engine_seed(prompts, llm):
         assert_ids_in_vocab(o.token_ids)
 
 
-def _with_gpu_launch_order(llm) -> None:
-    """The runner's CUDA ordering on the CPU: a step's finish (its tokens into the worker's row state) runs at
-    collect, after the next plan's launch, instead of on the CPU's step thread before it."""
-    runner = llm.engine.engine_core.runner
-    runner._cpu_stream.shutdown(wait=True)
-    runner._cpu_stream = None
-    copy_to_host = runner._copy_to_host
-
-    def copy_apart(tensors):  # the CPU has no copy engine: keep a step's copy from the next launch's writes
-        flat, event = copy_to_host(tensors)
-        return flat.clone(), event
-
-    runner._copy_to_host = copy_apart
-
-
 def test_seeded_draft_model_stream_survives_preemption_before_its_first_token_is_collected(prompts):
     """A seeded request preempted while the step that samples its first token (and proposes its drafts) is in
     flight: its drafts are parked, and the decode after its recompute verifies them, so its tokens equal those of
@@ -139,7 +124,7 @@ def test_seeded_draft_model_stream_survives_preemption_before_its_first_token_is
         llm = bundled_llm(**dict(config, async_scheduling=async_scheduling, num_kv_blocks=num_kv_blocks))
         try:
             if async_scheduling:
-                _with_gpu_launch_order(llm)
+                use_gpu_launch_order(llm)
             engine = llm.engine
             engine.add_request(
                 engine.make_request(long_prompt, SamplingParams(temperature=0.0, max_tokens=60), "A"), False

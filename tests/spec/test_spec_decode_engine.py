@@ -26,7 +26,7 @@ from asyncspec.config import make_config
 from asyncspec.kernels.rejection_sample import rejection_sample_ref
 from asyncspec.outputs import RequestOutput
 from tests.conftest import TARGET_MODEL, load_prompts
-from tests.engine.engine_helpers import assert_ids_in_vocab, assert_kv_free, wait_kv_free
+from tests.engine.engine_helpers import assert_ids_in_vocab, assert_kv_free, use_gpu_launch_order, wait_kv_free
 from tests.spec.spec_helpers import (
     CPU,
     METHODS,
@@ -465,15 +465,26 @@ def test_seeded_sampling_independent_of_neighbours_mixed(method, seeded_prompts)
     assert_kv_free(llm.stats())
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+# The asynchronous loop in the CPU's own order (a step's finish before the next launch) and in a GPU's (at collect).
+LOOPS = pytest.mark.parametrize("loop", ["sync", "async", "async-gpu-order"])
+
+
+def _loop_llm(loop: str, **kwargs):
+    llm = make_llm(async_scheduling=loop != "sync", **kwargs)
+    if loop == "async-gpu-order":
+        use_gpu_launch_order(llm)
+    return llm
+
+
+@LOOPS
 @pytest.mark.parametrize("method", METHODS)
-def test_seeded_sampling_independent_of_a_neighbours_prompt_chunks(method, async_scheduling):
+def test_seeded_sampling_independent_of_a_neighbours_prompt_chunks(method, loop):
     """A long prompt admitted first keeps its chunks ahead of the seeded decode in the running list, leaving less
     budget than the decode's 1 + k tokens: the seeded request waits for room rather than verify fewer drafts,
     whose positions its draws follow."""
     prompts = load_prompts(2)
     config = dict(block_size=16, max_model_len=256, num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=10)
-    llm = make_llm(method=method, k=4, long_prefill_token_threshold=8, async_scheduling=async_scheduling, **config)
+    llm = _loop_llm(loop, method=method, k=4, long_prefill_token_threshold=8, **config)
     alone = llm.generate([prompts[0][:20]], SEEDED)[0]
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     crowd = llm.generate([prompts[1][:200], prompts[0][:20]], [greedy, SEEDED])[1]
@@ -483,8 +494,8 @@ def test_seeded_sampling_independent_of_a_neighbours_prompt_chunks(method, async
     assert_kv_free(llm.stats())
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_seeded_stream_preempted_before_and_after_its_first_token_keeps_its_drafts(async_scheduling):
+@LOOPS
+def test_seeded_stream_preempted_before_and_after_its_first_token_keeps_its_drafts(loop):
     """A 16-block pool preempts the seeded request during its prefill, then again after its first token: the
     first preemption has no drafts to keep, and must not shadow the drafts of the later ones."""
     prompts = load_prompts(3)
@@ -495,10 +506,9 @@ def test_seeded_stream_preempted_before_and_after_its_first_token_keeps_its_draf
         long_prefill_token_threshold=16,
         max_model_len=256,
         block_size=16,
-        async_scheduling=async_scheduling,
     )
-    alone = make_llm(method="draft_model", k=4, num_kv_blocks=64, **config).generate([prompts[0][:100]], seeded)
-    llm = make_llm(method="draft_model", k=4, num_kv_blocks=16, **config)
+    alone = _loop_llm(loop, method="draft_model", k=4, num_kv_blocks=64, **config).generate([prompts[0][:100]], seeded)
+    llm = _loop_llm(loop, method="draft_model", k=4, num_kv_blocks=16, **config)
     greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 190)]
     out = llm.generate([prompts[1][:60], prompts[2][:60], prompts[0][:100]], [*greedy, seeded])
     assert llm.stats()["num_preemptions"] >= 2
