@@ -70,6 +70,9 @@ class IncrementalDetokenizer:
             before = self._decode_ids(context[: self._read_offset])
             self._prompt_chars_to_skip = max(len(complete) - len(before), 0)
         self._sent_offset = 0  # characters of output_text already returned by get_text_delta
+        # Complete characters of the tokens whose text waits for a split character, as far as stop strings were
+        # looked for in them (`_stops_before_partial`): a later token looks only at what it adds.
+        self._num_partial_chars_seen = 0
         self._flushed = False
         self._stream: DecodeStream | None = None
         if DecodeStream is not None:
@@ -152,15 +155,18 @@ class IncrementalDetokenizer:
             if not delta:
                 # A token ending inside a character may still complete a stop string with the characters before:
                 # it is the last token delivered, not those that complete the character after it.
-                if self.stop and self.num_output_tokens > self.min_tokens and self._stops_before_partial():
+                if self.stop and self._stops_before_partial():
                     return self.stop_reason
                 continue
+            num_seen, self._num_partial_chars_seen = self._num_partial_chars_seen, 0
             delta = self._without_prompt_text(delta)
             if not delta:
                 continue
             self.output_text += delta
-            # As vLLM: stop strings count only once min_tokens have been generated.
-            if self.stop and self.num_output_tokens > self.min_tokens and self._check_stop(len(delta)):
+            # As vLLM: stop strings count only once min_tokens have been generated. Only matches ending in what this
+            # token completed are new: the characters before a split one were looked at by the token that made them.
+            num_new = len(delta) - num_seen
+            if self.stop and self.num_output_tokens > self.min_tokens and num_new > 0 and self._check_stop(num_new):
                 return self.stop_reason
         return None
 
@@ -186,26 +192,34 @@ class IncrementalDetokenizer:
         self.num_output_tokens += len(new_token_ids)
         self._prefix_offset, self._read_offset = self._read_offset, len(self._token_ids)
         self.output_text += self._without_prompt_text(delta)
+        self._num_partial_chars_seen = 0
         return True
 
     def _stops_before_partial(self) -> bool:
-        """Whether the complete characters of the tokens whose text waits for a character split across them
-        complete a stop string; if so, they are emitted and the output cut at it."""
+        """Whether the complete characters this token adds to the text that waits for a character split across
+        tokens complete a stop string (past min_tokens, as any stop string); if so, that text is emitted and the
+        output cut at the stop string."""
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         complete = self._decode(self._prefix_offset).rstrip(_REPLACEMENT_CHAR)
         delta = complete[len(prefix_text) :][self._prompt_chars_to_skip :]
-        if not delta or not self._would_stop(delta):
+        num_new = len(delta) - self._num_partial_chars_seen
+        if num_new <= 0:
+            return False  # a continuation byte: no character completed
+        self._num_partial_chars_seen = len(delta)
+        if self.num_output_tokens <= self.min_tokens or not self._would_stop(delta, num_new):
             return False
         self._prompt_chars_to_skip = 0
         self.output_text += delta
-        return self._check_stop(len(delta))
+        return self._check_stop(num_new)
 
-    def _would_stop(self, delta: str) -> bool:
-        """Whether appending `delta` would complete one of the stop strings."""
+    def _would_stop(self, delta: str, num_new_chars: int | None = None) -> bool:
+        """Whether appending `delta` would complete one of the stop strings (ending in its last `num_new_chars`
+        characters; all of it by default)."""
         if not self.stop:
             return False
         text = self.output_text + delta
-        return any(text.find(stop, max(len(text) - len(delta) - len(stop) + 1, 0)) != -1 for stop in self.stop)
+        num_new = len(delta) if num_new_chars is None else num_new_chars
+        return any(text.find(stop, max(len(text) - num_new - len(stop) + 1, 0)) != -1 for stop in self.stop)
 
     def _check_stop(self, new_char_count: int) -> bool:
         """Looks for stop strings completed by the newest token's text and truncates at the

@@ -27,10 +27,21 @@ from asyncspec.sampling_params import SAMPLING_EPS
 def greedy_target_probs(logits: Tensor) -> Tensor:
     """[N, V] logits -> [N, V] float32: one-hot of `greedy_sample`'s token (the first of equal maxima); a row with
     no valid token (NaN logits, or all -inf) is NaN, which the rejection sampler never accepts or emits."""
-    tokens = greedy_sample(logits)
-    vocab = torch.arange(logits.shape[-1], device=logits.device)
-    probs = (vocab == tokens.unsqueeze(1)).to(torch.float32)
-    return probs.masked_fill(tokens.unsqueeze(1) < 0, float("nan"))
+    tokens = greedy_sample(logits).unsqueeze(1)
+    probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)  # the one [N, V] it adds
+    probs.scatter_(1, tokens.clamp_min(0), 1.0)
+    return probs.masked_fill_(tokens < 0, float("nan"))
+
+
+def _set_greedy_rows(probs: Tensor, logits: Tensor, greedy_rows: Tensor) -> None:
+    """Overwrites, in place, the rows of `probs` that `greedy_rows` [N, 1] marks with `greedy_target_probs` of their
+    logits, without a mask over the rows on the host (no sync) and without another [N, V] tensor."""
+    tokens = greedy_sample(logits).unsqueeze(1)
+    at = tokens.clamp_min(0)
+    kept = probs.gather(1, at)  # the other rows get their own value back
+    probs.masked_fill_(greedy_rows, 0.0)
+    probs.scatter_(1, at, torch.where(greedy_rows, torch.ones_like(kept), kept))
+    probs.masked_fill_(greedy_rows & (tokens < 0), float("nan"))
 
 
 def expand_rows(metadata: SamplingMetadata, positions: int) -> SamplingMetadata:
@@ -103,8 +114,7 @@ def verification_probs(
         expanded = expand_rows(metadata, num_positions)
         probs = process_logits(flat, expanded).softmax(dim=-1)
         if not metadata.all_random:
-            greedy_rows = (expanded.temperature < SAMPLING_EPS).unsqueeze(1)
-            probs = torch.where(greedy_rows, greedy_target_probs(flat), probs)
+            _set_greedy_rows(probs, flat, (expanded.temperature < SAMPLING_EPS).unsqueeze(1))
     return probs.view(num_rows, num_positions, vocab_size)
 
 

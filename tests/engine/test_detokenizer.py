@@ -375,3 +375,21 @@ def test_byte_tokens_that_are_not_utf8_give_the_same_text_however_tokens_group(d
     grouped.finish()
     assert '"' in one_at_a_time.output_text and "\ufffd" in one_at_a_time.output_text
     assert grouped.output_text == one_at_a_time.output_text
+
+
+@pytest.mark.parametrize("min_tokens", [0, 1])
+def test_a_stop_string_counts_at_the_token_that_completes_it_also_for_min_tokens(
+    tok: Tokenizer, decode_path: str, min_tokens: int
+) -> None:
+    """ " €" is three tokens: a space with the euro's first byte, then two continuation bytes. The space completes the
+    stop string " " at the first token: it stops there, or, when that token is within min_tokens, never (the later
+    tokens complete only the euro), as a stop string completed by a whole token within min_tokens never counts."""
+    ids = tok.encode(" €").ids
+    assert len(ids) == 3 and detokenize(tok, ids[:1]) == " \ufffd"
+    detok = IncrementalDetokenizer(tok, tok.encode(PROMPT).ids, SamplingParams(stop=[" "], min_tokens=min_tokens))
+    stops = [detok.update([t]) for t in ids]
+    detok.finish()
+    if min_tokens == 0:
+        assert stops[0] == " " and detok.num_output_tokens == 1 and detok.output_text == ""
+    else:
+        assert stops == [None, None, None] and detok.output_text == " €"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from asyncspec.kernels.rejection_sample import rejection_sample_ref
@@ -88,3 +89,28 @@ def test_penalties_from_id_lists_apply_at_every_position() -> None:
         )
         expected = Sampler()(logits[:, j], plain).sampled_token_ids.item()
         assert probs[0, j].argmax().item() == expected and probs[0, j, expected] == 1.0, j
+
+
+def test_a_mixed_batch_gets_one_hot_greedy_rows_and_untouched_random_rows() -> None:
+    torch.manual_seed(2)
+    params = [SamplingParams(temperature=t) for t in (0.0, 0.7, 0.0, 1.3, 0.0)]
+    logits = torch.randn(5, 3, VOCAB)
+    logits[4, 1] = float("nan")  # a greedy row with no valid token at one position
+    metadata = SamplingMetadata.from_params(params)
+    probs = verification_probs(logits, metadata, torch.zeros(5, 2, dtype=torch.int64), torch.zeros(5), {})
+    for s, p in enumerate(params):
+        for j in range(3):
+            if p.is_greedy:
+                expected = greedy_target_probs(logits[s, j : j + 1])[0]
+            else:
+                expected = (logits[s, j] / p.temperature).softmax(-1)
+            torch.testing.assert_close(probs[s, j], expected, equal_nan=True)
+
+
+def test_greedy_rows_of_the_metadata_carry_neutral_truncation_values() -> None:
+    greedy = SamplingParams(temperature=0.0, top_k=2, top_p=0.1, min_p=0.9)
+    random = SamplingParams(temperature=0.5, top_k=2, top_p=0.1, min_p=0.9)
+    metadata = SamplingMetadata.from_params([greedy, random])
+    assert metadata.top_k.tolist() == [0, 2]
+    assert metadata.top_p.tolist() == [1.0, pytest.approx(0.1)]
+    assert metadata.min_p.tolist() == [0.0, pytest.approx(0.9)]
