@@ -10,7 +10,9 @@
 #          engine, models, but the streamed kernels' engine tests), tests-c (the streamed MLP's engine tests) and
 #          tests-d (the other streamed kernels' engine tests) split it in four, and tests-b1 (engine) and tests-b2 (spec,
 #          models, the rotary epilogue's layer tests) split tests-b (tests-b whole ran past 560 s on a cold
-#          H200, 2026-12-05)
+#          H200, 2026-12-05); tests-b1a (early KV, the engine, the fused combine) and tests-b1b (HF graphs, the norm
+#          fold, penalties, step timing, warm-up) split tests-b1 (26 of its 33 tests took 400 s on a warm H100,
+#          2026-12-07)
 #   tp     the tensor-parallel GPU tests (two GPUs or more): ~5 min
 #   step   batch-1 TPOT and 32/128-stream throughput of the bundled pair at BASE and NEW, alternated twice (pack
 #          them here first: `benchmarks/ab_commits.sh pack BASE NEW`, and carry .devdata). One process per run;
@@ -175,6 +177,13 @@ if [[ " $parts " == *" tests-b "* ]]; then
 fi
 if [[ " $parts " == *" tests-b1 "* ]]; then  # tests-b's engine half
     gpu_tests b1 tests/engine "${streamed_engine_tests[@]/#/--ignore=}"
+fi
+if [[ " $parts " == *" tests-b1a "* ]]; then
+    gpu_tests b1a tests/engine/test_gpu_early_kv.py tests/engine/test_gpu_engine.py tests/engine/test_gpu_fused_combine.py
+fi
+if [[ " $parts " == *" tests-b1b "* ]]; then
+    gpu_tests b1b tests/engine/test_gpu_graphs_hf.py tests/engine/test_gpu_norm_fold.py tests/engine/test_penalties.py \
+        tests/engine/test_step_timing.py tests/engine/test_warm_up.py
 fi
 if [[ " $parts " == *" tests-b2 "* ]]; then  # tests-b's spec and model half, with the rotary epilogue's GPU twin
     gpu_tests b2 tests/spec tests/models tests/layers/test_linear.py
