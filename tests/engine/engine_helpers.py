@@ -40,7 +40,7 @@ def bundled_llm(**overrides):
 def use_gpu_launch_order(llm) -> None:
     """The runner's CUDA ordering on the CPU: a step's finish (its tokens into the worker's row state) runs at
     collect, after the next plan's launch, instead of on the CPU's step thread before it. The asynchronous loop on a
-    GPU runs in this order; on the CPU it otherwise never does."""
+    GPU runs in this order; on the CPU it otherwise never does. `llm`: an LLM or an AsyncEngine (in-process runner)."""
     runner = llm.engine.engine_core.runner
     runner._cpu_stream.shutdown(wait=True)
     runner._cpu_stream = None
