@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -45,6 +46,21 @@ _BOOL_FIELDS = (
     "worker_process",
 )
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's spellings
+
+
+def _checkpoint_dtype(model: str) -> str | None:
+    """The dtype config.json names (transformers 5's "dtype" or the older "torch_dtype"), None where it names
+    none or cannot be read (the model's loading reports that)."""
+    try:
+        with open(Path(model) / "config.json", encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    value = cfg.get("dtype") or cfg.get("torch_dtype")
+    return value if isinstance(value, str) else None
 
 
 @dataclass
@@ -58,7 +74,13 @@ class EngineConfig:
     device: str | None = None
     """"cpu" or "cuda[:N]"; None picks cuda when a GPU is present, else cpu."""
     dtype: str | None = None
-    """"float32", "float16" or "bfloat16"; None picks bfloat16 on cuda and float32 on cpu."""
+    """"float32", "float16" or "bfloat16" (vLLM's "float" and "half" too); None picks bfloat16 on cuda and
+    float32 on cpu; "auto" on cuda keeps a float16 checkpoint in float16 (its config.json's dtype), else as None."""
+    generation_config: Literal["auto", "none"] = "auto"
+    """"auto": the sampling parameters the model's generation_config.json recommends (temperature, top_p, top_k,
+    min_p, repetition_penalty, max_new_tokens) are the defaults of requests that leave them unset (a gRPC field
+    not set; `LLM.generate` without sampling params), as vLLM's `--generation-config auto`. "none": the
+    engine's own defaults (temperature 1, no truncation)."""
     load_format: Literal["safetensors", "dummy"] = "safetensors"
     """"dummy" initialises random weights of the model's config (benchmarks of large shapes)."""
     skip_tokenizer_init: bool = False
@@ -160,9 +182,13 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype is None:
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+        if self.dtype is None or self.dtype == "auto":
+            if self.torch_device.type != "cuda":
+                return torch.float32
+            if self.dtype == "auto" and _checkpoint_dtype(self.model) == "float16":
+                return torch.float16
+            return torch.bfloat16
+        return _DTYPES[_DTYPE_ALIASES.get(self.dtype, self.dtype)]
 
     @property
     def use_async_scheduling(self) -> bool:
@@ -209,8 +235,11 @@ class EngineConfig:
 
     # -- validation -------------------------------------------------------------------
     def _validate(self) -> None:
-        if self.dtype is not None and self.dtype not in _DTYPES:
-            raise ConfigError(f"dtype must be one of {sorted(_DTYPES)} or None, got {self.dtype!r}")
+        if self.dtype is not None and self.dtype not in (*_DTYPES, *_DTYPE_ALIASES, "auto"):
+            raise ConfigError(
+                f"dtype must be one of {sorted(_DTYPES)}, {', '.join(map(repr, _DTYPE_ALIASES))}, 'auto' or None, "
+                f"got {self.dtype!r}"
+            )
         if self.device is not None:
             try:
                 dev = torch.device(self.device)
@@ -224,6 +253,8 @@ class EngineConfig:
             # A string would pass every truth test: "false" would turn the option on.
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.generation_config not in ("auto", "none"):
+            raise ConfigError(f"generation_config must be 'auto' or 'none', got {self.generation_config!r}")
         if self.load_format not in ("safetensors", "dummy"):
             raise ConfigError(f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}")
         for name in (

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from asyncspec import LLM, EngineConfig, SamplingParams
 from asyncspec.config import make_config
@@ -22,6 +25,8 @@ from tests.conftest import TARGET_MODEL
         ({"max_model_len": 0}, "max_model_len"),
         ({"seed": "1"}, "seed"),
         ({"dtype": "float8"}, "dtype"),
+        ({"dtype": "bf16"}, "dtype"),
+        ({"generation_config": "vllm"}, "generation_config"),
         ({"device": "tpu"}, "device"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"gpu_memory_utilization": "0.5"}, "gpu_memory_utilization"),
@@ -117,3 +122,18 @@ def test_debug_invariants_switch_refuses_a_typo(monkeypatch):
     monkeypatch.setenv("ASYNCSPEC_DEBUG_INVARIANTS", "ture")
     with pytest.raises(ConfigError, match="ASYNCSPEC_DEBUG_INVARIANTS must be 0 or 1"):
         _debug_invariants_switch()
+
+
+@pytest.mark.parametrize("checkpoint", ["float16", "bfloat16", "float32", None])
+def test_dtype_spellings_and_auto_follow_vllm(tmp_path, checkpoint):
+    """ "half"/"float" are vLLM's names; "auto" on cuda keeps a float16 checkpoint in float16 and runs the others
+    in bfloat16 (float32 ones included, as vLLM on a card with bfloat16); the cpu computes in float32."""
+    config = {"architectures": ["LlamaForCausalLM"]} | ({"dtype": checkpoint} if checkpoint else {})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = str(tmp_path)
+    assert EngineConfig(model=model, dtype="half").torch_dtype == torch.float16
+    assert EngineConfig(model=model, dtype="float").torch_dtype == torch.float32
+    expected = torch.float16 if checkpoint == "float16" else torch.bfloat16
+    assert EngineConfig(model=model, device="cuda", dtype="auto").torch_dtype == expected
+    assert EngineConfig(model=model, device="cuda").torch_dtype == torch.bfloat16
+    assert EngineConfig(model=model, device="cpu", dtype="auto").torch_dtype == torch.float32

@@ -76,6 +76,8 @@ class EngineInfo:
     """Longest prompt plus output, in tokens."""
     eos_token_ids: frozenset[int]
     """Ids that end a generation unless ignore_eos."""
+    sampling_defaults: dict[str, Any]
+    """SamplingParams fields a request that leaves them unset takes from the model's generation_config.json."""
 
 
 # --------------------------------------------------------------------------------------------- the engine side
@@ -117,6 +119,7 @@ async def _serve(config: EngineConfig, conn: Connection) -> None:
             vocab_size=llm.vocab_size,
             max_model_len=llm.max_model_len,
             eos_token_ids=llm.eos_token_ids,
+            sampling_defaults=llm.sampling_defaults,
         )
         try:
             conn.send(("ready", info, engine.stats()))

@@ -56,7 +56,7 @@ class LLM:
     @staticmethod
     def _expand(value, n: int, name: str) -> list:
         if value is None:
-            return [SamplingParams()] * n
+            return [None] * n  # the engine's defaults (with the model's generation_config.json)
         if isinstance(value, (SamplingParams, int)):
             return [value] * n
         if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
@@ -66,6 +66,11 @@ class LLM:
         if len(value) != n:
             raise InvalidRequestError(f"{name} has {len(value)} entries for {n} prompts")
         return value
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no sampling params (vLLM's name): the model's
+        generation_config.json recommendations over SamplingParams' defaults (EngineConfig.generation_config)."""
+        return self.engine.default_sampling_params()
 
     def shutdown(self) -> None:
         """Stops the engine's worker processes (tensor parallelism) and threads; idempotent. Also

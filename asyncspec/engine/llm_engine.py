@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import numbers
 import os
 import uuid
@@ -16,10 +17,13 @@ from asyncspec.core.scheduler_output import EngineCoreOutput
 from asyncspec.engine.engine_core import EngineCore
 from asyncspec.engine.output_processor import OutputProcessor
 from asyncspec.errors import InvalidRequestError, ModelLoadError, QueueFullError
+from asyncspec.models.model_config import ModelConfig
 from asyncspec.outputs import RequestOutput
 from asyncspec.request import Request
 from asyncspec.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from asyncspec.worker.profiler import ProfileSummary
+
+logger = logging.getLogger(__name__)
 
 PromptType = str | Sequence[int]
 
@@ -35,6 +39,18 @@ def load_tokenizer(path: str) -> Tokenizer:
     return Tokenizer.from_file(file)
 
 
+def sampling_defaults(config: EngineConfig, model_config: ModelConfig) -> dict[str, Any]:
+    """The SamplingParams fields a request that leaves them unset takes from the model (see
+    EngineConfig.generation_config); logged once, as vLLM does, since they change what unset means."""
+    if config.generation_config == "none" or not model_config.sampling_defaults:
+        return {}
+    logger.info(
+        "sampling defaults from the model's generation_config.json: %s (generation_config='none' ignores them)",
+        model_config.sampling_defaults,
+    )
+    return dict(model_config.sampling_defaults)
+
+
 class LLMEngine:
     """Synchronous engine: `add_request` then `step()` until `has_unfinished_requests()` is False."""
 
@@ -46,7 +62,13 @@ class LLMEngine:
         self.max_model_len = self.engine_core.max_model_len
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.sampling_defaults = sampling_defaults(config, self.model_config)
         self.output_processor = OutputProcessor(self.tokenizer)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """The parameters of a request that gives none: the model's generation_config.json recommendations
+        (generation_config="auto") over SamplingParams' defaults."""
+        return SamplingParams(**self.sampling_defaults)
 
     def check_health(self) -> None:
         """Raises WorkerDiedError if a tensor-parallel worker process has died."""
@@ -71,7 +93,7 @@ class LLMEngine:
         priority: int = 0,
     ) -> Request:
         """Validates and tokenizes without touching engine state (so a bad request changes nothing)."""
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else self.default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate_for_engine(self.config.max_stop_strings, self.vocab_size)

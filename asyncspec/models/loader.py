@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -34,10 +35,16 @@ def load_model(
     load_format: str = "safetensors",
     seed: int = 0,
     tp: TensorParallel | None = None,
+    max_position: int | None = None,
 ) -> LlamaForCausalLM:
     """The model of `model_config` on `device` in `dtype`, in eval mode, with weights from `model_path`;
-    under tensor parallelism (`tp`) this rank's shard, sliced straight from the files."""
+    under tensor parallelism (`tp`) this rank's shard, sliced straight from the files. Its RoPE tables hold
+    `max_position` positions (the engine's max_model_len: no real token sits past it, and the GPU kernels clamp
+    a padding row's) where that is fewer than the model's own limit: a model of a million positions would
+    otherwise hold hundreds of MiB of them, on every rank and for the draft."""
     device = torch.device(device)
+    if max_position is not None and max_position < model_config.max_position_embeddings:
+        model_config = dataclasses.replace(model_config, max_position_embeddings=max_position)
     if load_format not in ("safetensors", "dummy"):
         raise ModelLoadError(f"load_format {load_format!r} is not supported (safetensors, dummy)")
     files = _find_weight_files(model_path) if load_format == "safetensors" else {}

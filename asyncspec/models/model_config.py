@@ -9,8 +9,9 @@ from typing import Any, Literal, overload
 
 import torch
 
-from asyncspec.errors import ModelLoadError
+from asyncspec.errors import InvalidSamplingParamsError, ModelLoadError
 from asyncspec.layers.attention import allocate_paged_kv_cache
+from asyncspec.sampling_params import SamplingParams
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
@@ -39,6 +40,16 @@ _MODEL_TYPES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 _LAYER_TYPES = ("full_attention", "sliding_attention")
+# generation_config.json key -> (SamplingParams field, transformers' GenerationConfig default): vLLM's
+# `get_diff_sampling_param` keys.
+_GENERATION_SAMPLING_KEYS: dict[str, tuple[str, Any]] = {
+    "temperature": ("temperature", 1.0),
+    "top_p": ("top_p", 1.0),
+    "top_k": ("top_k", 50),
+    "min_p": ("min_p", None),
+    "repetition_penalty": ("repetition_penalty", 1.0),
+    "max_new_tokens": ("max_tokens", None),
+}
 _QWEN_MAX_WINDOW_LAYERS_DEFAULT = 28
 
 
@@ -92,6 +103,10 @@ class ModelConfig:
     """Every token id that ends generation (config.json and generation_config.json merged)."""
     torch_dtype: str | None = None
     """The checkpoint's dtype as written in config.json, if given."""
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    """The sampling parameters generation_config.json recommends (SamplingParams names: temperature, top_p,
+    top_k, min_p, repetition_penalty, max_tokens), as vLLM reads them: only those it sets to other than
+    transformers' defaults."""
     model_type: str | None = None
     """The config.json model_type, for information."""
 
@@ -143,6 +158,16 @@ class ModelConfig:
         cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None, source: str = "config.json"
     ) -> ModelConfig:
         """Build from an already parsed config.json dict; `source` names it in errors."""
+        try:
+            return cls._from_dict(cfg, generation_config, source)
+        except ModelLoadError:
+            raise
+        except (TypeError, ValueError) as e:
+            # A null or a string where a number belongs: the key is not known here, the file is.
+            raise ModelLoadError(f"{source}: a value has the wrong type or is null: {e}") from None
+
+    @classmethod
+    def _from_dict(cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None, source: str) -> ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
             raise ModelLoadError(f"{source}: no 'architectures' entry; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -160,6 +185,11 @@ class ModelConfig:
                 f"{source}: model_type {model_type!r} does not match architecture {arch!r} "
                 f"(expected model_type {_MODEL_TYPES[arch]!r})"
             )
+        required = ("hidden_size", "num_attention_heads", "vocab_size", "intermediate_size", "num_hidden_layers")
+        for key in required:
+            value = cfg.get(key)
+            if key in cfg and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ModelLoadError(f"{source}: {key} must be a positive integer, got {value!r}")
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -188,6 +218,7 @@ class ModelConfig:
         attn_bias = True if is_qwen2 else arch in _TAKES_ATTENTION_BIAS and bool(cfg.get("attention_bias", False))
         sliding, layer_types = _parse_sliding_window(cfg, arch, int(cfg["num_hidden_layers"]), source)
         eos = _merge_ids(cfg.get("eos_token_id"), (generation_config or {}).get("eos_token_id"))
+        sampling_defaults = _sampling_defaults(generation_config or {}, source)
         return cls(
             architecture=arch,
             **kwargs,
@@ -209,7 +240,24 @@ class ModelConfig:
             eos_token_ids=eos,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             model_type=model_type,
+            sampling_defaults=sampling_defaults,
         )
+
+
+def _sampling_defaults(generation_config: dict[str, Any], source: str) -> dict[str, Any]:
+    """generation_config.json's sampling keys under SamplingParams' names, validated as SamplingParams does. As
+    vLLM (`--generation-config auto`), a value equal to transformers' GenerationConfig default is not taken (its
+    top_k of 50 included), nor a null."""
+    defaults: dict[str, Any] = {}
+    for key, (name, hf_default) in _GENERATION_SAMPLING_KEYS.items():
+        value = generation_config.get(key)
+        if value is not None and value != hf_default:
+            defaults[name] = value
+    try:
+        SamplingParams(**defaults)
+    except InvalidSamplingParamsError as e:
+        raise ModelLoadError(f"generation_config.json beside {source}: {e}") from None
+    return defaults
 
 
 def _value_or(cfg: dict[str, Any], key: str, default: Any) -> Any:
@@ -255,7 +303,7 @@ def _parse_rope(cfg: dict[str, Any], max_pos: int, source: str) -> tuple[float, 
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+    if float(_value_or(params, "partial_rotary_factor", _value_or(cfg, "partial_rotary_factor", 1.0))) != 1.0:
         raise ModelLoadError(f"{source}: partial_rotary_factor != 1 is not supported")
     if rope_type == "default":
         return theta, None
@@ -268,6 +316,10 @@ def _parse_rope(cfg: dict[str, Any], max_pos: int, source: str) -> tuple[float, 
     missing = [k for k in _ROPE_TYPES[rope_type] if k not in params]
     if missing:
         raise ModelLoadError(f"{source}: rope_type {rope_type!r} needs {', '.join(missing)}")
+    for key in _ROPE_TYPES[rope_type]:
+        value = params[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ModelLoadError(f"{source}: rope {rope_type!r} {key} must be a positive number, got {value!r}")
     scaling = {"rope_type": rope_type}
     scaling.update({k: params[k] for k in _ROPE_TYPES[rope_type]})
     return theta, scaling

@@ -6,7 +6,9 @@ field's API name; the servicer maps them to INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from asyncspec.errors import InvalidRequestError
 from asyncspec.outputs import RequestOutput
@@ -37,13 +39,14 @@ class EngineRequest:
     priority: int
 
 
-def to_engine_request(request: pb.GenerateRequest) -> EngineRequest:
-    """The prompt, SamplingParams (validated: a bad field raises naming it) and priority."""
+def to_engine_request(request: pb.GenerateRequest, defaults: Mapping[str, Any] | None = None) -> EngineRequest:
+    """The prompt, SamplingParams (validated: a bad field raises naming it) and priority. `defaults` (the model's
+    generation_config.json recommendations, SamplingParams names) fill the fields the request leaves unset."""
     which = request.WhichOneof("prompt")
     if which is None:
         raise InvalidRequestError("prompt: set exactly one of text or token_ids")
     prompt: str | list[int] = request.text if which == "text" else list(request.token_ids.ids)
-    kwargs: dict[str, object] = {}
+    kwargs: dict[str, object] = dict(defaults or {})
     for name in _SAMPLING_FIELDS:
         if request.sampling.HasField(name):
             kwargs[name] = getattr(request.sampling, name)

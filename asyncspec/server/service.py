@@ -88,7 +88,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             await self._refuse(context, "unavailable", grpc.StatusCode.UNAVAILABLE, _LOADING)
         assert engine is not None  # context.abort raises
         try:
-            engine_request = to_engine_request(request)
+            engine_request = to_engine_request(request, engine.engine.sampling_defaults)
         except (InvalidRequestError, InvalidSamplingParamsError, TypeError) as e:
             await self._refuse(context, "invalid_request", grpc.StatusCode.INVALID_ARGUMENT, str(e))
         timer = RequestTimer(self.metrics, time.monotonic())

@@ -143,7 +143,9 @@ class DraftModelProposer:
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
-        self.model = load_model(draft_path, self.model_config, dtype, device, load_format, seed)
+        self.model = load_model(
+            draft_path, self.model_config, dtype, device, load_format, seed, max_position=max_model_len
+        )
         self._prepare = select_backend(device).prepare_inputs
         self._glue = select_step_glue(device)
         self.kv_caches: list[tuple[Tensor, Tensor]] = []

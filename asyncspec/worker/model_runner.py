@@ -300,7 +300,14 @@ class ModelRunner:
             self.memory_at_start = snapshot_at_start(self.device)
             check_free_at_start(self.memory_at_start, config.gpu_memory_utilization)
         self.model = load_model(
-            config.model, model_config, self.dtype, self.device, config.load_format, config.seed, self.tp
+            config.model,
+            model_config,
+            self.dtype,
+            self.device,
+            config.load_format,
+            config.seed,
+            self.tp,
+            max_position=max_model_len,
         )
         self.sampler = Sampler()
         self.default_generator = make_generator(config.seed, self.device)

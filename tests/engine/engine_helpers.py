@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,8 +35,20 @@ def bundled_llm(**overrides):
         num_kv_blocks=64,
         max_num_batched_tokens=256,
     )
+    model = overrides.pop("model", str(TARGET_MODEL))
     kwargs.update(overrides)
-    return LLM(str(TARGET_MODEL), **kwargs)
+    return LLM(model, **kwargs)
+
+
+def bundled_target_with_generation_config(directory: Path, generation_config: dict) -> str:
+    """The bundled target's files linked into `directory`, with `generation_config` as its
+    generation_config.json."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for file in TARGET_MODEL.iterdir():
+        if file.name != "generation_config.json":
+            (directory / file.name).symlink_to(file.resolve())
+    (directory / "generation_config.json").write_text(json.dumps(generation_config))
+    return str(directory)
 
 
 def use_gpu_launch_order(llm) -> None:

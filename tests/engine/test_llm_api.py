@@ -15,6 +15,7 @@ from tests.engine.engine_helpers import (
     assert_ids_in_vocab,
     assert_kv_free,
     bundled_llm,
+    bundled_target_with_generation_config,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -306,3 +307,25 @@ def test_a_missing_model_directory_says_so(tmp_path):
 def test_a_kv_pool_too_small_on_the_cpu_names_the_settings_that_size_it():
     with pytest.raises(ConfigError, match="raise num_kv_blocks / kv_cache_bytes or lower max_model_len"):
         LLM(str(TARGET_MODEL), device="cpu", max_model_len=256, num_kv_blocks=4, block_size=16)
+
+
+def test_generate_without_params_samples_as_the_models_generation_config_says(tmp_path, prompts):
+    """As vLLM's LLM: no sampling params means the model's generation_config.json recommendations (here greedy
+    and 5 tokens), an explicit SamplingParams is used as given, and generation_config="none" ignores the file."""
+    model = bundled_target_with_generation_config(tmp_path / "m", {"temperature": 0.0, "max_new_tokens": 5})
+    llm = bundled_llm(model=model)
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=5)
+    greedy = llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=5))
+    assert [o.token_ids for o in llm.generate(prompts[:2])] == [o.token_ids for o in greedy]
+    assert all(len(o.token_ids) == 5 for o in greedy)
+
+    unset = bundled_llm(model=model, generation_config="none")
+    assert unset.get_default_sampling_params() == SamplingParams()
+    assert len(unset.generate(prompts[0], None)[0].token_ids) == 16
+    sampled = SamplingParams(max_tokens=24, seed=1, ignore_eos=True)  # temperature 1.0 as given
+    explicit = llm.generate(prompts[0], sampled)[0].token_ids
+    assert explicit == unset.generate(prompts[0], sampled)[0].token_ids
+    assert (
+        explicit
+        != llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0].token_ids
+    )

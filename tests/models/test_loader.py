@@ -128,6 +128,17 @@ def test_tied_model_with_a_different_head_in_its_checkpoint_is_refused(tmp_path)
         _load(tmp_path)
 
 
+def test_rope_tables_end_at_max_position_below_the_models_limit(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    cfg = ModelConfig.from_pretrained(str(tmp_path))
+    full = load_model(str(tmp_path), cfg, torch.float32, CPU, load_format="dummy")
+    short = load_model(str(tmp_path), cfg, torch.float32, CPU, load_format="dummy", max_position=40)
+    longer = load_model(str(tmp_path), cfg, torch.float32, CPU, load_format="dummy", max_position=10**6)
+    rows = [m.model.rotary_emb.cos_cache.shape[0] for m in (full, short, longer)]
+    assert rows == [cfg.max_position_embeddings, 40, cfg.max_position_embeddings]
+    torch.testing.assert_close(short.model.rotary_emb.sin_cache, full.model.rotary_emb.sin_cache[:40], rtol=0, atol=0)
+
+
 def test_dummy_weights_are_seeded_and_need_no_files(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     cfg = ModelConfig.from_pretrained(str(tmp_path))

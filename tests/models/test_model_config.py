@@ -162,6 +162,60 @@ def test_eos_ids_merge_config_and_generation_config(tmp_path) -> None:
     assert ModelConfig.from_pretrained(path).eos_token_ids == [2, 3]
 
 
+def test_sampling_defaults_read_generation_config_as_vllm(tmp_path) -> None:
+    """Llama-3-Instruct's generation_config.json: its temperature and top_p are taken; do_sample is not a
+    SamplingParams field; top_k 50 and repetition_penalty 1.0 equal transformers' defaults, which vLLM skips;
+    max_new_tokens becomes max_tokens; a null is skipped."""
+    gen = {
+        "do_sample": True,
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "top_k": 50,
+        "repetition_penalty": 1.0,
+        "min_p": None,
+        "max_new_tokens": 100,
+        "eos_token_id": [1, 2],
+    }
+    cfg = ModelConfig.from_pretrained(_write(tmp_path, BASE, gen=gen))
+    assert cfg.sampling_defaults == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 100}
+    cfg = ModelConfig.from_pretrained(_write(tmp_path, BASE, gen={"top_k": 20, "min_p": 0.05}))
+    assert cfg.sampling_defaults == {"top_k": 20, "min_p": 0.05}
+    (tmp_path / "generation_config.json").unlink()
+    assert ModelConfig.from_pretrained(str(tmp_path)).sampling_defaults == {}
+
+
+@pytest.mark.parametrize(
+    "gen,field",
+    [({"temperature": -0.5}, "temperature"), ({"top_k": "20"}, "top_k"), ({"max_new_tokens": 0}, "max_tokens")],
+)
+def test_a_bad_sampling_value_in_generation_config_is_a_load_error_naming_it(tmp_path, gen, field) -> None:
+    with pytest.raises(ModelLoadError, match=rf"generation_config.json.*SamplingParams.{field}"):
+        ModelConfig.from_pretrained(_write(tmp_path, BASE, gen=gen))
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"vocab_size": None}, "vocab_size must be a positive integer, got None"),
+        ({"hidden_size": "64"}, "hidden_size must be a positive integer"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer, got 0"),
+        ({"rms_norm_eps": "small"}, "wrong type or is null"),
+        ({"max_position_embeddings": [1]}, "wrong type or is null"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "'linear' factor must be a positive number, got 0"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": None}}, "factor must be a positive number, got None"),
+    ],
+)
+def test_nulls_and_wrong_types_are_load_errors_naming_the_file(tmp_path, change, match) -> None:
+    with pytest.raises(ModelLoadError, match=f"config.json: .*{match}"):
+        ModelConfig.from_pretrained(_write(tmp_path, {**BASE, **change}))
+
+
+def test_a_null_partial_rotary_factor_is_the_default(tmp_path) -> None:
+    """transformers reads a null as absent (1.0), as for the other optional keys."""
+    cfg = ModelConfig.from_pretrained(_write(tmp_path, {**BASE, "partial_rotary_factor": None}))
+    assert cfg.rope_scaling is None
+
+
 def test_qwen_sliding_window_layers(tmp_path) -> None:
     hf = Qwen2Config(
         num_hidden_layers=4,

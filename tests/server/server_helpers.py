@@ -17,8 +17,8 @@ ENGINE = dict(device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=64
 
 
 class ServerThread:
-    def __init__(self, engine_overrides: dict | None = None, **server_overrides) -> None:
-        self.engine_config = make_config(str(TARGET_MODEL), **{**ENGINE, **(engine_overrides or {})})
+    def __init__(self, engine_overrides: dict | None = None, model: str | None = None, **server_overrides) -> None:
+        self.engine_config = make_config(model or str(TARGET_MODEL), **{**ENGINE, **(engine_overrides or {})})
         # In the server's process unless a test asks otherwise: most tests reach into the engine (faults, KV).
         server_overrides.setdefault("engine_process", False)
         config = ServerConfig(host="127.0.0.1", port=0, metrics_port=0, **server_overrides)

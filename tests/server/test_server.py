@@ -24,7 +24,7 @@ from asyncspec.server.app import ServerConfig
 from asyncspec.server.service import SERVICE_NAME
 from asyncspec.v1 import asyncspec_pb2 as pb
 from tests.conftest import load_prompts
-from tests.engine.engine_helpers import bundled_llm
+from tests.engine.engine_helpers import bundled_llm, bundled_target_with_generation_config
 from tests.server.server_helpers import ENGINE, ServerThread
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -281,6 +281,27 @@ def _refused(server: ServerThread, reason: str) -> float:
     value = server.server.metrics.registry.get_sample_value("asyncspec:request_refused_total", {"reason": reason})
     assert value is not None
     return value
+
+
+@pytest.mark.parametrize("engine_process", [False, True])
+def test_unset_fields_take_the_models_generation_config(tmp_path, prompts, engine_process: bool):
+    """As vLLM's server: a field the request leaves unset takes the model's generation_config.json value (here
+    greedy, top_k 3 and 6 tokens), a field it sets wins, also with the engine in its own process."""
+    model = bundled_target_with_generation_config(tmp_path / "m", {"temperature": 0.0, "top_k": 3, "max_new_tokens": 6})
+    llm = bundled_llm(**ENGINE, model=model)
+    greedy = llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
+    sampled_params = SamplingParams(temperature=1.0, top_k=3, seed=7, max_tokens=20, ignore_eos=True)
+    sampled = llm.generate(prompts[0], sampled_params)[0]
+    server = ServerThread(model=model, engine_process=engine_process)
+    try:
+        stub = server.stub()
+        unset = pb.GenerateRequest(stopping=pb.StoppingOptions(ignore_eos=True))
+        unset.token_ids.ids.extend(prompts[0])
+        assert [t for r in stub.Generate(unset) for t in r.token_ids] == greedy.token_ids
+        request = _request(prompts[0], max_tokens=20, temperature=1.0, seed=7)
+        assert [t for r in stub.Generate(request) for t in r.token_ids] == sampled.token_ids
+    finally:
+        server.stop()
 
 
 def test_bad_requests_are_invalid_argument_naming_the_field(server, prompts):

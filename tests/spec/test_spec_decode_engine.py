@@ -650,6 +650,10 @@ def test_max_tokens_one_and_prompts_near_max_model_len(method, k):
     params = [up_to_limit] * len(near) + [single] * len(one)
     reference = make_llm(**EDGE_CONFIG).generate(prompts, params)
     llm = make_llm(method=method, k=k, **EDGE_CONFIG)
+    # The RoPE tables end at max_model_len (loader.load_model): a position past it would raise here.
+    runner = llm.engine.engine_core.runner
+    models = [runner.model] + ([runner.spec.proposer.model] if method == "draft_model" else [])
+    assert [m.model.rotary_emb.cos_cache.shape[0] for m in models] == [EDGE_LEN] * len(models)
     outs, delta = _generate(llm, prompts, params)
     assert_same_outputs(reference, outs, f"{method} k={k}")
     _check_common(outs, params, EDGE_LEN)
