@@ -33,8 +33,15 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 """Largest magnitude of every real field: the worker keeps them in float32 device tables."""
 
 
+_MAX_VALUE_REPR = 200
+"""Characters of a bad value an error quotes: a list of thousands of ids would not fit a gRPC status."""
+
+
 def _err(name: str, value: Any, allowed: str) -> InvalidSamplingParamsError:
-    return InvalidSamplingParamsError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
+    text = repr(value)
+    if len(text) > _MAX_VALUE_REPR:
+        text = f"{text[:_MAX_VALUE_REPR]}... ({len(text)} characters)"
+    return InvalidSamplingParamsError(f"SamplingParams.{name} must be {allowed}, got {text}")
 
 
 def _real(name: str, value: Any, allowed: str) -> float:
@@ -137,7 +144,8 @@ class SamplingParams:
             setattr(self, name, value)
         allowed = f">= {MIN_REPETITION_PENALTY} (1 = off)"
         self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty, allowed)
-        if self.repetition_penalty < MIN_REPETITION_PENALTY:
+        # Compared as the float32 the device table holds: 1e-4 sent as a float32 (gRPC) reads 9.9999997e-05.
+        if np.float32(self.repetition_penalty) < np.float32(MIN_REPETITION_PENALTY):
             raise _err("repetition_penalty", self.repetition_penalty, allowed)
         if self.max_tokens is not None:
             self.max_tokens = _int("max_tokens", self.max_tokens, ">= 1 or None")
@@ -172,13 +180,15 @@ class SamplingParams:
             stop = [stop]
         if not isinstance(stop, (list, tuple)):
             raise _err("stop", stop, "a string, a list of strings or None")
-        for s in stop:
+        for i, s in enumerate(stop):
             if not isinstance(s, str):
-                raise _err("stop", stop, "a list of strings (found a non-string entry)")
+                raise _err(f"stop[{i}]", s, "a string")
             if not s:
-                raise _err("stop", stop, "a list of non-empty strings")
+                raise _err(f"stop[{i}]", s, "a non-empty string")
             if len(s) > MAX_STOP_STR_LEN:
-                raise _err("stop", f"{s[:32]}... ({len(s)} chars)", f"strings of at most {MAX_STOP_STR_LEN} chars")
+                raise _err(
+                    f"stop[{i}]", f"{s[:32]}... ({len(s)} chars)", f"a string of at most {MAX_STOP_STR_LEN} chars"
+                )
         return list(stop)
 
     @staticmethod
@@ -188,9 +198,9 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)):
             raise _err("stop_token_ids", ids, "a list of non-negative integers or None")
         out = []
-        for t in ids:
+        for i, t in enumerate(ids):
             if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= int(t) <= INT64_MAX:
-                raise _err("stop_token_ids", ids, "a list of non-negative integers (token ids)")
+                raise _err(f"stop_token_ids[{i}]", t, "a non-negative integer (a token id)")
             out.append(int(t))
         return out
 
@@ -204,9 +214,9 @@ class SamplingParams:
         construction must not reach the worker's device tables unchecked."""
         self.__post_init__()
         self._check_num_stop_strings(max_stop_strings)
-        for t in self.stop_token_ids:
+        for i, t in enumerate(self.stop_token_ids):
             if not 0 <= t < vocab_size:
-                raise _err("stop_token_ids", self.stop_token_ids, f"token ids in [0, {vocab_size})")
+                raise _err(f"stop_token_ids[{i}]", t, f"a token id in [0, {vocab_size})")
 
     # -- helpers ----------------------------------------------------------------------
     @property

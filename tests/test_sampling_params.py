@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncspec import sampling_params as sp_module
 from asyncspec.errors import InvalidSamplingParamsError
-from asyncspec.sampling_params import MAX_STOP_STRINGS, SamplingParams
+from asyncspec.sampling_params import MAX_STOP_STRINGS, MIN_REPETITION_PENALTY, SamplingParams
 
 NAN, INF = float("nan"), float("inf")
 
@@ -196,7 +197,9 @@ def test_validate_for_engine() -> None:
     p.validate_for_engine(max_stop_strings=MAX_STOP_STRINGS, vocab_size=8192)
     with pytest.raises(InvalidSamplingParamsError, match="stop must be at most 4 strings"):
         p.validate_for_engine(max_stop_strings=4, vocab_size=8192)
-    with pytest.raises(InvalidSamplingParamsError, match=r"stop_token_ids .*\[0, 8000\)"):
+    with pytest.raises(
+        InvalidSamplingParamsError, match=r"stop_token_ids\[1\] must be a token id in \[0, 8000\), got 8191"
+    ):
         p.validate_for_engine(max_stop_strings=32, vocab_size=8000)
 
 
@@ -236,3 +239,19 @@ def test_valid_values_never_raise(kwargs: dict, max_tokens: int | None, data: st
     assert isinstance(p.stop, list) and all(isinstance(s, str) and s for s in p.stop)
     assert math.isfinite(p.temperature)
     assert p.max_stop_str_len <= 1024
+
+
+def test_a_long_bad_value_is_quoted_short() -> None:
+    """An error quotes at most 200 characters of the value (a gRPC status must stay under 16 KiB)."""
+    with pytest.raises(InvalidSamplingParamsError, match=r"stop_token_ids must be .*\.\.\. \(10002 characters\)$") as e:
+        SamplingParams(stop_token_ids="x" * 10000)  # type: ignore[arg-type]
+    assert len(str(e.value)) < 400
+
+
+def test_the_minimum_repetition_penalty_is_accepted_as_a_float32() -> None:
+    """The gRPC field is a float32: the documented minimum 1e-4 arrives as 9.9999997e-05."""
+    as_float32 = float(np.float32(MIN_REPETITION_PENALTY))
+    assert as_float32 < MIN_REPETITION_PENALTY
+    assert SamplingParams(repetition_penalty=as_float32).repetition_penalty == as_float32
+    with pytest.raises(InvalidSamplingParamsError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=float(np.nextafter(np.float32(MIN_REPETITION_PENALTY), np.float32(0))))

@@ -68,28 +68,34 @@ def merge_deltas(first: RequestOutput, second: RequestOutput) -> RequestOutput:
 
 
 def coalesce_waiting(
-    item: RequestOutput, queue: asyncio.Queue[RequestOutput | BaseException]
-) -> tuple[RequestOutput, BaseException | None]:
+    item: RequestOutput, queue: asyncio.Queue[RequestOutput | BaseException], max_tokens: int | None = None
+) -> tuple[RequestOutput, RequestOutput | BaseException | None]:
     """`item` merged with the deltas already waiting behind it in `queue` (a consumer that fell behind then sends
-    one message); stops at a finished delta, or at an exception, which is returned to be raised next."""
+    one message); stops at a finished delta, before passing `max_tokens` tokens (a delta that would is returned,
+    to come next), or at an exception, which is returned to be raised next."""
     while not item.finished and not queue.empty():
         following = queue.get_nowait()
         if isinstance(following, BaseException):
+            return item, following
+        if max_tokens is not None and len(item.token_ids) + len(following.token_ids) > max_tokens:
             return item, following
         item = merge_deltas(item, following)
     return item, None
 
 
 async def next_output(
-    queue: asyncio.Queue[RequestOutput | BaseException], held: BaseException | None, coalesce: bool
-) -> tuple[RequestOutput, BaseException | None]:
-    """A stream's next output from its queue (`held`, an error that a coalesced delta came before, first): raises
-    the exception that ended the request; with `coalesce`, the deltas waiting behind it merged in. Returns the
-    output and an error to hold for the next call."""
+    queue: asyncio.Queue[RequestOutput | BaseException],
+    held: RequestOutput | BaseException | None,
+    coalesce: bool,
+    max_coalesced_tokens: int | None = None,
+) -> tuple[RequestOutput, RequestOutput | BaseException | None]:
+    """A stream's next output from its queue (`held`, an output or error that a coalesced delta came before,
+    first): raises the exception that ended the request; with `coalesce`, the deltas waiting behind it merged in,
+    up to `max_coalesced_tokens` tokens. Returns the output and what to hold for the next call."""
     item = held if held is not None else await queue.get()
     if isinstance(item, BaseException):
         raise item
-    return coalesce_waiting(item, queue) if coalesce else (item, None)
+    return coalesce_waiting(item, queue, max_coalesced_tokens) if coalesce else (item, None)
 
 
 _IDLE_HEALTH_CHECK_S = 1.0
@@ -136,18 +142,20 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
         coalesce: bool = False,
+        max_coalesced_tokens: int | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Streams RequestOutput deltas; the last one has finish_reason set. Raises a typed error
         for a bad request, RequestFailedError if this request alone failed, EngineDeadError if the
         engine stopped. An id whose previous client just left is free once that request's abort is
         applied, which this call waits for. With `coalesce`, deltas that piled up while the consumer
-        was busy arrive merged into one (a server then sends one message instead of several)."""
+        was busy arrive merged into one (a server then sends one message instead of several), of at most
+        `max_coalesced_tokens` tokens where given (a message-size limit)."""
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         request_id, stream = await self._admit(prompt, sampling_params, request_id, priority, queue.put_nowait)
         try:
-            held: BaseException | None = None
+            held: RequestOutput | BaseException | None = None
             while True:
-                item, held = await next_output(queue, held, coalesce)
+                item, held = await next_output(queue, held, coalesce, max_coalesced_tokens)
                 yield item
                 if item.finished:
                     return

@@ -391,6 +391,7 @@ class EngineProcessClient:
         request_id: str | None = None,
         priority: int = 0,
         coalesce: bool = False,
+        max_coalesced_tokens: int | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """As AsyncEngine.generate: RequestOutput deltas, the last one finished; typed errors for a bad
         request; EngineDeadError if the engine stopped."""
@@ -414,9 +415,9 @@ class EngineProcessClient:
         self._streams[request_id] = queue
         self._send_bytes(add)
         try:
-            held: BaseException | None = None
+            held: RequestOutput | BaseException | None = None
             while True:
-                item, held = await next_output(queue, held, coalesce)
+                item, held = await next_output(queue, held, coalesce, max_coalesced_tokens)
                 yield item
                 if item.finished:
                     return

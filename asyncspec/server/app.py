@@ -93,6 +93,14 @@ class ServerConfig:
                 raise ServerStartError(f"{name} must be {allowed}, got {value!r}")
 
     def auth_token(self) -> str | None:
+        token = self._read_auth_token()
+        if token is not None and not all(" " <= c <= "~" for c in token):
+            # gRPC metadata carries printable ASCII only: no client could send such a token.
+            source = f"auth_token_file {self.auth_token_file!r}" if self.auth_token_file else f"${AUTH_TOKEN_ENV}"
+            raise ServerStartError(f"the bearer token of {source} must be printable ASCII (gRPC metadata)")
+        return token
+
+    def _read_auth_token(self) -> str | None:
         if self.auth_token_file:
             try:
                 with open(self.auth_token_file) as f:
@@ -114,14 +122,15 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     reflection stay open (probes carry no token)."""
 
     def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}"
+        self._expected = f"Bearer {token}".encode()
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(_OPEN_METHODS):
             return handler
         metadata = dict(handler_call_details.invocation_metadata or ())
-        if hmac.compare_digest(str(metadata.get("authorization", "")), self._expected):
+        # Bytes: compare_digest refuses a str with non-ASCII characters, which a caller's header may hold.
+        if hmac.compare_digest(str(metadata.get("authorization", "")).encode(), self._expected):
             return handler
 
         async def deny(request, context):
@@ -189,7 +198,7 @@ class GenerationServer:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)  # liveness: the process is up
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)  # readiness: loading
         self._service = GenerationService(
-            lambda: self.engine, self.metrics, lambda: self.draining, self.mark_engine_dead
+            lambda: self.engine, self.metrics, lambda: self.draining, self.mark_engine_dead, cfg.max_message_bytes
         )
         pb_grpc.add_GenerationServicer_to_server(self._service, server)
         names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)

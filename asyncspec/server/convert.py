@@ -71,6 +71,13 @@ def to_engine_request(request: pb.GenerateRequest, defaults: Mapping[str, Any] |
     )
 
 
+def max_tokens_per_response(max_message_bytes: int, logprobs: int | None) -> int:
+    """Most tokens one GenerateResponse may carry under the server's message limit: a bound of a token's bytes
+    (its id, its text, its logprobs entries) with room to spare, since a token's text has no fixed length."""
+    per_token = 64 + (16 * (logprobs + 1) + 16 if logprobs is not None else 0)
+    return max(1, max_message_bytes // (4 * per_token))
+
+
 def finish_reason_of(output: RequestOutput) -> int:
     """The API's FinishReason of a finished output."""
     reason = output.finish_reason

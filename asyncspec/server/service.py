@@ -21,7 +21,7 @@ from asyncspec.errors import (
     QueueFullError,
     RequestFailedError,
 )
-from asyncspec.server.convert import UsageCounter, to_engine_request, to_response
+from asyncspec.server.convert import UsageCounter, max_tokens_per_response, to_engine_request, to_response
 from asyncspec.server.metrics import RequestTimer, ServerMetrics
 from asyncspec.v1 import asyncspec_pb2 as pb
 from asyncspec.v1 import asyncspec_pb2_grpc as pb_grpc
@@ -29,6 +29,8 @@ from asyncspec.v1 import asyncspec_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 ServingEngine = AsyncEngine | EngineProcessClient
+_MAX_STATUS_MESSAGE = 4096
+"""Characters of a refusal's message sent in its status."""
 """The engine behind the RPCs: in the server's process, or in one of its own (ServerConfig.engine_process)."""
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -47,8 +49,11 @@ class GenerationService(pb_grpc.GenerationServicer):
         metrics: ServerMetrics,
         is_draining: Callable[[], bool],
         on_engine_dead: Callable[[], None],
+        max_message_bytes: int = 16 * 2**20,
     ) -> None:
         self._get_engine = get_engine
+        self.max_message_bytes = max_message_bytes
+        """The server's message limit: a stream's coalesced responses stay below it."""
         self.metrics = metrics
         self._is_draining = is_draining
         self._on_engine_dead = on_engine_dead
@@ -106,6 +111,9 @@ class GenerationService(pb_grpc.GenerationServicer):
                 request_id=request_id,
                 priority=engine_request.priority,
                 coalesce=True,
+                # A client that reads slowly gets its piled-up tokens in a few messages rather than one it
+                # cannot be sent (RESOURCE_EXHAUSTED, the tokens lost).
+                max_coalesced_tokens=max_tokens_per_response(self.max_message_bytes, engine_request.params.logprobs),
             )
             # Closed explicitly (not by the garbage collector) when the client cancels: the abort
             # and the id's release happen at once.
@@ -152,6 +160,9 @@ class GenerationService(pb_grpc.GenerationServicer):
     ) -> None:
         """Counts a Generate call refused before it ran, then ends it with `code`."""
         self.metrics.request_refused.labels(reason).inc()
+        if len(message) > _MAX_STATUS_MESSAGE:
+            # Past the client's metadata limit (16 KiB) the call would end RESOURCE_EXHAUSTED instead.
+            message = f"{message[:_MAX_STATUS_MESSAGE]}... ({len(message)} characters)"
         await context.abort(code, message)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:  # noqa: N802

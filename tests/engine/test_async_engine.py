@@ -517,6 +517,32 @@ def test_coalesced_stream_merges_piled_up_deltas(engine, prompts, reference):
     assert merged[-1].finish_reason == plain[-1].finish_reason == "length"
 
 
+def test_coalescing_stops_before_max_coalesced_tokens(engine, prompts, reference):
+    """With a cap, the deltas that piled up arrive merged up to it: the same tokens in order, no merged
+    delta past the cap, and the finish on the last."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+
+    async def main():
+        plain = [d async for d in engine.generate(prompts[0], params, request_id="plain")]
+        capped = []
+        stream = engine.generate(prompts[0], params, request_id="capped", coalesce=True, max_coalesced_tokens=5)
+        async for d in stream:
+            capped.append(d)
+            for _ in range(1000):  # fall behind until the request's last delta is queued
+                if not engine.has_request("capped"):
+                    break
+                await asyncio.sleep(0.01)
+        return plain, capped
+
+    plain, capped = _run(main())
+    assert all(len(d.token_ids) <= 5 for d in capped)
+    assert len(capped) >= 12 // 5 + 1 and max(len(d.token_ids) for d in capped) > max(len(d.token_ids) for d in plain)
+    for field in ("token_ids", "logprobs"):
+        assert [x for d in capped for x in getattr(d, field)] == [x for d in plain for x in getattr(d, field)]
+    assert "".join(d.text for d in capped) == "".join(d.text for d in plain)
+    assert capped[-1].finish_reason == "length" and not any(d.finished for d in capped[:-1])
+
+
 def test_waiting_to_reuse_an_id_wakes_when_its_request_ends_on_its_own(async_scheduling):
     """A cancelled stream's request finished in the step that was running when its abort was
     queued: the abort is moot, and a generate() waiting to reuse the id must wake, not hang."""

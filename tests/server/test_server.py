@@ -23,6 +23,7 @@ from asyncspec import SamplingParams
 from asyncspec.server.app import ServerConfig
 from asyncspec.server.service import SERVICE_NAME
 from asyncspec.v1 import asyncspec_pb2 as pb
+from asyncspec.v1 import asyncspec_pb2_grpc as pb_grpc
 from tests.conftest import load_prompts
 from tests.engine.engine_helpers import bundled_llm, bundled_target_with_generation_config
 from tests.server.server_helpers import ENGINE, ServerThread
@@ -272,6 +273,12 @@ def _bad_requests(prompt: list[int]) -> list[tuple[str, pb.GenerateRequest]]:
         ("stop", with_("stopping.stop", ["x"] * 5000)),
         ("stop", with_("stopping.stop", [""])),
         ("stop_token_ids", with_("stopping.stop_token_ids", [99999])),
+        # Long lists: the message names the bad entry, and stays short enough for a gRPC status.
+        (
+            "stop_token_ids[8192] must be a token id in [0, 8192), got 99999",
+            with_("stopping.stop_token_ids", [*range(8192), 99999]),
+        ),
+        ("stop[4000] must be a non-empty string", with_("stopping.stop", ["x"] * 4000 + [""])),
         ("logprobs", with_("output.logprobs", 50)),
         ("logprobs", with_("output.logprobs", -1)),
     ]
@@ -300,6 +307,37 @@ def test_unset_fields_take_the_models_generation_config(tmp_path, prompts, engin
         assert [t for r in stub.Generate(unset) for t in r.token_ids] == greedy.token_ids
         request = _request(prompts[0], max_tokens=20, temperature=1.0, seed=7)
         assert [t for r in stub.Generate(request) for t in r.token_ids] == sampled.token_ids
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("engine_process", [False, True])
+def test_a_slow_reader_gets_its_piled_up_tokens_in_messages_under_the_limit(prompts, engine_process: bool):
+    """Deltas that pile up while a client does not read are merged, but never into a message past the server's
+    max_message_bytes, which gRPC would refuse to send (the stream ending RESOURCE_EXHAUSTED, its tokens lost)."""
+    limit = 16384
+    reference = bundled_llm(**ENGINE).generate(
+        prompts[0], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, logprobs=20)
+    )[0]
+    server = ServerThread(engine_process=engine_process, max_message_bytes=limit)
+    try:
+        request = _request(prompts[0], max_tokens=200)
+        request.output.logprobs = 20
+        # A small flow-control window, so that the server's sends wait for the reader and its deltas pile up.
+        options = {"grpc.http2.lookahead_bytes": 1024, "grpc.http2.bdp_probe": 0}
+        stub = pb_grpc.GenerationStub(server.channel(**options))
+        call = stub.Generate(request, timeout=60)
+        responses = [next(call)]
+        deadline = time.monotonic() + 30
+        while server.stats()["num_running_requests"] and time.monotonic() < deadline:
+            time.sleep(0.05)  # the client reads nothing until the engine has finished the request
+        responses += list(call)
+        assert max(r.ByteSize() for r in responses) < limit
+        assert [t for r in responses for t in r.token_ids] == reference.token_ids
+        assert [list(lp.token_ids) for r in responses for lp in r.logprobs] == [
+            lp.token_ids for lp in reference.logprobs
+        ]
+        assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
     finally:
         server.stop()
 
@@ -552,6 +590,42 @@ def test_bearer_token_from_the_environment(monkeypatch, prompts, env_token):
         assert ok[-1].finished and ok[-1].usage.completion_tokens == 2
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("token", ["sécret", "two\tparts"])
+def test_a_bearer_token_no_client_could_send_is_refused_at_start(monkeypatch, tmp_path, token):
+    """gRPC metadata is printable ASCII: such a token would lock every client out (and made each call UNKNOWN)."""
+    from asyncspec.server.app import ServerStartError
+
+    monkeypatch.setenv("ASYNCSPEC_AUTH_TOKEN", token)
+    with pytest.raises(ServerStartError, match=r"\$ASYNCSPEC_AUTH_TOKEN must be printable ASCII"):
+        ServerConfig().auth_token()
+    (tmp_path / "token").write_text(token, encoding="utf-8")
+    with pytest.raises(ServerStartError, match="auth_token_file .*token.* must be printable ASCII"):
+        ServerConfig(auth_token_file=str(tmp_path / "token")).auth_token()
+
+
+def test_a_non_ascii_authorization_header_is_unauthenticated():
+    """compare_digest raises TypeError on a str with non-ASCII characters: the header is compared as bytes."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from asyncspec.server.app import BearerTokenInterceptor
+
+    interceptor = BearerTokenInterceptor("s3cret")
+    granted = grpc.unary_stream_rpc_method_handler(lambda request, context: iter(()))
+
+    async def continuation(details):
+        return granted
+
+    def check(header: str):
+        details = SimpleNamespace(
+            method="/asyncspec.v1.Generation/Generate", invocation_metadata=[("authorization", header)]
+        )
+        return asyncio.run(interceptor.intercept_service(continuation, details))
+
+    assert check("Bearer s3cret") is granted
+    assert check("Bearer sécret") is not granted
 
 
 def test_bearer_token(monkeypatch, prompts):
