@@ -355,6 +355,12 @@ class EngineProcessClient:
         child.close()
         try:
             message = await asyncio.get_running_loop().run_in_executor(None, parent.recv)
+        except asyncio.CancelledError:
+            # The server is told to stop while the model loads: the engine process ignores SIGTERM (the server
+            # drains it), so it is killed; its end of the pipe closing then ends the waiting recv.
+            process.kill()
+            process.join(5)
+            raise
         except (EOFError, OSError):
             process.join(5)
             raise EngineProcessStartError(

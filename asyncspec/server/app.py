@@ -5,6 +5,7 @@ a drain on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import math
@@ -337,7 +338,27 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await server.start()
+    starting = asyncio.ensure_future(server.start())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        # A signal while the model loads (minutes on a large GPU model): stop now, not once it is ready, or the
+        # orchestrator's grace period runs out and it kills the pod.
+        logger.info("stopping before the engine was ready")
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        await server.stop()
+        if not server_config.engine_process:
+            # The model loads in an executor thread, which nothing can interrupt and the loop's exit would join.
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+        return 0
+    stopping.cancel()
+    starting.result()  # a ServerStartError
     print(f"asyncspec: serving {engine_config.model} on {server_config.host}:{server.port}", flush=True)
     stopping = asyncio.ensure_future(stop.wait())
     failing = asyncio.ensure_future(server.engine_failed.wait())

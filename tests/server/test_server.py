@@ -1156,3 +1156,34 @@ def _pid_alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][0] != "Z"
     except OSError:
         return False
+
+
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "in-process"])
+def test_a_signal_while_the_model_loads_stops_serve_at_once(engine_process: bool):
+    """SIGTERM during the model's load (minutes for a large GPU model) exits 0 at once, without ever serving, and
+    the engine process goes with it; before, the signal waited for the load, and a pod outlived its grace."""
+    exe = Path(sys.executable).parent / "asyncspec"
+    if not exe.exists():
+        pytest.skip("the asyncspec console script is not installed in this environment")
+    argv = [str(exe), "serve", "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", "0"]
+    argv += ["--metrics-port", "-1", "--engine-process", str(engine_process).lower(), "--num-kv-blocks", "64"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "loading the engine" in line:
+                break
+        time.sleep(0.3)  # the engine process is spawned; its model takes seconds more to load
+        engine = _spawned_children(proc.pid)
+        assert len(engine) == (1 if engine_process else 0), engine
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err[-2000:]
+        assert "stopping before the engine was ready" in err and "serving" not in out, (out, err[-2000:])
+        assert time.monotonic() - started < 5
+        assert not any(_pid_alive(pid) for pid in engine)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
