@@ -59,7 +59,7 @@ def _checkpoint_dtype(model: str) -> str | None:
         return None
     if not isinstance(cfg, dict):
         return None
-    value = cfg.get("dtype") or cfg.get("torch_dtype")
+    value = cfg.get("torch_dtype") or cfg.get("dtype")  # ModelConfig's order
     return value if isinstance(value, str) else None
 
 
@@ -76,11 +76,11 @@ class EngineConfig:
     dtype: str | None = None
     """"float32", "float16" or "bfloat16" (vLLM's "float" and "half" too); None picks bfloat16 on cuda and
     float32 on cpu; "auto" on cuda keeps a float16 checkpoint in float16 (its config.json's dtype), else as None."""
-    generation_config: Literal["auto", "none"] = "auto"
+    generation_config: Literal["auto", "none", "vllm"] = "auto"
     """"auto": the sampling parameters the model's generation_config.json recommends (temperature, top_p, top_k,
     min_p, repetition_penalty, max_new_tokens) are the defaults of requests that leave them unset (a gRPC field
-    not set; `LLM.generate` without sampling params), as vLLM's `--generation-config auto`. "none": the
-    engine's own defaults (temperature 1, no truncation)."""
+    not set; `LLM.generate` without sampling params), as vLLM's `--generation-config auto`. "none" (or vLLM's
+    name for it, "vllm"): the engine's own defaults (temperature 1, no truncation)."""
     load_format: Literal["safetensors", "dummy"] = "safetensors"
     """"dummy" initialises random weights of the model's config (benchmarks of large shapes)."""
     skip_tokenizer_init: bool = False
@@ -253,8 +253,8 @@ class EngineConfig:
             # A string would pass every truth test: "false" would turn the option on.
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.generation_config not in ("auto", "none"):
-            raise ConfigError(f"generation_config must be 'auto' or 'none', got {self.generation_config!r}")
+        if self.generation_config not in ("auto", "none", "vllm"):
+            raise ConfigError(f"generation_config must be 'auto', 'none' or 'vllm', got {self.generation_config!r}")
         if self.load_format not in ("safetensors", "dummy"):
             raise ConfigError(f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}")
         for name in (

@@ -26,7 +26,7 @@ from tests.conftest import TARGET_MODEL
         ({"seed": "1"}, "seed"),
         ({"dtype": "float8"}, "dtype"),
         ({"dtype": "bf16"}, "dtype"),
-        ({"generation_config": "vllm"}, "generation_config"),
+        ({"generation_config": "off"}, "generation_config"),
         ({"device": "tpu"}, "device"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"gpu_memory_utilization": "0.5"}, "gpu_memory_utilization"),

@@ -16,7 +16,7 @@ from asyncspec.config import EngineConfig
 from asyncspec.core.scheduler_output import EngineCoreOutput
 from asyncspec.engine.engine_core import EngineCore
 from asyncspec.engine.output_processor import OutputProcessor
-from asyncspec.errors import InvalidRequestError, ModelLoadError, QueueFullError
+from asyncspec.errors import InvalidRequestError, InvalidSamplingParamsError, ModelLoadError, QueueFullError
 from asyncspec.models.model_config import ModelConfig
 from asyncspec.outputs import RequestOutput
 from asyncspec.request import Request
@@ -41,14 +41,23 @@ def load_tokenizer(path: str) -> Tokenizer:
 
 def sampling_defaults(config: EngineConfig, model_config: ModelConfig) -> dict[str, Any]:
     """The SamplingParams fields a request that leaves them unset takes from the model (see
-    EngineConfig.generation_config); logged once, as vLLM does, since they change what unset means."""
-    if config.generation_config == "none" or not model_config.sampling_defaults:
+    EngineConfig.generation_config), checked as SamplingParams checks them; logged once, as vLLM does, since
+    they change what unset means."""
+    if config.generation_config != "auto" or not model_config.sampling_defaults:
         return {}
+    defaults = dict(model_config.sampling_defaults)
+    try:
+        SamplingParams(**defaults)
+    except InvalidSamplingParamsError as e:
+        raise ModelLoadError(
+            f"the generation_config.json of {config.model!r} recommends a value a request cannot take: {e}; "
+            "generation_config='none' (--generation-config none) ignores the file"
+        ) from None
     logger.info(
         "sampling defaults from the model's generation_config.json: %s (generation_config='none' ignores them)",
-        model_config.sampling_defaults,
+        defaults,
     )
-    return dict(model_config.sampling_defaults)
+    return defaults
 
 
 class LLMEngine:

@@ -9,9 +9,8 @@ from typing import Any, Literal, overload
 
 import torch
 
-from asyncspec.errors import InvalidSamplingParamsError, ModelLoadError
+from asyncspec.errors import ModelLoadError
 from asyncspec.layers.attention import allocate_paged_kv_cache
-from asyncspec.sampling_params import SamplingParams
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
@@ -40,15 +39,14 @@ _MODEL_TYPES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 _LAYER_TYPES = ("full_attention", "sliding_attention")
-# generation_config.json key -> (SamplingParams field, transformers' GenerationConfig default): vLLM's
-# `get_diff_sampling_param` keys.
-_GENERATION_SAMPLING_KEYS: dict[str, tuple[str, Any]] = {
-    "temperature": ("temperature", 1.0),
-    "top_p": ("top_p", 1.0),
-    "top_k": ("top_k", 50),
-    "min_p": ("min_p", None),
-    "repetition_penalty": ("repetition_penalty", 1.0),
-    "max_new_tokens": ("max_tokens", None),
+# generation_config.json key -> SamplingParams field: vLLM's `get_diff_sampling_param` keys.
+_GENERATION_SAMPLING_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
 }
 _QWEN_MAX_WINDOW_LAYERS_DEFAULT = 28
 
@@ -104,9 +102,8 @@ class ModelConfig:
     torch_dtype: str | None = None
     """The checkpoint's dtype as written in config.json, if given."""
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
-    """The sampling parameters generation_config.json recommends (SamplingParams names: temperature, top_p,
-    top_k, min_p, repetition_penalty, max_tokens), as vLLM reads them: only those it sets to other than
-    transformers' defaults."""
+    """The sampling parameters generation_config.json sets (under SamplingParams names: temperature, top_p,
+    top_k, min_p, repetition_penalty, max_tokens), as written: unchecked until the engine takes them."""
     model_type: str | None = None
     """The config.json model_type, for information."""
 
@@ -162,8 +159,10 @@ class ModelConfig:
             return cls._from_dict(cfg, generation_config, source)
         except ModelLoadError:
             raise
+        except _NamedValueError as e:
+            raise ModelLoadError(f"{source}: {e}") from None
         except (TypeError, ValueError) as e:
-            # A null or a string where a number belongs: the key is not known here, the file is.
+            # A value of a key read without _number: the key is not known here, the file is.
             raise ModelLoadError(f"{source}: a value has the wrong type or is null: {e}") from None
 
     @classmethod
@@ -202,8 +201,8 @@ class ModelConfig:
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: required key {e.args[0]!r} is missing") from None
-        kv_heads = cfg.get("num_key_value_heads") or heads
-        head_dim = cfg.get("head_dim") or _HEAD_DIM_DEFAULTS.get(arch) or hidden // heads
+        kv_heads = _number(int, "num_key_value_heads", cfg.get("num_key_value_heads") or heads)
+        head_dim = _number(int, "head_dim", cfg.get("head_dim") or _HEAD_DIM_DEFAULTS.get(arch) or hidden // heads)
         if heads % kv_heads != 0:
             raise ModelLoadError(
                 f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
@@ -211,20 +210,24 @@ class ModelConfig:
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ModelLoadError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
-        max_pos = int(_value_or(cfg, "max_position_embeddings", _MAX_POSITION_DEFAULTS.get(arch, 2048)))
+        max_pos = _number(
+            int,
+            "max_position_embeddings",
+            _value_or(cfg, "max_position_embeddings", _MAX_POSITION_DEFAULTS.get(arch, 2048)),
+        )
         rope_theta, rope_scaling = _parse_rope(cfg, max_pos, source)
 
         is_qwen2, is_qwen3 = arch == "Qwen2ForCausalLM", arch == "Qwen3ForCausalLM"
         attn_bias = True if is_qwen2 else arch in _TAKES_ATTENTION_BIAS and bool(cfg.get("attention_bias", False))
         sliding, layer_types = _parse_sliding_window(cfg, arch, int(cfg["num_hidden_layers"]), source)
         eos = _merge_ids(cfg.get("eos_token_id"), (generation_config or {}).get("eos_token_id"))
-        sampling_defaults = _sampling_defaults(generation_config or {}, source)
+        sampling_defaults = _sampling_defaults(generation_config or {})
         return cls(
             architecture=arch,
             **kwargs,
             num_key_value_heads=int(kv_heads),
             head_dim=int(head_dim),
-            rms_norm_eps=float(_value_or(cfg, "rms_norm_eps", 1e-6)),
+            rms_norm_eps=_number(float, "rms_norm_eps", _value_or(cfg, "rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
@@ -244,20 +247,30 @@ class ModelConfig:
         )
 
 
-def _sampling_defaults(generation_config: dict[str, Any], source: str) -> dict[str, Any]:
-    """generation_config.json's sampling keys under SamplingParams' names, validated as SamplingParams does. As
-    vLLM (`--generation-config auto`), a value equal to transformers' GenerationConfig default is not taken (its
-    top_k of 50 included), nor a null."""
-    defaults: dict[str, Any] = {}
-    for key, (name, hf_default) in _GENERATION_SAMPLING_KEYS.items():
-        value = generation_config.get(key)
-        if value is not None and value != hf_default:
-            defaults[name] = value
-    try:
-        SamplingParams(**defaults)
-    except InvalidSamplingParamsError as e:
-        raise ModelLoadError(f"generation_config.json beside {source}: {e}") from None
-    return defaults
+def _sampling_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
+    """generation_config.json's sampling keys under SamplingParams' names, those it sets (not null), unchecked:
+    the engine checks them where it takes them (generation_config="auto"). As vLLM reads the file under
+    transformers 5, whose GenerationConfig defaults are all None: a top_k of 50 written there is taken."""
+    return {
+        name: generation_config[key]
+        for key, name in _GENERATION_SAMPLING_KEYS.items()
+        if generation_config.get(key) is not None
+    }
+
+
+class _NamedValueError(ValueError):
+    """A config.json value of the wrong type, its key named."""
+
+
+def _number(kind: type[int] | type[float], key: str, value: Any) -> Any:
+    """`value` as an int or a float (an integral float taken as an int), or a _NamedValueError naming `key`."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _NamedValueError(f"{key} must be a number, got {value!r}")
+    if kind is int:
+        if value != int(value):
+            raise _NamedValueError(f"{key} must be an integer, got {value!r}")
+        return int(value)
+    return float(value)
 
 
 def _value_or(cfg: dict[str, Any], key: str, default: Any) -> Any:
@@ -300,10 +313,11 @@ def _parse_rope(cfg: dict[str, Any], max_pos: int, source: str) -> tuple[float, 
         params = dict(params)
     else:
         params = dict(scaling or {})
-    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    theta = _number(float, "rope_theta", params.pop("rope_theta", _value_or(cfg, "rope_theta", 10000.0)))
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    if float(_value_or(params, "partial_rotary_factor", _value_or(cfg, "partial_rotary_factor", 1.0))) != 1.0:
+    factor = _value_or(params, "partial_rotary_factor", _value_or(cfg, "partial_rotary_factor", 1.0))
+    if _number(float, "partial_rotary_factor", factor) != 1.0:
         raise ModelLoadError(f"{source}: partial_rotary_factor != 1 is not supported")
     if rope_type == "default":
         return theta, None
@@ -343,7 +357,9 @@ def _parse_sliding_window(
             return None, None
         types = cfg.get("layer_types")
         if types is None:
-            start = int(_value_or(cfg, "max_window_layers", _QWEN_MAX_WINDOW_LAYERS_DEFAULT))
+            start = _number(
+                int, "max_window_layers", _value_or(cfg, "max_window_layers", _QWEN_MAX_WINDOW_LAYERS_DEFAULT)
+            )
             types = ["sliding_attention" if i >= start else "full_attention" for i in range(num_layers)]
         if not isinstance(types, list) or len(types) != num_layers or any(t not in _LAYER_TYPES for t in types):
             raise ModelLoadError(

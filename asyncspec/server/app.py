@@ -331,8 +331,10 @@ def _read(path: str | None) -> bytes:
         raise ServerStartError(f"cannot read {path!r}: {e}") from None
 
 
-async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
-    """Runs a server until SIGTERM or SIGINT, then drains; returns the exit status."""
+async def serve(engine_config: EngineConfig, server_config: ServerConfig, exit_process: bool = False) -> int:
+    """Runs a server until SIGTERM or SIGINT, then drains; returns the exit status. A signal while the model
+    loads in this process (engine_process=False) leaves its loading thread running, which the event loop's end
+    would wait for: with `exit_process` (the `asyncspec serve` command) the process then exits at once."""
     server = GenerationServer(engine_config, server_config)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -349,7 +351,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         with contextlib.suppress(asyncio.CancelledError):
             await starting
         await server.stop()
-        if not server_config.engine_process:
+        if exit_process and not server_config.engine_process:
             # The model loads in an executor thread, which nothing can interrupt and the loop's exit would join.
             for handler in logging.getLogger().handlers:
                 handler.flush()
@@ -400,8 +402,8 @@ def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(serve(engine_config, server_config))
-    return uvloop.run(serve(engine_config, server_config))
+        return asyncio.run(serve(engine_config, server_config, exit_process=True))
+    return uvloop.run(serve(engine_config, server_config, exit_process=True))
 
 
 __all__ = ["GenerationServer", "ServerConfig", "ServerStartError", "run", "serve", "pb"]

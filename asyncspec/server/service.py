@@ -29,9 +29,11 @@ from asyncspec.v1 import asyncspec_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 ServingEngine = AsyncEngine | EngineProcessClient
-_MAX_STATUS_MESSAGE = 4096
-"""Characters of a refusal's message sent in its status."""
 """The engine behind the RPCs: in the server's process, or in one of its own (ServerConfig.engine_process)."""
+
+_MAX_STATUS_BYTES = 4096
+"""Bytes a refusal's message may take in its status as gRPC sends it (percent-encoded: a byte outside printable
+ASCII takes three); the client's metadata limit is 16 KiB, past which the call ends RESOURCE_EXHAUSTED."""
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 """asyncspec.v1.Generation: the readiness service name of the health checks."""
@@ -160,10 +162,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     ) -> None:
         """Counts a Generate call refused before it ran, then ends it with `code`."""
         self.metrics.request_refused.labels(reason).inc()
-        if len(message) > _MAX_STATUS_MESSAGE:
-            # Past the client's metadata limit (16 KiB) the call would end RESOURCE_EXHAUSTED instead.
-            message = f"{message[:_MAX_STATUS_MESSAGE]}... ({len(message)} characters)"
-        await context.abort(code, message)
+        await context.abort(code, short_status_message(message))
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:  # noqa: N802
         tokenizer = (await self._engine(context)).engine.tokenizer
@@ -231,3 +230,13 @@ def _checked_decode(
         if not 0 <= t < vocab:
             return (i, t), ""
     return None, tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+
+def short_status_message(message: str, max_bytes: int = _MAX_STATUS_BYTES) -> str:
+    """`message` cut to what takes at most `max_bytes` once percent-encoded as gRPC sends a status message."""
+    size = 0
+    for i, char in enumerate(message):
+        size += 1 if " " <= char <= "~" and char != "%" else 3 * len(char.encode("utf-8", "surrogatepass"))
+        if size > max_bytes:
+            return f"{message[:i]}... ({len(message)} characters)"
+    return message

@@ -637,11 +637,12 @@ class ModelRunner:
     def speculation_step_cost(self) -> StepCost | None:
         """Device seconds of a steady decode step verifying and proposing k drafts for n requests, from the
         graphs' replay times: target verification, plus the draft's catch-up and k - 1 proposal passes. A steady
-        k = 0 step leaves the draft alone (`_skips_draft`), which catches up once its lag reaches max_lag: one
-        pass of max_lag + 1 tokens a request every max_lag steps, priced as a one-token pass plus max_lag times
-        what a second token adds to it (its 2-token graph's time over the 1-token one's). Charging k = 0 a whole
-        draft pass a step kept a GPU-bound batch speculating where k = 0 was faster. None without speculation or
-        graphs (the policy then keeps k fixed)."""
+        k = 0 step leaves the draft alone (`_skips_draft`) until its lag reaches max_lag, and the next step catches
+        up: one pass of max_lag + 1 tokens a request every max_lag + 1 steps, priced as a one-token pass plus
+        max_lag times what a second token adds to it (its 2-token graph's time over the 1-token one's). That
+        errs low where the pass is compute-bound, on the side of k = 0 (the plain engine's speed), which
+        speculation must never fall below; charging k = 0 a whole draft pass a step kept a GPU-bound batch
+        speculating where k = 0 was faster. None without speculation or graphs (the policy then keeps k fixed)."""
         target, draft = self.cuda_graphs, self.draft_cuda_graphs
         if self.spec is None or target is None or not self.config.adaptive_speculation:
             return None
@@ -655,7 +656,7 @@ class ModelRunner:
             if k == 0:
                 one_token = draft.replay_cost(num_decodes, 1)
                 per_token = max(draft.replay_cost(num_decodes, 2) - one_token, 0.0)
-                return seconds + one_token / max_lag + per_token
+                return seconds + (one_token + max_lag * per_token) / (max_lag + 1)
             return seconds + draft.replay_cost(num_decodes, k + 2) + (k - 1) * draft.replay_cost(num_decodes, 1)
 
         return step_cost

@@ -329,3 +329,14 @@ def test_generate_without_params_samples_as_the_models_generation_config_says(tm
         explicit
         != llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0].token_ids
     )
+
+
+@pytest.mark.parametrize("gen,field", [({"temperature": -0.5}, "temperature"), ({"max_new_tokens": 0}, "max_tokens")])
+def test_a_bad_recommendation_in_generation_config_fails_auto_and_none_ignores_it(tmp_path, gen, field):
+    model = bundled_target_with_generation_config(tmp_path / "m", gen)
+    with pytest.raises(
+        ModelLoadError, match=rf"generation_config.json .*SamplingParams.{field}.*generation_config='none'"
+    ):
+        bundled_llm(model=model)
+    for ignore in ("none", "vllm"):  # vLLM's name for it
+        assert bundled_llm(model=model, generation_config=ignore).get_default_sampling_params() == SamplingParams()

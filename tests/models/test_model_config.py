@@ -162,35 +162,26 @@ def test_eos_ids_merge_config_and_generation_config(tmp_path) -> None:
     assert ModelConfig.from_pretrained(path).eos_token_ids == [2, 3]
 
 
-def test_sampling_defaults_read_generation_config_as_vllm(tmp_path) -> None:
-    """Llama-3-Instruct's generation_config.json: its temperature and top_p are taken; do_sample is not a
-    SamplingParams field; top_k 50 and repetition_penalty 1.0 equal transformers' defaults, which vLLM skips;
-    max_new_tokens becomes max_tokens; a null is skipped."""
+def test_sampling_defaults_are_the_sampling_keys_generation_config_sets(tmp_path) -> None:
+    """Llama-3-Instruct's generation_config.json with a top_k: its sampling keys are taken under SamplingParams'
+    names (max_new_tokens as max_tokens), do_sample is not one, a null is not set; vLLM under transformers 5
+    (GenerationConfig defaults all None) takes an explicit top_k of 50 too. Unchecked here: the engine checks
+    them where it takes them."""
     gen = {
         "do_sample": True,
         "temperature": 0.6,
         "top_p": 0.9,
         "top_k": 50,
-        "repetition_penalty": 1.0,
         "min_p": None,
         "max_new_tokens": 100,
         "eos_token_id": [1, 2],
     }
     cfg = ModelConfig.from_pretrained(_write(tmp_path, BASE, gen=gen))
-    assert cfg.sampling_defaults == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 100}
-    cfg = ModelConfig.from_pretrained(_write(tmp_path, BASE, gen={"top_k": 20, "min_p": 0.05}))
-    assert cfg.sampling_defaults == {"top_k": 20, "min_p": 0.05}
+    assert cfg.sampling_defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 50, "max_tokens": 100}
+    cfg = ModelConfig.from_pretrained(_write(tmp_path, BASE, gen={"top_p": 0.0, "repetition_penalty": 1.0}))
+    assert cfg.sampling_defaults == {"top_p": 0.0, "repetition_penalty": 1.0}
     (tmp_path / "generation_config.json").unlink()
     assert ModelConfig.from_pretrained(str(tmp_path)).sampling_defaults == {}
-
-
-@pytest.mark.parametrize(
-    "gen,field",
-    [({"temperature": -0.5}, "temperature"), ({"top_k": "20"}, "top_k"), ({"max_new_tokens": 0}, "max_tokens")],
-)
-def test_a_bad_sampling_value_in_generation_config_is_a_load_error_naming_it(tmp_path, gen, field) -> None:
-    with pytest.raises(ModelLoadError, match=rf"generation_config.json.*SamplingParams.{field}"):
-        ModelConfig.from_pretrained(_write(tmp_path, BASE, gen=gen))
 
 
 @pytest.mark.parametrize(
@@ -199,8 +190,11 @@ def test_a_bad_sampling_value_in_generation_config_is_a_load_error_naming_it(tmp
         ({"vocab_size": None}, "vocab_size must be a positive integer, got None"),
         ({"hidden_size": "64"}, "hidden_size must be a positive integer"),
         ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer, got 0"),
-        ({"rms_norm_eps": "small"}, "wrong type or is null"),
-        ({"max_position_embeddings": [1]}, "wrong type or is null"),
+        ({"rms_norm_eps": "small"}, "rms_norm_eps must be a number, got 'small'"),
+        ({"max_position_embeddings": [1]}, r"max_position_embeddings must be a number, got \[1\]"),
+        ({"max_position_embeddings": 2048.5}, "max_position_embeddings must be an integer, got 2048.5"),
+        ({"num_key_value_heads": "2"}, "num_key_value_heads must be a number"),
+        ({"rope_theta": None, "rope_scaling": {"rope_type": "linear", "factor": 2, "rope_theta": "1e4"}}, "rope_theta"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "'linear' factor must be a positive number, got 0"),
         ({"rope_scaling": {"rope_type": "linear", "factor": None}}, "factor must be a positive number, got None"),
     ],

@@ -392,6 +392,24 @@ def _bad_utf8(message) -> bytes:
     return raw.replace(b"XY", b"\xff\xfe")
 
 
+def test_a_refusal_quoting_a_long_non_ascii_id_stays_invalid_argument(server, prompts):
+    """gRPC percent-encodes a status message (a euro sign takes nine bytes): a refusal that quotes a long id is cut
+    to what the client's metadata limit holds, or the client would read RESOURCE_EXHAUSTED ("retry later")."""
+    stub = server.stub()
+    live = _request(prompts[0], 200)
+    live.request_id = "€" * 3000
+    call = stub.Generate(live)
+    next(call)
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(live))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()[:200]
+        assert "already in use" in e.value.details() or e.value.details().endswith("characters)")
+    finally:
+        call.cancel()
+    _wait_kv_free(server)
+
+
 def test_unparsable_messages_are_invalid_argument(server, prompts):
     """A string field with invalid UTF-8 fails in protobuf's parser, before any servicer runs; grpc alone answers
     UNKNOWN. Every unary-request method says INVALID_ARGUMENT with protobuf's reason, and the server keeps serving."""
@@ -1167,6 +1185,7 @@ def test_a_signal_while_the_model_loads_stops_serve_at_once(engine_process: bool
         pytest.skip("the asyncspec console script is not installed in this environment")
     argv = [str(exe), "serve", "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", "0"]
     argv += ["--metrics-port", "-1", "--engine-process", str(engine_process).lower(), "--num-kv-blocks", "64"]
+    argv += ["--max-model-len", "256"]  # an engine that could start: the signal, not an error, ends the load
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stderr is not None
