@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 _STOP_TIMEOUT_S = 10.0
 """How long `close` waits for a rank to exit by itself before killing it."""
+STORE_DIR_PREFIX = "asyncspec-tp-"
+"""Rendezvous directories are <temp>/asyncspec-tp-<engine pid>-<random>."""
 _START_UP = ("starting", "determine_num_kv_blocks", "initialize_kv_cache")
 """Calls whose AsyncSpecError (a ConfigError: no memory for the KV pool, ...) is raised as itself."""
 
@@ -60,7 +62,7 @@ class TensorParallelExecutor:
         self._graph_stats: dict[str, int] = dict.fromkeys(GRAPH_STATS, 0)
         self._dead: WorkerDiedError | None = None
         self._debug = False
-        self._store_dir = tempfile.mkdtemp(prefix="asyncspec-tp-")
+        self._store_dir = make_store_dir()
         context = mp.get_context("spawn")
         self._conns: list[Connection] = []
         self._procs: list[BaseProcess] = []
@@ -232,7 +234,7 @@ class TensorParallelExecutor:
                     if reply[0] != "error" and rank in pending:
                         values[rank] = reply[1]
                 except (EOFError, OSError):
-                    self._fail(f"rank {rank} exited during {what} ({self._describe(rank)})")
+                    self._fail(self._exit_message(rank, what))
                 except KeyboardInterrupt:
                     if rank not in values:  # a reply read in part, or read and not kept: the pipe is out of step
                         self._interrupted(f"reading rank {rank}'s reply to {what}")
@@ -245,7 +247,7 @@ class TensorParallelExecutor:
             for item in ready:
                 rank = sentinels.get(item) if isinstance(item, int) else None
                 if rank is not None and not self._conns[rank].poll():
-                    self._fail(f"rank {rank} exited during {what} ({self._describe(rank)})")
+                    self._fail(self._exit_message(rank, what))
         return [values[rank] for rank in sorted(values)]
 
     def _interrupted(self, what: str) -> None:
@@ -308,6 +310,17 @@ class TensorParallelExecutor:
         except (EOFError, OSError):
             pass
 
+    def _exit_message(self, rank: int, what: str) -> str:
+        message = f"rank {rank} exited during {what} ({self._describe(rank)})"
+        if what == "starting" and self._procs[rank].exitcode == 1:
+            # It failed before it could report: most often a spawned process importing a script that starts an
+            # engine at import time, whose own error then went to the rank's stderr alone.
+            message += (
+                "; its error is on its stderr. A script that starts an engine with tensor parallelism or "
+                'worker_process must do so under `if __name__ == "__main__":` (each rank imports the script)'
+            )
+        return message
+
     def _describe(self, rank: int) -> str:
         proc = self._procs[rank]
         # Its pipe closes a moment before the kernel reports the exit: wait briefly for the status.
@@ -340,6 +353,37 @@ def check_ranks_agree(outputs: list[ModelRunnerOutput]) -> None:
                     f"tensor-parallel rank {rank} parted from rank 0 in {field}: "
                     f"{getattr(other, field)!r} != {getattr(first, field)!r}"
                 )
+
+
+def make_store_dir() -> str:
+    """A fresh rendezvous directory for the ranks' process group, named by this process's id; first removes those
+    of engine processes that died without stopping their ranks (SIGKILL, a hard exit), which nothing else would."""
+    remove_stale_store_dirs()
+    return tempfile.mkdtemp(prefix=f"{STORE_DIR_PREFIX}{os.getpid()}-")
+
+
+def remove_stale_store_dirs(directory: str | None = None) -> None:
+    """Removes the rendezvous directories under `directory` (the temporary one) whose process has exited."""
+    directory = directory or tempfile.gettempdir()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        owner = name[len(STORE_DIR_PREFIX) :].split("-", 1)[0]
+        if not name.startswith(STORE_DIR_PREFIX) or not owner.isdigit() or _process_exists(int(owner)):
+            continue
+        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
 
 
 def _stop_all(conns: list[Connection], procs: list[BaseProcess], store_dir: str) -> None:

@@ -124,10 +124,17 @@ class RankWorker:
         return summary
 
 
+def _ignore_sigterm(signum: int, frame: object) -> None:
+    logging.getLogger(__name__).info("SIGTERM ignored: the engine process stops this rank")
+
+
 def worker_main(args: WorkerArgs, conn: Connection) -> None:
     """The spawned process's entry point. Replies are ("ok", value) or ("error", exception, text)."""
-    # Ctrl-C reaches the whole process group: the engine process decides when ranks stop.
+    # Ctrl-C, and a supervisor's SIGTERM to the whole process group (systemd's control-group kill, supervisord's
+    # stopasgroup), reach the ranks too: the engine process decides when they stop, after the server's drain.
+    # A handler, not SIG_IGN, for SIGTERM: an ignored signal stays ignored in what a rank execs (compile workers).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _ignore_sigterm)
     _exit_with_the_engine()
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s rank{args.rank} %(name)s: %(message)s")
     try:

@@ -9,6 +9,8 @@ import asyncio
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -17,7 +19,12 @@ import torch
 from asyncspec import LLM, SamplingParams
 from asyncspec.engine.async_engine import AsyncEngine
 from asyncspec.errors import ConfigError, EngineDeadError, ModelLoadError, WorkerDiedError
-from asyncspec.worker.tp_executor import TensorParallelExecutor
+from asyncspec.worker.tp_executor import (
+    STORE_DIR_PREFIX,
+    TensorParallelExecutor,
+    make_store_dir,
+    remove_stale_store_dirs,
+)
 from tests.conftest import TARGET_MODEL, load_prompts
 from tests.engine.engine_helpers import assert_kv_free
 from tests.engine.test_tiny_families import _TINY, FAMILIES
@@ -107,6 +114,64 @@ def test_tiny_family_tp2_equals_tp1(family, tmp_path) -> None:
     with LLM(str(tmp_path), skip_tokenizer_init=True, tensor_parallel_size=2, **kwargs) as llm:
         assert _greedy(llm, prompts, 16) == reference
         assert_kv_free(llm.stats())
+
+
+@pytest.mark.parametrize(
+    "processes", [dict(tensor_parallel_size=2), dict(worker_process=True)], ids=["tp2", "worker-process"]
+)
+def test_a_sigterm_to_the_ranks_leaves_them_to_the_engine(processes) -> None:
+    """A supervisor's SIGTERM to the whole process group (systemd, supervisord's stopasgroup) reaches the ranks
+    while the server drains: they keep serving until the engine stops them, as the engine process does."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [p[:30] for p in load_prompts(2)]
+    with LLM(str(TARGET_MODEL), **BUNDLED) as single:
+        reference = [o.token_ids for o in single.generate(prompts, params)]
+    with LLM(str(TARGET_MODEL), **BUNDLED, **processes) as llm:
+        pids = _pids(_executor(llm))
+        llm.generate(prompts[:1], params)  # every rank started and stepped
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == reference
+    _assert_gone(pids)
+
+
+def test_a_script_without_a_main_guard_is_told_what_to_add(tmp_path) -> None:
+    """Each spawned rank imports the main script: one that starts the engine at import time makes the rank fail
+    before it can report, and the error says what to change (as vLLM warns)."""
+    script = tmp_path / "no_guard.py"
+    script.write_text(
+        "from asyncspec import LLM\n"
+        f"llm = LLM({str(TARGET_MODEL)!r}, device='cpu', dtype='float32', max_model_len=256, num_kv_blocks=32,"
+        " tensor_parallel_size=2)\n"
+    )
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert "WorkerDiedError" in last and 'if __name__ == "__main__":' in last, last
+
+
+def test_rendezvous_directories_of_dead_engines_are_removed(tmp_path) -> None:
+    """An engine killed hard (SIGKILL, os._exit) leaves its ranks' rendezvous directory behind; the next one
+    started removes those whose process has exited, and no other."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    names = {
+        "dead": f"{STORE_DIR_PREFIX}{dead.pid}-abc",
+        "alive": f"{STORE_DIR_PREFIX}{os.getpid()}-def",
+        "old-style": f"{STORE_DIR_PREFIX}h9n0tir_",
+        "other": f"other-{dead.pid}-x",
+    }
+    for name in names.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "store").write_text("x")
+    remove_stale_store_dirs(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(v for k, v in names.items() if k != "dead")
+    store = make_store_dir()
+    try:
+        assert os.path.basename(store).startswith(f"{STORE_DIR_PREFIX}{os.getpid()}-")
+    finally:
+        shutil.rmtree(store)
 
 
 @pytest.mark.parametrize(
