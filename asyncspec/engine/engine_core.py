@@ -81,9 +81,9 @@ def _make_runner(
 class EngineCore:
     """Owns the scheduler and the worker; `step()` runs one schedule → execute → update cycle."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig | None = None) -> None:
         self.config = config
-        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.model_config = model_config if model_config is not None else ModelConfig.from_pretrained(config.model)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(

@@ -67,8 +67,9 @@ class LLMEngine:
         self.config = config
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer_path)
         # Before the model loads (on every rank): a bad recommendation fails in a moment, not after minutes.
-        self.sampling_defaults = sampling_defaults(config, ModelConfig.from_pretrained(config.model))
-        self.engine_core = EngineCore(config)
+        model_config = ModelConfig.from_pretrained(config.model)
+        self.sampling_defaults = sampling_defaults(config, model_config)
+        self.engine_core = EngineCore(config, model_config)
         self.model_config = self.engine_core.model_config
         self.max_model_len = self.engine_core.max_model_len
         self.vocab_size = self.model_config.vocab_size
