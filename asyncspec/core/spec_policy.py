@@ -319,7 +319,12 @@ class SpeculationPolicy:
         there at every k, and a plain step's says little of it (multi-step plans share theirs): at 128
         requests on an H200 it was 400-650 us at each of k = 1, 2 and 4 against about 0 at k = 0, and a k
         priced at 0 was switched to at once and left again. Else the largest observed at a smaller steady k
-        (host work grows with k), else 0."""
+        (host work grows with k), else 0.
+
+        k = 0 before its own steady steps: that of the smallest speculating k observed, an upper bound (a plain
+        step's host work is part of a speculating one's) until a probe measures it. Priced at 0 instead, an unseen
+        k = 0 looked free where the host sets the pace: at batch 1 on an H100 the bundled pair left k = 1 for it
+        and kept it for whole generates, 7-16 % slower than speculating (2026-12-07)."""
         if (k, k) in self._host_samples:
             return _low_quantile(self._host_samples[k, k])
         steady = {j: _low_quantile(v) for (j, n), v in self._host_samples.items() if j == n}
@@ -328,7 +333,9 @@ class SpeculationPolicy:
             above = [j for j in steady if j > k]
             if below or above:
                 return steady[max(below) if below else min(above)]
-        return max((t for j, t in steady.items() if j < k), default=0.0)
+            return max((t for j, t in steady.items() if j < k), default=0.0)
+        speculating = [j for j in steady if j > 0]
+        return steady[min(speculating)] if speculating else 0.0
 
     def observe_step(self, num_decodes: int, k: int, seconds: float, num_proposals: int | None = None) -> None:
         """A decode step's wall time, verifying k drafts and proposing `num_proposals` (default k):

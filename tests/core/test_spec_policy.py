@@ -365,6 +365,29 @@ def test_an_unseen_k_is_not_priced_at_a_plain_steps_host_time():
     assert policy.choose(8) == 4
 
 
+def test_an_unseen_k_0_is_not_priced_as_free_on_the_host():
+    """Before its own steady steps, k = 0 is charged the host time of the smallest speculating k seen, not 0.
+    At batch 1 the host sets the pace: the bundled pair on an H100 (2026-12-07) switched from k = 1 to an unseen
+    k = 0, device-priced below a speculating step and free on the host, and kept it for a whole generate. Here
+    k = 1's runs emit 1.8 tokens in 0.15 ms of device and 0.15 ms of host time; k = 0 costs 0.12 ms of device."""
+
+    def batch_1(num_decodes: int, k: int) -> float:
+        return 1.2e-4 if k == 0 else 1.5e-4
+
+    policy = SpeculationPolicy(4, step_cost=batch_1, choices=[0, 1], probe_interval=0)
+    for step in range(20):
+        policy.observe_emitted(1, 1 if step % 5 == 0 else 2)
+        policy.observe_step(1, 1, 1.5e-4 + 1.5e-4)
+    assert policy.tokens_per_run(1) == pytest.approx(1.8, abs=0.01)
+    assert policy.host_seconds(0) == pytest.approx(1.5e-4)
+    assert policy.choose(1) == 1  # 1.8 tokens / 0.3 ms against 1 / 0.27 ms (priced free on the host: 1 / 0.12 ms)
+    # Its own steady steps price it: a plain step of 0.02 ms on the host makes it the fastest.
+    for _ in range(4):
+        policy.observe_step(1, 0, 1.2e-4 + 0.2e-4, num_proposals=0)
+    assert policy.host_seconds(0) == pytest.approx(0.2e-4)
+    assert policy.choose(1) == 0  # 1 / 0.14 ms against 1.8 / 0.3 ms
+
+
 def test_speculation_backs_off_under_load_and_returns():
     policy = SpeculationPolicy(4, step_cost=compute_bound)
     _feed(policy, 0.6, 300)
@@ -435,9 +458,10 @@ def test_host_time_is_charged_to_the_steady_pair():
     policy = SpeculationPolicy(4, step_cost=memory_bound, choices=[0, 4])
     _feed(policy, 0.5, 300)
     for _ in range(5):
-        policy.observe_step(8, 0, 1e-3 + 4e-3, num_proposals=4)  # a transition step: four draft passes
+        policy.observe_step(8, 0, 1e-3 + 6e-3, num_proposals=4)  # a transition step: four draft passes
         policy.observe_step(8, 4, 1e-3 + 4e-3)
-    assert policy.host_seconds(0) == 0.0  # no steady k = 0 step seen yet
+    # No steady k = 0 step seen yet: the speculating steps' host time, not the transition's.
+    assert policy.host_seconds(0) == pytest.approx(4e-3)
     policy.observe_step(8, 0, 1e-3 + 1e-4, num_proposals=0)
     assert policy.host_seconds(0) == pytest.approx(1e-4)
     assert policy.host_seconds(4) == pytest.approx(4e-3)
