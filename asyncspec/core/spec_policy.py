@@ -324,7 +324,7 @@ class SpeculationPolicy:
         k = 0 before its own steady steps: that of the smallest speculating k observed, an upper bound (a plain
         step's host work is part of a speculating one's) until a probe measures it. Priced at 0 instead, an unseen
         k = 0 looked free where the host sets the pace: at batch 1 on an H100 the bundled pair left k = 1 for it
-        and kept it for whole generates, 7-16 % slower than speculating (2026-12-07)."""
+        and kept it for whole generates (9 % slower on the median of nine trials, 16 % in the worst; 2026-12-07)."""
         if (k, k) in self._host_samples:
             return _low_quantile(self._host_samples[k, k])
         steady = {j: _low_quantile(v) for (j, n), v in self._host_samples.items() if j == n}
