@@ -119,6 +119,8 @@
 #          the 8B's with and without: ~4 min (H200 2026-12-06: 1B b8 -6.9 %, b32 -4.0 %; b2 +7.6 % from one row)
 #   fold-window  the 1B's 32-stream steady window without and with the fold, alternated twice, then where the folded
 #          step's time goes with PDL off (profile_step.py --streams 32): ~2 min
+# REQUIRE_GPU=H200 (any part of the card's name) runs nothing and exits 3 on another card: a request for an H200
+# that an H100 answers then costs only the machine's start (issue 8's goals are set on an H200).
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
 # their wheels; the device README says how).
 set -uo pipefail
@@ -126,6 +128,12 @@ out=${OUT:-/tmp/pending}
 mkdir -p "$out"
 parts=${PARTS:-tests}
 [ -e asyncspec/kernels ] || ln -s ../kernels asyncspec/kernels
+gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+echo "GPU: ${gpu_name:-none}"
+if [ -n "${REQUIRE_GPU:-}" ] && [[ "$gpu_name" != *"$REQUIRE_GPU"* ]]; then
+    echo "not the card asked for (REQUIRE_GPU=$REQUIRE_GPU): nothing run"
+    exit 3
+fi
 
 # Each test's outcome goes to $out/pytest_$1.log as it runs, so a call that runs out still says what passed.
 gpu_tests() {
