@@ -111,9 +111,10 @@ class EngineConfig:
     prefix_sharing_wait_tokens: int = 256
     """With prefix caching: a waiting request whose prompt shares at least this many tokens, past what the cache
     holds, with prompts that running requests are computing (a burst with one system prompt) waits for their
-    blocks, a plan or a few, and hits them, rather than compute the same tokens; the requests behind it go on.
-    The wait costs it about two steps of time to first token, worth it where computing the shared tokens again
-    costs as much (a few hundred tokens on a GPU). 0 admits it at once (it computes them again)."""
+    blocks, a plan or a few, and hits them, rather than compute the same tokens; it keeps its slot in the batch, and
+    the requests behind it go on in the slots left. The wait costs it about two steps of time to first token, worth
+    it where computing the shared tokens again costs as much (a few hundred tokens on a GPU). 0 admits it at once
+    (it computes them again)."""
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     """"fcfs" serves in arrival order; "priority" serves lower `priority` values first."""
     max_num_waiting: int = 4096

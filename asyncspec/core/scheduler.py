@@ -360,7 +360,9 @@ class Scheduler:
             self._admission_deferrals = 0
             sharing_waits: list[Request] = []
             try:
-                while self.waiting and token_budget > 0 and len(self.running) < cfg.max_num_seqs:
+                # A request set aside for a shared prefix keeps its slot in the batch: given to the requests behind
+                # it, a full batch left it waiting for one of them to finish (a whole generation, not a plan or two).
+                while self.waiting and token_budget > 0 and len(self.running) + len(sharing_waits) < cfg.max_num_seqs:
                     request = self.waiting.peek()
                     if request.num_computed_tokens == 0 and cfg.enable_prefix_caching:
                         computed_blocks, num_hit = kv.get_computed_blocks(request)
@@ -372,10 +374,10 @@ class Scheduler:
                         if wait_tokens and kv.num_pending_shared_tokens(request, num_hit) >= wait_tokens:
                             # Another request is computing this prompt's next blocks (admitted in this plan, or
                             # in one whose step has not retired): they are registered, and hit, a plan or a few later.
+                            # At most the batch's free slots are set aside: a burst of thousands with one prompt
+                            # leaves the rest unexamined.
                             sharing_waits.append(self.waiting.pop())
                             self.stats.num_prefix_sharing_waits += 1
-                            if len(sharing_waits) >= cfg.max_num_seqs:
-                                break  # a burst of thousands with one prompt: the rest wait unexamined
                             continue
                     else:
                         computed_blocks, num_hit = [], 0

@@ -1,6 +1,7 @@
 """Prompts that share a prefix, arriving together (SchedulerConfig.prefix_sharing_wait_tokens): a waiting request
 whose next prompt blocks another request is computing waits for them to be registered and hits them, rather than
-compute them a second time; the requests behind it are admitted meanwhile, and the tokens are the same."""
+compute them a second time; it keeps its slot in the batch, the requests behind it are admitted meanwhile into the
+slots left, and the tokens are the same."""
 
 from __future__ import annotations
 
@@ -118,8 +119,8 @@ def test_a_long_prompt_in_chunks_is_waited_for_chunk_by_chunk():
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_requests_that_wait_keep_their_places(policy):
-    """b waits for a's blocks while e and f, behind it, are admitted and fill the batch; g arrives later. When e
-    ends, b takes its slot, not g."""
+    """b waits for a's blocks and keeps its slot: e, behind it, takes the last free one, and f waits. The next plan
+    admits b with the hit; f, then g (arrived later), follow as slots free up."""
     s = _scheduler(16, policy=policy, max_num_seqs=3)
     s.add_request(make_request("a", SHARED + [1], temperature=0.0, max_tokens=30, arrival_time=1.0))
     s.add_request(make_request("b", SHARED + [2], temperature=0.0, max_tokens=30, arrival_time=2.0))
@@ -127,27 +128,52 @@ def test_requests_that_wait_keep_their_places(policy):
     s.add_request(make_request("f", 8, temperature=0.0, max_tokens=30, arrival_time=4.0))
     runner = FakeRunner(s)
     first, _ = step(s, runner)
-    assert [r.request_id for r in first.scheduled_new_reqs] == ["a", "e", "f"]
+    assert [r.request_id for r in first.scheduled_new_reqs] == ["a", "e"]
     s.add_request(make_request("g", 8, temperature=0.0, max_tokens=30, arrival_time=5.0))
-    assert [r.request_id for r in s.waiting] == ["b", "g"]
+    assert [r.request_id for r in s.waiting] == ["b", "f", "g"]
+    second, _ = step(s, runner)
+    assert [(r.request_id, r.num_computed_tokens) for r in second.scheduled_new_reqs] == [("b", 32)]
     while "e" in s.requests:
         so, _ = step(s, runner)
         assert not so.scheduled_new_reqs
     so, _ = step(s, runner)
-    assert [(r.request_id, r.num_computed_tokens) for r in so.scheduled_new_reqs] == [("b", 32)]
+    assert [r.request_id for r in so.scheduled_new_reqs] == ["f"]
     assert [r.request_id for r in s.waiting] == ["g"]
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_request_waiting_for_a_prefix_is_not_left_behind_by_a_full_batch(policy):
+    """The batch holds two. w waits for a's blocks; x, behind it (and of lower priority), must not take the slot
+    w is waiting to fill, or w would wait for a or x to finish (100 steps) instead of a plan or two."""
+    s = _scheduler(16, policy=policy, max_num_seqs=2)
+    s.add_request(make_request("a", SHARED + [1], temperature=0.0, max_tokens=100))
+    s.add_request(make_request("w", SHARED + [2], temperature=0.0, max_tokens=3))
+    s.add_request(make_request("x", 8, temperature=0.0, max_tokens=100, priority=1))
+    runner = FakeRunner(s)
+    first_token: dict[str, int] = {}
+    for i in range(1, 200):
+        so, outputs = step(s, runner)
+        for output in outputs:
+            if output.new_token_ids:
+                first_token.setdefault(output.request_id, i)
+        if "w" in first_token:
+            break
+    assert first_token["w"] <= 3, first_token
+    assert "x" not in first_token  # admitted after w finishes, not before w's first token
+    assert s.stats.num_prefix_sharing_waits >= 1
+
+
 def test_a_plan_examines_at_most_a_batch_of_waiting_requests_sharing_a_prefix():
-    """Two hundred requests with one prompt arrive together: the plan admits the first, sets max_num_seqs (16)
-    aside to wait for its blocks and looks no further; the next plan admits those 16 with the hit."""
+    """Two hundred requests with one prompt arrive together: the plan admits the first, sets aside as many as the
+    batch has free slots (15 of max_num_seqs 16) to wait for its blocks and looks no further; the next plan admits
+    those 15 with the hit."""
     s = _scheduler(16)
     for i in range(200):
         s.add_request(make_request(f"r{i}", SHARED + [i % 50 + 1], temperature=0.0, max_tokens=2))
     runner = FakeRunner(s)
     first, _ = step(s, runner)
     assert [r.request_id for r in first.scheduled_new_reqs] == ["r0"]
-    assert s.stats.num_prefix_sharing_waits == 16
+    assert s.stats.num_prefix_sharing_waits == 15
     assert [r.request_id for r in s.waiting][:3] == ["r1", "r2", "r3"]
     second, _ = step(s, runner)
     assert [(r.request_id, r.num_computed_tokens) for r in second.scheduled_new_reqs] == [
@@ -168,8 +194,8 @@ def test_priority_ties_keep_their_order_through_sharing_waits():
     for _ in range(4):
         step(s, runner)
         orders.append([r.request_id for r in s.waiting])
-    assert orders[0] == ["b", "c", "d"]  # e, behind them, was admitted
-    assert orders[1:] == [["d"]] * 3  # two slots free for three: b and c first
+    assert orders[0] == ["b", "c", "d", "e"]  # the three set aside hold the batch's free slots: e waits behind them
+    assert orders[1:] == [["e"]] * 3  # b, c and d admitted in their order; e waits for a slot
 
 
 def test_requests_set_aside_are_back_in_the_queue_if_planning_fails(monkeypatch):
