@@ -127,13 +127,13 @@ set -uo pipefail
 out=${OUT:-/tmp/pending}
 mkdir -p "$out"
 parts=${PARTS:-tests}
-[ -e asyncspec/kernels ] || ln -s ../kernels asyncspec/kernels
 gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 echo "GPU: ${gpu_name:-none}"
 if [ -n "${REQUIRE_GPU:-}" ] && [[ "$gpu_name" != *"$REQUIRE_GPU"* ]]; then
     echo "not the card asked for (REQUIRE_GPU=$REQUIRE_GPU): nothing run"
     exit 3
 fi
+[ -e asyncspec/kernels ] || ln -s ../kernels asyncspec/kernels
 
 # Each test's outcome goes to $out/pytest_$1.log as it runs, so a call that runs out still says what passed.
 gpu_tests() {
