@@ -80,7 +80,8 @@ class EngineConfig:
     """"auto": the sampling parameters the model's generation_config.json recommends (temperature, top_p, top_k,
     min_p, repetition_penalty, max_new_tokens) are the defaults of requests that leave them unset (a gRPC field
     not set; `LLM.generate` without sampling params), as vLLM's `--generation-config auto`. "none" (or vLLM's
-    name for it, "vllm"): the engine's own defaults (temperature 1, no truncation)."""
+    name for it, "vllm"): the engine's own defaults (temperature 1, no truncation); a generation_config.json that
+    cannot be read stops "auto" at start-up and is ignored (with a warning) otherwise."""
     load_format: Literal["safetensors", "dummy"] = "safetensors"
     """"dummy" initialises random weights of the model's config (benchmarks of large shapes)."""
     skip_tokenizer_init: bool = False

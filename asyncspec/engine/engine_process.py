@@ -413,6 +413,8 @@ class EngineProcessClient:
             self._raise_if_dead()
         if request_id in self._streams:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
+        # The awaits above let the reader's exit callback run: a stream registered after it would never end.
+        self._raise_if_dead()
         try:
             add = pickle.dumps(("add", request_id, prompt, sampling_params, priority))
         except Exception as e:  # noqa: BLE001 - whatever cannot be pickled cannot reach the engine

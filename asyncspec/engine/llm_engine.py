@@ -43,6 +43,13 @@ def sampling_defaults(config: EngineConfig, model_config: ModelConfig) -> dict[s
     """The SamplingParams fields a request that leaves them unset takes from the model (see
     EngineConfig.generation_config), checked as SamplingParams checks them; logged once, as vLLM does, since
     they change what unset means."""
+    if model_config.generation_config_error is not None:
+        if config.generation_config == "auto":
+            raise ModelLoadError(
+                f"{model_config.generation_config_error}; generation_config='none' (--generation-config none) "
+                "ignores the file"
+            )
+        logger.warning("ignoring the model's generation_config.json: %s", model_config.generation_config_error)
     if config.generation_config != "auto" or not model_config.sampling_defaults:
         return {}
     defaults = dict(model_config.sampling_defaults)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, overload
 
 import torch
@@ -106,6 +106,10 @@ class ModelConfig:
     top_k, min_p, repetition_penalty, max_tokens), as written: unchecked until the engine takes them."""
     model_type: str | None = None
     """The config.json model_type, for information."""
+    generation_config_error: str | None = None
+    """Why generation_config.json, present, could not be read (not JSON, not an object); None when it was read
+    or is absent. The engine refuses to start on it where it would take the file's sampling defaults
+    (generation_config="auto") and ignores the file otherwise, as vLLM does."""
 
     def kv_heads_per_rank(self, tensor_parallel_size: int = 1) -> int:
         """KV heads one tensor-parallel rank holds (one replicated head when there are more ranks
@@ -147,16 +151,25 @@ class ModelConfig:
             raise ModelLoadError(f"model directory {path!r} does not exist or is not a directory")
         cfg_path = os.path.join(path, "config.json")
         cfg = _read_json(cfg_path, required=True)
-        gen = _read_json(os.path.join(path, "generation_config.json"), required=False) or {}
-        return cls.from_dict(cfg, generation_config=gen, source=cfg_path)
+        gen_path = os.path.join(path, "generation_config.json")
+        try:
+            gen = _read_json(gen_path, required=False) or {}
+        except ModelLoadError as e:
+            return replace(cls.from_dict(cfg, source=cfg_path), generation_config_error=str(e))
+        return cls.from_dict(cfg, generation_config=gen, source=cfg_path, generation_source=gen_path)
 
     @classmethod
     def from_dict(
-        cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None, source: str = "config.json"
+        cls,
+        cfg: dict[str, Any],
+        generation_config: dict[str, Any] | None = None,
+        source: str = "config.json",
+        generation_source: str = "generation_config.json",
     ) -> ModelConfig:
-        """Build from an already parsed config.json dict; `source` names it in errors."""
+        """Build from an already parsed config.json dict; `source` names it in errors (`generation_source` the
+        generation config)."""
         try:
-            return cls._from_dict(cfg, generation_config, source)
+            return cls._from_dict(cfg, generation_config, source, generation_source)
         except ModelLoadError:
             raise
         except _NamedValueError as e:
@@ -166,7 +179,9 @@ class ModelConfig:
             raise ModelLoadError(f"{source}: a value has the wrong type or is null: {e}") from None
 
     @classmethod
-    def _from_dict(cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None, source: str) -> ModelConfig:
+    def _from_dict(
+        cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None, source: str, generation_source: str
+    ) -> ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
             raise ModelLoadError(f"{source}: no 'architectures' entry; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -201,8 +216,10 @@ class ModelConfig:
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: required key {e.args[0]!r} is missing") from None
-        kv_heads = _number(int, "num_key_value_heads", cfg.get("num_key_value_heads") or heads)
-        head_dim = _number(int, "head_dim", cfg.get("head_dim") or _HEAD_DIM_DEFAULTS.get(arch) or hidden // heads)
+        kv_heads = _number(int, "num_key_value_heads", cfg.get("num_key_value_heads") or heads, minimum=1)
+        head_dim = _number(
+            int, "head_dim", cfg.get("head_dim") or _HEAD_DIM_DEFAULTS.get(arch) or hidden // heads, minimum=1
+        )
         if heads % kv_heads != 0:
             raise ModelLoadError(
                 f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
@@ -214,20 +231,26 @@ class ModelConfig:
             int,
             "max_position_embeddings",
             _value_or(cfg, "max_position_embeddings", _MAX_POSITION_DEFAULTS.get(arch, 2048)),
+            minimum=1,
         )
         rope_theta, rope_scaling = _parse_rope(cfg, max_pos, source)
 
         is_qwen2, is_qwen3 = arch == "Qwen2ForCausalLM", arch == "Qwen3ForCausalLM"
         attn_bias = True if is_qwen2 else arch in _TAKES_ATTENTION_BIAS and bool(cfg.get("attention_bias", False))
         sliding, layer_types = _parse_sliding_window(cfg, arch, int(cfg["num_hidden_layers"]), source)
-        eos = _merge_ids(cfg.get("eos_token_id"), (generation_config or {}).get("eos_token_id"))
+        eos = _token_ids("eos_token_id", cfg.get("eos_token_id"))
+        try:
+            generation_eos = _token_ids("eos_token_id", (generation_config or {}).get("eos_token_id"))
+        except _NamedValueError as e:
+            raise ModelLoadError(f"{generation_source}: {e}") from None
+        eos += [token for token in generation_eos if token not in eos]
         sampling_defaults = _sampling_defaults(generation_config or {})
         return cls(
             architecture=arch,
             **kwargs,
             num_key_value_heads=int(kv_heads),
             head_dim=int(head_dim),
-            rms_norm_eps=_number(float, "rms_norm_eps", _value_or(cfg, "rms_norm_eps", 1e-6)),
+            rms_norm_eps=_number(float, "rms_norm_eps", _value_or(cfg, "rms_norm_eps", 1e-6), minimum=0),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
@@ -262,10 +285,13 @@ class _NamedValueError(ValueError):
     """A config.json value of the wrong type, its key named."""
 
 
-def _number(kind: type[int] | type[float], key: str, value: Any) -> Any:
-    """`value` as an int or a float (an integral float taken as an int), or a _NamedValueError naming `key`."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
+def _number(kind: type[int] | type[float], key: str, value: Any, minimum: float | None = None) -> Any:
+    """`value` as an int or a float (an integral float taken as an int), at least `minimum` where given, or a
+    _NamedValueError naming `key`."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
         raise _NamedValueError(f"{key} must be a number, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise _NamedValueError(f"{key} must be at least {minimum}, got {value!r}")
     if kind is int:
         if value != int(value):
             raise _NamedValueError(f"{key} must be an integer, got {value!r}")
@@ -378,10 +404,11 @@ def _checked_window(window: Any, source: str) -> int:
     return window
 
 
-def _merge_ids(*values: Any) -> list[int]:
+def _token_ids(key: str, value: Any) -> list[int]:
+    """A token id or a list of them (null: none), each a non-negative integer, in order without repeats."""
     out: list[int] = []
-    for v in values:
-        for x in v if isinstance(v, list) else ([] if v is None else [v]):
-            if int(x) not in out:
-                out.append(int(x))
+    for x in value if isinstance(value, list) else ([] if value is None else [value]):
+        token = _number(int, key, x, minimum=0)
+        if token not in out:
+            out.append(token)
     return out

@@ -209,6 +209,35 @@ def test_a_killed_engine_process_ends_every_stream_and_tells_the_listeners(promp
         loop.close()
 
 
+def test_an_id_reused_while_the_engine_process_dies_gets_engine_dead_not_a_stream_that_never_ends(prompts):
+    """A client retries with the id of a live stream just as the engine process dies: the death is handled inside
+    the new call's wait for the old stream's finalizer, and the call must then fail, not register a stream that
+    nothing will ever end."""
+    loop = asyncio.new_event_loop()
+    try:
+        dying = loop.run_until_complete(EngineProcessClient.launch(make_config(str(TARGET_MODEL), **CONFIG)))
+
+        async def run() -> None:
+            first = dying.generate(prompts[0], LONG, request_id="x")
+            await first.__anext__()
+            os.kill(dying.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while not dying._gone and time.monotonic() < deadline:
+                time.sleep(0.01)  # blocks the loop: the reader's exit callback waits for the next await
+            assert dying._gone
+            dying._reader.join(5)
+            second = dying.generate(prompts[0], LONG, request_id="x")
+            with pytest.raises(EngineDeadError):
+                async with asyncio.timeout(10):
+                    await second.__anext__()
+            await first.aclose()
+
+        loop.run_until_complete(run())
+        loop.run_until_complete(dying.shutdown())
+    finally:
+        loop.close()
+
+
 def test_an_engine_that_fails_to_load_is_a_start_error_with_its_message(tmp_path):
     broken = tmp_path / "broken-model"
     shutil.copytree(TARGET_MODEL, broken)

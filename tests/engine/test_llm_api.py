@@ -340,3 +340,17 @@ def test_a_bad_recommendation_in_generation_config_fails_auto_and_none_ignores_i
         bundled_llm(model=model)
     for ignore in ("none", "vllm"):  # vLLM's name for it
         assert bundled_llm(model=model, generation_config=ignore).get_default_sampling_params() == SamplingParams()
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]"])
+def test_an_unreadable_generation_config_fails_auto_and_none_ignores_it(tmp_path, text):
+    """A generation_config.json that is not a JSON object: "auto" would take its sampling defaults, so it refuses to
+    start and names the file; "none" and "vllm" never take them and start without it (vLLM falls back the same)."""
+    model = bundled_target_with_generation_config(tmp_path / "m", {})
+    (tmp_path / "m" / "generation_config.json").write_text(text)
+    with pytest.raises(ModelLoadError, match=r"generation_config.json: .*generation_config='none'"):
+        bundled_llm(model=model)
+    for ignore in ("none", "vllm"):
+        llm = bundled_llm(model=model, generation_config=ignore)
+        assert llm.get_default_sampling_params() == SamplingParams()
+        assert llm.generate("def f(", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0].token_ids

@@ -194,6 +194,14 @@ def test_sampling_defaults_are_the_sampling_keys_generation_config_sets(tmp_path
         ({"max_position_embeddings": [1]}, r"max_position_embeddings must be a number, got \[1\]"),
         ({"max_position_embeddings": 2048.5}, "max_position_embeddings must be an integer, got 2048.5"),
         ({"num_key_value_heads": "2"}, "num_key_value_heads must be a number"),
+        ({"num_key_value_heads": -2}, "num_key_value_heads must be at least 1, got -2"),
+        ({"head_dim": -64}, "head_dim must be at least 1, got -64"),
+        ({"max_position_embeddings": -5}, "max_position_embeddings must be at least 1, got -5"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings must be at least 1, got 0"),
+        ({"rms_norm_eps": -1}, "rms_norm_eps must be at least 0, got -1"),
+        ({"eos_token_id": "</s>"}, "eos_token_id must be a number, got '</s>'"),
+        ({"eos_token_id": [2, 2.5]}, "eos_token_id must be an integer, got 2.5"),
+        ({"eos_token_id": -1}, "eos_token_id must be at least 0, got -1"),
         ({"rope_theta": None, "rope_scaling": {"rope_type": "linear", "factor": 2, "rope_theta": "1e4"}}, "rope_theta"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "'linear' factor must be a positive number, got 0"),
         ({"rope_scaling": {"rope_type": "linear", "factor": None}}, "factor must be a positive number, got None"),
@@ -202,6 +210,23 @@ def test_sampling_defaults_are_the_sampling_keys_generation_config_sets(tmp_path
 def test_nulls_and_wrong_types_are_load_errors_naming_the_file(tmp_path, change, match) -> None:
     with pytest.raises(ModelLoadError, match=f"config.json: .*{match}"):
         ModelConfig.from_pretrained(_write(tmp_path, {**BASE, **change}))
+
+
+@pytest.mark.parametrize("eos", ["</s>", [1, None], True])
+def test_a_bad_eos_id_in_generation_config_is_a_load_error_naming_that_file(tmp_path, eos) -> None:
+    path = _write(tmp_path, BASE, gen={"eos_token_id": eos})
+    with pytest.raises(ModelLoadError, match=r"generation_config.json: eos_token_id must be a number"):
+        ModelConfig.from_pretrained(path)
+
+
+def test_an_unreadable_generation_config_is_recorded_not_raised(tmp_path) -> None:
+    """The engine decides (it refuses under generation_config="auto" only); config.json is still read whole."""
+    path = _write(tmp_path, {**BASE, "eos_token_id": 7})
+    (tmp_path / "generation_config.json").write_text("{not json")
+    cfg = ModelConfig.from_pretrained(path)
+    assert cfg.eos_token_ids == [7] and cfg.sampling_defaults == {}
+    assert "generation_config.json: cannot be read as JSON" in (cfg.generation_config_error or "")
+    assert ModelConfig.from_pretrained(_write(tmp_path, BASE, gen={})).generation_config_error is None
 
 
 def test_a_null_partial_rotary_factor_is_the_default(tmp_path) -> None:
