@@ -148,9 +148,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         except EngineDeadError as e:
             refused = True
             if self._is_draining():  # shut down at the end of a drain: another replica can serve it
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"the server shut down: {e}")
+                await context.abort(grpc.StatusCode.UNAVAILABLE, short_status_message(f"the server shut down: {e}"))
             self._on_engine_dead()
-            await context.abort(grpc.StatusCode.INTERNAL, str(e))
+            await context.abort(grpc.StatusCode.INTERNAL, short_status_message(str(e)))
         finally:
             del self._stream_ids[stream_token]
             if not refused and not timer.finished:

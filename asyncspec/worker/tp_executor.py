@@ -59,6 +59,9 @@ class TensorParallelExecutor:
         """Their replies so far."""
         self._last_collected: tuple[StepHandle, ModelRunnerOutput] | None = None
         """The last step collected and its output."""
+        self._abandoned: tuple[list[int], str, dict[int, Any]] | None = None
+        """A command other than collect whose wait for replies was interrupted (Ctrl-C): its ranks, name and the
+        replies read so far. The rest come first in the pipes, and the next reader drops them."""
         self._graph_stats: dict[str, int] = dict.fromkeys(GRAPH_STATS, 0)
         self._dead: WorkerDiedError | None = None
         self._debug = False
@@ -128,6 +131,7 @@ class TensorParallelExecutor:
         if not self._handles or self._handles[0] is not handle:
             raise RuntimeError("steps must be collected in the order they were launched")
         wait_start = time.perf_counter()
+        self._drop_abandoned()
         self._ask_collect()
         assert self._collect_ranks is not None
         replies = self._replies(self._collect_ranks, "collect", self._collect_replies)
@@ -190,14 +194,31 @@ class TensorParallelExecutor:
 
     # -- plumbing -------------------------------------------------------------------------------
     def _call_all(self, method: str, *args: Any) -> list[Any]:
-        self._take_pending_collect()
-        self._send(method, args, "all")
-        return self._replies(range(self.size), method)
+        return self._call(method, args, list(range(self.size)), "all")
 
     def _call_first(self, method: str, *args: Any) -> Any:
+        return self._call(method, args, [0], "first")[0]
+
+    def _call(self, method: str, args: tuple[Any, ...], ranks: list[int], reply: str) -> list[Any]:
+        """Sends a command and waits for the replies of `ranks`. Ctrl-C in that wait leaves the command to the
+        ranks; its replies, whenever they come, are dropped by the next reader (not taken for its own)."""
         self._take_pending_collect()
-        self._send(method, args, "first")
-        return self._replies([0], method)[0]
+        self._drop_abandoned()
+        self._send(method, args, reply)
+        values: dict[int, Any] = {}
+        try:
+            return self._replies(ranks, method, values)
+        except KeyboardInterrupt:
+            if self._dead is None:
+                self._abandoned = (ranks, method, values)
+            raise
+
+    def _drop_abandoned(self) -> None:
+        """Reads and drops the replies of an interrupted command (`_call`): they come first in the pipes."""
+        if self._abandoned is not None and self._dead is None:
+            ranks, method, values = self._abandoned
+            self._replies(ranks, method, values)
+        self._abandoned = None
 
     def _send(self, method: str, args: tuple[Any, ...], reply: str) -> None:
         self._check_alive()

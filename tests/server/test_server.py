@@ -699,7 +699,9 @@ def test_full_queue_is_resource_exhausted_and_nothing_lost(prompts, engine_proce
         server.stop()
 
 
-def test_engine_fault_ends_streams_with_internal_and_health_not_serving(prompts):
+@pytest.mark.parametrize("detail", ["", " (" + "rank state " * 3000 + ")"], ids=["short", "30k-characters"])
+def test_engine_fault_ends_streams_with_internal_and_health_not_serving(prompts, detail):
+    """A long error (a rank's repr, debug-mode token lists) is cut to fit a status message: INTERNAL still comes."""
     server = ServerThread()
     try:
         core = server.server.engine.engine.engine_core
@@ -709,7 +711,7 @@ def test_engine_fault_ends_streams_with_internal_and_health_not_serving(prompts)
         def failing_step():
             calls["n"] += 1
             if calls["n"] == 4:
-                raise RuntimeError("injected device fault")
+                raise RuntimeError("injected device fault" + detail)
             return real_step()
 
         core.step = failing_step
@@ -717,6 +719,7 @@ def test_engine_fault_ends_streams_with_internal_and_health_not_serving(prompts)
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(_request(prompts[0], 100), timeout=30))
         assert e.value.code() == grpc.StatusCode.INTERNAL and "injected device fault" in e.value.details()
+        assert len(e.value.details()) < 8192
         _wait_not_ready(server, 5.0)
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(_request(prompts[1], 4), timeout=10))

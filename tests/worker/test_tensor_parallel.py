@@ -451,6 +451,44 @@ def test_ctrl_c_while_a_step_is_collected_leaves_the_engine_usable(monkeypatch, 
         assert_kv_free(llm.stats())
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "processes", [dict(worker_process=True), dict(tensor_parallel_size=2)], ids=["worker-process", "tp2"]
+)
+def test_ctrl_c_while_a_command_waits_for_its_replies_leaves_the_engine_usable(
+    monkeypatch, tmp_path, processes
+) -> None:
+    """As the collect case above, for a command of another kind: Ctrl-C while stop_profile waits for the ranks'
+    replies. They arrive later, and the next call drops them instead of taking them for its own (a step's results,
+    or the next command's)."""
+    from asyncspec.worker import tp_executor
+
+    prompts = [p[:40] for p in load_prompts(2)]
+    with LLM(str(TARGET_MODEL), **BUNDLED) as single:
+        reference = _greedy(single, prompts, 8)
+    with LLM(str(TARGET_MODEL), **processes, **BUNDLED) as llm:
+        executor = _executor(llm)
+        real_wait = tp_executor.wait
+        armed = [True]
+
+        def interrupted_wait(*args, **kw):
+            if armed[0]:
+                armed[0] = False
+                raise KeyboardInterrupt
+            return real_wait(*args, **kw)
+
+        llm.start_profile(tmp_path / "first", with_cpu=False)
+        monkeypatch.setattr(tp_executor, "wait", interrupted_wait)
+        with pytest.raises(KeyboardInterrupt):
+            llm.stop_profile()
+        monkeypatch.setattr(tp_executor, "wait", real_wait)
+        assert _greedy(llm, prompts, 8) == reference
+        llm.start_profile(tmp_path / "second", with_cpu=False)  # a command after the step: its own replies
+        assert len(llm.stop_profile()) == executor.size
+        assert _greedy(llm, prompts, 8) == reference
+        assert_kv_free(llm.stats())
+
+
 def test_a_worker_dead_during_a_collect_fails_every_later_call_the_same_way(monkeypatch) -> None:
     """The worker dies while a step is collected: that generate raises WorkerDiedError, and so does every later
     one (the step it left in flight is not waited for again on closed pipes)."""
