@@ -32,13 +32,14 @@ import logging
 import multiprocessing
 import multiprocessing.util
 import operator
+import os
 import pickle
 import signal
 import threading
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from asyncspec.config import EngineConfig
@@ -90,25 +91,47 @@ def engine_process_main(config: EngineConfig, conn: Connection) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _ignore_signal)  # the server drains, then says "shutdown"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
+    loaded = _exit_if_the_server_dies_while_loading()
     try:
         import uvloop
     except ImportError:
-        asyncio.run(_serve(config, conn))
+        asyncio.run(_serve(config, conn, loaded))
     else:
-        uvloop.run(_serve(config, conn))
+        uvloop.run(_serve(config, conn, loaded))
+
+
+def _exit_if_the_server_dies_while_loading() -> threading.Event:
+    """Ends this process if the server's is gone before the engine has loaded (a SIGKILL, an OOM kill): the load
+    would otherwise run to its end, minutes on a GPU with warm-up, holding the device's memory a restarted server
+    needs. Once `loaded` is set, the pipe's close ends the engine cleanly instead (it stops its own workers)."""
+    loaded = threading.Event()
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return loaded
+    sentinel = parent.sentinel
+
+    def watch() -> None:
+        wait([sentinel])
+        if not loaded.is_set():
+            os._exit(1)
+
+    threading.Thread(target=watch, name="asyncspec-server-watch", daemon=True).start()
+    return loaded
 
 
 def _ignore_signal(signum: int, frame: object) -> None:
     logger.info("engine process: signal %d ignored (the server stops the engine)", signum)
 
 
-async def _serve(config: EngineConfig, conn: Connection) -> None:
+async def _serve(config: EngineConfig, conn: Connection, loaded: threading.Event | None = None) -> None:
     try:
         engine = AsyncEngine(config, step_in_loop_thread=True)
     except BaseException as e:  # noqa: BLE001 - reported to the client, which raises it
         with contextlib.suppress(OSError, ValueError):
             conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
+    if loaded is not None:
+        loaded.set()
     host: _EngineHost | None = None
     try:
         llm = engine.engine

@@ -4,6 +4,7 @@ bundled model). One client serves the module on one event loop; each test leaves
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -262,6 +263,54 @@ def test_the_engine_process_exits_when_its_client_goes_away(prompts):
         loop.run_until_complete(stream.aclose())
     finally:
         loop.close()
+
+
+def test_the_engine_process_exits_when_its_server_is_killed_while_the_model_loads(tmp_path):
+    """The server is SIGKILLed while the engine process loads (here a load that sleeps, as a slow one on a GPU
+    with warm-up): the engine process exits at once instead of finishing the load."""
+    script = tmp_path / "server.py"
+    script.write_text(
+        "import asyncio, multiprocessing, os, signal, sys, threading, time\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
+        "from asyncspec.config import make_config\n"
+        "from asyncspec.engine import async_engine\n"
+        "from asyncspec.engine.engine_process import EngineProcessClient\n"
+        "if __name__ == '__mp_main__':  # the spawned engine process imports this file first\n"
+        "    async_engine.AsyncEngine.__init__ = lambda self, *args, **kwargs: time.sleep(600)\n"
+        "def die():\n"
+        "    time.sleep(2)\n"
+        "    print(*[p.pid for p in multiprocessing.active_children()], flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "if __name__ == '__main__':\n"
+        f"    config = make_config({str(TARGET_MODEL)!r}, **{CONFIG!r})\n"
+        "    threading.Thread(target=die, daemon=True).start()\n"
+        "    asyncio.run(EngineProcessClient.launch(config))\n"
+    )
+    # Files, not pipes: an engine process that outlives the server would hold a pipe open, and reading it to its
+    # end would wait for that process.
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        returncode = subprocess.Popen([sys.executable, str(script)], stdout=stdout, stderr=stderr).wait(timeout=60)
+    assert returncode == -signal.SIGKILL, err.read_text()
+    pids = [int(pid) for pid in out.read_text().split()]
+    assert pids, err.read_text()
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in pids), "the engine process outlived its server while loading"
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_an_abort_right_behind_its_add_is_applied_after_it(loop, client):
