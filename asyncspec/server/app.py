@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 AUTH_TOKEN_ENV = "ASYNCSPEC_AUTH_TOKEN"
 """Environment variable holding the bearer token clients must send (unset: no auth)."""
 _ABORTED_STREAMS_END_S = 5.0  # how long a drain waits for aborted streams to send their final response
+_GRPC_INT_MAX = 2**31 - 1  # gRPC's integer channel options are C ints
 _STOP_AFTER_FAILURE_S = 90.0  # a failed engine's stop (a process's join and kill take up to 70 s); then exit without it
 
 
@@ -82,13 +83,21 @@ class ServerConfig:
         checks = [
             ("port", self.port, 0 <= self.port <= 65535, "in [0, 65535] (0: ephemeral)"),
             ("metrics_port", self.metrics_port, -1 <= self.metrics_port <= 65535, "in [-1, 65535] (-1: none)"),
-            ("max_message_bytes", self.max_message_bytes, self.max_message_bytes > 0, "> 0"),
+            (
+                "max_message_bytes",
+                self.max_message_bytes,
+                0 < self.max_message_bytes <= _GRPC_INT_MAX,
+                f"in [1, {_GRPC_INT_MAX}] (gRPC takes a C int)",
+            ),
         ]
         for name in ("drain_grace_s", "keepalive_time_s", "keepalive_timeout_s", "engine_stall_timeout_s"):
             value = getattr(self, name)
-            positive = name.startswith("keepalive")
-            ok = math.isfinite(value) and (value > 0 if positive else value >= 0)
-            checks.append((name, value, ok, "a finite number > 0" if positive else "a finite number >= 0"))
+            if name.startswith("keepalive"):  # gRPC takes milliseconds as a C int
+                ok = math.isfinite(value) and 0 < value and value * 1000 <= _GRPC_INT_MAX
+                checks.append((name, value, ok, f"a finite number > 0 and at most {_GRPC_INT_MAX // 1000}"))
+            else:
+                ok = math.isfinite(value) and value >= 0
+                checks.append((name, value, ok, "a finite number >= 0"))
         for name, value, ok, allowed in checks:
             if not ok:
                 raise ServerStartError(f"{name} must be {allowed}, got {value!r}")
@@ -115,12 +124,12 @@ class ServerConfig:
         return os.environ.get(AUTH_TOKEN_ENV, "").strip() or None
 
 
-_OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+_OPEN_METHODS = ("/grpc.health.v1.Health/",)
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED unless the call carries `authorization: Bearer <token>`; health checks and
-    reflection stay open (probes carry no token)."""
+    """UNAUTHENTICATED unless the call carries `authorization: Bearer <token>`; health checks stay open (probes
+    carry no token). Reflection needs the token too: an unauthenticated caller learns nothing but the health."""
 
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()

@@ -74,6 +74,9 @@ def test_serve_exits_without_a_failed_engine_that_never_stops(monkeypatch):
         ("keepalive_time_s", 0.0),
         ("engine_stall_timeout_s", -1.0),
         ("max_message_bytes", 0),
+        ("max_message_bytes", 2**31),  # gRPC's options are C ints: an OverflowError inside grpc.aio.server()
+        ("keepalive_time_s", 3e6),  # 3e9 ms
+        ("keepalive_timeout_s", float("inf")),
     ],
 )
 def test_server_settings_out_of_range_are_refused_before_anything_starts(field, value):

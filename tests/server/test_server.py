@@ -669,6 +669,16 @@ def test_bearer_token(monkeypatch, prompts):
         assert ok[-1].finished and ok[-1].usage.completion_tokens == 3
         health = health_pb2_grpc.HealthStub(server.channel())  # probes carry no token
         assert health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.SERVING
+        # Reflection is no probe: without the token it answers nothing (README: every call but the health checks).
+        from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+        reflect = reflection_pb2_grpc.ServerReflectionStub(server.channel())
+        ask = reflection_pb2.ServerReflectionRequest(list_services="")
+        with pytest.raises(grpc.RpcError) as e:
+            list(reflect.ServerReflectionInfo(iter([ask])))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        answers = list(reflect.ServerReflectionInfo(iter([ask]), metadata=[("authorization", "Bearer s3cret")]))
+        assert SERVICE_NAME in {s.name for s in answers[0].list_services_response.service}
     finally:
         server.stop()
 
