@@ -121,6 +121,8 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._pending_adds: list[Request] = []
         self._pending_aborts: list[str] = []
+        # Named requests whose text prompt is being tokenized (not yet registered): True once aborted meanwhile.
+        self._admitting: dict[str, bool] = {}
         self._wakeup: asyncio.Event | None = None
         self._aborts_applied: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
@@ -216,13 +218,25 @@ class AsyncEngine:
         if isinstance(request_id, str) and request_id in self._pending_aborts:
             await self._wait_for_abort(request_id)
         if isinstance(prompt, str):
-            # Tokenizing a long text takes a while: not on the event loop, whose streams would stall.
-            request = await asyncio.get_running_loop().run_in_executor(
-                None, self.engine.make_request, prompt, sampling_params, request_id, priority
-            )
+            # Tokenizing a long text takes a while: not on the event loop, whose streams would stall. An abort of
+            # the id meanwhile (a server's drain) is kept for the registration, not dropped as an unknown id's.
+            owner = request_id if isinstance(request_id, str) and request_id not in self._admitting else None
+            if owner is not None:
+                self._admitting[owner] = False
+            try:
+                request = await asyncio.get_running_loop().run_in_executor(
+                    None, self.engine.make_request, prompt, sampling_params, request_id, priority
+                )
+                aborted = owner is not None and self._admitting[owner]
+            finally:
+                if owner is not None:
+                    del self._admitting[owner]
         else:
-            request = self.engine.make_request(prompt, sampling_params, request_id, priority)
-        return self._register(request, put)
+            request, aborted = self.engine.make_request(prompt, sampling_params, request_id, priority), False
+        registered = self._register(request, put)
+        if aborted:
+            self.abort_nowait(request.request_id)
+        return registered
 
     def _register(self, request: Request, put: OutputSink) -> tuple[str, _Stream]:
         # Again: the engine may have died or shut down while a text prompt was being tokenized.
@@ -263,6 +277,9 @@ class AsyncEngine:
 
     def abort_nowait(self, request_id: str) -> None:
         """`abort`, callable from a plain callback on the event loop."""
+        if request_id in self._admitting:
+            self._admitting[request_id] = True  # applied once its text is tokenized and the stream registered
+            return
         if request_id not in self._streams or self._dead is not None:
             return
         self._pending_aborts.append(request_id)

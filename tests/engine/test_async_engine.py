@@ -142,6 +142,38 @@ def test_abort_mid_stream(engine, prompts):
     assert len([t for d in deltas for t in d.token_ids]) < 200
 
 
+def test_an_abort_while_the_text_prompt_is_tokenized_ends_the_stream_with_abort(engine, monkeypatch):
+    """A server's drain aborts every stream it has, one whose text prompt is still being tokenized (off the event
+    loop) included: the abort is applied once the stream registers, not dropped as an unknown id's (the request
+    then ran on until the engine stopped)."""
+    import threading
+
+    tokenizing, release = threading.Event(), threading.Event()
+    make_request = engine.engine.make_request
+
+    def slow_make_request(*args, **kwargs):
+        tokenizing.set()
+        release.wait(10)
+        return make_request(*args, **kwargs)
+
+    monkeypatch.setattr(engine.engine, "make_request", slow_make_request)
+
+    async def main():
+        task = asyncio.ensure_future(_collect(engine, "def main():\n    return", LONG, "tokenizing"))
+        while not tokenizing.is_set():
+            await asyncio.sleep(0.001)
+        await engine.abort("tokenizing")
+        release.set()
+        deltas = await task
+        await wait_kv_free(engine)
+        return deltas
+
+    deltas = _run(main())
+    assert deltas[-1].finish_reason == "abort"
+    assert len([t for d in deltas for t in d.token_ids]) < 200
+    assert not engine.has_request("tokenizing")
+
+
 def test_an_aborted_streams_last_output_keeps_its_prefix_cache_hit(engine, prompts):
     """The gRPC usage of an aborted stream takes its last output's cached-token count."""
 
