@@ -277,7 +277,8 @@ class AsyncEngine:
 
     def abort_nowait(self, request_id: str) -> None:
         """`abort`, callable from a plain callback on the event loop."""
-        if request_id in self._admitting:
+        if request_id not in self._streams and request_id in self._admitting:
+            # A live stream of the id is the one aborted (a second one being admitted is refused as a duplicate).
             self._admitting[request_id] = True  # applied once its text is tokenized and the stream registered
             return
         if request_id not in self._streams or self._dead is not None:

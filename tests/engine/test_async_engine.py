@@ -174,6 +174,39 @@ def test_an_abort_while_the_text_prompt_is_tokenized_ends_the_stream_with_abort(
     assert not engine.has_request("tokenizing")
 
 
+def test_an_abort_of_a_live_id_aborts_that_stream_while_a_duplicate_is_tokenized(engine, prompts, monkeypatch):
+    """A stream runs under an id while a second request with that id (a text prompt) is being tokenized: an abort
+    ends the live stream, not the second request, which then runs under the freed id."""
+    import threading
+
+    tokenizing, release = threading.Event(), threading.Event()
+    make_request = engine.engine.make_request
+
+    def slow_make_request(*args, **kwargs):
+        tokenizing.set()
+        release.wait(10)
+        return make_request(*args, **kwargs)
+
+    async def main():
+        live = engine.generate(prompts[0], LONG, request_id="twice")
+        first = [await live.__anext__()]
+        monkeypatch.setattr(engine.engine, "make_request", slow_make_request)
+        second = asyncio.ensure_future(_collect(engine, "def main():", GREEDY, "twice"))
+        while not tokenizing.is_set():
+            await asyncio.sleep(0.001)
+        await engine.abort("twice")
+        first += [delta async for delta in live]
+        release.set()
+        later = await second
+        await wait_kv_free(engine)
+        return first, later
+
+    deltas, later = _run(main())
+    assert deltas[-1].finish_reason == "abort"
+    assert len([t for d in deltas for t in d.token_ids]) < 200
+    assert later[-1].finish_reason == "length" and sum(len(d.token_ids) for d in later) == GREEDY.max_tokens
+
+
 def test_an_aborted_streams_last_output_keeps_its_prefix_cache_hit(engine, prompts):
     """The gRPC usage of an aborted stream takes its last output's cached-token count."""
 
