@@ -7,6 +7,7 @@ the module (its loop task is restarted by each new event loop), and must be whol
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -142,19 +143,25 @@ def test_abort_mid_stream(engine, prompts):
     assert len([t for d in deltas for t in d.token_ids]) < 200
 
 
+def _held_make_request(engine):
+    """(tokenizing, release, make_request): a make_request that sets `tokenizing`, then holds the request in the
+    tokenizer's executor until `release` is set, so that a test can act while a text prompt is being tokenized."""
+    tokenizing, release = threading.Event(), threading.Event()
+    make_request = engine.engine.make_request
+
+    def held(*args, **kwargs):
+        tokenizing.set()
+        release.wait(10)
+        return make_request(*args, **kwargs)
+
+    return tokenizing, release, held
+
+
 def test_an_abort_while_the_text_prompt_is_tokenized_ends_the_stream_with_abort(engine, monkeypatch):
     """A server's drain aborts every stream it has, one whose text prompt is still being tokenized (off the event
     loop) included: the abort is applied once the stream registers, not dropped as an unknown id's (the request
     then ran on until the engine stopped)."""
-    import threading
-
-    tokenizing, release = threading.Event(), threading.Event()
-    make_request = engine.engine.make_request
-
-    def slow_make_request(*args, **kwargs):
-        tokenizing.set()
-        release.wait(10)
-        return make_request(*args, **kwargs)
+    tokenizing, release, slow_make_request = _held_make_request(engine)
 
     monkeypatch.setattr(engine.engine, "make_request", slow_make_request)
 
@@ -177,15 +184,7 @@ def test_an_abort_while_the_text_prompt_is_tokenized_ends_the_stream_with_abort(
 def test_an_abort_of_a_live_id_aborts_that_stream_while_a_duplicate_is_tokenized(engine, prompts, monkeypatch):
     """A stream runs under an id while a second request with that id (a text prompt) is being tokenized: an abort
     ends the live stream, not the second request, which then runs under the freed id."""
-    import threading
-
-    tokenizing, release = threading.Event(), threading.Event()
-    make_request = engine.engine.make_request
-
-    def slow_make_request(*args, **kwargs):
-        tokenizing.set()
-        release.wait(10)
-        return make_request(*args, **kwargs)
+    tokenizing, release, slow_make_request = _held_make_request(engine)
 
     async def main():
         live = engine.generate(prompts[0], LONG, request_id="twice")
