@@ -11,6 +11,10 @@ was a probe, and the policy's estimate per k: tokens a run, host and device micr
 adds a draft engine per k that verifies that k at every step (the policy off, so its prompt plans propose drafts
 too). On the H200, 2026-12-01, such engines lost end to end at 128 streams, but their decode phase at k = 2 was
 the fastest (docs/benchmarks.md, twelfth session).
+
+`--sustained N` sends N times `--streams` requests a trial and holds that many in flight, a new one submitted as
+one finishes (`vllm bench serve --max-concurrency`): a closed batch's time is also its drain, the requests that
+accept least decoding alone after the others finished, which a served engine under a steady load does not have.
 """
 
 from __future__ import annotations
@@ -69,11 +73,38 @@ def policy_estimates(policy: Any, num_decodes: int, batch: Any = None) -> dict[s
     }
 
 
+def generate_held(llm: Any, prompts: list[list[int]], params: Any, concurrency: int) -> list[Any]:
+    """`llm.generate(prompts, params)` with at most `concurrency` requests in flight: the first `concurrency`
+    submitted at once, then one more as each finishes. Returns the finished outputs in prompt order."""
+    engine = llm.engine
+    requests = [engine.make_request(p, params, f"held-{i}") for i, p in enumerate(prompts)]
+    order = {r.request_id: i for i, r in enumerate(requests)}
+    results: list[Any] = [None] * len(requests)
+    submitted = 0
+    while submitted < min(concurrency, len(requests)):
+        engine.add_request(requests[submitted], stream_deltas=False, enforce_queue_limit=False)
+        submitted += 1
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                results[order[output.request_id]] = output
+                if submitted < len(requests):
+                    engine.add_request(requests[submitted], stream_deltas=False, enforce_queue_limit=False)
+                    submitted += 1
+    return results
+
+
 def trace(
-    llm: Any, prompts: list[list[int]], params: Any, record_policy: bool = False, sequence: bool = False
+    llm: Any,
+    prompts: list[list[int]],
+    params: Any,
+    record_policy: bool = False,
+    sequence: bool = False,
+    concurrency: int | None = None,
 ) -> dict[str, Any]:
     """Runs one generate, recording every plan (and with record_policy every choice of the speculation policy);
-    returns the wall time, the time per plan kind, the tokens generated and the choices."""
+    returns the wall time, the time per plan kind, the tokens generated and the choices. `concurrency`: at most
+    that many requests in flight (`generate_held`); None: all submitted at once."""
     scheduler = llm.engine.engine_core.scheduler
     schedule = scheduler.schedule
     policy = scheduler.spec_policy
@@ -112,7 +143,10 @@ def trace(
         policy.choose = choosing
     try:
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params)
+        if concurrency is None:
+            outputs = llm.generate(prompts, params)
+        else:
+            outputs = generate_held(llm, prompts, params, concurrency)
         end = time.perf_counter()
     finally:
         scheduler.schedule = schedule
@@ -120,7 +154,7 @@ def trace(
     kinds: dict[str, dict[str, float]] = collections.defaultdict(lambda: {"plans": 0, "steps": 0, "ms": 0.0})
     for i, (t, record) in enumerate(records):
         period = (records[i + 1][0] if i + 1 < len(records) else end) - t
-        entry = kinds[plan_kind(record, len(prompts))]
+        entry = kinds[plan_kind(record, concurrency or len(prompts))]
         entry["plans"] += 1
         entry["steps"] += record[3]
         entry["ms"] += period * 1e3
@@ -161,19 +195,42 @@ def main() -> int:
         default="",
         help="comma-separated k: also a draft engine per k that always verifies k (adaptive_speculation=False)",
     )
+    ap.add_argument(
+        "--sustained",
+        type=int,
+        default=0,
+        help="N > 0: N x streams requests a trial, that many streams held in flight (a new one as one ends)",
+    )
+    ap.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=ENGINE_SETTINGS["max_num_seqs"],
+        help="the engines' max_num_seqs (at least the largest --streams)",
+    )
     ap.add_argument("--note", default="")
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
     import asyncspec
 
     streams = [int(s) for s in args.streams.split(",")]
-    base: dict[str, Any] = dict(ENGINE_SETTINGS)
+    if args.sustained < 0:
+        ap.error(f"--sustained takes a number of requests per stream (0: a closed batch), got {args.sustained}")
     if args.smoke:
         streams, args.trials, args.new_tokens = [4], 1, 6
-        base.update(device="cpu", dtype="float32", max_num_seqs=8, num_kv_blocks=256, max_model_len=512)
+    if args.max_num_seqs < max(streams):
+        ap.error(f"--max-num-seqs {args.max_num_seqs} is below the largest --streams, {max(streams)}")
+    base: dict[str, Any] = dict(ENGINE_SETTINGS, max_num_seqs=args.max_num_seqs)
+    if args.smoke:
+        max_num_seqs = 8 if args.max_num_seqs == ENGINE_SETTINGS["max_num_seqs"] else args.max_num_seqs
+        base.update(device="cpu", dtype="float32", max_num_seqs=max_num_seqs, num_kv_blocks=256, max_model_len=512)
         base.pop("gpu_memory_utilization")
     draft = DRAFT_SETTINGS
-    results: dict[str, Any] = {"command": " ".join(sys.argv), "note": args.note, "configs": {}}
+    results: dict[str, Any] = {
+        "command": " ".join(sys.argv),
+        "note": args.note,
+        "sustained": args.sustained,
+        "configs": {},
+    }
     configs: list[tuple[str, dict[str, Any]]] = [("plain", {}), ("draft", draft)]
     fixed_ks = [int(x) for x in args.fixed_k.split(",") if x]
     if any(k < 1 for k in fixed_ks):
@@ -187,18 +244,21 @@ def main() -> int:
     llms = {name: asyncspec.LLM(str(TARGET), **base, **extra) for name, extra in configs}
     rows: dict[str, dict[str, Any]] = {name: {} for name in llms}
     for c in streams:
-        prompts = load_prompts(c)
+        prompts = load_prompts(c * max(args.sustained, 1))
+        concurrency = c if args.sustained else None
         if args.smoke:
             prompts = [p[:32] for p in prompts]
         warm = asyncspec.SamplingParams(temperature=0.0, max_tokens=min(16, args.new_tokens), ignore_eos=True)
         full = asyncspec.SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
         for llm in llms.values():
-            llm.generate(prompts, warm)  # untimed: this batch's shapes compiled
+            llm.generate(prompts[:c], warm)  # untimed: this batch's shapes compiled
         for name in llms:
             rows[name][str(c)] = []
         for _ in range(args.trials):
             for name, llm in llms.items():
-                rows[name][str(c)].append(trace(llm, prompts, full, args.policy and name == "draft", args.sequence))
+                rows[name][str(c)].append(
+                    trace(llm, prompts, full, args.policy and name == "draft", args.sequence, concurrency)
+                )
     for name, llm in llms.items():
         stats = llm.stats()
         results["configs"][name] = {

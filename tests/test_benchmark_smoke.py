@@ -330,6 +330,22 @@ def test_plan_trace_smoke(tmp_path: Path) -> None:
         assert any(kind.startswith("k4->") for kind in kinds) == (name == "draft"), kinds
 
 
+def test_plan_trace_sustained_smoke(tmp_path: Path) -> None:
+    """benchmarks/plan_trace.py --sustained 3: three times the streams' requests a trial, never more than the streams
+    in flight (the smoke engines could run twice as many at once), every request generating all its tokens."""
+    out = tmp_path / "plan_trace_sustained.json"
+    _run(str(REPO / "benchmarks" / "plan_trace.py"), "--smoke", "--sustained", "3", "--sequence", "--output", str(out))
+    results = json.loads(out.read_text())
+    assert results["sustained"] == 3
+    for config in results["configs"].values():
+        (trial,) = config["streams"]["4"]
+        assert trial["failed_requests"] == 0
+        assert trial["generated_tokens"] == 12 * 6  # 12 requests of 6 new tokens each (the smoke settings)
+        running = [plan[2] for plan in trial["sequence"]]  # requests in each plan
+        assert max(running) == 4, running
+        assert sum(plan[7] for plan in trial["sequence"]) == 12  # every request admitted once, by some plan
+
+
 @pytest.mark.parametrize("other", ["prior_first", "pooled"])
 def test_spec_policy_ab_smoke(tmp_path: Path, other: str) -> None:
     """benchmarks/spec_policy_ab.py --smoke: plain, the changed policy and the shipped one, each mode's trials

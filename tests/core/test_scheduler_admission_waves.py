@@ -1,6 +1,7 @@
-"""Admission waves under load (SchedulerConfig.admission_delay_runs): while fewer than max_num_seqs / 8 slots are
-free, waiting requests wait for at most that many multi-step runs in a row, then are admitted; with more slots free,
-with single-step plans, or with the delay at 0 they are admitted as soon as a slot frees. The tokens are the same."""
+"""Admission waves under load (SchedulerConfig.admission_delay_runs): while fewer than max_num_seqs / 8 requests could
+be admitted (waiting, with a free slot) and at least that many run, waiting requests wait for at most that many
+multi-step runs in a row, then are admitted; a wave's worth of them, a light load, single-step plans, or the delay at
+0 admit as soon as a slot frees. The tokens are the same."""
 
 from __future__ import annotations
 
@@ -115,6 +116,61 @@ def test_deferred_admissions_emit_the_same_tokens(k):
     assert results[0] == results[1]
     assert len(results[1]) == MAX_NUM_SEQS + 3
     assert all(reason == "length" for _, reason in results[1].values())
+
+
+def _arrivals_below_capacity(running: int, arriving: int, k: int = 0) -> list[dict]:
+    """An engine of 64 slots (a wave: 8) running `running` long greedy requests in 4-step runs, to which `arriving`
+    requests come together once the runs have begun (a server below its capacity: its slots never run short).
+    Returns the plans from that arrival on (`_plans`)."""
+    s = make_scheduler(
+        num_blocks=2048,
+        block_size=4,
+        max_num_seqs=64,
+        max_num_batched_tokens=256,
+        max_model_len=512,
+        num_scheduler_steps=4,
+        admission_delay_runs=2,
+        num_speculative_tokens=k,
+        num_lookahead_tokens=k,
+        multi_step_speculation=bool(k),
+    )
+    for i in range(running):
+        s.add_request(make_request(f"r{i}", 4, temperature=0.0, max_tokens=80))
+    runner = FakeRunner(s)
+    while step(s, runner)[0].num_steps == 1:
+        assert s._step_id < 50
+    for i in range(arriving):
+        s.add_request(make_request(f"w{i}", 4, temperature=0.0, max_tokens=10))
+    plans = []
+    while s.has_unfinished_requests():
+        could_admit = bool(s.waiting)
+        so, _ = step(s, runner)
+        plans.append({"steps": so.num_steps, "admitted": [r.request_id for r in so.scheduled_new_reqs]})
+        plans[-1]["could_admit"] = could_admit
+        assert len(plans) < 500
+    return plans
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_a_lone_arrival_behind_a_loaded_batch_waits_though_slots_are_free(k):
+    """16 of 64 slots running (at least a wave) and one request arriving: it waits two 4-step runs, then the third
+    plan admits it, although 48 slots are free (32 streams on an engine of 128 freed one slot at a time and never
+    deferred, so every admission cut a run to one step)."""
+    plans = _arrivals_below_capacity(running=16, arriving=1, k=k)
+    assert [p["steps"] for p in plans[:3]] == [4, 4, 1]
+    assert [p["admitted"] for p in plans[:3]] == [[], [], ["w0"]]
+
+
+def test_a_light_load_admits_an_arrival_at_once():
+    """Fewer requests running than a wave (7 of 64 slots): the arrival is admitted by the next plan."""
+    plans = _arrivals_below_capacity(running=7, arriving=1)
+    assert plans[0]["admitted"] == ["w0"] and plans[0]["steps"] == 1
+
+
+def test_a_wave_of_arrivals_with_slots_free_is_admitted_at_once():
+    """A wave's worth of requests (8) arriving behind 16 running: the next plan admits them all."""
+    plans = _arrivals_below_capacity(running=16, arriving=8)
+    assert plans[0]["admitted"] == [f"w{i}" for i in range(8)]
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True])
