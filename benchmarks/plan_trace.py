@@ -81,17 +81,31 @@ def generate_held(llm: Any, prompts: list[list[int]], params: Any, concurrency: 
     order = {r.request_id: i for i, r in enumerate(requests)}
     results: list[Any] = [None] * len(requests)
     submitted = 0
-    while submitted < min(concurrency, len(requests)):
-        engine.add_request(requests[submitted], stream_deltas=False, enforce_queue_limit=False)
-        submitted += 1
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                results[order[output.request_id]] = output
-                if submitted < len(requests):
-                    engine.add_request(requests[submitted], stream_deltas=False, enforce_queue_limit=False)
-                    submitted += 1
+    try:
+        while submitted < min(concurrency, len(requests)):
+            engine.add_request(requests[submitted], stream_deltas=False, enforce_queue_limit=False)
+            submitted += 1
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    results[order[output.request_id]] = output
+                    if submitted < len(requests):
+                        engine.add_request(requests[submitted], stream_deltas=False, enforce_queue_limit=False)
+                        submitted += 1
+    finally:
+        # As LLM.generate: a trial cut short leaves none of its requests running into the next one.
+        unfinished = [r.request_id for r, out in zip(requests[:submitted], results, strict=False) if out is None]
+        if unfinished:
+            engine.abort_requests(unfinished)
     return results
+
+
+def queue_percentiles(queued_seconds: list[float | None]) -> list[float] | None:
+    """[p50, p90, max] of the requests' queue times in ms (None when the engine reported none)."""
+    times = sorted(q * 1e3 for q in queued_seconds if q is not None)
+    if not times:
+        return None
+    return [round(times[int(f * (len(times) - 1))], 3) for f in (0.5, 0.9, 1.0)]
 
 
 def trace(
@@ -165,6 +179,8 @@ def trace(
         # A request that failed ends early, so its trial would look fast: callers compare this across engines.
         "generated_tokens": sum(len(o.token_ids) for o in outputs),
         "failed_requests": sum(o.finish_reason == "error" for o in outputs),
+        # Arrival (submission) to first scheduling, ms: p50, p90, max (what admission waves cost a request).
+        "queued_ms": queue_percentiles([o.queued_seconds for o in outputs]),
     }
     if record_policy:
         result["choices"] = choices
@@ -274,6 +290,7 @@ def main() -> int:
         for c, trials in config["streams"].items():
             best = min(trials, key=lambda r: r["wall_ms"])
             print(f"{name} @{c}: {[round(r['wall_ms'], 1) for r in trials]} ms, fastest {best['plans']} plans")
+            print(f"   queued ms [p50, p90, max] by trial: {[r['queued_ms'] for r in trials]}")
             for kind, e in sorted(best["kinds"].items(), key=lambda x: -x[1]["ms"]):
                 print(f"   {kind:22s} plans {e['plans']:4d} steps {e['steps']:4d} {e['ms']:8.2f} ms")
             if best.get("sequence"):

@@ -344,6 +344,8 @@ def test_plan_trace_sustained_smoke(tmp_path: Path) -> None:
         running = [plan[2] for plan in trial["sequence"]]  # requests in each plan
         assert max(running) == 4, running
         assert sum(plan[7] for plan in trial["sequence"]) == 12  # every request admitted once, by some plan
+        p50, p90, longest = trial["queued_ms"]
+        assert 0 <= p50 <= p90 <= longest < trial["wall_ms"]
 
 
 @pytest.mark.parametrize("other", ["prior_first", "pooled"])
