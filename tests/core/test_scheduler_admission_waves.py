@@ -17,12 +17,20 @@ from .scheduler_fakes import FakeRunner, make_request, make_scheduler, run_to_co
 MAX_NUM_SEQS = 16  # a wave: 2 slots
 
 
-def _scheduler(delay: int, k: int = 0, steps: int = 4, chunked: bool = True, num_blocks: int = 1024, budget: int = 128):
+def _scheduler(
+    delay: int,
+    k: int = 0,
+    steps: int = 4,
+    chunked: bool = True,
+    num_blocks: int = 1024,
+    budget: int = 128,
+    max_num_seqs: int = MAX_NUM_SEQS,
+):
     return make_scheduler(
         enable_chunked_prefill=chunked,
         num_blocks=num_blocks,
         block_size=4,
-        max_num_seqs=MAX_NUM_SEQS,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         max_model_len=512,
         num_scheduler_steps=steps,
@@ -122,18 +130,7 @@ def _arrivals_below_capacity(running: int, arriving: int, k: int = 0) -> list[di
     """An engine of 64 slots (a wave: 8) running `running` long greedy requests in 4-step runs, to which `arriving`
     requests come together once the runs have begun (a server below its capacity: its slots never run short).
     Returns the plans from that arrival on (`_plans`)."""
-    s = make_scheduler(
-        num_blocks=2048,
-        block_size=4,
-        max_num_seqs=64,
-        max_num_batched_tokens=256,
-        max_model_len=512,
-        num_scheduler_steps=4,
-        admission_delay_runs=2,
-        num_speculative_tokens=k,
-        num_lookahead_tokens=k,
-        multi_step_speculation=bool(k),
-    )
+    s = _scheduler(delay=2, k=k, num_blocks=2048, budget=256, max_num_seqs=64)
     for i in range(running):
         s.add_request(make_request(f"r{i}", 4, temperature=0.0, max_tokens=80))
     runner = FakeRunner(s)
