@@ -75,26 +75,29 @@ def policy_estimates(policy: Any, num_decodes: int, batch: Any = None) -> dict[s
 
 def generate_held(llm: Any, prompts: list[list[int]], params: Any, concurrency: int) -> list[Any]:
     """`llm.generate(prompts, params)` with at most `concurrency` requests in flight: the first `concurrency`
-    submitted at once, then one more as each finishes. Returns the finished outputs in prompt order."""
+    submitted at once, then one more as each finishes. Returns the finished outputs in prompt order. Each request is
+    made when it is submitted: its arrival (the start of its queue time) is then."""
     engine = llm.engine
-    requests = [engine.make_request(p, params, f"held-{i}") for i, p in enumerate(prompts)]
-    order = {r.request_id: i for i, r in enumerate(requests)}
-    results: list[Any] = [None] * len(requests)
-    submitted = 0
+    results: list[Any] = [None] * len(prompts)
+    submitted: list[str] = []
+
+    def submit() -> None:
+        request = engine.make_request(prompts[len(submitted)], params, f"held-{len(submitted)}")
+        engine.add_request(request, stream_deltas=False, enforce_queue_limit=False)
+        submitted.append(request.request_id)
+
     try:
-        while submitted < min(concurrency, len(requests)):
-            engine.add_request(requests[submitted], stream_deltas=False, enforce_queue_limit=False)
-            submitted += 1
+        while len(submitted) < min(concurrency, len(prompts)):
+            submit()
         while engine.has_unfinished_requests():
             for output in engine.step():
                 if output.finished:
-                    results[order[output.request_id]] = output
-                    if submitted < len(requests):
-                        engine.add_request(requests[submitted], stream_deltas=False, enforce_queue_limit=False)
-                        submitted += 1
+                    results[int(output.request_id.removeprefix("held-"))] = output
+                    if len(submitted) < len(prompts):
+                        submit()
     finally:
         # As LLM.generate: a trial cut short leaves none of its requests running into the next one.
-        unfinished = [r.request_id for r, out in zip(requests[:submitted], results, strict=False) if out is None]
+        unfinished = [rid for rid, out in zip(submitted, results, strict=False) if out is None]
         if unfinished:
             engine.abort_requests(unfinished)
     return results

@@ -345,7 +345,8 @@ def test_plan_trace_sustained_smoke(tmp_path: Path) -> None:
         assert max(running) == 4, running
         assert sum(plan[7] for plan in trial["sequence"]) == 12  # every request admitted once, by some plan
         p50, p90, longest = trial["queued_ms"]
-        assert 0 <= p50 <= p90 <= longest < trial["wall_ms"]
+        # From submission, not from the trial's start: the last requests submitted do not count the trial's time.
+        assert 0 <= p50 <= p90 <= longest < trial["wall_ms"] / 2
 
 
 @pytest.mark.parametrize("other", ["prior_first", "pooled"])
