@@ -147,12 +147,12 @@ class EngineConfig:
     loop on CUDA, as many as the host needs to stay ahead of the device, measured as it runs (up to 4; 1 while
     the device is the slower side); otherwise 1."""
     admission_delay_runs: int = 2
-    """Under load (at least max_num_seqs / 8 requests running, and fewer than that many waiting with a free slot),
-    how many multi-step decode runs in a row may leave waiting requests waiting, so that they are admitted in
-    waves: a plan that admits a request computes its prompt chunk and runs one step, and where plans take several
-    steps (the host's work sets the pace), requests that end every few steps (as speculating ones do) would
-    otherwise hold every plan to that one step. A request waits at most that many runs more for its first token.
-    0 admits as soon as a slot frees (vLLM's behaviour)."""
+    """Under load (at least max_num_seqs / 8 requests running, and fewer than that many admissible: the smaller of
+    the waiting requests and the free slots), how many multi-step decode runs in a row may leave waiting requests
+    waiting, so that they are admitted in waves: a plan that admits a request computes its prompt chunk and runs one
+    step, and where plans take several steps (the host's work sets the pace), requests that end every few steps (as
+    speculating ones do) would otherwise hold every plan to that one step. A request waits at most that many runs
+    more for its first token. 0 admits as soon as a slot frees (vLLM's behaviour)."""
     async_scheduling: bool | None = None
     """Plan and launch step N+1 while step N runs (optimistically: every draft accepted), reconciling
     when N's results land; False runs one step at a time (the reference loop); None: on with CUDA, off

@@ -398,3 +398,80 @@ def test_a_deferral_that_falls_back_asks_the_policy_once():
         step(s, runner)
         assert s._step_id < 300
     assert max(choices_per_plan) == 1
+
+
+def test_a_request_set_aside_for_a_shared_prefix_after_its_deferred_runs_is_not_deferred_again():
+    """Asynchronous loop, 16 of 64 slots running: a and b (one 32-token prefix) arrive together and wait two runs;
+    the plan admits a and sets b aside for a's blocks, and the plan after (a's step in flight) sets it aside again.
+    Once a's blocks are registered b is admitted, not held for two more runs."""
+    shared = list(range(200, 232))
+    s = make_scheduler(
+        num_blocks=2048,
+        block_size=4,
+        max_num_seqs=64,
+        max_num_batched_tokens=256,
+        max_model_len=512,
+        num_scheduler_steps=4,
+        admission_delay_runs=2,
+        prefix_sharing_wait_tokens=16,
+    )
+    for i in range(16):
+        s.add_request(make_request(f"r{i}", 4, temperature=0.0, max_tokens=200))
+    runner = FakeRunner(s, check=False)
+    in_flight = s.schedule()
+    while in_flight.num_steps == 1:
+        nxt = s.schedule()
+        s.update_from_output(in_flight, runner.execute(in_flight))
+        in_flight = nxt
+        assert s._step_id < 50
+    s.add_request(make_request("a", shared + [1], temperature=0.0, max_tokens=50))
+    s.add_request(make_request("b", shared + [2], temperature=0.0, max_tokens=50))
+    deferred_while_b_waits = 0
+    while not s.requests["b"].num_computed_tokens:
+        nxt = s.schedule()
+        deferred_while_b_waits += nxt.num_steps > 1 and not nxt.scheduled_new_reqs
+        s.update_from_output(in_flight, runner.execute(in_flight))
+        in_flight = nxt
+        assert s._step_id < 100
+    assert deferred_while_b_waits <= 2
+
+
+def test_an_arrival_behind_exactly_a_wave_running_waits():
+    """8 of 64 running (exactly a wave): a lone arrival is deferred as behind 16."""
+    plans = _arrivals_below_capacity(running=8, arriving=1)
+    assert [p["steps"] for p in plans[:3]] == [4, 4, 1]
+    assert [p["admitted"] for p in plans[:3]] == [[], [], ["w0"]]
+
+
+def test_a_lone_arrival_at_a_light_load_keeps_the_drafts():
+    """7 of 64 running at k = 2 with measured step costs: the arrival is admitted at once, and the plan that admits it
+    verifies the drafts its decodes hold (no wave, nothing deferred: there is nothing to drop them for)."""
+    s = _scheduler(delay=2, k=2, num_blocks=2048, budget=256, max_num_seqs=64)
+    _measured_costs(s)
+    for i in range(7):
+        s.add_request(make_request(f"r{i}", 4, temperature=0.0, max_tokens=80))
+    runner = FakeRunner(s)
+    while step(s, runner)[0].num_steps == 1:
+        assert s._step_id < 50
+    s.add_request(make_request("w0", 4, temperature=0.0, max_tokens=10))
+    so, _ = step(s, runner)
+    assert [r.request_id for r in so.scheduled_new_reqs] == ["w0"]
+    assert so.num_speculative_tokens == 2
+    assert len(so.num_draft_positions) == 7
+
+
+def test_deferring_while_kv_memory_is_short_preempts_no_more():
+    """20 of 64 slots, a KV pool that preempts, k = 2: deferring admissions while preempted requests wait (slots
+    free) must not preempt more than admitting at once (each multi-step run reserves its drafts' slots)."""
+    preemptions = {}
+    for delay in (0, 2):
+        s = _scheduler(delay=delay, k=2, num_blocks=120, budget=256, max_num_seqs=64)
+        for i in range(20):
+            s.add_request(make_request(f"r{i}", 8, temperature=0.0, max_tokens=40 + 7 * i))
+        runner = FakeRunner(s)
+        preemptions[delay] = 0
+        while s.has_unfinished_requests():
+            so, _ = step(s, runner)
+            preemptions[delay] += len(so.preempted_req_ids)
+            assert s._step_id < 2000
+    assert preemptions[2] <= preemptions[0], preemptions
