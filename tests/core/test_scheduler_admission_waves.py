@@ -25,6 +25,7 @@ def _scheduler(
     num_blocks: int = 1024,
     budget: int = 128,
     max_num_seqs: int = MAX_NUM_SEQS,
+    **extra: object,
 ):
     return make_scheduler(
         enable_chunked_prefill=chunked,
@@ -38,6 +39,7 @@ def _scheduler(
         num_speculative_tokens=k,
         num_lookahead_tokens=k,
         multi_step_speculation=bool(k),
+        **extra,
     )
 
 
@@ -405,16 +407,7 @@ def test_a_request_set_aside_for_a_shared_prefix_after_its_deferred_runs_is_not_
     the plan admits a and sets b aside for a's blocks, and the plan after (a's step in flight) sets it aside again.
     Once a's blocks are registered b is admitted, not held for two more runs."""
     shared = list(range(200, 232))
-    s = make_scheduler(
-        num_blocks=2048,
-        block_size=4,
-        max_num_seqs=64,
-        max_num_batched_tokens=256,
-        max_model_len=512,
-        num_scheduler_steps=4,
-        admission_delay_runs=2,
-        prefix_sharing_wait_tokens=16,
-    )
+    s = _scheduler(delay=2, num_blocks=2048, budget=256, max_num_seqs=64, prefix_sharing_wait_tokens=16)
     for i in range(16):
         s.add_request(make_request(f"r{i}", 4, temperature=0.0, max_tokens=200))
     runner = FakeRunner(s, check=False)
