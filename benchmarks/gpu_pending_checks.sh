@@ -119,6 +119,10 @@
 #          the 8B's with and without: ~4 min (H200 2026-12-06: 1B b8 -6.9 %, b32 -4.0 %; b2 +7.6 % from one row)
 #   fold-window  the 1B's 32-stream steady window without and with the fold, alternated twice, then where the folded
 #          step's time goes with PDL off (profile_step.py --streams 32): ~2 min
+#   mlp-norm-fold  the next layer's input norm folded into the streamed MLP's down projection at batch 1
+#          (ASYNCSPEC_STREAMED_MLP_NORM_FOLD=1, new 2026-12-07, not yet run on a GPU): its kernel and engine GPU tests,
+#          then the 1B's graphed steps at 315 keys without and with it, two rounds, and one batch-1 step with it kernel
+#          by kernel (the input norm's link was 1.3-1.7 us a layer on an H200): ~5 min cold
 # REQUIRE_GPU=H200 (any part of the card's name) runs nothing and exits 3 on another card: a request for an H200
 # that an H100 answers then costs only the machine's start (issue 8's goals are set on an H200).
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
@@ -289,6 +293,12 @@ if [[ " $parts " == *" goals "* ]]; then
             --window-batches 32 --sweep-batches 32 --trials 1 --output "$out/step_speed_1b_32_r$round.json" 2>&1 |
             grep -E "^async" | tail -2
     done
+fi
+if [[ " $parts " == *" mlp-norm-fold "* ]]; then
+    gpu_tests mlp_norm_fold tests/kernels/test_streamed_gemv.py tests/engine/test_gpu_streamed_mlp.py \
+        -k "add_norm or next_norm_folded"
+    replay_1b_315_twice mlp_norm_fold ASYNCSPEC_STREAMED_MLP_NORM_FOLD=1
+    ASYNCSPEC_STREAMED_MLP_NORM_FOLD=1 sequence_by_rows 1 b1_mlp_norm_fold 8
 fi
 if [[ " $parts " == *" early-trigger "* ]]; then
     gpu_tests early_trigger tests/kernels/test_pdl.py

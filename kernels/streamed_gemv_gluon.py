@@ -8,6 +8,12 @@ after the wait and multiply it into each tile as it lands (`streamed_ring_gluon.
 
 It needs no grid barrier, so it cannot hang whatever else holds the GPU's SMs: a program that is not resident yet
 simply starts later.
+
+`StreamedGemv.add_norm` folds the residual add and the first half of the next RMSNorm into the epilogue, as
+`skinny_linear_add_norm` does for 4 rows and more: each 16-row tile's h = round(round(x @ W^T) + residual) goes over
+the residual, round(h * norm weight) is the output, and the tile's sum of h^2 goes to its column of the partials
+[1, N / 16], whose sum the next projection's `row_scale=` turns into the row's factor. No norm kernel then runs
+between a batch-1 layer's down projection and the next layer's q|k|v.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from asyncspec.kernels.pdl import WAIT_FIRST, pdl_launch_options, pdl_mode
+from asyncspec.kernels.skinny_linear import FoldedNorm
 from asyncspec.kernels.streamed_gemv import (
     SHARED_MEMORY_BYTES,
     StreamedGemvConfig,
@@ -49,7 +56,11 @@ def _gemv_consumer(
     x_smem,
     x_ptr,
     out_ptr,
+    res_ptr,
+    norm_w_ptr,
+    sq_ptr,
     num_t,
+    N: gl.constexpr,
     K: gl.constexpr,
     NUM_PROGS: gl.constexpr,
     STAGES: gl.constexpr,
@@ -57,6 +68,7 @@ def _gemv_consumer(
     WARPS: gl.constexpr,
     USE_PDL: gl.constexpr,
     VR: gl.constexpr,
+    ADD_NORM: gl.constexpr,
 ):
     pid = gl.program_id(0)
     w_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
@@ -66,9 +78,16 @@ def _gemv_consumer(
         gl.arange(0, VR, layout=r_layout)[:, None] * 256
         + gl.arange(0, 256, layout=gl.SliceLayout(0, w_layout))[None, :]
     )
+    if ADD_NORM:
+        # The norm weight is constant through a step: the first tile's before the wait. The residual is the
+        # predecessor's output: after it, before the K loop, so that neither load is the kernel's tail.
+        first = 16 * pid + offs_r
+        norm_w = gl.load(norm_w_ptr + first, mask=first < N, other=0.0).to(gl.float32)
     # x is the predecessor's output: read only after the wait, and from L2 (the previous launch's programs on this
     # SM may have read the same scratch).
     _pdl_start(pid, USE_PDL)
+    if ADD_NORM:
+        residual = gl.load(res_ptr + first, mask=first < N, other=0.0, cache_modifier=".cg").to(gl.float32)
     for c in gl.static_range(K // (256 * VR)):
         x_smem.index(c).store(gl.load(x_ptr + c * 256 * VR + at, cache_modifier=".cg"))
     gl.thread_barrier()
@@ -77,14 +96,30 @@ def _gemv_consumer(
     for i in range(num_t):
         tile = pid + i * NUM_PROGS
         out, s, ph = _tile(ring, ready, empty, x_smem, s, ph, K // (256 * D), STAGES, D, VR, w_layout)
-        gl.store(out_ptr + 16 * tile + offs_r, out.to(gl.bfloat16))
+        if ADD_NORM:
+            rows = 16 * tile + offs_r
+            h = (out.to(gl.bfloat16).to(gl.float32) + residual).to(gl.bfloat16)
+            gl.store(res_ptr + rows, h)
+            hf = h.to(gl.float32)
+            gl.store(out_ptr + rows, (hf * norm_w).to(gl.bfloat16))
+            squares = gl.sum(hf * hf, axis=0)
+            gl.store(sq_ptr + tile + offs_r * 0, out * 0.0 + squares, mask=offs_r == 0)
+            # The next tile's operands (none past the last: masked).
+            after = rows + 16 * NUM_PROGS
+            norm_w = gl.load(norm_w_ptr + after, mask=after < N, other=0.0).to(gl.float32)
+            residual = gl.load(res_ptr + after, mask=after < N, other=0.0, cache_modifier=".cg").to(gl.float32)
+        else:
+            gl.store(out_ptr + 16 * tile + offs_r, out.to(gl.bfloat16))
 
 
 @gluon.jit
 def _streamed_gemv_kernel(
     w_desc,  # [N, K] bf16, box [16, 256]
     x_ptr,  # [K] bf16
-    out_ptr,  # [N] bf16
+    out_ptr,  # [N] bf16 (ADD_NORM: h * norm weight)
+    res_ptr,  # ADD_NORM: [N] bf16 residual stream, h written over it
+    norm_w_ptr,  # ADD_NORM: [N] bf16 norm weight
+    sq_ptr,  # ADD_NORM: [N // 16] fp32 sums of h^2, one a tile
     N: gl.constexpr,
     K: gl.constexpr,
     NUM_PROGS: gl.constexpr,
@@ -93,6 +128,7 @@ def _streamed_gemv_kernel(
     WARPS: gl.constexpr,
     USE_PDL: gl.constexpr,
     VR: gl.constexpr,  # rows of 256 a block of x moves in
+    ADD_NORM: gl.constexpr = False,
 ):
     pid = gl.program_id(0)
     num_t = gl.maximum((N // 16 - pid + NUM_PROGS - 1) // NUM_PROGS, 0)
@@ -109,7 +145,27 @@ def _streamed_gemv_kernel(
         [
             (
                 _gemv_consumer,
-                (ring, ready, empty, x_smem, x_ptr, out_ptr, num_t, K, NUM_PROGS, STAGES, D, WARPS, USE_PDL, VR),
+                (
+                    ring,
+                    ready,
+                    empty,
+                    x_smem,
+                    x_ptr,
+                    out_ptr,
+                    res_ptr,
+                    norm_w_ptr,
+                    sq_ptr,
+                    num_t,
+                    N,
+                    K,
+                    NUM_PROGS,
+                    STAGES,
+                    D,
+                    WARPS,
+                    USE_PDL,
+                    VR,
+                    ADD_NORM,
+                ),
             ),
             (_gemv_loader, (w_desc, ring, ready, empty, num_t, K, NUM_PROGS, STAGES, D)),
         ],
@@ -118,8 +174,11 @@ def _streamed_gemv_kernel(
     )
 
 
-def _constexprs(config: StreamedGemvConfig, n: int, k: int, num_progs: int, pdl: int, room: int) -> dict:
+def _constexprs(
+    config: StreamedGemvConfig, n: int, k: int, num_progs: int, pdl: int, room: int, add_norm: bool = False
+) -> dict:
     return {
+        "ADD_NORM": add_norm,
         "N": n,
         "K": k,
         "NUM_PROGS": num_progs,
@@ -138,9 +197,11 @@ def compile_for_hopper(
     num_progs: int = 132,
     room: int = SHARED_MEMORY_BYTES,
     pdl: int = WAIT_FIRST,
+    add_norm: bool = False,
 ) -> Any:
     """The kernel compiled for sm_90 without a GPU (Triton's own ptxas): a start-up-free check of a config and a
-    shape; the result's `metadata.shared` is the shared memory a program holds. `pdl`: a `pdl_mode`."""
+    shape; the result's `metadata.shared` is the shared memory a program holds. `pdl`: a `pdl_mode`; `add_norm`:
+    the residual add and norm epilogue (`StreamedGemv.add_norm`)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -150,8 +211,11 @@ def compile_for_hopper(
         "w_desc": f"tensordesc<bf16[16,256],{SLOT_LAYOUT!r}>",
         "x_ptr": "*bf16",
         "out_ptr": "*bf16",
+        "res_ptr": "*bf16",
+        "norm_w_ptr": "*bf16",
+        "sq_ptr": "*fp32",
     }
-    constexprs = _constexprs(config, n, k, num_progs, pdl, room)
+    constexprs = _constexprs(config, n, k, num_progs, pdl, room, add_norm)
     names = _streamed_gemv_kernel.arg_names
     # The launcher's hints for 16-byte aligned pointers, so that this compiles the binary a launch would run.
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name, v in signature.items() if v.startswith("*")}
@@ -204,14 +268,56 @@ class StreamedGemv:
         """x @ weight^T [1, N] in bf16, as `streamed_gemv_ref`; the caller has checked `applies`."""
         n, k = weight.shape
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+        self._launch(x, weight, out, out, out, out, add_norm=False)
+        return out
+
+    def add_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+    ) -> FoldedNorm:
+        """x @ weight^T added to `residual` (written over it) and weighted for the RMSNorm after it, as
+        `skinny_linear_add_norm_ref` (bias-free): a `FoldedNorm` whose sum_squares holds one partial a 16-row tile
+        [1, N / 16]. The caller has checked `applies`; `add_norm_applies` checks the residual and the weight."""
+        n, k = weight.shape
+        out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+        sum_squares = torch.empty(1, n // 16, dtype=torch.float32, device=x.device)
+        self._launch(x, weight, out, residual, norm_weight, sum_squares, add_norm=True)
+        return FoldedNorm(out, sum_squares, eps)
+
+    def add_norm_applies(self, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
+        """Whether `add_norm` takes this residual stream [1, N] and norm weight [N] (bf16, contiguous, on this
+        device) for a call that `applies` takes."""
+        n = weight.shape[0]
+        return (
+            all(
+                t.dtype == torch.bfloat16 and t.device == self.device and t.is_contiguous()
+                for t in (residual, norm_weight)
+            )
+            and tuple(residual.shape) == (1, n)
+            and tuple(norm_weight.shape) == (n,)
+        )
+
+    def _launch(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        out: torch.Tensor,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        sum_squares: torch.Tensor,
+        *,
+        add_norm: bool,
+    ) -> None:
+        n, k = weight.shape
         pdl = pdl_mode(x.device, 1)
         _streamed_gemv_kernel[(self.num_progs,)](
             self._descriptor_for(weight),
             x,
             out,
-            **_constexprs(self.config, n, k, self.num_progs, pdl, self.room),
+            residual,
+            norm_weight,
+            sum_squares,
+            **_constexprs(self.config, n, k, self.num_progs, pdl, self.room, add_norm),
             num_warps=self.config.warps,
             maxnreg=self.config.registers,
             **pdl_launch_options(pdl),
         )
-        return out

@@ -26,6 +26,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from asyncspec.kernels.pdl import pdl_launch_options, pdl_mode
+from asyncspec.kernels.skinny_linear import FoldedNorm
 from asyncspec.kernels.streamed_gemv import StreamedGemvConfig
 from asyncspec.kernels.streamed_gemv_gluon import StreamedGemv
 from asyncspec.kernels.streamed_mlp import (
@@ -277,7 +278,13 @@ class StreamedMLP:
     layers share the scratch and the barrier's flags, so their launches must follow each other on one stream (the
     engine's forward pass runs on one)."""
 
-    def __init__(self, device: torch.device, shapes: set[tuple[int, int]], config: StreamedMLPConfig) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        shapes: set[tuple[int, int]],
+        config: StreamedMLPConfig,
+        fold_next_norm: bool = False,
+    ) -> None:
         for hidden, intermediate in shapes:
             if not shape_supported(config, hidden, intermediate):
                 raise StreamedMLPError(f"hidden={hidden}, intermediate={intermediate}: not a shape {config} takes")
@@ -287,6 +294,9 @@ class StreamedMLP:
         self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         self.config = config
         self.shapes = frozenset(shapes)
+        self.fold_next_norm = fold_next_norm and not config.grid_barrier
+        """Whether a call given the next layer's norm folds it into the down projection (`StreamedGemv.add_norm`;
+        the split forms only: the barrier form's down projection is inside its one kernel)."""
         self.num_progs = torch.cuda.get_device_properties(self.device).multi_processor_count
         widest = max((i for _, i in shapes), default=0)
         self._gate_up = torch.empty(2 * widest, dtype=torch.float32, device=self.device)
@@ -342,8 +352,12 @@ class StreamedMLP:
         eps: float,
         gate_up_weight: torch.Tensor,
         down_weight: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MLP output, x + residual), as `streamed_mlp_ref`; the caller has checked `applies`."""
+        next_norm: tuple[torch.Tensor, float] | None = None,
+    ) -> tuple[torch.Tensor | FoldedNorm, torch.Tensor]:
+        """(MLP output, x + residual), as `streamed_mlp_ref`; the caller has checked `applies`. With `next_norm`
+        (the next layer's input norm: weight, eps) and `fold_next_norm`: (that norm folded, as
+        `skinny_linear_add_norm_ref` gives it, the residual stream after the block), the MLP output added to the
+        second tensor in place."""
         hidden, intermediate = down_weight.shape
         wgu_desc, wd_desc = self._descriptors_for(gate_up_weight, down_weight)
         out = torch.empty_like(x)
@@ -367,5 +381,14 @@ class StreamedMLP:
             **pdl_launch_options(pdl),
         )
         if not self.config.grid_barrier:
-            out = self._down[(hidden, intermediate)](self._act[:intermediate].view(1, intermediate), down_weight)
+            act, down = self._act[:intermediate].view(1, intermediate), self._down[(hidden, intermediate)]
+            if (
+                next_norm is not None
+                and self.fold_next_norm
+                and down.add_norm_applies(down_weight, residual_out, next_norm[0])
+            ):
+                norm_weight, norm_eps = next_norm
+                folded = down.add_norm(act, down_weight, residual=residual_out, norm_weight=norm_weight, eps=norm_eps)
+                return folded, residual_out
+            out = down(act, down_weight)
         return out, residual_out

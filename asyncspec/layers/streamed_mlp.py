@@ -16,6 +16,7 @@ from torch import nn
 
 from asyncspec.errors import ConfigError
 from asyncspec.layers.streamed_shapes import MIN_STREAMED_TILE_COLUMNS, num_sms, one_tile_per_sm
+from asyncspec.layers.switches import on_off_switch
 
 if TYPE_CHECKING:
     from asyncspec.kernels.streamed_mlp_gluon import StreamedMLP
@@ -33,6 +34,11 @@ leave programs waiting for each other for ever). `split` is two kernels without 
 projection as a streamed GEMV), which cannot hang; their rings share an SM, so that the second kernel's loader
 starts during the first's tail. `split-deep` is those two kernels with a ring of a whole SM's shared memory each
 (about 200 KiB in flight a program, where `split` keeps 80-96 KiB); it has no barrier either."""
+STREAMED_MLP_NORM_FOLD_ENV = "ASYNCSPEC_STREAMED_MLP_NORM_FOLD"
+"""1 folds the next layer's input norm into the streamed MLP's down projection (split forms: the residual add and
+h * norm weight in its epilogue, the row's factor in the next q|k|v projection), so that no norm kernel runs between
+two batch-1 layers (about 1.3-1.7 us a layer on an H200, 2026-12-07); 0 (the default until a GPU has measured it)
+runs the norm kernel."""
 STREAMED_MLP_FORMS = ("barrier", "split", "split-deep")
 DEFAULT_STREAMED_MLP_FORM = "barrier"
 """The form `1` selects: the one measured faster in the engine's graphs (2026-12-04)."""
@@ -41,7 +47,13 @@ AUTO_STREAMED_MLP_FORM = "split-deep"
 
 
 class StreamedMLPSettingError(ConfigError):
-    """ASYNCSPEC_STREAMED_MLP holds a value other than 0, 1, auto, barrier, split or split-deep."""
+    """ASYNCSPEC_STREAMED_MLP holds a value other than 0, 1, auto, barrier, split or split-deep, or
+    ASYNCSPEC_STREAMED_MLP_NORM_FOLD one other than 0 or 1."""
+
+
+def streamed_mlp_norm_fold() -> bool:
+    """ASYNCSPEC_STREAMED_MLP_NORM_FOLD read: 0 or unset is off, 1 is on; anything else is an error."""
+    return on_off_switch(STREAMED_MLP_NORM_FOLD_ENV, default=False, error=StreamedMLPSettingError)
 
 
 def streamed_mlp_form() -> str | None:
@@ -102,6 +114,7 @@ def make_streamed_mlp(model: nn.Module, device: torch.device) -> StreamedMLP | N
     form = streamed_mlp_form()
     if form is None:
         return None
+    fold_next_norm = streamed_mlp_norm_fold()
     setting = form
     reason = unavailable_reason(device)
     if form == "auto":
@@ -134,13 +147,14 @@ def make_streamed_mlp(model: nn.Module, device: torch.device) -> StreamedMLP | N
     from asyncspec.kernels.streamed_mlp_gluon import StreamedMLP
 
     logger.info(
-        "streamed MLP (%s form, %s=%s) on for batch-1 decode, shapes %s",
+        "streamed MLP (%s form, %s=%s) on for batch-1 decode, shapes %s%s",
         form,
         STREAMED_MLP_ENV,
         setting,
         sorted(shapes),
+        ", the next norm folded into its down projection" if fold_next_norm and form != "barrier" else "",
     )
-    return StreamedMLP(device, shapes, config)
+    return StreamedMLP(device, shapes, config, fold_next_norm=fold_next_norm)
 
 
 def use_streamed_mlp(model: nn.Module, streamed: StreamedMLP | None) -> int:

@@ -60,8 +60,7 @@ class LlamaAttention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         T = x.shape[0]
-        fused_rotary = (rope.cos is None or rope.sin is None) and not self.qk_norm
-        if fused_rotary:
+        if self.fused_rotary(rope):
             # Triton, bf16, a decode-sized x: the projection, RoPE and the K/V write in one kernel.
             q_rot = self.project_rotated(x, rope, kv_cache, attn_metadata)
             if q_rot is not None:
@@ -82,6 +81,11 @@ class LlamaAttention(nn.Module):
             q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
             o = self.attn(q, k, v, kv_cache, attn_metadata)
         return self.tp.all_reduce(self.o_proj(o.reshape(T, self.q_size)))
+
+    def fused_rotary(self, rope: RotaryInputs) -> bool:
+        """Whether the q|k|v projection may take RoPE and the K/V write in its epilogue (`project_rotated`): RoPE
+        from the caches (the Triton path) and no q/k norm."""
+        return (rope.cos is None or rope.sin is None) and not self.qk_norm
 
     def project_rotated(
         self,
@@ -184,13 +188,20 @@ class LlamaDecoderLayer(nn.Module):
         if fold is not None:
             return self._forward_folded(fold, h, residual, rope, kv_cache, attn_metadata, next_norm)
         if isinstance(h, FoldedNorm):
-            # The layer before folded, this call does not (never for a model's uniform layers): the input norm's
-            # output from the fold's, to a rounding; the residual stream already holds the sum.
             if residual is None:
                 raise ValueError("a FoldedNorm input comes with the residual stream it was added to")
+            # The streamed MLP of the layer before folded this norm (a batch-1 step): q|k|v scales its sums.
+            q_rot = None
+            if self.self_attn.fused_rotary(rope):
+                q_rot = self.self_attn.project_rotated(h.x_weighted, rope, kv_cache, attn_metadata, row_scale=h)
+            if q_rot is not None:
+                x = self.self_attn.attend_rotated(q_rot, kv_cache, attn_metadata)
+                return self._forward_mlp(x, residual, next_norm)
+            # The layer before folded, this call cannot scale: the input norm's output from the fold's, to a
+            # rounding; the residual stream already holds the sum.
             x = (h.x_weighted.float() * h.row_factors()[:, None]).to(h.x_weighted.dtype)
             x = self.self_attn(x, rope, kv_cache, attn_metadata)
-            return self._forward_mlp(x, residual)
+            return self._forward_mlp(x, residual, next_norm)
         streamed_input = self._streamed_input(h, residual, rope, kv_cache, attn_metadata)
         if streamed_input is not None:
             q_rot, residual = streamed_input
@@ -198,13 +209,21 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm.forward_residual(h, residual)
             x = self.self_attn(x, rope, kv_cache, attn_metadata)
-        return self._forward_mlp(x, residual)
+        return self._forward_mlp(x, residual, next_norm)
 
-    def _forward_mlp(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The post-attention norm (adding the attention's output x to the residual stream) and the MLP."""
+    def _forward_mlp(
+        self, x: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm | None = None
+    ) -> tuple[torch.Tensor | FoldedNorm, torch.Tensor]:
+        """The post-attention norm (adding the attention's output x to the residual stream) and the MLP. The
+        streamed MLP may fold `next_norm` into its down projection (`StreamedMLP.fold_next_norm`): then a
+        `FoldedNorm` and the residual stream after this block."""
         streamed, norm, mlp = self.streamed_mlp, self.post_attention_layernorm, self.mlp
         gate_up, down = mlp.gate_up_proj.weight, mlp.down_proj.weight
         if streamed is not None and streamed.applies(x, residual, norm.weight, gate_up, down):
+            # The next layer (as this one: a model's layers are uniform) scales its q|k|v by the folded norm.
+            if next_norm is not None and streamed.fold_next_norm and not self.self_attn.qk_norm:
+                fold_norm = (next_norm.weight, next_norm.eps)
+                return streamed(x, residual, norm.weight, norm.eps, gate_up, down, next_norm=fold_norm)
             return streamed(x, residual, norm.weight, norm.eps, gate_up, down)
         x, residual = norm.forward_residual(x, residual)
         return self.mlp(x), residual

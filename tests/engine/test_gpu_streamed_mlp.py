@@ -79,6 +79,51 @@ def test_batch_1_bf16_close_to_hf(monkeypatch, family: str, enforce_eager: bool,
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_next_norm_folded_into_the_down_projection_close_to_hf(
+    monkeypatch, family: str, enforce_eager: bool, tmp_path
+) -> None:
+    """ASYNCSPEC_STREAMED_MLP_NORM_FOLD=1: a batch-1 layer's down projection adds the residual and weights it for
+    the next layer's norm, whose q|k|v scales by the factors (no norm kernel between them): greedy tokens stay close
+    to Hugging Face, graphed and eager. Qwen3's q/k norm keeps its q|k|v from scaling: it never folds."""
+    from asyncspec.kernels.streamed_gemv_gluon import StreamedGemv
+
+    monkeypatch.setenv("ASYNCSPEC_STREAMED_MLP", "split-deep")
+    monkeypatch.setenv("ASYNCSPEC_STREAMED_MLP_NORM_FOLD", "1")
+    folded_calls: list[tuple[int, ...]] = []
+    original = StreamedGemv.add_norm
+
+    def counting(self, x, weight, **kwargs):
+        folded_calls.append(tuple(weight.shape))
+        return original(self, x, weight, **kwargs)
+
+    monkeypatch.setattr(StreamedGemv, "add_norm", counting)
+    hf = save_tiny_family_model(family, tmp_path, torch.bfloat16, hidden_size=512, intermediate_size=1024)
+    hf = hf.cuda().eval()
+    llm = LLM(
+        str(tmp_path),
+        device="cuda",
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        max_num_batched_tokens=64,
+        enforce_eager=enforce_eager,
+    )
+    runner = llm.engine.engine_core.runner
+    layers = [m for m in runner.model.modules() if "streamed_mlp" in vars(m)]
+    assert layers and all(m.streamed_mlp is not None and m.streamed_mlp.fold_next_norm for m in layers)
+    rng = random.Random(1)
+    for _ in range(4):
+        prompt = [rng.randrange(2, 512) for _ in range(rng.randrange(5, 80))]
+        ((ours, our_top5),) = _run_ours(llm, [prompt], 24)
+        ref, ref_logprobs = _hf_greedy_with_top5(hf, prompt, 24)
+        _assert_close_greedy(ours, our_top5, ref, ref_logprobs)
+    if family == "qwen3":
+        assert folded_calls == []
+    else:  # every layer but the last folds: captured into the graphs, or called by every eager decode step
+        assert folded_calls.count((512, 1024)) >= ((4 * 23 * (len(layers) - 1)) if enforce_eager else 1)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
 def test_streamed_o_proj_batch_1_bf16_close_to_hf(monkeypatch, enforce_eager: bool, tmp_path) -> None:
     """ASYNCSPEC_STREAMED_O_PROJ=1 beside the split streamed MLP: the o projections' one-row calls take the
     streamed GEMV, and greedy decoding stays close to HF."""

@@ -8,13 +8,16 @@ import pytest
 import torch
 from torch import nn
 
+from asyncspec.kernels.skinny_linear import FoldedNorm, skinny_linear_add_norm_ref
 from asyncspec.layers.streamed_mlp import (
     DEFAULT_STREAMED_MLP_FORM,
     STREAMED_MLP_ENV,
+    STREAMED_MLP_NORM_FOLD_ENV,
     StreamedMLPSettingError,
     make_streamed_mlp,
     served_shapes,
     streamed_mlp_form,
+    streamed_mlp_norm_fold,
     unavailable_reason,
     use_streamed_mlp,
 )
@@ -100,7 +103,7 @@ def test_auto_takes_the_deep_split_form_for_the_measured_shapes_only(
     monkeypatch.setattr(streamed_mlp, "num_sms", lambda device: num_sms)
     built: list[tuple] = []
     monkeypatch.setattr(
-        streamed_mlp_gluon, "StreamedMLP", lambda device, shapes, config: built.append((shapes, config))
+        streamed_mlp_gluon, "StreamedMLP", lambda device, shapes, config, fold_next_norm: built.append((shapes, config))
     )
     monkeypatch.delenv(STREAMED_MLP_ENV, raising=False)
     with torch.device("meta"):  # shapes only: no memory for the 8B's weights
@@ -131,13 +134,32 @@ def test_each_form_builds_its_config(
     monkeypatch.setattr(streamed_mlp, "unavailable_reason", lambda device: None)  # as on a Hopper GPU
     built: list[tuple] = []
     monkeypatch.setattr(
-        streamed_mlp_gluon, "StreamedMLP", lambda device, shapes, config: built.append((shapes, config))
+        streamed_mlp_gluon,
+        "StreamedMLP",
+        lambda device, shapes, config, fold_next_norm: built.append((shapes, config, fold_next_norm)),
     )
     monkeypatch.setenv(STREAMED_MLP_ENV, form)
+    monkeypatch.delenv(STREAMED_MLP_NORM_FOLD_ENV, raising=False)
     make_streamed_mlp(_Layers(_config()), torch.device("cuda"))
-    ((shapes, config),) = built
+    monkeypatch.setenv(STREAMED_MLP_NORM_FOLD_ENV, "1")
+    make_streamed_mlp(_Layers(_config()), torch.device("cuda"))
+    (shapes, config, fold_off), (_, _, fold_on) = built
     assert shapes == {(512, 1024)}
     assert (config.grid_barrier, config.co_resident, config.stages) == (grid_barrier, co_resident, stages)
+    assert (fold_off, fold_on) == (False, True)
+
+
+def test_norm_fold_setting_is_off_unless_set(monkeypatch) -> None:
+    monkeypatch.delenv(STREAMED_MLP_NORM_FOLD_ENV, raising=False)
+    assert streamed_mlp_norm_fold() is False
+    monkeypatch.setenv(STREAMED_MLP_NORM_FOLD_ENV, "1")
+    assert streamed_mlp_norm_fold() is True
+    monkeypatch.setenv(STREAMED_MLP_NORM_FOLD_ENV, "on")
+    with pytest.raises(StreamedMLPSettingError, match="ASYNCSPEC_STREAMED_MLP_NORM_FOLD='on'"):
+        streamed_mlp_norm_fold()
+    monkeypatch.setenv(STREAMED_MLP_ENV, "1")
+    with pytest.raises(StreamedMLPSettingError, match="0 \\(off, the default\\) or 1"):
+        make_streamed_mlp(_Layers(_config()), torch.device("cpu"))
 
 
 def test_served_shapes_skip_biased_mlps() -> None:
@@ -198,3 +220,116 @@ def test_layer_takes_the_streamed_half_only_where_it_applies() -> None:
     use_streamed_mlp(model, None)
     got = layer(h, residual, None, None, None)
     assert torch.equal(got[0], want[0])
+
+
+class _ReferenceStreamed:
+    """Stands in for StreamedMLP with its contract in torch: the post-attention add + norm and the MLP, and with
+    `fold_next_norm` the next norm folded into the down projection (`skinny_linear_add_norm_ref`)."""
+
+    def __init__(self, fold_next_norm: bool) -> None:
+        self.fold_next_norm = fold_next_norm
+        self.folded_calls = 0
+
+    def applies(self, x, residual, norm_weight, gate_up_weight, down_weight) -> bool:
+        return True
+
+    def __call__(self, x, residual, norm_weight, eps, gate_up_weight, down_weight, next_norm=None):
+        h = x + residual
+        normed = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps) * norm_weight
+        gate, up = torch.nn.functional.linear(normed, gate_up_weight).chunk(2, dim=-1)
+        act = torch.nn.functional.silu(gate) * up
+        if next_norm is None:
+            return torch.nn.functional.linear(act, down_weight), h
+        self.folded_calls += 1
+        return skinny_linear_add_norm_ref(
+            act, down_weight, None, residual=h, norm_weight=next_norm[0], eps=next_norm[1]
+        ), h
+
+
+class _RotaryAttention(nn.Module):
+    """Stands in for the attention block: q|k|v with RoPE in its epilogue (`project_rotated`, which scales by a
+    folded norm's factors), attending returns q; the chain's forward doubles x."""
+
+    qk_norm = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scaled: list[FoldedNorm] = []
+
+    def fused_rotary(self, rope) -> bool:
+        return True
+
+    def project_rotated(self, x, rope, kv_cache, attn_metadata, row_scale=None):
+        if row_scale is not None:
+            self.scaled.append(row_scale)
+            x = x * row_scale.row_factors()[:, None]
+        return 2 * x
+
+    def attend_rotated(self, q_rot, kv_cache, attn_metadata):
+        return q_rot
+
+    def forward(self, x, rope, kv_cache, attn_metadata):
+        return 2 * x
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(1, 512, generator=gen), torch.randn(1, 512, generator=gen)
+
+
+@torch.no_grad()
+def test_the_next_norm_folds_into_the_streamed_down_projection() -> None:
+    """With `fold_next_norm`, a layer given the next layer's norm returns it folded (the residual stream after the
+    block, and h * norm weight with its sums of squares); the next layer scales its q|k|v by the factors instead of
+    running the norm, and the last layer, given no norm, returns its plain output: the model's numbers are the
+    unfolded chain's (fp32 here: to the sums' rounding)."""
+    config = _config(num_hidden_layers=3)
+    model = _Layers(config)
+    for layer in model.layers:
+        layer.self_attn = _RotaryAttention()
+        for p in layer.parameters():
+            p.normal_(1.0 if p.dim() == 1 else 0.0, 0.05)
+    layers = list(model.layers)
+
+    def run(streamed: _ReferenceStreamed) -> tuple[torch.Tensor, torch.Tensor, list]:
+        use_streamed_mlp(model, streamed)  # type: ignore[arg-type]
+        h, residual = _inputs()
+        outputs = []
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
+            h, residual = layer(h, residual, None, None, None, next_norm)
+            outputs.append(h)
+        return h, residual, outputs
+
+    plain_out, plain_residual, plain_outputs = run(_ReferenceStreamed(fold_next_norm=False))
+    folding = _ReferenceStreamed(fold_next_norm=True)
+    out, residual, outputs = run(folding)
+    assert folding.folded_calls == 2
+    assert [isinstance(o, FoldedNorm) for o in outputs] == [True, True, False]
+    assert not any(isinstance(o, FoldedNorm) for o in plain_outputs)
+    # The layers after the first scaled their projection by the fold's factors; the first ran its own norm.
+    assert [len(layer.self_attn.scaled) for layer in layers] == [0, 1, 1]
+    torch.testing.assert_close(out, plain_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(residual, plain_residual, rtol=1e-5, atol=1e-5)
+    # The fold's factor is the next norm's: rsqrt(mean(h^2) + eps) of the residual stream after the block.
+    first = outputs[0]
+    assert isinstance(first, FoldedNorm)
+    norm = layers[1].input_layernorm
+    block_out, stream_before = layers[0](*_inputs(), None, None, None)  # unfolded: the next norm adds them
+    stream = block_out + stream_before
+    want = torch.rsqrt(stream.pow(2).mean(dim=-1) + norm.eps)
+    torch.testing.assert_close(first.row_factors(), want, rtol=1e-5, atol=0.0)
+
+
+@torch.no_grad()
+def test_no_fold_for_a_model_with_a_qk_norm() -> None:
+    """A q/k norm keeps q|k|v from scaling by the factors: the streamed MLP is not asked to fold."""
+    model = _Layers(_config())
+    for layer in model.layers:
+        layer.self_attn = _RotaryAttention()
+        layer.self_attn.qk_norm = True
+    folding = _ReferenceStreamed(fold_next_norm=True)
+    use_streamed_mlp(model, folding)  # type: ignore[arg-type]
+    h, residual = torch.randn(1, 512), torch.randn(1, 512)
+    out, _ = model.layers[0](h, residual, None, None, None, model.layers[1].input_layernorm)
+    assert not isinstance(out, FoldedNorm) and folding.folded_calls == 0
