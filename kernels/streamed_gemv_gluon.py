@@ -103,7 +103,7 @@ def _gemv_consumer(
             hf = h.to(gl.float32)
             gl.store(out_ptr + rows, (hf * norm_w).to(gl.bfloat16))
             squares = gl.sum(hf * hf, axis=0)
-            gl.store(sq_ptr + tile + offs_r * 0, out * 0.0 + squares, mask=offs_r == 0)
+            gl.store(sq_ptr + tile + offs_r * 0, gl.zeros([16], gl.float32, r_layout) + squares, mask=offs_r == 0)
             # The next tile's operands (none past the last: masked).
             after = rows + 16 * NUM_PROGS
             norm_w = gl.load(norm_w_ptr + after, mask=after < N, other=0.0).to(gl.float32)

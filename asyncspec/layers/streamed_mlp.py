@@ -146,6 +146,12 @@ def make_streamed_mlp(model: nn.Module, device: torch.device) -> StreamedMLP | N
         return None
     from asyncspec.kernels.streamed_mlp_gluon import StreamedMLP
 
+    if fold_next_norm and form == "barrier":
+        logger.warning(
+            "%s=1 but the streamed MLP's barrier form has its down projection inside its one kernel: the next "
+            "layer's norm is not folded (the split and split-deep forms fold it)",
+            STREAMED_MLP_NORM_FOLD_ENV,
+        )
     logger.info(
         "streamed MLP (%s form, %s=%s) on for batch-1 decode, shapes %s%s",
         form,

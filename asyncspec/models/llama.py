@@ -87,6 +87,11 @@ class LlamaAttention(nn.Module):
         from the caches (the Triton path) and no q/k norm."""
         return (rope.cos is None or rope.sin is None) and not self.qk_norm
 
+    def scales_folded_norm(self, rope: RotaryInputs) -> bool:
+        """Whether `project_rotated` may take a folded norm's x with its row factors (`row_scale=`): the rotary
+        epilogue, and the skinny kernel it runs in (it may still refuse a call, e.g. too many rows)."""
+        return self.fused_rotary(rope) and self.qkv_proj.skinny_linear is not None
+
     def project_rotated(
         self,
         x: torch.Tensor,
@@ -192,16 +197,16 @@ class LlamaDecoderLayer(nn.Module):
                 raise ValueError("a FoldedNorm input comes with the residual stream it was added to")
             # The streamed MLP of the layer before folded this norm (a batch-1 step): q|k|v scales its sums.
             q_rot = None
-            if self.self_attn.fused_rotary(rope):
+            if self.self_attn.scales_folded_norm(rope):
                 q_rot = self.self_attn.project_rotated(h.x_weighted, rope, kv_cache, attn_metadata, row_scale=h)
             if q_rot is not None:
                 x = self.self_attn.attend_rotated(q_rot, kv_cache, attn_metadata)
-                return self._forward_mlp(x, residual, next_norm)
+                return self._forward_mlp(x, residual, rope, next_norm)
             # The layer before folded, this call cannot scale: the input norm's output from the fold's, to a
             # rounding; the residual stream already holds the sum.
             x = (h.x_weighted.float() * h.row_factors()[:, None]).to(h.x_weighted.dtype)
             x = self.self_attn(x, rope, kv_cache, attn_metadata)
-            return self._forward_mlp(x, residual, next_norm)
+            return self._forward_mlp(x, residual, rope, next_norm)
         streamed_input = self._streamed_input(h, residual, rope, kv_cache, attn_metadata)
         if streamed_input is not None:
             q_rot, residual = streamed_input
@@ -209,24 +214,33 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm.forward_residual(h, residual)
             x = self.self_attn(x, rope, kv_cache, attn_metadata)
-        return self._forward_mlp(x, residual, next_norm)
+        return self._forward_mlp(x, residual, rope, next_norm)
 
     def _forward_mlp(
-        self, x: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm | None = None
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        rope: RotaryInputs | None = None,
+        next_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor | FoldedNorm, torch.Tensor]:
         """The post-attention norm (adding the attention's output x to the residual stream) and the MLP. The
-        streamed MLP may fold `next_norm` into its down projection (`StreamedMLP.fold_next_norm`): then a
-        `FoldedNorm` and the residual stream after this block."""
+        streamed MLP may fold `next_norm` into its down projection (`StreamedMLP.fold_next_norm`) where the next
+        layer's q|k|v can scale by it: then a `FoldedNorm` and the residual stream after this block."""
         streamed, norm, mlp = self.streamed_mlp, self.post_attention_layernorm, self.mlp
         gate_up, down = mlp.gate_up_proj.weight, mlp.down_proj.weight
         if streamed is not None and streamed.applies(x, residual, norm.weight, gate_up, down):
-            # The next layer (as this one: a model's layers are uniform) scales its q|k|v by the folded norm.
-            if next_norm is not None and streamed.fold_next_norm and not self.self_attn.qk_norm:
+            if next_norm is not None and rope is not None and streamed.fold_next_norm and self._next_scales(rope):
                 fold_norm = (next_norm.weight, next_norm.eps)
                 return streamed(x, residual, norm.weight, norm.eps, gate_up, down, next_norm=fold_norm)
             return streamed(x, residual, norm.weight, norm.eps, gate_up, down)
         x, residual = norm.forward_residual(x, residual)
         return self.mlp(x), residual
+
+    def _next_scales(self, rope: RotaryInputs) -> bool:
+        """Whether the next layer (set up as this one: a model's layers are uniform) scales its q|k|v by a folded
+        norm: it could not with a q/k norm or without the rotary epilogue's kernel (it would unfold it in torch,
+        several kernels for the one saved), and the streamed attention input, where on, takes the norm itself."""
+        return not self.self_attn.qk_norm and self.self_attn.scales_folded_norm(rope) and self.streamed_attn_in is None
 
     def _fold(self, h: torch.Tensor | FoldedNorm, rope: RotaryInputs) -> SkinnyLinear | None:
         """The skinny kernels where this call folds its norms into the projections (`SkinnyLinear.folds`): RoPE

@@ -98,6 +98,18 @@ def test_next_norm_folded_into_the_down_projection_close_to_hf(
         return original(self, x, weight, **kwargs)
 
     monkeypatch.setattr(StreamedGemv, "add_norm", counting)
+    from asyncspec.models.llama import LlamaAttention
+
+    scaled_calls: list[int] = []
+    project = LlamaAttention.project_rotated
+
+    def counting_scaled(self, x, rope, kv_cache, attn_metadata, row_scale=None):
+        q_rot = project(self, x, rope, kv_cache, attn_metadata, row_scale=row_scale)
+        if row_scale is not None and q_rot is not None:  # the scaled path, not the unfolding fallback
+            scaled_calls.append(x.shape[0])
+        return q_rot
+
+    monkeypatch.setattr(LlamaAttention, "project_rotated", counting_scaled)
     hf = save_tiny_family_model(family, tmp_path, torch.bfloat16, hidden_size=512, intermediate_size=1024)
     hf = hf.cuda().eval()
     llm = LLM(
@@ -118,9 +130,11 @@ def test_next_norm_folded_into_the_down_projection_close_to_hf(
         ref, ref_logprobs = _hf_greedy_with_top5(hf, prompt, 24)
         _assert_close_greedy(ours, our_top5, ref, ref_logprobs)
     if family == "qwen3":
-        assert folded_calls == []
-    else:  # every layer but the last folds: captured into the graphs, or called by every eager decode step
+        assert folded_calls == [] and scaled_calls == []
+    else:  # every layer but the last folds, the next one scales: in the graphs, or at every eager decode step
         assert folded_calls.count((512, 1024)) >= ((4 * 23 * (len(layers) - 1)) if enforce_eager else 1)
+        # (the 4-row-and-up fold of the skinny kernels also scales, in steps of several rows: not counted here)
+        assert scaled_calls.count(1) >= ((4 * 23 * (len(layers) - 1)) if enforce_eager else 1)
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True])

@@ -108,6 +108,7 @@ def test_add_norm_compiles_for_hopper_and_reads_the_residual_after_the_wait(
     wait, plain_wait = ptx.index("griddepcontrol.wait"), plain_ptx.index("griddepcontrol.wait")
     assert "st.global" not in ptx[:wait]
     assert ptx[:wait].count("ld.global") > plain_ptx[:plain_wait].count("ld.global")
+    assert "ld.global.cg" not in ptx[:wait]  # the residual (and x), read through L2, only after it
     # The residual's stores and the partial sums' store: more stores than the plain kernel's output alone.
     assert ptx[wait:].count("st.global") > plain_ptx[plain_wait:].count("st.global")
 

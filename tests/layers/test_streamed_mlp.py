@@ -252,14 +252,24 @@ class _RotaryAttention(nn.Module):
 
     qk_norm = False
 
-    def __init__(self) -> None:
+    def __init__(self, scales: bool = True, refuses: bool = False) -> None:
         super().__init__()
+        self.scales = scales
+        self.refuses = refuses
         self.scaled: list[FoldedNorm] = []
 
     def fused_rotary(self, rope) -> bool:
         return True
 
+    def scales_folded_norm(self, rope) -> bool:
+        return self.scales
+
+    def streamable_input(self, rope) -> bool:
+        return False
+
     def project_rotated(self, x, rope, kv_cache, attn_metadata, row_scale=None):
+        if self.refuses:
+            return None
         if row_scale is not None:
             self.scaled.append(row_scale)
             x = x * row_scale.row_factors()[:, None]
@@ -270,6 +280,10 @@ class _RotaryAttention(nn.Module):
 
     def forward(self, x, rope, kv_cache, attn_metadata):
         return 2 * x
+
+
+_NO_ROPE = object()
+"""Stands in for the step's RotaryInputs: the stand-in attention reads none of it."""
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,7 +311,7 @@ def test_the_next_norm_folds_into_the_streamed_down_projection() -> None:
         outputs = []
         for i, layer in enumerate(layers):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
-            h, residual = layer(h, residual, None, None, None, next_norm)
+            h, residual = layer(h, residual, _NO_ROPE, None, None, next_norm)
             outputs.append(h)
         return h, residual, outputs
 
@@ -315,21 +329,48 @@ def test_the_next_norm_folds_into_the_streamed_down_projection() -> None:
     first = outputs[0]
     assert isinstance(first, FoldedNorm)
     norm = layers[1].input_layernorm
-    block_out, stream_before = layers[0](*_inputs(), None, None, None)  # unfolded: the next norm adds them
+    block_out, stream_before = layers[0](*_inputs(), _NO_ROPE, None, None)  # unfolded: the next norm adds them
     stream = block_out + stream_before
     want = torch.rsqrt(stream.pow(2).mean(dim=-1) + norm.eps)
     torch.testing.assert_close(first.row_factors(), want, rtol=1e-5, atol=0.0)
 
 
+@pytest.mark.parametrize("why", ["qk_norm", "no_rotary_kernel", "streamed_attn_in"])
 @torch.no_grad()
-def test_no_fold_for_a_model_with_a_qk_norm() -> None:
-    """A q/k norm keeps q|k|v from scaling by the factors: the streamed MLP is not asked to fold."""
+def test_no_fold_where_the_next_layer_cannot_scale(why: str) -> None:
+    """A q/k norm or no rotary epilogue's kernel keeps q|k|v from scaling by the factors, and the streamed attention
+    input takes the norm itself: the streamed MLP is not asked to fold."""
     model = _Layers(_config())
     for layer in model.layers:
-        layer.self_attn = _RotaryAttention()
-        layer.self_attn.qk_norm = True
+        layer.self_attn = _RotaryAttention(scales=why != "no_rotary_kernel")
+        layer.self_attn.qk_norm = why == "qk_norm"
+        if why == "streamed_attn_in":
+            layer.streamed_attn_in = object()
     folding = _ReferenceStreamed(fold_next_norm=True)
     use_streamed_mlp(model, folding)  # type: ignore[arg-type]
     h, residual = torch.randn(1, 512), torch.randn(1, 512)
-    out, _ = model.layers[0](h, residual, None, None, None, model.layers[1].input_layernorm)
+    rope = _NO_ROPE
+    out, _ = model.layers[0](h, residual, rope, None, None, model.layers[1].input_layernorm)
     assert not isinstance(out, FoldedNorm) and folding.folded_calls == 0
+
+
+@torch.no_grad()
+def test_a_fold_the_next_projection_refuses_is_unfolded() -> None:
+    """Where the next layer's rotary kernel refuses the call after all, the layer unfolds the norm in torch: the
+    numbers stay the unfolded chain's."""
+    config = _config(num_hidden_layers=2)
+    model = _Layers(config)
+    for layer in model.layers:
+        layer.self_attn = _RotaryAttention()
+        for p in layer.parameters():
+            p.normal_(1.0 if p.dim() == 1 else 0.0, 0.05)
+    first, second = model.layers
+    use_streamed_mlp(model, _ReferenceStreamed(fold_next_norm=False))  # type: ignore[arg-type]
+    want = second(*first(*_inputs(), _NO_ROPE, None, None, None), _NO_ROPE, None, None)
+    use_streamed_mlp(model, _ReferenceStreamed(fold_next_norm=True))  # type: ignore[arg-type]
+    folded = first(*_inputs(), _NO_ROPE, None, None, second.input_layernorm)
+    assert isinstance(folded[0], FoldedNorm)
+    second.self_attn.refuses = True
+    got = second(*folded, _NO_ROPE, None, None)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
