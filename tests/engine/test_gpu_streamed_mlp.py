@@ -20,6 +20,33 @@ pytestmark = [
 ]
 
 
+def _tiny_engine(family: str, tmp_path, enforce_eager: bool):
+    """A tiny bf16 model of `family` with widths the kernel takes (multiples of 512): Hugging Face's on the GPU, the
+    engine over the same weights, and the engine's decoder layers with a streamed-MLP slot."""
+    hf = save_tiny_family_model(family, tmp_path, torch.bfloat16, hidden_size=512, intermediate_size=1024)
+    hf = hf.cuda().eval()
+    llm = LLM(
+        str(tmp_path),
+        device="cuda",
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        max_num_batched_tokens=64,
+        enforce_eager=enforce_eager,
+    )
+    runner = llm.engine.engine_core.runner
+    return hf, llm, [m for m in runner.model.modules() if "streamed_mlp" in vars(m)]
+
+
+def _assert_batch_1_close_to_hf(llm, hf, seed: int) -> None:
+    """Four requests one at a time (every decode step a batch of 1), 24 greedy tokens each, close to Hugging Face."""
+    rng = random.Random(seed)
+    for _ in range(4):
+        prompt = [rng.randrange(2, 512) for _ in range(rng.randrange(5, 80))]
+        ((ours, our_top5),) = _run_ours(llm, [prompt], 24)
+        ref, ref_logprobs = _hf_greedy_with_top5(hf, prompt, 24)
+        _assert_close_greedy(ours, our_top5, ref, ref_logprobs)
+
+
 @pytest.mark.parametrize("form", ["barrier", "split", "split-deep"])
 @pytest.mark.parametrize("enforce_eager", [False, True])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -35,19 +62,7 @@ def test_batch_1_bf16_close_to_hf(monkeypatch, family: str, enforce_eager: bool,
         return original(self, x, weight)
 
     monkeypatch.setattr(StreamedGemv, "__call__", counting)
-    # Hidden and intermediate widths the kernel takes (multiples of 512).
-    hf = save_tiny_family_model(family, tmp_path, torch.bfloat16, hidden_size=512, intermediate_size=1024)
-    hf = hf.cuda().eval()
-    llm = LLM(
-        str(tmp_path),
-        device="cuda",
-        skip_tokenizer_init=True,
-        max_model_len=256,
-        max_num_batched_tokens=64,
-        enforce_eager=enforce_eager,
-    )
-    runner = llm.engine.engine_core.runner
-    layers = [m for m in runner.model.modules() if "streamed_mlp" in vars(m)]
+    hf, llm, layers = _tiny_engine(family, tmp_path, enforce_eager)
     assert layers and all(m.streamed_mlp is not None for m in layers)
     streamed = layers[0].streamed_mlp
     assert streamed.config.grid_barrier == (form == "barrier")
@@ -60,12 +75,7 @@ def test_batch_1_bf16_close_to_hf(monkeypatch, family: str, enforce_eager: bool,
     flags = streamed._flags
     launched_before = int(flags[0].item())
     streamed._act.fill_(float("nan"))  # only the kernel writes its activations' scratch
-    rng = random.Random(0)
-    for _ in range(4):  # one request at a time: every decode step is a batch of 1
-        prompt = [rng.randrange(2, 512) for _ in range(rng.randrange(5, 80))]
-        ((ours, our_top5),) = _run_ours(llm, [prompt], 24)
-        ref, ref_logprobs = _hf_greedy_with_top5(hf, prompt, 24)
-        _assert_close_greedy(ours, our_top5, ref, ref_logprobs)
+    _assert_batch_1_close_to_hf(llm, hf, seed=0)
     assert torch.isfinite(streamed._act).all()
     if form == "barrier":
         # Each launch moves every program's flag on by one: it ran for every decode step's layers.
@@ -110,25 +120,9 @@ def test_next_norm_folded_into_the_down_projection_close_to_hf(
         return q_rot
 
     monkeypatch.setattr(LlamaAttention, "project_rotated", counting_scaled)
-    hf = save_tiny_family_model(family, tmp_path, torch.bfloat16, hidden_size=512, intermediate_size=1024)
-    hf = hf.cuda().eval()
-    llm = LLM(
-        str(tmp_path),
-        device="cuda",
-        skip_tokenizer_init=True,
-        max_model_len=256,
-        max_num_batched_tokens=64,
-        enforce_eager=enforce_eager,
-    )
-    runner = llm.engine.engine_core.runner
-    layers = [m for m in runner.model.modules() if "streamed_mlp" in vars(m)]
+    hf, llm, layers = _tiny_engine(family, tmp_path, enforce_eager)
     assert layers and all(m.streamed_mlp is not None and m.streamed_mlp.fold_next_norm for m in layers)
-    rng = random.Random(1)
-    for _ in range(4):
-        prompt = [rng.randrange(2, 512) for _ in range(rng.randrange(5, 80))]
-        ((ours, our_top5),) = _run_ours(llm, [prompt], 24)
-        ref, ref_logprobs = _hf_greedy_with_top5(hf, prompt, 24)
-        _assert_close_greedy(ours, our_top5, ref, ref_logprobs)
+    _assert_batch_1_close_to_hf(llm, hf, seed=1)
     if family == "qwen3":
         assert folded_calls == [] and scaled_calls == []
     else:  # every layer but the last folds, the next one scales: in the graphs, or at every eager decode step

@@ -286,6 +286,16 @@ _NO_ROPE = object()
 """Stands in for the step's RotaryInputs: the stand-in attention reads none of it."""
 
 
+def _stand_in_layers(num_layers: int) -> _Layers:
+    """Decoder layers with random weights (norm weights near 1) and the stand-in attention."""
+    model = _Layers(_config(num_hidden_layers=num_layers))
+    for layer in model.layers:
+        layer.self_attn = _RotaryAttention()
+        for p in layer.parameters():
+            p.normal_(1.0 if p.dim() == 1 else 0.0, 0.05)
+    return model
+
+
 def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     return torch.randn(1, 512, generator=gen), torch.randn(1, 512, generator=gen)
@@ -297,12 +307,7 @@ def test_the_next_norm_folds_into_the_streamed_down_projection() -> None:
     block, and h * norm weight with its sums of squares); the next layer scales its q|k|v by the factors instead of
     running the norm, and the last layer, given no norm, returns its plain output: the model's numbers are the
     unfolded chain's (fp32 here: to the sums' rounding)."""
-    config = _config(num_hidden_layers=3)
-    model = _Layers(config)
-    for layer in model.layers:
-        layer.self_attn = _RotaryAttention()
-        for p in layer.parameters():
-            p.normal_(1.0 if p.dim() == 1 else 0.0, 0.05)
+    model = _stand_in_layers(3)
     layers = list(model.layers)
 
     def run(streamed: _ReferenceStreamed) -> tuple[torch.Tensor, torch.Tensor, list]:
@@ -358,12 +363,7 @@ def test_no_fold_where_the_next_layer_cannot_scale(why: str) -> None:
 def test_a_fold_the_next_projection_refuses_is_unfolded() -> None:
     """Where the next layer's rotary kernel refuses the call after all, the layer unfolds the norm in torch: the
     numbers stay the unfolded chain's."""
-    config = _config(num_hidden_layers=2)
-    model = _Layers(config)
-    for layer in model.layers:
-        layer.self_attn = _RotaryAttention()
-        for p in layer.parameters():
-            p.normal_(1.0 if p.dim() == 1 else 0.0, 0.05)
+    model = _stand_in_layers(2)
     first, second = model.layers
     use_streamed_mlp(model, _ReferenceStreamed(fold_next_norm=False))  # type: ignore[arg-type]
     want = second(*first(*_inputs(), _NO_ROPE, None, None, None), _NO_ROPE, None, None)
