@@ -20,10 +20,12 @@ pytestmark = [
 ]
 
 
-def _tiny_engine(family: str, tmp_path, enforce_eager: bool):
+def _tiny_engine(family: str, tmp_path, enforce_eager: bool, **model_overrides):
     """A tiny bf16 model of `family` with widths the kernel takes (multiples of 512): Hugging Face's on the GPU, the
     engine over the same weights, and the engine's decoder layers with a streamed-MLP slot."""
-    hf = save_tiny_family_model(family, tmp_path, torch.bfloat16, hidden_size=512, intermediate_size=1024)
+    hf = save_tiny_family_model(
+        family, tmp_path, torch.bfloat16, hidden_size=512, intermediate_size=1024, **model_overrides
+    )
     hf = hf.cuda().eval()
     llm = LLM(
         str(tmp_path),
@@ -148,18 +150,7 @@ def test_streamed_o_proj_batch_1_bf16_close_to_hf(monkeypatch, enforce_eager: bo
 
     monkeypatch.setattr(StreamedGemv, "__call__", counting)
     # An o projection of 512 x 512: 8 heads of 64.
-    hf = save_tiny_family_model(
-        "llama", tmp_path, torch.bfloat16, hidden_size=512, intermediate_size=1024, num_attention_heads=8, head_dim=64
-    )
-    hf = hf.cuda().eval()
-    llm = LLM(
-        str(tmp_path),
-        device="cuda",
-        skip_tokenizer_init=True,
-        max_model_len=256,
-        max_num_batched_tokens=64,
-        enforce_eager=enforce_eager,
-    )
+    hf, llm, _ = _tiny_engine("llama", tmp_path, enforce_eager, num_attention_heads=8, head_dim=64)
     runner = llm.engine.engine_core.runner
     o_projs = [m.o_proj for m in runner.model.modules() if hasattr(m, "o_proj")]
     assert o_projs and all(o.streamed_gemv is not None for o in o_projs)
