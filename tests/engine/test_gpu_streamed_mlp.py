@@ -56,6 +56,8 @@ def test_batch_1_bf16_close_to_hf(monkeypatch, family: str, enforce_eager: bool,
     from asyncspec.kernels.streamed_gemv_gluon import StreamedGemv
 
     monkeypatch.setenv("ASYNCSPEC_STREAMED_MLP", form)
+    # The unfolded chain: the default fold sends the split forms' down projections through `add_norm` instead.
+    monkeypatch.setenv("ASYNCSPEC_STREAMED_MLP_NORM_FOLD", "0")
     down_calls: list[tuple[int, ...]] = []
     original = StreamedGemv.__call__
 
@@ -95,13 +97,14 @@ def test_batch_1_bf16_close_to_hf(monkeypatch, family: str, enforce_eager: bool,
 def test_next_norm_folded_into_the_down_projection_close_to_hf(
     monkeypatch, family: str, enforce_eager: bool, tmp_path
 ) -> None:
-    """ASYNCSPEC_STREAMED_MLP_NORM_FOLD=1: a batch-1 layer's down projection adds the residual and weights it for
-    the next layer's norm, whose q|k|v scales by the factors (no norm kernel between them): greedy tokens stay close
-    to Hugging Face, graphed and eager. Qwen3's q/k norm keeps its q|k|v from scaling: it never folds."""
+    """ASYNCSPEC_STREAMED_MLP_NORM_FOLD unset (on by default): a batch-1 layer's down projection adds the residual
+    and weights it for the next layer's norm, whose q|k|v scales by the factors (no norm kernel between them): greedy
+    tokens stay close to Hugging Face, graphed and eager. Qwen3's q/k norm keeps its q|k|v from scaling: it never
+    folds."""
     from asyncspec.kernels.streamed_gemv_gluon import StreamedGemv
 
     monkeypatch.setenv("ASYNCSPEC_STREAMED_MLP", "split-deep")
-    monkeypatch.setenv("ASYNCSPEC_STREAMED_MLP_NORM_FOLD", "1")
+    monkeypatch.delenv("ASYNCSPEC_STREAMED_MLP_NORM_FOLD", raising=False)
     folded_calls: list[tuple[int, ...]] = []
     original = StreamedGemv.add_norm
 

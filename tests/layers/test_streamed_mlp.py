@@ -139,9 +139,9 @@ def test_each_form_builds_its_config(
         lambda device, shapes, config, fold_next_norm: built.append((shapes, config, fold_next_norm)),
     )
     monkeypatch.setenv(STREAMED_MLP_ENV, form)
-    monkeypatch.delenv(STREAMED_MLP_NORM_FOLD_ENV, raising=False)
+    monkeypatch.setenv(STREAMED_MLP_NORM_FOLD_ENV, "0")
     make_streamed_mlp(_Layers(_config()), torch.device("cuda"))
-    monkeypatch.setenv(STREAMED_MLP_NORM_FOLD_ENV, "1")
+    monkeypatch.delenv(STREAMED_MLP_NORM_FOLD_ENV)  # on by default
     make_streamed_mlp(_Layers(_config()), torch.device("cuda"))
     (shapes, config, fold_off), (_, _, fold_on) = built
     assert shapes == {(512, 1024)}
@@ -149,8 +149,32 @@ def test_each_form_builds_its_config(
     assert (fold_off, fold_on) == (False, True)
 
 
-def test_norm_fold_setting_is_off_unless_set(monkeypatch) -> None:
+def test_barrier_form_warns_of_no_fold_only_when_asked(monkeypatch, caplog) -> None:
+    """The barrier form has its down projection inside its one kernel, so it cannot fold: with the fold on by
+    default it says nothing, and asked for by name (=1) it warns that it does not fold."""
+    pytest.importorskip("triton.experimental.gluon")
+    from asyncspec.kernels import streamed_mlp_gluon
+    from asyncspec.layers import streamed_mlp
+
+    monkeypatch.setattr(streamed_mlp, "unavailable_reason", lambda device: None)  # as on a Hopper GPU
+    monkeypatch.setattr(streamed_mlp_gluon, "StreamedMLP", lambda device, shapes, config, fold_next_norm: None)
+    monkeypatch.setenv(STREAMED_MLP_ENV, "barrier")
     monkeypatch.delenv(STREAMED_MLP_NORM_FOLD_ENV, raising=False)
+    with caplog.at_level(logging.INFO, logger="asyncspec"):
+        make_streamed_mlp(_Layers(_config()), torch.device("cuda"))
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    caplog.clear()
+    monkeypatch.setenv(STREAMED_MLP_NORM_FOLD_ENV, "1")
+    with caplog.at_level(logging.INFO, logger="asyncspec"):
+        make_streamed_mlp(_Layers(_config()), torch.device("cuda"))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "the next layer's norm is not folded" in warnings[0]
+
+
+def test_norm_fold_setting_is_on_unless_0(monkeypatch) -> None:
+    monkeypatch.delenv(STREAMED_MLP_NORM_FOLD_ENV, raising=False)
+    assert streamed_mlp_norm_fold() is True
+    monkeypatch.setenv(STREAMED_MLP_NORM_FOLD_ENV, "0")
     assert streamed_mlp_norm_fold() is False
     monkeypatch.setenv(STREAMED_MLP_NORM_FOLD_ENV, "1")
     assert streamed_mlp_norm_fold() is True
@@ -158,7 +182,7 @@ def test_norm_fold_setting_is_off_unless_set(monkeypatch) -> None:
     with pytest.raises(StreamedMLPSettingError, match="ASYNCSPEC_STREAMED_MLP_NORM_FOLD='on'"):
         streamed_mlp_norm_fold()
     monkeypatch.setenv(STREAMED_MLP_ENV, "1")
-    with pytest.raises(StreamedMLPSettingError, match="0 \\(off, the default\\) or 1"):
+    with pytest.raises(StreamedMLPSettingError, match="1 \\(on, the default\\) or 0"):
         make_streamed_mlp(_Layers(_config()), torch.device("cpu"))
 
 
