@@ -6,7 +6,8 @@ Two views:
   neighbours around each gap: what follows what when the stream waits (a graph boundary, a copy engine, the host).
 - `--mode plans`: one closed batch of `--streams` requests of the bundled target, with and without its draft. Per
   plan of the scheduler: its window (from its scheduling to the next plan's), the GPU's busy time and the kernels
-  inside that window, and the plan's shape (requests, k, proposals, steps, tokens).
+  inside that window, and the plan's shape (requests, k, proposals, steps, tokens); then per kind of plan (prompt,
+  k<k> full, k<k> part) its kernels a step, to say what a speculative step spends beside a plain one.
 
     python3 benchmarks/gpu_idle.py --mode gaps --model llama-1b --output $OUT/gaps.json        # GPU, ~30 s
     python3 benchmarks/gpu_idle.py --mode plans --streams 128 --output $OUT/plans.json          # GPU, ~60 s
@@ -98,6 +99,39 @@ def plan_windows(events: list[dict[str, Any]], starts: list[float], end: float) 
     return rows
 
 
+def plan_kind(row: dict[str, Any], streams: int) -> str:
+    """A plan's kind for the kernel tables: `prompt` where it holds more tokens than its requests' decodes could
+    (k + 1 each), else `k<k> full` (every request of the closed batch) or `k<k> part`."""
+    if row["tokens"] > row["requests"] * (row["k"] + 1):
+        return "prompt"
+    return f"k{row['k']} {'full' if row['requests'] == streams else 'part'}"
+
+
+def kernels_by_kind(
+    events: list[dict[str, Any]], starts: list[float], end: float, rows: list[dict[str, Any]], streams: int
+) -> dict[str, dict[str, Any]]:
+    """Per plan kind (`plan_kind`): its plans, steps, window and busy µs, and every device event name that began in
+    its plans' windows with [count, summed µs], largest first: where a kind's step spends its GPU time."""
+    kinds: dict[str, dict[str, Any]] = {}
+    for i, (begin, row) in enumerate(zip(starts, rows, strict=False)):
+        stop = starts[i + 1] if i + 1 < len(starts) else end
+        kind = kinds.setdefault(
+            plan_kind(row, streams), {"plans": 0, "steps": 0, "window_us": 0.0, "busy_us": 0.0, "kernels": {}}
+        )
+        kind["plans"] += 1
+        kind["steps"] += row["steps"]
+        kind["window_us"] += row["window_us"]
+        kind["busy_us"] += row["busy_us"]
+        for e in events:
+            if begin <= e["ts"] < stop:
+                entry = kind["kernels"].setdefault(e["name"][:90], [0, 0.0])
+                entry[0] += 1
+                entry[1] += e["dur"]
+    for kind in kinds.values():
+        kind["kernels"] = dict(sorted(kind["kernels"].items(), key=lambda kv: -kv[1][1]))
+    return kinds
+
+
 def _trace(run) -> list[dict[str, Any]]:
     """Runs `run()` under torch.profiler (CPU and CUDA activity) and returns the chrome trace's events."""
     import torch
@@ -184,11 +218,26 @@ def mode_plans(streams: int) -> dict[str, Any]:
         rows = plan_windows(events, [m["ts"] for m in marks], end)
         for row, shape in zip(rows, shapes, strict=False):
             row.update(shape)
-        result["configs"][name] = {"unprofiled_wall_ms": walls, "plans": rows}
+        rows = rows[: len(shapes)]
+        by_kind = kernels_by_kind(events, [m["ts"] for m in marks], end, rows, streams)
+        result["configs"][name] = {"unprofiled_wall_ms": walls, "plans": rows, "kinds": by_kind}
         del llm, trace, events
         gc.collect()  # the next engine sizes its KV pool from the memory this one frees
         torch.cuda.empty_cache()
     return result
+
+
+def print_kinds(kinds: dict[str, dict[str, Any]], top: int = 16) -> None:
+    """Per plan kind: µs of window and of busy GPU a step, device events a step, and its largest kernels a step."""
+    for name, kind in kinds.items():
+        steps = max(kind["steps"], 1)
+        events = sum(n for n, _ in kind["kernels"].values())
+        print(
+            f"  -- {name}: {kind['plans']} plans, {kind['steps']} steps; a step: window {kind['window_us'] / steps:.1f}"
+            f" us, busy {kind['busy_us'] / steps:.1f} us, {events / steps:.1f} device events"
+        )
+        for kernel, (n, us) in list(kind["kernels"].items())[:top]:
+            print(f"     {us / steps:8.1f} us {n / steps:6.2f}x  {us / max(n, 1):6.2f} us each  {kernel[:80]}")
 
 
 def main() -> int:
@@ -218,6 +267,7 @@ def main() -> int:
             print(f"== {name}: unprofiled {[round(w, 1) for w in config['unprofiled_wall_ms']]} ms")
             for i, row in enumerate(config["plans"]):
                 print(f"  {i:3d} {json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()})}")
+            print_kinds(config["kinds"])
     return 0
 
 

@@ -83,3 +83,26 @@ def test_a_windows_busy_time_is_the_union_of_its_device_events() -> None:
     assert sum(e["dur"] for e in EVENTS) == 39  # what summing would have said
     assert step_speed._busy_fraction({"gpu_busy_fraction_union": 0.93, "gpu_busy_fraction": 1.5}) == 0.93
     assert step_speed._busy_fraction({"gpu_busy_fraction_union": None, "gpu_busy_fraction": 0.4}) == 0.4
+
+
+def test_kernels_by_kind_sums_each_kind_of_plan() -> None:
+    # Plan 0 a prompt (20 tokens for 2 requests at k = 0), plans 1 and 2 full-batch k = 4 steps, plan 3 a part.
+    shapes = [
+        {"requests": 2, "k": 0, "steps": 1, "tokens": 20},
+        {"requests": 2, "k": 4, "steps": 2, "tokens": 10},
+        {"requests": 2, "k": 4, "steps": 1, "tokens": 10},
+        {"requests": 1, "k": 4, "steps": 1, "tokens": 5},
+    ]
+    starts = [0, 14, 33, 40]
+    rows = gpu_idle.plan_windows(EVENTS, starts, 45)
+    for row, shape in zip(rows, shapes, strict=True):
+        row.update(shape)
+    assert [gpu_idle.plan_kind(r, 2) for r in rows] == ["prompt", "k4 full", "k4 full", "k4 part"]
+    kinds = gpu_idle.kernels_by_kind(EVENTS, starts, 45, rows, streams=2)
+    assert set(kinds) == {"prompt", "k4 full", "k4 part"}
+    full = kinds["k4 full"]
+    assert (full["plans"], full["steps"], full["window_us"]) == (2, 3, 19 + 7)
+    assert full["kernels"] == {"C": [1, 15], "D": [1, 5]}  # C began in plan 1, D in plan 2
+    assert kinds["prompt"]["kernels"] == {"A": [1, 10], "B": [1, 8]}
+    assert list(kinds["prompt"]["kernels"]) == ["A", "B"]  # largest first
+    assert kinds["k4 part"]["kernels"] == {"E": [1, 1]}
