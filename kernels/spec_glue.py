@@ -74,6 +74,41 @@ def verify_commit_ref(
     return base + num_accepted[:b] + 1
 
 
+def greedy_accept_ref(target_token_ids: Tensor, drafts: Tensor, num_valid: Tensor) -> tuple[Tensor, Tensor]:
+    """Greedy acceptance from the target's own tokens: `target_token_ids` [B, q] is `greedy_sample` at each request's
+    last known token and each draft position (-1 where a row had no valid token), `drafts` [B, >= q - 1] the drafts
+    and `num_valid` [B] how many of them count. Draft j is accepted while j < num_valid and it equals the target's
+    token there (a -1 matches nothing); the emitted run is the target's tokens up to and including the first position
+    not accepted (where accepted, they equal the drafts), then -1. The same as `rejection_sample_ref`'s greedy rows
+    over `greedy_target_probs` of the same logits, without the [B * q, V] one-hot. Returns (output_token_ids [B, q],
+    num_accepted [B])."""
+    b, q = target_token_ids.shape
+    k = q - 1
+    j = torch.arange(k, dtype=torch.int64, device=target_token_ids.device)
+    target = target_token_ids.to(torch.int64)
+    accept = (j < num_valid[:b].unsqueeze(1)) & (drafts[:, :k] == target[:, :k]) & (target[:, :k] >= 0)
+    num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
+    emitted = torch.arange(q, dtype=torch.int64, device=target.device).unsqueeze(0) <= num_accepted.unsqueeze(1)
+    return torch.where(emitted, target, -1), num_accepted
+
+
+def greedy_accept_commit_ref(
+    target_token_ids: Tensor,
+    drafts: Tensor,
+    num_valid: Tensor,
+    seq_lens: Tensor,
+    meta: Tensor,
+    token_ids: Tensor,
+    num_computed: Tensor,
+    num_reqs: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`greedy_accept_ref`, then `verify_commit_ref` of its runs: (output_token_ids, num_accepted,
+    new_num_tokens)."""
+    out, num_accepted = greedy_accept_ref(target_token_ids, drafts, num_valid)
+    new_num_tokens = verify_commit_ref(out, num_accepted, seq_lens, meta, token_ids, num_computed, num_reqs)
+    return out, num_accepted, new_num_tokens
+
+
 def record_drafts_ref(
     drafts: Tensor,
     meta: Tensor,

@@ -113,10 +113,14 @@ def verify_gather(
     return rows, drafts, num_valid
 
 
-@triton.jit(do_not_specialize=["q", "meta_stride", "token_stride"])
-def _verify_commit_kernel(
-    out_ptr,
+@triton.jit(do_not_specialize=["q", "drafts_stride", "meta_stride", "token_stride"])
+def _greedy_accept_commit_kernel(
+    target_ptr,
     q,
+    drafts_ptr,
+    drafts_stride,
+    num_valid_ptr,
+    out_ptr,
     accepted_ptr,
     seq_lens_ptr,
     meta_ptr,
@@ -130,14 +134,23 @@ def _verify_commit_kernel(
 ):
     pdl_start(USE_PDL)
     i = tl.program_id(0)
+    c = tl.arange(0, BLOCK_Q)
+    target = tl.load(target_ptr + i * q + c, mask=c < q, other=-1).to(tl.int64)
+    is_draft = c < q - 1
+    draft = tl.load(drafts_ptr + i * drafts_stride + c, mask=is_draft, other=-1)
+    num_valid = tl.load(num_valid_ptr + i)
+    accept = is_draft & (c < num_valid) & (draft == target) & (target >= 0)
+    # The first position not accepted; position q - 1 never is, so it is at most q - 1.
+    accepted = tl.min(tl.where(accept, BLOCK_Q, c), axis=0).to(tl.int64)
+    out = tl.where(c <= accepted, target, -1)
+    tl.store(out_ptr + i * q + c, out, mask=c < q)
+    tl.store(accepted_ptr + i, accepted)
+    # The run's effects, as `verify_commit_ref` writes them.
     seq_len = tl.load(seq_lens_ptr + i).to(tl.int64)
     real = seq_len > 0
     planned = tl.where(real, tl.load(meta_ptr + 5 * meta_stride + i), 0)
     row = tl.load(meta_ptr + i)
-    accepted = tl.load(accepted_ptr + i)
     base = seq_len - planned
-    c = tl.arange(0, BLOCK_Q)
-    out = tl.load(out_ptr + i * q + c, mask=c < q, other=-1)
     tl.store(token_ids_ptr + row * token_stride + base + c, out, mask=(c < q) & (out >= 0) & real)
     if real:
         # A real request's row is its own: no other program of the batch touches it.
@@ -146,25 +159,35 @@ def _verify_commit_kernel(
     tl.store(new_num_tokens_ptr + i, base + accepted + 1)
 
 
-def verify_commit(
-    output_token_ids: Tensor,
-    num_accepted: Tensor,
+def greedy_accept_commit(
+    target_token_ids: Tensor,
+    drafts: Tensor,
+    num_valid: Tensor,
     seq_lens: Tensor,
     meta: Tensor,
     token_ids: Tensor,
     num_computed: Tensor,
     num_reqs: int,
-) -> Tensor:
-    """See `verify_commit_ref`."""
-    b, q = num_reqs, output_token_ids.shape[1]
-    assert output_token_ids.is_contiguous() and meta.stride(1) == 1 and token_ids.stride(1) == 1
-    assert output_token_ids.dtype == num_accepted.dtype == meta.dtype == token_ids.dtype == torch.int64
-    new_num_tokens = torch.empty(b, dtype=torch.int64, device=output_token_ids.device)
+) -> tuple[Tensor, Tensor, Tensor]:
+    """See `greedy_accept_commit_ref`: the acceptance and the commit in one launch, where the eager greedy path takes
+    a one-hot of the argmax, the rejection kernel and the commit (eight launches)."""
+    b, q = target_token_ids.shape
+    assert b == num_reqs and target_token_ids.is_contiguous() and drafts.stride(1) == 1
+    assert meta.stride(1) == 1 and token_ids.stride(1) == 1
+    assert drafts.dtype == num_valid.dtype == meta.dtype == token_ids.dtype == torch.int64
+    device = target_token_ids.device
+    out = torch.empty((b, q), dtype=torch.int64, device=device)
+    num_accepted = torch.empty(b, dtype=torch.int64, device=device)
+    new_num_tokens = torch.empty(b, dtype=torch.int64, device=device)
     if b == 0:
-        return new_num_tokens
-    _verify_commit_kernel[(b,)](
-        output_token_ids,
+        return out, num_accepted, new_num_tokens
+    _greedy_accept_commit_kernel[(b,)](
+        target_token_ids,
         q,
+        drafts,
+        drafts.stride(0),
+        num_valid,
+        out,
         num_accepted,
         seq_lens,
         meta,
@@ -174,10 +197,10 @@ def verify_commit(
         num_computed,
         new_num_tokens,
         BLOCK_Q=triton.next_power_of_2(q),
-        USE_PDL=pdl_enabled(token_ids.device),
+        USE_PDL=pdl_enabled(device),
         **_pdl(token_ids),
     )
-    return new_num_tokens
+    return out, num_accepted, new_num_tokens
 
 
 @triton.jit(do_not_specialize=["n", "drafts_stride", "meta_stride", "token_stride", "dst_stride"])

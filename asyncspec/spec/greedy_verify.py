@@ -6,8 +6,8 @@ each position decides. Everything here reads the step's device buffers (the runn
 static inputs the forward pass read) and writes its results into device buffers, with shapes fixed
 by (batch bucket, query length): no host value, no sync. The runner replays it as the tail of its
 verification graphs, or calls it eagerly where no graph serves the step; both give the tokens of the
-eager verification path (`SpeculativeDecoder.verify`), whose greedy rows take the same one-hot of the
-same argmax in the same rejection kernel.
+eager verification path (`SpeculativeDecoder.verify`), whose greedy rows take the rejection kernel over a one-hot
+of the same argmax (`greedy_accept_ref` is that rule on the tokens themselves).
 """
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from asyncspec.layers.attention_metadata import StaticInputs
+from asyncspec.layers.sampler import greedy_sample
 from asyncspec.spec.spec_decoder import SpeculativeDecoder
-from asyncspec.spec.verification import greedy_target_probs
 
 
 @dataclass
@@ -57,14 +56,12 @@ class GreedyVerification:
         self.token_ids = token_ids
         self.num_computed = num_computed
         self.spec = spec
-        max_reqs = meta.shape[1]
-        self._is_greedy = torch.ones(max_reqs, dtype=torch.bool, device=meta.device)
 
     def __call__(self, hidden: Tensor, static: StaticInputs, num_reqs: int, query_len: int) -> GreedyVerifyResult:
         """hidden: the forward pass's [T, H] over `static` filled for num_reqs requests (padding
         requests have sequence length 0), each with at most query_len tokens, the last
         `planned` of which are its drafts."""
-        b, q, k = num_reqs, query_len, query_len - 1
+        b, q = num_reqs, query_len
         spec, glue = self.spec, self.spec.glue
         # The hidden row of each request's last known token and of each draft position (padding repeats
         # the last row: its verdict is never read), the drafts of each request's row and how many are valid.
@@ -78,15 +75,10 @@ class GreedyVerification:
             b,
             q,
         )
-        probs = greedy_target_probs(self.compute_logits(rows)).view(b, q, -1)
-        # Greedy rows read neither the uniforms nor the exponentials: left unfilled.
-        uniform = torch.empty((b, k), dtype=torch.float32, device=probs.device)
-        exponential = torch.empty((b, probs.shape[-1]), dtype=torch.float32, device=probs.device)
-        out, num_accepted = spec.rejection_sampler.kernel(
-            probs, drafts, None, num_valid, self._is_greedy[:b], uniform, exponential
-        )
+        # The target's token at every position decides: no [b * q, V] one-hot for the rejection kernel.
+        target_token_ids = greedy_sample(self.compute_logits(rows)).view(b, q)
         # The emitted run goes at positions num_tokens + j (num_tokens = seq_len - planned).
-        new_num_tokens = glue.verify_commit(
-            out, num_accepted, static.seq_lens, self.meta, self.token_ids, self.num_computed, b
+        out, num_accepted, new_num_tokens = glue.greedy_accept_commit(
+            target_token_ids, drafts, num_valid, static.seq_lens, self.meta, self.token_ids, self.num_computed, b
         )
         return GreedyVerifyResult(out, num_accepted, num_valid, new_num_tokens)

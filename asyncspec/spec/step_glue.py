@@ -25,8 +25,9 @@ class StepGlue:
     """"triton" or "torch"."""
     verify_gather: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     """The hidden rows, drafts and valid draft counts a greedy verification reads."""
-    verify_commit: Callable[..., torch.Tensor]
-    """A greedy verification's emitted runs and computed counts, written into the device's state."""
+    greedy_accept_commit: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    """The runs a greedy verification accepts, from the target's tokens, written into the device's state (the
+    emitted tokens, the computed counts)."""
     record_drafts: Callable[..., None]
     """A padded batch's drafts, kept per row and placed in the token buffer."""
     draft_step_meta: Callable[..., None]
@@ -40,7 +41,7 @@ class StepGlue:
 REFERENCE_GLUE = StepGlue(
     "torch",
     spec_glue.verify_gather_ref,
-    spec_glue.verify_commit_ref,
+    spec_glue.greedy_accept_commit_ref,
     spec_glue.record_drafts_ref,
     spec_glue.draft_step_meta_ref,
     spec_glue.draft_loop_start_ref,
@@ -58,7 +59,7 @@ def select_step_glue(device: torch.device | str) -> StepGlue:
     return StepGlue(
         "triton",
         fused.verify_gather,
-        fused.verify_commit,
+        fused.greedy_accept_commit,
         fused.record_drafts,
         fused.draft_step_meta,
         fused.draft_loop_start,

@@ -181,6 +181,72 @@ def test_verify_reference_writes_the_emitted_runs():
     assert torch.equal(new_counts, counts)
 
 
+def verdicts(batch: Batch, vocab: int = 6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A greedy verification's inputs over `batch`: the target's tokens [B, q] from a small vocabulary (so that drafts
+    often match) with some -1 (rows without a valid token), drafts [B, q - 1] half copied from them, a few -1 or
+    past the vocabulary, and the valid counts (at most the planned positions)."""
+    b, q = batch.num_reqs, batch.query_len
+    target = torch.randint(0, vocab, (b, q), generator=batch.gen)
+    target[torch.rand((b, q), generator=batch.gen) < 0.1] = -1
+    drafts = torch.randint(0, vocab, (b, q - 1), generator=batch.gen)
+    copied = torch.rand((b, q - 1), generator=batch.gen) < 0.6
+    drafts = torch.where(copied, target[:, : q - 1], drafts)
+    odd = torch.rand((b, q - 1), generator=batch.gen)
+    drafts[odd < 0.05] = -1  # never accepted, even where the target's token is -1
+    drafts[(odd >= 0.05) & (odd < 0.1)] = vocab + 3
+    num_valid = (torch.rand(b, generator=batch.gen) * (batch.meta[5, :b] + 1)).long()
+    return target, drafts, num_valid
+
+
+def test_greedy_accept_equals_the_rejection_sampler_over_the_one_hot():
+    """The greedy verification's rule on the target's tokens gives the runs the rejection kernel gives over
+    `greedy_target_probs` of the same logits (the path it replaced): NaN rows and all -inf rows included."""
+    from asyncspec.kernels.rejection_sample import rejection_sample_ref
+    from asyncspec.layers.sampler import greedy_sample
+    from asyncspec.spec.verification import greedy_target_probs
+
+    vocab = 7
+    accepted_any = invalid_any = False
+    for seed in range(20):
+        batch = make_batch(8, 6, 5, seed=seed)
+        b, q = batch.num_reqs, batch.query_len
+        _, drafts, num_valid = verdicts(batch, vocab)
+        logits = torch.randn((b * q, vocab), generator=batch.gen)
+        # Drafts often the argmax: each row's logits peak at its request's draft there, or elsewhere.
+        peaks = torch.cat([drafts, drafts[:, :1]], dim=1).reshape(-1).clamp(0, vocab - 1)
+        logits[torch.arange(b * q), peaks] += 3 * (torch.rand(b * q, generator=batch.gen) < 0.7)
+        logits[torch.rand(b * q, generator=batch.gen) < 0.08] = float("nan")
+        logits[torch.rand(b * q, generator=batch.gen) < 0.05] = float("-inf")
+        probs = greedy_target_probs(logits).view(b, q, vocab)
+        want = rejection_sample_ref(
+            probs,
+            drafts,
+            None,
+            num_valid,
+            torch.ones(b, dtype=torch.bool),
+            torch.rand((b, q - 1), generator=batch.gen),
+            torch.ones((b, vocab)),
+        )
+        got = spec_glue.greedy_accept_ref(greedy_sample(logits).view(b, q), drafts, num_valid)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        accepted_any |= bool((got[1] > 0).any())
+        invalid_any |= bool((got[0] == -1).any() & (got[0][torch.arange(b), got[1]] == -1).any())
+    assert accepted_any and invalid_any  # drafts were accepted, and some run ends at a row without a token
+
+
+def test_greedy_accept_reference_request_by_request():
+    batch = make_batch(8, 8, 5, seed=11)
+    target, drafts, num_valid = verdicts(batch)
+    out, accepted = spec_glue.greedy_accept_ref(target, drafts, num_valid)
+    for i in range(batch.num_reqs):
+        a = 0
+        while a < int(num_valid[i]) and int(drafts[i, a]) == int(target[i, a]) >= 0:
+            a += 1
+        assert int(accepted[i]) == a
+        assert out[i].tolist() == target[i, : a + 1].tolist() + [-1] * (batch.query_len - a - 1)
+    assert 0 < int(accepted.sum()) < int(num_valid.sum())  # both verdicts occur
+
+
 def emitted_runs(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """Per request: accepted drafts (at most the planned ones), the target's token, then -1."""
     b, q = batch.num_reqs, batch.query_len
@@ -206,17 +272,28 @@ def check_verify_gather(fused, shape, device: str) -> None:
         assert torch.equal(got_one.cpu(), want)
 
 
-def check_verify_commit(fused, shape, device: str) -> None:
+def check_greedy_accept_commit(fused, shape, device: str) -> None:
     batch = make_batch(*shape, seed=2)
-    out, accepted = emitted_runs(batch)
+    target, drafts, num_valid = verdicts(batch)
+    # The drafts as verify_gather leaves them: a view of a wider buffer (its stride is not q - 1).
+    wide = torch.full((batch.num_reqs, batch.query_len + 2), -5, dtype=torch.int64)
+    wide[:, : batch.query_len - 1] = drafts
     results = []
-    for fn, dev in ((fused.verify_commit, device), (spec_glue.verify_commit_ref, "cpu")):
+    for fn, dev in ((fused.greedy_accept_commit, device), (spec_glue.greedy_accept_commit_ref, "cpu")):
         token_ids, counts = on(dev, batch.token_ids.clone(), torch.arange(batch.token_ids.shape[0]) * 10)
-        new = fn(*on(dev, out, accepted, batch.seq_lens, batch.meta), token_ids, counts, batch.num_reqs)
-        results.append([t.cpu() for t in (token_ids, counts, new)])
-    for got, want in zip(*results, strict=True):
-        assert torch.equal(got, want)
-    assert not torch.equal(results[0][0], batch.token_ids)  # runs were written
+        (drafts_view,) = on(dev, wide)
+        got = fn(
+            *on(dev, target),
+            drafts_view[:, : batch.query_len - 1],
+            *on(dev, num_valid, batch.seq_lens, batch.meta),
+            token_ids,
+            counts,
+            batch.num_reqs,
+        )
+        results.append([t.cpu() for t in (*got, token_ids, counts)])
+    for got_one, want in zip(*results, strict=True):
+        assert torch.equal(got_one, want)
+    assert not torch.equal(results[0][3], batch.token_ids)  # runs were written
 
 
 def check_record_drafts(fused, shape, device: str) -> None:
@@ -282,7 +359,13 @@ def check_draft_pass_inputs(fused, num_reqs: int, num_live: int, pass_index: int
     assert got == run_pass(spec_glue.draft_pass_inputs_ref, case, pass_index)
 
 
-CHECKS = [check_verify_gather, check_verify_commit, check_record_drafts, check_draft_step_meta, check_draft_loop_start]
+CHECKS = [
+    check_verify_gather,
+    check_greedy_accept_commit,
+    check_record_drafts,
+    check_draft_step_meta,
+    check_draft_loop_start,
+]
 
 
 @pytest.mark.skipif(INTERPRETING, reason="TestInterpreted runs in this process")
