@@ -76,6 +76,12 @@ if triton.knobs.runtime.interpret:
     _patch_interpreter()  # tensor loop bounds and bf16 tl.dot under TRITON_INTERPRET=1 (idempotent)
 
 MAX_M = 32
+"""The rows of a decode-shaped call: the layers' cap by default (`SkinnyLinear.max_rows`), and the tensor-core
+kernel's widest row block."""
+WIDE_MAX_M = 256
+"""The most rows the kernel takes: past MAX_M the tensor-core kernel tiles the rows in blocks of MAX_M (a grid
+dimension, each block reading its W tiles again, from L2 at these widths), so that a verification's k + 1 rows a
+request keep the fused epilogues where ASYNCSPEC_SKINNY_MAX_ROWS asks for it."""
 _MAX_FMA_M = 8  # the FMA kernel keeps one accumulator per row of x
 # Above M = 1 the fused activation costs more than the activation kernel it saves (an H100 on the Llama down
 # projections: the FMA kernel evaluates it once per W row a thread holds, and the tensor-core kernel's x loads
@@ -438,7 +444,7 @@ def _skinny_linear_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    row0 = tl.program_id(2) * BLOCK_M  # row blocks: only the FMA kernel with M > BLOCK_M has several
+    row0 = tl.program_id(2) * BLOCK_M  # row blocks: the FMA kernel past 8 rows, the tensor-core one past 32
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = row0 + tl.arange(0, BLOCK_M)
     # Clamped rows keep every load in bounds without a mask (masks would cost the 16-byte vector loads on the
@@ -798,14 +804,14 @@ def make_split_counters(device: torch.device | str) -> torch.Tensor:
 
 def skinny_linear_supported(x: torch.Tensor, weight: torch.Tensor, *, gated: bool = False) -> bool:
     """Whether `skinny_linear` (gated: `skinny_linear_silu`, x holding gate|up) takes these operands: 2-D,
-    1 <= M <= MAX_M rows, K matching (2 * K with gated), dense last dims, one dtype among bf16 / fp16 / fp32,
+    1 <= M <= WIDE_MAX_M rows, K matching (2 * K with gated), dense last dims, one dtype among bf16 / fp16 / fp32,
     on a CUDA device (or the CPU under TRITON_INTERPRET=1). Callers fall back to F.linear otherwise."""
     if x.dim() != 2 or weight.dim() != 2 or x.dtype != weight.dtype or x.dtype not in _DTYPES:
         return False
     if x.device != weight.device or not (x.is_cuda or triton.knobs.runtime.interpret):
         return False
     k = weight.shape[1] * (2 if gated else 1)
-    if not (1 <= x.shape[0] <= MAX_M) or x.shape[1] != k or weight.shape[0] == 0 or k == 0:
+    if not (1 <= x.shape[0] <= WIDE_MAX_M) or x.shape[1] != k or weight.shape[0] == 0 or k == 0:
         return False
     return x.stride(-1) == 1 and weight.stride(-1) == 1
 
@@ -950,7 +956,9 @@ def _launch(
     elif out.shape != (m, out_n) or out.dtype != x.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be [{m}, {out_n}] {x.dtype} with a dense last dim, got {tuple(out.shape)}")
     cfg = config or choose_config(m, n, k, num_sms(x.device))
-    block_m = max(16, triton.next_power_of_2(m)) if cfg.use_dot else min(triton.next_power_of_2(m), _MAX_FMA_M)
+    block_m = (
+        min(max(16, triton.next_power_of_2(m)), MAX_M) if cfg.use_dot else min(triton.next_power_of_2(m), _MAX_FMA_M)
+    )
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)  # a requested split larger than K's chunks shrinks
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m))

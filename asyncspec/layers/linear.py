@@ -43,6 +43,28 @@ NORM_FOLD_MIN_ROWS_ENV = "ASYNCSPEC_NORM_FOLD_MIN_ROWS"
 streamed MLP and attention input, whose kernels take the norms themselves."""
 
 
+SKINNY_MAX_ROWS_ENV = "ASYNCSPEC_SKINNY_MAX_ROWS"
+"""The most rows of a graphed call that takes the skinny kernel (32, the default, to 256): above 32 a speculative
+step's verification (k + 1 rows a request) and the draft's catch-up keep the kernel and its fused epilogues (RoPE
+and the KV write, SiLU, the norm fold) instead of cuBLAS and separate kernels. Off by default until measured."""
+
+
+class SkinnyMaxRowsSettingError(ConfigError):
+    """ASYNCSPEC_SKINNY_MAX_ROWS holds a value other than a row count from 32 to 256."""
+
+
+def skinny_max_rows() -> int:
+    """ASYNCSPEC_SKINNY_MAX_ROWS read (unset: 32); anything but 32 to 256 is an error."""
+    from asyncspec.kernels.skinny_linear_triton import MAX_M, WIDE_MAX_M
+
+    value = os.environ.get(SKINNY_MAX_ROWS_ENV, str(MAX_M)).strip()
+    if not value.isdigit() or not MAX_M <= int(value) <= WIDE_MAX_M:
+        raise SkinnyMaxRowsSettingError(
+            f"{SKINNY_MAX_ROWS_ENV}={value!r}: set it to a row count from {MAX_M} (the default) to {WIDE_MAX_M}"
+        )
+    return int(value)
+
+
 class NormFoldSettingError(ConfigError):
     """ASYNCSPEC_NORM_FOLD or ASYNCSPEC_NORM_FOLD_MIN_ROWS holds a value it does not take."""
 
@@ -196,10 +218,9 @@ class DecodeLinear(nn.Linear):
 
 
 def make_skinny_linear(device: torch.device, max_rows: int | None = None) -> SkinnyLinear:
-    """The Triton kernel on `device` (CUDA) for calls of at most `max_rows` rows (None: every size it takes,
-    `skinny_linear_triton.MAX_M`)."""
+    """The Triton kernel on `device` (CUDA) for calls of at most `max_rows` rows (None: `skinny_max_rows()`, 32
+    unless ASYNCSPEC_SKINNY_MAX_ROWS says more)."""
     from asyncspec.kernels.skinny_linear_triton import (
-        MAX_M,
         make_split_counters,
         skinny_linear,
         skinny_linear_add_norm,
@@ -209,7 +230,7 @@ def make_skinny_linear(device: torch.device, max_rows: int | None = None) -> Ski
     )
 
     return SkinnyLinear(
-        MAX_M if max_rows is None else max_rows,
+        skinny_max_rows() if max_rows is None else max_rows,
         make_split_counters(device),
         skinny_linear,
         skinny_linear_supported,

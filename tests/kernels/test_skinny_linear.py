@@ -90,6 +90,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from asyncspec.kernels.skinny_linear_triton import (  # noqa: E402  (after the triton import guard)
     MAX_M,
+    WIDE_MAX_M,
     SkinnyConfig,
     choose_config,
     skinny_linear,
@@ -160,7 +161,9 @@ class TestInterpreted:
     __test__ = INTERPRETING
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-    @pytest.mark.parametrize("m,n,k", [(1, 5, 7), (3, 70, 130), (8, 33, 300), (17, 48, 96), (32, 20, 64)])
+    @pytest.mark.parametrize(
+        "m,n,k", [(1, 5, 7), (3, 70, 130), (8, 33, 300), (17, 48, 96), (32, 20, 64), (80, 48, 96), (160, 20, 64)]
+    )
     @pytest.mark.parametrize("with_bias", [False, True])
     def test_matches_reference(self, kernels, m: int, n: int, k: int, dtype: torch.dtype, with_bias: bool) -> None:
         x, weight, bias = operands(torch.Generator().manual_seed(m * 1000 + n + k), m, n, k, dtype, bias=with_bias)
@@ -235,7 +238,8 @@ class TestInterpreted:
         [None, FORCED[0], FORCED[1], SkinnyConfig(block_n=4, block_k=32, split_k=2), FORCED[2], FORCED[3], FORCED[4]],
         ids=str,
     )
-    @pytest.mark.parametrize("m", [1, 5])  # one row (decode), and five: every row branch of the FMA tile (> 1, 2, 4)
+    # One row (decode), five (every row branch of the FMA tile: > 1, 2, 4), and 40 (two row blocks of tensor cores).
+    @pytest.mark.parametrize("m", [1, 5, 40])
     @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # exp(100) -> inf: fine
     def test_gated_matches_reference(self, kernels, dtype: torch.dtype, config: SkinnyConfig | None, m: int) -> None:
         from asyncspec.kernels import silu_and_mul_triton
@@ -308,10 +312,11 @@ class TestInterpreted:
         x, weight, bias = operands(torch.Generator().manual_seed(8), 4, 24, 32, torch.bfloat16)
         assert skinny_linear_supported(x, weight)
         assert skinny_linear_supported(torch.zeros(MAX_M, 32, dtype=torch.bfloat16), weight)
+        assert skinny_linear_supported(torch.zeros(WIDE_MAX_M, 32, dtype=torch.bfloat16), weight)
         assert skinny_linear_supported(torch.cat([x, x], 1), weight, gated=True)
         refused: dict[str, tuple] = {
             "no rows": (x[:0], weight),
-            "too many rows": (torch.zeros(MAX_M + 1, 32, dtype=torch.bfloat16), weight),
+            "too many rows": (torch.zeros(WIDE_MAX_M + 1, 32, dtype=torch.bfloat16), weight),
             "dtype mismatch": (x.float(), weight),
             "integer dtype": (x.to(torch.int32), weight.to(torch.int32)),
             "float64": (x.double(), weight.double()),
@@ -368,7 +373,7 @@ def test_gpu_matches_reference(n: int, k: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 4, 8, 32])
+@pytest.mark.parametrize("m", [1, 4, 8, 32, 160])
 def test_gpu_dtypes_bias_and_configs(dtype: torch.dtype, m: int) -> None:
     x, weight, bias = operands(torch.Generator().manual_seed(m), m, 2000, 1100, dtype, device="cuda", bias=True)
     configs = [
@@ -384,7 +389,7 @@ def test_gpu_dtypes_bias_and_configs(dtype: torch.dtype, m: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 5, 8, 32])
+@pytest.mark.parametrize("m", [1, 5, 8, 32, 160])
 def test_gpu_silu_matches_reference(m: int) -> None:
     from asyncspec.kernels.skinny_linear_triton import skinny_linear_silu
 
@@ -488,7 +493,7 @@ def test_gpu_serial_split_stress_and_graph() -> None:
 def test_gpu_supported_refuses() -> None:
     x, weight, _ = operands(torch.Generator().manual_seed(10), 4, 64, 128, torch.bfloat16, device="cuda")
     assert skinny_linear_supported(x, weight)
-    assert not skinny_linear_supported(torch.zeros(MAX_M + 1, 128, device="cuda", dtype=torch.bfloat16), weight)
+    assert not skinny_linear_supported(torch.zeros(WIDE_MAX_M + 1, 128, device="cuda", dtype=torch.bfloat16), weight)
     assert not skinny_linear_supported(x.half(), weight)
     assert not skinny_linear_supported(x, weight.t().contiguous().t())  # column-major weight
     assert not skinny_linear_supported(x.cpu(), weight)

@@ -118,7 +118,7 @@ class TestInterpreted:
         return skinny_linear_triton
 
     @pytest.mark.parametrize("config", CONFIGS, ids=str)
-    @pytest.mark.parametrize("m", [1, 5, 19])
+    @pytest.mark.parametrize("m", [1, 5, 19, 70])  # 70: three row blocks of the tensor-core kernel
     @pytest.mark.parametrize("with_bias", [False, True])
     def test_add_norm_matches_the_plain_projection_then_the_add(self, sk, config, m: int, with_bias: bool) -> None:
         """Bit for bit the plain kernel's output (the same sums) through the reference's add and weighting; the
@@ -159,7 +159,7 @@ class TestInterpreted:
 
     # One column a program: the gated epilogue has no (gate, up) pair in a tile and runs the plain kernel, scaled.
     @pytest.mark.parametrize("config", [*CONFIGS, SkinnyConfig(block_n=1, block_k=64)], ids=str)
-    @pytest.mark.parametrize("m", [1, 5, 19])
+    @pytest.mark.parametrize("m", [1, 5, 19, 70])
     def test_row_scale_matches_the_reference(self, sk, config, m: int) -> None:
         """The consumer's sums scaled per row: within the summation-order bound of the folded reference; the gated
         epilogue bit for bit the scaled projection through the activation."""
@@ -386,7 +386,7 @@ def ptx_plain_stores() -> int:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("hidden", "intermediate"), [(2048, 8192), (4096, 14336)])  # Llama-1B, 8B
-@pytest.mark.parametrize("m", [5, 16, 32])
+@pytest.mark.parametrize("m", [5, 16, 32, 160])  # 160: a k = 4 verification of 32 requests, in row blocks
 def test_gpu_fold_equals_the_plain_kernels(hidden: int, intermediate: int, m: int) -> None:
     """The 1B and 8B o, down and gate|up shapes compiled: the add-norm epilogue bit for bit the plain kernel's
     output through the reference's add and weighting, the sums of squares to fp32 rounding, the row-scaled gate|up

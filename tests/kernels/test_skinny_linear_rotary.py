@@ -145,7 +145,7 @@ class TestInterpreted:
     __test__ = INTERPRETING
 
     @pytest.mark.parametrize("config", CONFIGS, ids=str)
-    @pytest.mark.parametrize("m", [1, 3, 5])
+    @pytest.mark.parametrize("m", [1, 3, 5, 40])  # 40: two row blocks of the tensor-core kernel
     @pytest.mark.parametrize("with_bias", [False, True])
     def test_equals_the_projection_then_the_rotary_kernel(self, config, m: int, with_bias: bool, monkeypatch) -> None:
         """q rotated, and k rotated and v in their slots, bit for bit, from one kernel (two only for a split
@@ -249,7 +249,7 @@ class TestInterpreted:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "hidden"), [(32, 8, 64, 2048), (32, 8, 128, 4096)])
-@pytest.mark.parametrize("m", [1, 2, 5, 16, 32])  # FMA tiles (1, 2) and tensor-core tiles (5, 16, 32)
+@pytest.mark.parametrize("m", [1, 2, 5, 16, 32, 160])  # FMA tiles (1, 2), tensor-core tiles (5-32, 160 in blocks)
 def test_gpu_equals_the_unfused_path(heads: int, kv_heads: int, head_dim: int, hidden: int, m: int) -> None:
     """The Llama-1B and 8B q|k|v shapes: bit for bit the projection then the rotary kernel, eager and replayed
     from a CUDA graph (which leaves the split counters at zero)."""
