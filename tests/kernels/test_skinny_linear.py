@@ -110,6 +110,15 @@ FORCED = [
     SkinnyConfig(block_n=32, block_k=64, split_k=2, use_dot=True),
     SkinnyConfig(block_n=64, block_k=16, split_k=5, use_dot=True, serial_split=False),
 ]
+GATED_CONFIGS = [
+    None,
+    FORCED[0],
+    FORCED[1],
+    SkinnyConfig(block_n=4, block_k=32, split_k=2),
+    FORCED[2],
+    FORCED[3],
+    FORCED[4],
+]
 
 
 @pytest.fixture(scope="class")
@@ -231,15 +240,14 @@ class TestInterpreted:
             check_result(kernels.linear(x, weight, config=config), x, weight, None)
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    # The FMA and the tensor-core kernel, whole and split (serial: the epilogue in the last program); a split summed
+    # by the second kernel takes the plain kernel then the activation kernel. One row (decode), five (every row
+    # branch of the FMA tile: > 1, 2, 4), and 40 for the tensor-core configs (two row blocks).
     @pytest.mark.parametrize(
-        "config",
-        # The FMA and the tensor-core kernel, whole and split (serial: the epilogue in the last program); a
-        # split summed by the second kernel takes the plain kernel then the activation kernel.
-        [None, FORCED[0], FORCED[1], SkinnyConfig(block_n=4, block_k=32, split_k=2), FORCED[2], FORCED[3], FORCED[4]],
+        ("m", "config"),
+        [(m, c) for m in (1, 5) for c in GATED_CONFIGS] + [(40, c) for c in GATED_CONFIGS if c is None or c.use_dot],
         ids=str,
     )
-    # One row (decode), five (every row branch of the FMA tile: > 1, 2, 4), and 40 (two row blocks of tensor cores).
-    @pytest.mark.parametrize("m", [1, 5, 40])
     @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # exp(100) -> inf: fine
     def test_gated_matches_reference(self, kernels, dtype: torch.dtype, config: SkinnyConfig | None, m: int) -> None:
         from asyncspec.kernels import silu_and_mul_triton

@@ -82,8 +82,16 @@ from asyncspec.kernels.skinny_linear_triton import SkinnyConfig  # noqa: E402  (
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1" and isinstance(triton.language.zeros, InterpretedFunction)
 MIN_INTERPRETED_TESTS = 30
 
+
 # FMA and tensor-core tiles, whole and split (the last program sums: the epilogue in-kernel; a second kernel sums:
 # the torch fallback), a ragged last column block (hidden 40) and a K tail (K 200).
+def row_cases(configs: list, rows=(1, 5, 19), wide: int = 70) -> list[tuple]:
+    """(m, config) for every config at `rows`, and at `wide` rows (row blocks of the tensor-core kernel) for the
+    configs that take tensor cores there (the FMA kernel never serves such calls, and interprets slowly)."""
+    cases = [(m, config) for m in rows for config in configs]
+    return cases + [(wide, config) for config in configs if config is None or config.use_dot]
+
+
 CONFIGS = [
     None,
     SkinnyConfig(block_n=16, block_k=64),
@@ -117,8 +125,7 @@ class TestInterpreted:
         assert isinstance(skinny_linear_triton._skinny_linear_kernel, InterpretedFunction)
         return skinny_linear_triton
 
-    @pytest.mark.parametrize("config", CONFIGS, ids=str)
-    @pytest.mark.parametrize("m", [1, 5, 19, 70])  # 70: three row blocks of the tensor-core kernel
+    @pytest.mark.parametrize(("m", "config"), row_cases(CONFIGS), ids=str)
     @pytest.mark.parametrize("with_bias", [False, True])
     def test_add_norm_matches_the_plain_projection_then_the_add(self, sk, config, m: int, with_bias: bool) -> None:
         """Bit for bit the plain kernel's output (the same sums) through the reference's add and weighting; the
@@ -158,8 +165,7 @@ class TestInterpreted:
         assert torch.equal(wide[:, :40], h) and wide[:, 40:].isnan().all()
 
     # One column a program: the gated epilogue has no (gate, up) pair in a tile and runs the plain kernel, scaled.
-    @pytest.mark.parametrize("config", [*CONFIGS, SkinnyConfig(block_n=1, block_k=64)], ids=str)
-    @pytest.mark.parametrize("m", [1, 5, 19, 70])
+    @pytest.mark.parametrize(("m", "config"), row_cases([*CONFIGS, SkinnyConfig(block_n=1, block_k=64)]), ids=str)
     def test_row_scale_matches_the_reference(self, sk, config, m: int) -> None:
         """The consumer's sums scaled per row: within the summation-order bound of the folded reference; the gated
         epilogue bit for bit the scaled projection through the activation."""

@@ -144,8 +144,12 @@ class TestInterpreted:
     # Collected only where triton interprets; elsewhere test_interpreter_suite runs it in a child process.
     __test__ = INTERPRETING
 
-    @pytest.mark.parametrize("config", CONFIGS, ids=str)
-    @pytest.mark.parametrize("m", [1, 3, 5, 40])  # 40: two row blocks of the tensor-core kernel
+    # 40 rows: two row blocks of the tensor-core kernel (the FMA kernel never serves such calls).
+    @pytest.mark.parametrize(
+        ("m", "config"),
+        [(m, c) for m in (1, 3, 5) for c in CONFIGS] + [(40, c) for c in CONFIGS if c is None or c.use_dot],
+        ids=str,
+    )
     @pytest.mark.parametrize("with_bias", [False, True])
     def test_equals_the_projection_then_the_rotary_kernel(self, config, m: int, with_bias: bool, monkeypatch) -> None:
         """q rotated, and k rotated and v in their slots, bit for bit, from one kernel (two only for a split
