@@ -124,6 +124,12 @@
 #          passed, 0.4 % off the batch-1 forward): the streamed GEMV's kernel and engine GPU tests,
 #          then the 1B's graphed steps at 315 keys with it (the default) and without (=0), two rounds, and one
 #          batch-1 step with it kernel by kernel: ~9 min cold
+#   wide-rows  the skinny kernel past 32 rows (ASYNCSPEC_SKINNY_MAX_ROWS=256, 2026-12-07, off by default): its
+#          kernel GPU tests at 160 rows, the speculative engine's fp32 greedy equality and bf16 tests with it on,
+#          then the closed batch of 32 without and with it, alternated twice (plan_trace.py): ~8 min; it took the
+#          full-batch k = 4 steps from 19.3 to 17.8 ms a run of 32 on an H100 (one process each), its tests not yet run
+#   greedy-accept  the rest of the greedy verification kernel's GPU tests (session 50 ran the kernel's and the fp32
+#          greedy equality before its 190 s limit): the no-host-sync and bf16 ties tests, the multi-step plans: ~3 min
 # REQUIRE_GPU=H200 (any part of the card's name) runs nothing and exits 3 on another card: a request for an H200
 # that an H100 answers then costs only the machine's start (issue 8's goals are set on an H200).
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
@@ -301,6 +307,22 @@ if [[ " $parts " == *" mlp-norm-fold "* ]]; then
         tests/engine/test_gpu_streamed_down_proj.py tests/engine/test_gpu_streamed_o_proj.py
     replay_1b_315_twice mlp_norm_fold ASYNCSPEC_STREAMED_MLP_NORM_FOLD=0
     sequence_by_rows 1 b1_mlp_norm_fold 8
+fi
+if [[ " $parts " == *" wide-rows "* ]]; then
+    TESTS_TIMEOUT=300 gpu_tests wide_rows_kernels tests/kernels/test_skinny_linear.py tests/kernels/test_skinny_linear_fold.py \
+        tests/kernels/test_skinny_linear_rotary.py -k "160 or supported"
+    ASYNCSPEC_SKINNY_MAX_ROWS=256 TESTS_TIMEOUT=240 gpu_tests wide_rows_spec tests/spec/test_spec_decode_gpu.py \
+        -k "greedy_speculative_equals or ties or bf16_speculative_runs"
+    for round in 1 2; do
+        for rows in 32 256; do
+            ASYNCSPEC_SKINNY_MAX_ROWS=$rows timeout 110 taskset -c 2,3 python3 benchmarks/plan_trace.py --streams 32 \
+                --trials 3 --output "$out/plan_trace_wide_rows_${rows}_r$round.json" 2>&1 | grep -E "^(plain|draft)"
+        done
+    done
+fi
+if [[ " $parts " == *" greedy-accept "* ]]; then
+    gpu_tests greedy_accept tests/spec/test_spec_decode_gpu.py tests/worker/test_multi_step_spec_gpu.py \
+        -k "no_host_sync or ties or speculative_plans"
 fi
 if [[ " $parts " == *" early-trigger "* ]]; then
     gpu_tests early_trigger tests/kernels/test_pdl.py

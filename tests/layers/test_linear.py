@@ -17,11 +17,14 @@ from asyncspec.kernels.skinny_linear import skinny_linear_gated_ref, skinny_line
 from asyncspec.layers.linear import (
     NORM_FOLD_ENV,
     ROTARY_IN_LINEAR_ENV,
+    SKINNY_MAX_ROWS_ENV,
     DecodeLinear,
     SkinnyLinear,
+    SkinnyMaxRowsSettingError,
     linear,
     linear_rotary_kv_write,
     linear_silu_and_mul,
+    skinny_max_rows,
     use_skinny_linear,
 )
 from asyncspec.worker.model_runner import SKINNY_LINEAR_ENV
@@ -281,3 +284,17 @@ def test_runner_switches_its_models_to_the_graph_kernel_only_while_capturing() -
     runner._use_skinny(None)
     with runner._graph_kernels():
         assert runner.model.skinny_linear is None
+
+
+def test_skinny_max_rows_setting(monkeypatch) -> None:
+    """Unset keeps the decode-sized 32 rows; 32 to 256 are taken; anything else is refused with the range."""
+    pytest.importorskip("triton")
+    monkeypatch.delenv(SKINNY_MAX_ROWS_ENV, raising=False)
+    assert skinny_max_rows() == 32
+    for value in ("32", "160", "256"):
+        monkeypatch.setenv(SKINNY_MAX_ROWS_ENV, value)
+        assert skinny_max_rows() == int(value)
+    for value in ("31", "257", "wide", "-40"):
+        monkeypatch.setenv(SKINNY_MAX_ROWS_ENV, value)
+        with pytest.raises(SkinnyMaxRowsSettingError, match="from 32 \\(the default\\) to 256"):
+            skinny_max_rows()
