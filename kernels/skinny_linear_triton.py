@@ -1,4 +1,5 @@
-"""Triton decode-shaped linear layer: y = x @ W^T (+ bias) for M <= 32 rows (same contract as `skinny_linear_ref`).
+"""Triton decode-shaped linear layer: y = x @ W^T (+ bias) for M <= 32 rows, and up to 256 in row blocks of 32 (same
+contract as `skinny_linear_ref`).
 
 At decode batch sizes the layer is a pure weight stream, so the kernel is built to read W [N, K] once, at the
 GPU's read bandwidth. One program owns BLOCK_N output columns for all M rows and walks (its share of) K in

@@ -86,7 +86,7 @@ def greedy_accept_ref(target_token_ids: Tensor, drafts: Tensor, num_valid: Tenso
     k = q - 1
     j = torch.arange(k, dtype=torch.int64, device=target_token_ids.device)
     target = target_token_ids.to(torch.int64)
-    accept = (j < num_valid[:b].unsqueeze(1)) & (drafts[:, :k] == target[:, :k]) & (target[:, :k] >= 0)
+    accept = (j < num_valid[:b].unsqueeze(1)) & (drafts[:b, :k] == target[:, :k]) & (target[:, :k] >= 0)
     num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
     emitted = torch.arange(q, dtype=torch.int64, device=target.device).unsqueeze(0) <= num_accepted.unsqueeze(1)
     return torch.where(emitted, target, -1), num_accepted

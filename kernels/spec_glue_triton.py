@@ -170,9 +170,11 @@ def greedy_accept_commit(
     num_reqs: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """See `greedy_accept_commit_ref`: the acceptance and the commit in one launch, where the eager greedy path takes
-    a one-hot of the argmax, the rejection kernel and the commit (eight launches)."""
+    a one-hot of the argmax, the rejection kernel and the commit (seven launches after the argmax)."""
     b, q = target_token_ids.shape
     assert b == num_reqs and target_token_ids.is_contiguous() and drafts.stride(1) == 1
+    assert drafts.shape[0] >= b and drafts.shape[1] >= q - 1 and num_valid.shape[0] >= b and seq_lens.shape[0] >= b
+    assert meta.shape[0] >= 6 and meta.shape[1] >= b
     assert meta.stride(1) == 1 and token_ids.stride(1) == 1
     assert drafts.dtype == num_valid.dtype == meta.dtype == token_ids.dtype == torch.int64
     device = target_token_ids.device

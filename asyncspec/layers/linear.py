@@ -43,10 +43,18 @@ NORM_FOLD_MIN_ROWS_ENV = "ASYNCSPEC_NORM_FOLD_MIN_ROWS"
 streamed MLP and attention input, whose kernels take the norms themselves."""
 
 
+DECODE_ROWS = 32
+"""The skinny kernel's decode-sized rows (`skinny_linear_triton.MAX_M`): past them its tensor-core tiles run in row
+blocks, each reading the weight again."""
+WIDE_MAX_WEIGHT_BYTES = 16 << 20
+"""Past DECODE_ROWS rows only weights of at most this many bytes take the kernel: its row blocks re-read a weight
+from L2 only where it fits beside everything else (an H100 has 50 MB); a Llama-1B LM head (525 MB) would be read
+from DRAM five times at 160 rows, where cuBLAS reads it once."""
 SKINNY_MAX_ROWS_ENV = "ASYNCSPEC_SKINNY_MAX_ROWS"
 """The most rows of a graphed call that takes the skinny kernel (32, the default, to 256): above 32 a speculative
 step's verification (k + 1 rows a request) and the draft's catch-up keep the kernel and its fused epilogues (RoPE
-and the KV write, SiLU, the norm fold) instead of cuBLAS and separate kernels. Off by default until measured."""
+and the KV write, SiLU, the norm fold) instead of cuBLAS and separate kernels, for weights of at most
+WIDE_MAX_WEIGHT_BYTES. Off by default until its GPU tests have run."""
 
 
 class SkinnyMaxRowsSettingError(ConfigError):
@@ -58,7 +66,7 @@ def skinny_max_rows() -> int:
     from asyncspec.kernels.skinny_linear_triton import MAX_M, WIDE_MAX_M
 
     value = os.environ.get(SKINNY_MAX_ROWS_ENV, str(MAX_M)).strip()
-    if not value.isdigit() or not MAX_M <= int(value) <= WIDE_MAX_M:
+    if not (value.isascii() and value.isdigit()) or not MAX_M <= int(value) <= WIDE_MAX_M:
         raise SkinnyMaxRowsSettingError(
             f"{SKINNY_MAX_ROWS_ENV}={value!r}: set it to a row count from {MAX_M} (the default) to {WIDE_MAX_M}"
         )
@@ -77,7 +85,7 @@ def norm_fold_requested() -> bool:
 def norm_fold_min_rows() -> int:
     """ASYNCSPEC_NORM_FOLD_MIN_ROWS read (unset: NORM_FOLD_MIN_ROWS); anything but 1 to 32 is an error."""
     value = os.environ.get(NORM_FOLD_MIN_ROWS_ENV, str(NORM_FOLD_MIN_ROWS)).strip()
-    if not value.isdigit() or not 1 <= int(value) <= 32:
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= 32:
         raise NormFoldSettingError(f"{NORM_FOLD_MIN_ROWS_ENV}={value!r}: set it to a row count from 1 to 32")
     return int(value)
 
@@ -108,6 +116,18 @@ class SkinnyLinear:
     fold_min_rows: int = NORM_FOLD_MIN_ROWS
     """The fewest rows a folded call takes (NORM_FOLD_MIN_ROWS_ENV)."""
 
+    def takes(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether a call on x takes the kernel: 2-D, at most max_rows rows, operands it supports, and a weight
+        its row blocks may re-read (`weight_fits`)."""
+        if x.dim() != 2 or x.shape[0] > self.max_rows or not self.weight_fits(x.shape[0], weight):
+            return False
+        return self.supported(x, weight)
+
+    @staticmethod
+    def weight_fits(rows: int, weight: torch.Tensor) -> bool:
+        """Up to DECODE_ROWS rows any weight; past them one of at most WIDE_MAX_WEIGHT_BYTES."""
+        return rows <= DECODE_ROWS or weight.numel() * weight.element_size() <= WIDE_MAX_WEIGHT_BYTES
+
     def folds(self, x: torch.Tensor) -> bool:
         """Whether a decoder layer's call on x folds its norms into the projections: the fold is on and x is a
         bf16 call of fold_min_rows to max_rows rows."""
@@ -124,7 +144,7 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, skinny: SkinnyLinear | None
 ) -> torch.Tensor:
     """x @ weight^T (+ bias): the skinny kernel for a decode-sized x it takes, else F.linear."""
-    if skinny is not None and x.dim() == 2 and x.shape[0] <= skinny.max_rows and skinny.supported(x, weight):
+    if skinny is not None and skinny.takes(x, weight):
         return skinny.kernel(x, weight, bias, counters=skinny.counters)
     return F.linear(x, weight, bias)
 
@@ -139,13 +159,7 @@ def linear_silu_and_mul(
     """silu_and_mul(x @ weight^T (+ bias)) for the MLP's fused gate|up weight: one kernel for a decode-sized x
     the gated kernel takes (gate|up never written), else `linear` then the activation. The same numbers either
     way where the kernel serves both (the epilogue rounds the projection as the kernel's output would be)."""
-    if (
-        skinny is not None
-        and skinny.gated_kernel is not None
-        and x.dim() == 2
-        and x.shape[0] <= skinny.max_rows
-        and skinny.supported(x, weight)
-    ):
+    if skinny is not None and skinny.gated_kernel is not None and skinny.takes(x, weight):
         return skinny.gated_kernel(x, weight, bias, counters=skinny.counters)
     return silu_and_mul(linear(x, weight, bias, skinny))
 
@@ -174,14 +188,7 @@ def linear_rotary_kv_write(
     decode-sized x the kernel takes; None where it does not serve (the caller projects, then runs the rotary
     kernel: bit for bit the same numbers, which the fused kernel keeps only in bf16). With `row_scale`, x is that
     `FoldedNorm`'s x_weighted and the projection that of the folded norm's output."""
-    if (
-        skinny is None
-        or skinny.rotary_kernel is None
-        or x.dim() != 2
-        or x.dtype != torch.bfloat16
-        or x.shape[0] > skinny.max_rows
-        or not skinny.supported(x, weight)
-    ):
+    if skinny is None or skinny.rotary_kernel is None or x.dtype != torch.bfloat16 or not skinny.takes(x, weight):
         return None
     k_cache, v_cache = kv_cache
     return skinny.rotary_kernel(

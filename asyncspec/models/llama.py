@@ -251,7 +251,10 @@ class LlamaDecoderLayer(nn.Module):
         attn = self.self_attn
         if fold is None or not fold.folds(x) or attn.qk_norm or attn.tp.enabled:
             return None
-        if rope.cos is not None or rope.sin is not None or x.dim() != 2 or not fold.supported(x, attn.qkv_proj.weight):
+        if rope.cos is not None or rope.sin is not None or x.dim() != 2 or not fold.takes(x, attn.qkv_proj.weight):
+            return None
+        others = (attn.o_proj.weight, self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight)
+        if not all(fold.weight_fits(x.shape[0], w) for w in others):
             return None
         return fold
 

@@ -15,9 +15,11 @@ from asyncspec import LLM, SamplingParams
 from asyncspec.kernels.silu_and_mul import silu_and_mul_ref
 from asyncspec.kernels.skinny_linear import skinny_linear_gated_ref, skinny_linear_ref
 from asyncspec.layers.linear import (
+    DECODE_ROWS,
     NORM_FOLD_ENV,
     ROTARY_IN_LINEAR_ENV,
     SKINNY_MAX_ROWS_ENV,
+    WIDE_MAX_WEIGHT_BYTES,
     DecodeLinear,
     SkinnyLinear,
     SkinnyMaxRowsSettingError,
@@ -289,6 +291,9 @@ def test_runner_switches_its_models_to_the_graph_kernel_only_while_capturing() -
 def test_skinny_max_rows_setting(monkeypatch) -> None:
     """Unset keeps the decode-sized 32 rows; 32 to 256 are taken; anything else is refused with the range."""
     pytest.importorskip("triton")
+    from asyncspec.kernels.skinny_linear_triton import MAX_M
+
+    assert DECODE_ROWS == MAX_M  # the layers' wide-row rule starts where the kernel's row blocks do
     monkeypatch.delenv(SKINNY_MAX_ROWS_ENV, raising=False)
     assert skinny_max_rows() == 32
     for value in ("32", "160", "256"):
@@ -298,3 +303,22 @@ def test_skinny_max_rows_setting(monkeypatch) -> None:
         monkeypatch.setenv(SKINNY_MAX_ROWS_ENV, value)
         with pytest.raises(SkinnyMaxRowsSettingError, match="from 32 \\(the default\\) to 256"):
             skinny_max_rows()
+
+
+def test_wide_calls_take_the_kernel_only_for_weights_l2_can_hold() -> None:
+    """Past DECODE_ROWS rows the kernel's row blocks each read the weight again: a weight of at most
+    WIDE_MAX_WEIGHT_BYTES takes it (a small model's projections), a larger one (an LM head) stays on F.linear;
+    up to DECODE_ROWS rows any weight does."""
+    gen = torch.Generator().manual_seed(3)
+    skinny, kernel, gated = _stand_in(max_rows=256)
+    small = torch.randn(24, 16, generator=gen)
+    big = torch.empty(WIDE_MAX_WEIGHT_BYTES // (4 * 16) + 1, 16)  # fp32: just past the limit
+    big.normal_(generator=gen)
+    wide, narrow = torch.randn(DECODE_ROWS + 8, 16, generator=gen), torch.randn(DECODE_ROWS, 16, generator=gen)
+    for x, weight in ((wide, small), (wide, big), (narrow, big)):
+        torch.testing.assert_close(linear(x, weight, None, skinny), F.linear(x, weight))
+    assert kernel.rows == [DECODE_ROWS + 8, DECODE_ROWS]  # not the wide call on the big weight
+    assert skinny.takes(wide, small) and not skinny.takes(wide, big) and skinny.takes(narrow, big)
+    gate_up = torch.empty(2 * big.shape[0], 16).normal_(generator=gen)
+    linear_silu_and_mul(wide, gate_up, None, skinny, silu_and_mul_ref)
+    assert gated.rows == []  # F.linear, then the activation
