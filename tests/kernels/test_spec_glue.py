@@ -370,7 +370,7 @@ CHECKS = [
 
 @pytest.mark.skipif(INTERPRETING, reason="TestInterpreted runs in this process")
 def test_interpreter_suite(interpreted_suites) -> None:
-    interpreted_suites.check(__file__, len(CHECKS) * len(SHAPES) + 2 * len(PASS_CASES))
+    interpreted_suites.check(__file__, len(CHECKS) * len(SHAPES) + 2 * len(PASS_CASES) + 1)
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="needs TRITON_INTERPRET=1 before triton is imported")
@@ -392,6 +392,9 @@ class TestInterpreted:
     def test_draft_pass_inputs(self, num_reqs, num_live, pass_index):
         check_draft_pass_inputs(self.fused, num_reqs, num_live, pass_index, "cpu")
 
+    def test_greedy_accept_commit_without_drafts(self):
+        check_greedy_accept_commit(self.fused, (4, 3, 1), "cpu")  # q = 1: the target's token alone
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES)
@@ -400,6 +403,13 @@ def test_compiled_kernel_matches_reference(check, shape):
     from asyncspec.kernels import spec_glue_triton
 
     check(spec_glue_triton, shape, "cuda")
+
+
+@pytest.mark.gpu
+def test_compiled_greedy_accept_commit_without_drafts():
+    from asyncspec.kernels import spec_glue_triton
+
+    check_greedy_accept_commit(spec_glue_triton, (4, 3, 1), "cuda")
 
 
 @pytest.mark.gpu
