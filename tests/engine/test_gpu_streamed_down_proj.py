@@ -13,6 +13,7 @@ import torch
 from asyncspec import LLM
 from asyncspec.layers.linear import DecodeLinear
 from tests.engine.test_gpu_engine import _assert_close_greedy, _hf_greedy_with_top5, _run_ours
+from tests.engine.tiny_streamed_engine import assert_batch_1_close_to_hf, tiny_engine
 from tests.hf_tiny_models import save_tiny_family_model
 
 pytestmark = [
@@ -86,17 +87,8 @@ def test_batch_1_bf16_close_to_hf(monkeypatch, family: str, enforce_eager: bool,
     monkeypatch.setenv("ASYNCSPEC_STREAMED_MLP", "0")
     # 8 heads of 64: an o projection of 512 x 512, which the streamed o projection takes.
     heads = dict(num_attention_heads=8, head_dim=64) if family == "llama" else {}
-    hf = save_tiny_family_model(family, tmp_path, torch.bfloat16, hidden_size=512, intermediate_size=1024, **heads)
-    hf = hf.cuda().eval()
     started = _deep_ring_shapes(monkeypatch)
-    llm = LLM(
-        str(tmp_path),
-        device="cuda",
-        skip_tokenizer_init=True,
-        max_model_len=256,
-        max_num_batched_tokens=64,
-        enforce_eager=enforce_eager,
-    )
+    hf, llm = tiny_engine(family, tmp_path, enforce_eager, **heads)
     downs = _down_projections(llm)
     assert downs and all(d.streamed_gemv is not None for d in downs)
     assert downs[0].streamed_gemv.config.boxes == 2  # the deep ring, not the o projection's
@@ -108,12 +100,7 @@ def test_batch_1_bf16_close_to_hf(monkeypatch, family: str, enforce_eager: bool,
     all_rows, gemv_rows = _record_rows(monkeypatch, downs)
     # Seed 3's first qwen3 prompt meets a near-tie that the default kernels miss by two bf16 ulps of HF's logits
     # too (an H100, 2026-12-05); seed 0's prompts are the streamed MLP test's.
-    rng = random.Random(0)
-    for _ in range(3):  # one request at a time: every decode step is a batch of 1
-        prompt = [rng.randrange(2, 512) for _ in range(rng.randrange(5, 80))]
-        ((ours, our_top5),) = _run_ours(llm, [prompt], 24)
-        ref, ref_logprobs = _hf_greedy_with_top5(hf, prompt, 24)
-        _assert_close_greedy(ours, our_top5, ref, ref_logprobs)
+    assert_batch_1_close_to_hf(llm, hf, seed=0, num_prompts=3)
     assert set(gemv_rows) <= {1}
     if enforce_eager:  # every decode step's layers called it from Python (graph replays do not)
         assert all_rows.count(1) >= 3 * 23 * len(downs)

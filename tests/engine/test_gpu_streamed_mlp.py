@@ -10,6 +10,7 @@ import torch
 
 from asyncspec import LLM
 from tests.engine.test_gpu_engine import _assert_close_greedy, _hf_greedy_with_top5, _run_ours
+from tests.engine.tiny_streamed_engine import assert_batch_1_close_to_hf, tiny_engine
 from tests.hf_tiny_models import save_tiny_family_model
 
 pytestmark = [
@@ -21,32 +22,10 @@ pytestmark = [
 
 
 def _tiny_engine(family: str, tmp_path, enforce_eager: bool, **model_overrides):
-    """A tiny bf16 model of `family` with widths the kernel takes (multiples of 512): Hugging Face's on the GPU, the
-    engine over the same weights, and the engine's decoder layers with a streamed-MLP slot."""
-    hf = save_tiny_family_model(
-        family, tmp_path, torch.bfloat16, hidden_size=512, intermediate_size=1024, **model_overrides
-    )
-    hf = hf.cuda().eval()
-    llm = LLM(
-        str(tmp_path),
-        device="cuda",
-        skip_tokenizer_init=True,
-        max_model_len=256,
-        max_num_batched_tokens=64,
-        enforce_eager=enforce_eager,
-    )
+    """`tiny_engine`, and the engine's decoder layers with a streamed-MLP slot."""
+    hf, llm = tiny_engine(family, tmp_path, enforce_eager, **model_overrides)
     runner = llm.engine.engine_core.runner
     return hf, llm, [m for m in runner.model.modules() if "streamed_mlp" in vars(m)]
-
-
-def _assert_batch_1_close_to_hf(llm, hf, seed: int) -> None:
-    """Four requests one at a time (every decode step a batch of 1), 24 greedy tokens each, close to Hugging Face."""
-    rng = random.Random(seed)
-    for _ in range(4):
-        prompt = [rng.randrange(2, 512) for _ in range(rng.randrange(5, 80))]
-        ((ours, our_top5),) = _run_ours(llm, [prompt], 24)
-        ref, ref_logprobs = _hf_greedy_with_top5(hf, prompt, 24)
-        _assert_close_greedy(ours, our_top5, ref, ref_logprobs)
 
 
 @pytest.mark.parametrize("form", ["barrier", "split", "split-deep"])
@@ -79,7 +58,7 @@ def test_batch_1_bf16_close_to_hf(monkeypatch, family: str, enforce_eager: bool,
     flags = streamed._flags
     launched_before = int(flags[0].item())
     streamed._act.fill_(float("nan"))  # only the kernel writes its activations' scratch
-    _assert_batch_1_close_to_hf(llm, hf, seed=0)
+    assert_batch_1_close_to_hf(llm, hf, seed=0)
     assert torch.isfinite(streamed._act).all()
     if form == "barrier":
         # Each launch moves every program's flag on by one: it ran for every decode step's layers.
@@ -127,7 +106,7 @@ def test_next_norm_folded_into_the_down_projection_close_to_hf(
     monkeypatch.setattr(LlamaAttention, "project_rotated", counting_scaled)
     hf, llm, layers = _tiny_engine(family, tmp_path, enforce_eager)
     assert layers and all(m.streamed_mlp is not None and m.streamed_mlp.fold_next_norm for m in layers)
-    _assert_batch_1_close_to_hf(llm, hf, seed=1)
+    assert_batch_1_close_to_hf(llm, hf, seed=1)
     if family == "qwen3":
         assert folded_calls == [] and scaled_calls == []
     else:  # every layer but the last folds, the next one scales: in the graphs, or at every eager decode step
@@ -160,12 +139,7 @@ def test_streamed_o_proj_batch_1_bf16_close_to_hf(monkeypatch, enforce_eager: bo
     o_shape = tuple(o_projs[0].weight.shape)
     assert o_shape == (512, 512) and o_shape in calls  # captured into the graphs, or run by the warm-up
     calls.clear()
-    rng = random.Random(1)
-    for _ in range(3):
-        prompt = [rng.randrange(2, 512) for _ in range(rng.randrange(5, 80))]
-        ((ours, our_top5),) = _run_ours(llm, [prompt], 24)
-        ref, ref_logprobs = _hf_greedy_with_top5(hf, prompt, 24)
-        _assert_close_greedy(ours, our_top5, ref, ref_logprobs)
+    assert_batch_1_close_to_hf(llm, hf, seed=1, num_prompts=3)
     if enforce_eager:  # every decode step's layers called it from Python (graph replays do not)
         assert calls.count(o_shape) >= 3 * 23 * len(o_projs)
 
@@ -188,29 +162,13 @@ def test_streamed_attn_in_batch_1_bf16_close_to_hf(monkeypatch, enforce_eager: b
         return original(self, x, residual, *args)
 
     monkeypatch.setattr(StreamedAttnIn, "__call__", counting)
-    hf = save_tiny_family_model(
-        "llama", tmp_path, torch.bfloat16, hidden_size=512, intermediate_size=1024, num_attention_heads=8, head_dim=64
-    )
-    hf = hf.cuda().eval()
-    llm = LLM(
-        str(tmp_path),
-        device="cuda",
-        skip_tokenizer_init=True,
-        max_model_len=256,
-        max_num_batched_tokens=64,
-        enforce_eager=enforce_eager,
-    )
+    hf, llm = tiny_engine("llama", tmp_path, enforce_eager, num_attention_heads=8, head_dim=64)
     runner = llm.engine.engine_core.runner
     layers = [m for m in runner.model.modules() if "streamed_attn_in" in vars(m)]
     assert layers and all(m.streamed_attn_in is not None for m in layers)
     assert True in residuals and False in residuals  # captured or warmed: the first layer has no residual
     residuals.clear()
-    rng = random.Random(2)
-    for _ in range(3):
-        prompt = [rng.randrange(2, 512) for _ in range(rng.randrange(5, 80))]
-        ((ours, our_top5),) = _run_ours(llm, [prompt], 24)
-        ref, ref_logprobs = _hf_greedy_with_top5(hf, prompt, 24)
-        _assert_close_greedy(ours, our_top5, ref, ref_logprobs)
+    assert_batch_1_close_to_hf(llm, hf, seed=2, num_prompts=3)
     if enforce_eager:
         assert len(residuals) >= 3 * 23 * len(layers)
 
