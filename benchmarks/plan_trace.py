@@ -12,6 +12,11 @@ adds a draft engine per k that verifies that k at every step (the policy off, so
 too). On the H200, 2026-12-01, such engines lost end to end at 128 streams, but their decode phase at k = 2 was
 the fastest (docs/benchmarks.md, twelfth session).
 
+`--host-profile prefill` runs cProfile during the prompt plans only (from just after a prompt plan's scheduling to
+the next plan's scheduling) and prints, per engine, the functions with the most own time a prompt plan: what the
+draft adds to the host's work where the GPU idles (2026-12-07: 6.5 against 4.9 ms a prompt plan, the GPU busy under
+1 ms). cProfile slows Python about twice over: read the shares and the difference between the engines.
+
 `--sustained N` sends N times `--streams` requests a trial and holds that many in flight, a new one submitted as
 one finishes (`vllm bench serve --max-concurrency`): a closed batch's time is also its drain, the requests that
 accept least decoding alone after the others finished, which a served engine under a steady load does not have.
@@ -21,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import gc
 import json
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -118,10 +125,13 @@ def trace(
     record_policy: bool = False,
     sequence: bool = False,
     concurrency: int | None = None,
+    profiler: cProfile.Profile | None = None,
+    profiled_kind: str = "prefill",
 ) -> dict[str, Any]:
     """Runs one generate, recording every plan (and with record_policy every choice of the speculation policy);
     returns the wall time, the time per plan kind, the tokens generated and the choices. `concurrency`: at most
-    that many requests in flight (`generate_held`); None: all submitted at once."""
+    that many requests in flight (`generate_held`); None: all submitted at once. `profiler`: enabled from each
+    plan of `profiled_kind`'s scheduling to the next plan's."""
     scheduler = llm.engine.engine_core.scheduler
     schedule = scheduler.schedule
     policy = scheduler.spec_policy
@@ -136,23 +146,25 @@ def trace(
         return k
 
     records: list[tuple[float, tuple[int, int, int, int, int, int]]] = []
+    streams = concurrency or len(prompts)
 
     def recording():
         t = time.perf_counter()
         so = schedule()
-        records.append(
-            (
-                t,
-                (
-                    len(so.num_scheduled_tokens),
-                    so.num_speculative_tokens,
-                    so.num_proposals,
-                    so.num_steps,
-                    so.total_num_scheduled_tokens,
-                    len(so.scheduled_new_reqs),
-                ),
-            )
+        record = (
+            len(so.num_scheduled_tokens),
+            so.num_speculative_tokens,
+            so.num_proposals,
+            so.num_steps,
+            so.total_num_scheduled_tokens,
+            len(so.scheduled_new_reqs),
         )
+        records.append((t, record))
+        if profiler is not None:
+            if plan_kind(record, streams) == profiled_kind:
+                profiler.enable()
+            else:
+                profiler.disable()
         return so
 
     scheduler.schedule = recording
@@ -166,12 +178,14 @@ def trace(
             outputs = generate_held(llm, prompts, params, concurrency)
         end = time.perf_counter()
     finally:
+        if profiler is not None:
+            profiler.disable()
         scheduler.schedule = schedule
         policy.choose = choose
     kinds: dict[str, dict[str, float]] = collections.defaultdict(lambda: {"plans": 0, "steps": 0, "ms": 0.0})
     for i, (t, record) in enumerate(records):
         period = (records[i + 1][0] if i + 1 < len(records) else end) - t
-        entry = kinds[plan_kind(record, concurrency or len(prompts))]
+        entry = kinds[plan_kind(record, streams)]
         entry["plans"] += 1
         entry["steps"] += record[3]
         entry["ms"] += period * 1e3
@@ -226,6 +240,13 @@ def main() -> int:
         default=ENGINE_SETTINGS["max_num_seqs"],
         help="the engines' max_num_seqs (at least the largest --streams)",
     )
+    ap.add_argument(
+        "--host-profile",
+        default="",
+        metavar="KIND",
+        help="cProfile the plans of this kind (prefill, or a decode kind as printed) and print the top own times",
+    )
+    ap.add_argument("--top", type=int, default=25, help="functions printed per engine with --host-profile")
     ap.add_argument("--note", default="")
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
@@ -262,6 +283,7 @@ def main() -> int:
     # all alike.
     llms = {name: asyncspec.LLM(str(TARGET), **base, **extra) for name, extra in configs}
     rows: dict[str, dict[str, Any]] = {name: {} for name in llms}
+    profilers = {name: cProfile.Profile() for name in llms} if args.host_profile else {}
     for c in streams:
         prompts = load_prompts(c * max(args.sustained, 1))
         concurrency = c if args.sustained else None
@@ -276,7 +298,16 @@ def main() -> int:
         for _ in range(args.trials):
             for name, llm in llms.items():
                 rows[name][str(c)].append(
-                    trace(llm, prompts, full, args.policy and name == "draft", args.sequence, concurrency)
+                    trace(
+                        llm,
+                        prompts,
+                        full,
+                        args.policy and name == "draft",
+                        args.sequence,
+                        concurrency,
+                        profilers.get(name),
+                        args.host_profile,
+                    )
                 )
     for name, llm in llms.items():
         stats = llm.stats()
@@ -286,6 +317,12 @@ def main() -> int:
         }
     del llms
     gc.collect()
+    for name, profiler in profilers.items():
+        num_plans = sum(
+            r["kinds"].get(args.host_profile, {}).get("plans", 0) for trials in rows[name].values() for r in trials
+        )
+        results["configs"][name]["host_profile"] = own_times(profiler, max(num_plans, 1), args.top)
+        results["configs"][name]["host_profile_plans"] = num_plans
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(results, indent=1))
@@ -304,7 +341,36 @@ def main() -> int:
                 last = best["choices"][-1]
                 print(f"   last choice: {last['decodes']} decodes, k {last['k']}; per k [tokens, host us, device us]:")
                 print(f"   {last['estimates']}")
+    for name, config in results["configs"].items():
+        if "host_profile" not in config:
+            continue
+        rows_ = config["host_profile"]
+        total = sum(r["own_us"] for r in rows_["all"])
+        print(
+            f"{name}: host profile of {config['host_profile_plans']} {args.host_profile} plans, "
+            f"{total / 1e3:.2f} ms own time a plan (profiled); own us, calls, cumulative us a plan:"
+        )
+        for r in rows_["top"]:
+            print(f"   {r['own_us']:8.1f} {r['calls']:8.1f} {r['cumulative_us']:9.1f}  {r['function'][:100]}")
     return 0
+
+
+def own_times(profiler: cProfile.Profile, num_plans: int, top: int) -> dict[str, Any]:
+    """A profile's functions a plan: own µs, calls and cumulative µs; `top` by own time, and every function's own
+    time (under "all", for the total)."""
+    stats = pstats.Stats(profiler)
+    rows = [
+        {
+            "function": f"{Path(file).name}:{line}({func})",
+            "own_us": tt / num_plans * 1e6,
+            "calls": nc / num_plans,
+            "cumulative_us": ct / num_plans * 1e6,
+        }
+        for (file, line, func), (_cc, nc, tt, ct, _callers) in stats.stats.items()  # type: ignore[attr-defined]
+    ]
+    rows.sort(key=lambda r: -r["own_us"])
+    by_cumulative = sorted(rows, key=lambda r: -r["cumulative_us"])[:top]
+    return {"top": rows[:top], "top_cumulative": by_cumulative, "all": [{"own_us": r["own_us"]} for r in rows]}
 
 
 if __name__ == "__main__":
