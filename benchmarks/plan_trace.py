@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import cProfile
 import gc
 import json
@@ -118,6 +119,29 @@ def queue_percentiles(queued_seconds: list[float | None]) -> list[float] | None:
     return [round(times[int(f * (len(times) - 1))], 3) for f in (0.5, 0.9, 1.0)]
 
 
+@contextlib.contextmanager
+def gc_pauses() -> Any:
+    """Records the garbage collector's pauses while open: yields a dict generation -> [collections, ms, longest ms]."""
+    pauses: dict[int, list[float]] = {}
+    started: list[float] = []
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            ms = (time.perf_counter() - started.pop()) * 1e3
+            entry = pauses.setdefault(info["generation"], [0, 0.0, 0.0])
+            entry[0] += 1
+            entry[1] += ms
+            entry[2] = max(entry[2], ms)
+
+    gc.callbacks.append(callback)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(callback)
+
+
 def trace(
     llm: Any,
     prompts: list[list[int]],
@@ -147,6 +171,7 @@ def trace(
 
     records: list[tuple[float, tuple[int, int, int, int, int, int]]] = []
     streams = concurrency or len(prompts)
+    profiler_on = [False]
 
     def recording():
         t = time.perf_counter()
@@ -161,24 +186,28 @@ def trace(
         )
         records.append((t, record))
         if profiler is not None:
-            if plan_kind(record, streams) == profiled_kind:
+            # Python 3.12's cProfile refuses to enable a profiler twice: consecutive plans of the kind keep it on.
+            profiling = plan_kind(record, streams) == profiled_kind
+            if profiling and not profiler_on[0]:
                 profiler.enable()
-            else:
+            elif not profiling and profiler_on[0]:
                 profiler.disable()
+            profiler_on[0] = profiling
         return so
 
     scheduler.schedule = recording
     if record_policy:
         policy.choose = choosing
     try:
-        start = time.perf_counter()
-        if concurrency is None:
-            outputs = llm.generate(prompts, params)
-        else:
-            outputs = generate_held(llm, prompts, params, concurrency)
-        end = time.perf_counter()
+        with gc_pauses() as pauses:
+            start = time.perf_counter()
+            if concurrency is None:
+                outputs = llm.generate(prompts, params)
+            else:
+                outputs = generate_held(llm, prompts, params, concurrency)
+            end = time.perf_counter()
     finally:
-        if profiler is not None:
+        if profiler is not None and profiler_on[0]:
             profiler.disable()
         scheduler.schedule = schedule
         policy.choose = choose
@@ -198,6 +227,8 @@ def trace(
         "failed_requests": sum(o.finish_reason == "error" for o in outputs),
         # Arrival (submission) to first scheduling, ms: p50, p90, max (what admission waves cost a request).
         "queued_ms": queue_percentiles([o.queued_seconds for o in outputs]),
+        # The garbage collector's pauses during the trial, by generation: [collections, ms, longest ms].
+        "gc_pauses": {str(g): [int(n), round(ms, 3), round(top, 3)] for g, (n, ms, top) in sorted(pauses.items())},
     }
     if record_policy:
         result["choices"] = choices
@@ -247,6 +278,12 @@ def main() -> int:
         help="cProfile the plans of this kind (prefill, or a decode kind as printed) and print the top own times",
     )
     ap.add_argument("--top", type=int, default=25, help="functions printed per engine with --host-profile")
+    ap.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.collect() and gc.freeze() once the engines are built and warm (the objects of start-up are then "
+        "never scanned again by the collector's full passes)",
+    )
     ap.add_argument("--note", default="")
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
@@ -295,6 +332,9 @@ def main() -> int:
             llm.generate(prompts[:c], warm)  # untimed: this batch's shapes compiled
         for name in llms:
             rows[name][str(c)] = []
+        if args.gc_freeze:
+            gc.collect()
+            gc.freeze()
         for _ in range(args.trials):
             for name, llm in llms.items():
                 rows[name][str(c)].append(
@@ -331,6 +371,9 @@ def main() -> int:
             best = min(trials, key=lambda r: r["wall_ms"])
             print(f"{name} @{c}: {[round(r['wall_ms'], 1) for r in trials]} ms, fastest {best['plans']} plans")
             print(f"   queued ms [p50, p90, max] by trial: {[r['queued_ms'] for r in trials]}")
+            print(
+                f"   gc pauses by trial (generation: [collections, ms, longest ms]): {[r['gc_pauses'] for r in trials]}"
+            )
             for kind, e in sorted(best["kinds"].items(), key=lambda x: -x[1]["ms"]):
                 print(f"   {kind:22s} plans {e['plans']:4d} steps {e['steps']:4d} {e['ms']:8.2f} ms")
             if best.get("sequence"):

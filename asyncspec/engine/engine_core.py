@@ -26,6 +26,7 @@ from asyncspec.models.model_config import ModelConfig
 from asyncspec.request import Request, RequestStatus
 from asyncspec.worker.model_runner import ModelRunner, StepHandle
 from asyncspec.worker.profiler import ProfileSummary, StepProfiler
+from asyncspec.worker.startup_heap import freeze_startup_objects, release_frozen_objects
 from asyncspec.worker.tp_executor import TensorParallelExecutor
 
 DecodeKey = tuple[int, ...]
@@ -91,6 +92,10 @@ class EngineCore:
                 f"{config.max_num_batched_tokens} is below max_model_len={self.max_model_len}; raise it, "
                 "lower max_model_len or enable chunked prefill"
             )
+        if config.freeze_gc:
+            # An engine dropped without shutdown may hold frozen reference cycles: collectable again, its device
+            # memory is free when this one sizes its KV pool.
+            release_frozen_objects()
         start = time.perf_counter()
         self.runner: ModelRunner | TensorParallelExecutor = _make_runner(config, self.model_config, self.max_model_len)
         self.startup_timings = StartupTimings(load_seconds=time.perf_counter() - start)
@@ -163,6 +168,8 @@ class EngineCore:
         if config.torch_device.type == "cuda":
             stats = self.warm_up()
             self.startup_timings.warm_up_seconds, self.startup_timings.warm_up_steps = stats.seconds, stats.num_steps
+        if config.freeze_gc:
+            freeze_startup_objects()
 
     def _new_spec_policy(self) -> SpeculationPolicy:
         policy = SpeculationPolicy(self.config.num_lookahead_tokens, self.config.adaptive_speculation)
@@ -210,6 +217,8 @@ class EngineCore:
             with contextlib.suppress(Exception):
                 self.runner.call_on_stream(profiler.discard)
         self.runner.close()
+        if self.config.freeze_gc:
+            release_frozen_objects()
 
     def start_profile(self, trace_dir: str | Path, with_cpu: bool = True) -> None:
         """Starts torch.profiler in every process that runs the model (this one, or each rank)."""

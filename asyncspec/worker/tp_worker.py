@@ -33,6 +33,7 @@ from asyncspec.layers.tensor_parallel import TensorParallel
 from asyncspec.models.model_config import ModelConfig
 from asyncspec.worker.model_runner import ModelRunner, StepHandle
 from asyncspec.worker.profiler import ProfileSummary, StepProfiler
+from asyncspec.worker.startup_heap import freeze_startup_objects
 from asyncspec.worker.symm_all_reduce import make_small_all_reduce
 
 GRAPH_MIXING_ENV = "NCCL_GRAPH_MIXING_SUPPORT"
@@ -84,6 +85,8 @@ class RankWorker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
+        if self.runner.config.freeze_gc:
+            freeze_startup_objects()  # the rank's start-up is done (pool, graphs); it lives for this engine alone
 
     def speculation_step_costs(self) -> dict[tuple[int, int], float] | None:
         """The step-cost function as a table over every batch size and k the policy may ask about

@@ -1,0 +1,76 @@
+"""The engine's start-up objects frozen out of Python's full garbage collections (EngineConfig.freeze_gc)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+
+from asyncspec import SamplingParams
+from tests.engine.engine_helpers import bundled_llm
+
+
+@pytest.fixture(autouse=True)
+def nothing_frozen():
+    """Each test starts and ends with no frozen object (an engine of another test may have left some)."""
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
+
+
+def test_start_up_objects_leave_the_collectors_scans_until_shutdown(one_thread) -> None:
+    llm = bundled_llm()
+    frozen = gc.get_freeze_count()
+    # A full collection now scans only what was made since start-up: a small share of what is alive.
+    assert frozen > 10 * len(gc.get_objects()), (frozen, len(gc.get_objects()))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outputs = llm.generate([[1, 2, 3, 4]], params)
+    assert len(outputs[0].token_ids) == 4
+    llm.shutdown()
+    assert gc.get_freeze_count() == 0
+
+
+def test_freeze_gc_off_leaves_the_collector_alone(one_thread) -> None:
+    llm = bundled_llm(freeze_gc=False)
+    try:
+        assert gc.get_freeze_count() == 0
+    finally:
+        llm.shutdown()
+    assert gc.get_freeze_count() == 0
+
+
+def _engine_in_a_cycle(**overrides):
+    """An engine that only the collector can free: it holds a reference to itself (as a user's callback can)."""
+    llm = bundled_llm(**overrides)
+    llm.self_reference = llm  # type: ignore[attr-defined]
+    return llm, weakref.ref(llm.engine.engine_core.runner.model)
+
+
+def test_a_shut_down_engine_in_a_reference_cycle_is_freed(one_thread) -> None:
+    llm, model = _engine_in_a_cycle()
+    llm.shutdown()
+    del llm
+    gc.collect()
+    assert model() is None
+
+
+def test_an_engine_dropped_without_shutdown_is_freed_when_the_next_one_starts(one_thread) -> None:
+    llm, model = _engine_in_a_cycle()
+    del llm
+    gc.collect()
+    assert model() is not None  # frozen: the collector does not see the cycle
+    successor = bundled_llm()
+    try:
+        assert model() is None
+    finally:
+        successor.shutdown()
+
+
+def test_freeze_gc_must_be_a_bool() -> None:
+    from asyncspec import LLM
+    from asyncspec.errors import ConfigError
+    from tests.conftest import TARGET_MODEL
+
+    with pytest.raises(ConfigError, match="freeze_gc must be True or False"):
+        LLM(str(TARGET_MODEL), device="cpu", freeze_gc="false")
