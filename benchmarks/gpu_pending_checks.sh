@@ -127,9 +127,21 @@
 #   wide-rows  the skinny kernel past 32 rows (ASYNCSPEC_SKINNY_MAX_ROWS=256, 2026-12-07, off by default): its
 #          kernel GPU tests at 160 rows, the speculative engine's fp32 greedy equality and bf16 tests with it on,
 #          then the closed batch of 32 without and with it, alternated twice (plan_trace.py): ~8 min; it took the
-#          full-batch k = 4 steps from 19.3 to 17.8 ms a run of 32 on an H100 (one process each), its tests not yet run
-#   greedy-accept  the rest of the greedy verification kernel's GPU tests (session 50 ran the kernel's and the fp32
-#          greedy equality before its 190 s limit): the no-host-sync and bf16 ties tests, the multi-step plans: ~3 min
+#          full-batch k = 4 steps from 19.3 to 17.8 ms a run of 32 on an H100 (one process each); its tests passed there
+#          (2026-12-07, session 51: 9 kernel tests at 160 rows, 10 engine tests with 256)
+#   wide-rows-1b  what ASYNCSPEC_SKINNY_MAX_ROWS=256 does to a Llama-1B, whose q|k|v and o (12 and 8 MiB) then take
+#          the kernel past 32 rows: graph_replay.py --context 315 --batches 32,64,128 with 32 and 256, twice: ~3 min.
+#          The default can become 256 once these are not slower
+#   greedy-accept  the rest of the greedy verification kernel's GPU tests: the multi-step speculative plans against
+#          the plain engine (session 50 ran the kernel's and the fp32 greedy equality, session 51 the no-host-sync and
+#          bf16 ties tests and the k = 0 multi-step plans, all passed, before each call's limit): ~3 min cold
+#   gc-freeze  the engine's start-up objects frozen out of Python's full collections (EngineConfig.freeze_gc, on by
+#          default from 2026-12-07, untested on a GPU): the closed batch of 32 with and without (plan_trace.py
+#          --no-freeze-gc; each side its own process), alternated twice, each trial's collector pauses printed:
+#          ~4 min. Without it one H100 trial of the draft engine took 73 ms instead of 50, its prompt plans 40 instead
+#          of 16 (2026-12-07)
+#   host-profile  where the prompt plans' host time goes, plain and draft engines (plan_trace.py --host-profile
+#          prefill, cProfile in those plans only): ~1 min
 # REQUIRE_GPU=H200 (any part of the card's name) runs nothing and exits 3 on another card: a request for an H200
 # that an H100 answers then costs only the machine's start (issue 8's goals are set on an H200).
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
@@ -320,9 +332,28 @@ if [[ " $parts " == *" wide-rows "* ]]; then
         done
     done
 fi
+if [[ " $parts " == *" wide-rows-1b "* ]]; then
+    p=ASYNCSPEC_PDL=1
+    timeout 300 python3 benchmarks/graph_replay.py --models llama-1b --context 315 --batches 32,64,128 \
+        --switches "$p,$p+ASYNCSPEC_SKINNY_MAX_ROWS=256,$p,$p+ASYNCSPEC_SKINNY_MAX_ROWS=256" \
+        --output "$out/graph_replay_wide_rows_1b.json" 2>&1 | tail -8
+fi
 if [[ " $parts " == *" greedy-accept "* ]]; then
     gpu_tests greedy_accept tests/spec/test_spec_decode_gpu.py tests/worker/test_multi_step_spec_gpu.py \
-        -k "no_host_sync or ties or speculative_plans"
+        -k "speculative_plans"
+fi
+if [[ " $parts " == *" gc-freeze "* ]]; then
+    for round in 1 2; do
+        for side in freeze no-freeze; do
+            flag=$([ $side = no-freeze ] && echo --no-freeze-gc)
+            timeout 110 taskset -c 2,3 python3 benchmarks/plan_trace.py --streams 32 --trials 4 $flag \
+                --output "$out/plan_trace_gc_${side}_r$round.json" 2>&1 | grep -E "^(plain|draft)|gc pauses|prefill"
+        done
+    done
+fi
+if [[ " $parts " == *" host-profile "* ]]; then
+    timeout 150 taskset -c 2,3 python3 benchmarks/plan_trace.py --streams 32 --trials 3 --host-profile prefill \
+        --top 30 --output "$out/plan_trace_host_profile.json" 2>&1 | grep -vE "queued ms" | tail -75
 fi
 if [[ " $parts " == *" early-trigger "* ]]; then
     gpu_tests early_trigger tests/kernels/test_pdl.py

@@ -279,10 +279,10 @@ def main() -> int:
     )
     ap.add_argument("--top", type=int, default=25, help="functions printed per engine with --host-profile")
     ap.add_argument(
-        "--gc-freeze",
+        "--no-freeze-gc",
         action="store_true",
-        help="gc.collect() and gc.freeze() once the engines are built and warm (the objects of start-up are then "
-        "never scanned again by the collector's full passes)",
+        help="engines with freeze_gc=False: Python's full collections scan start-up's objects again (the A/B of "
+        "the default; each side in a process of its own, since one freezing engine freezes the whole process)",
     )
     ap.add_argument("--note", default="")
     ap.add_argument("--output", type=Path)
@@ -296,7 +296,7 @@ def main() -> int:
         streams, args.trials, args.new_tokens = [4], 1, 6
     if args.max_num_seqs < max(streams):
         ap.error(f"--max-num-seqs {args.max_num_seqs} is below the largest --streams, {max(streams)}")
-    base: dict[str, Any] = dict(ENGINE_SETTINGS, max_num_seqs=args.max_num_seqs)
+    base: dict[str, Any] = dict(ENGINE_SETTINGS, max_num_seqs=args.max_num_seqs, freeze_gc=not args.no_freeze_gc)
     if args.smoke:
         max_num_seqs = 8 if args.max_num_seqs == ENGINE_SETTINGS["max_num_seqs"] else args.max_num_seqs
         base.update(device="cpu", dtype="float32", max_num_seqs=max_num_seqs, num_kv_blocks=256, max_model_len=512)
@@ -332,9 +332,6 @@ def main() -> int:
             llm.generate(prompts[:c], warm)  # untimed: this batch's shapes compiled
         for name in llms:
             rows[name][str(c)] = []
-        if args.gc_freeze:
-            gc.collect()
-            gc.freeze()
         for _ in range(args.trials):
             for name, llm in llms.items():
                 rows[name][str(c)].append(
@@ -395,24 +392,44 @@ def main() -> int:
         )
         for r in rows_["top"]:
             print(f"   {r['own_us']:8.1f} {r['calls']:8.1f} {r['cumulative_us']:9.1f}  {r['function'][:100]}")
+        print(f"{name}: by cumulative time a plan, with the callees' shares (us):")
+        for r in rows_["top_cumulative"][:16]:
+            print(f"   {r['cumulative_us']:9.1f}  {r['function'][:80]}")
+            for callee, us in list(r["callees_us"].items())[:5]:
+                print(f"   {'':9s}    {us:9.1f}  {callee[:80]}")
     return 0
 
 
 def own_times(profiler: cProfile.Profile, num_plans: int, top: int) -> dict[str, Any]:
-    """A profile's functions a plan: own µs, calls and cumulative µs; `top` by own time, and every function's own
-    time (under "all", for the total)."""
+    """A profile's functions a plan: own µs, calls and cumulative µs; `top` by own time, `top` by cumulative time
+    with each one's callees (cumulative µs a plan spent in each, largest first: where a slow call's time went), and
+    every function's own time (under "all", for the total)."""
     stats = pstats.Stats(profiler)
+
+    def name(key: tuple[str, int, str]) -> str:
+        file, line, func = key
+        return f"{Path(file).name}:{line}({func})"
+
+    entries = stats.stats.items()  # type: ignore[attr-defined]
     rows = [
         {
-            "function": f"{Path(file).name}:{line}({func})",
+            "function": name(key),
             "own_us": tt / num_plans * 1e6,
             "calls": nc / num_plans,
             "cumulative_us": ct / num_plans * 1e6,
         }
-        for (file, line, func), (_cc, nc, tt, ct, _callers) in stats.stats.items()  # type: ignore[attr-defined]
+        for key, (_cc, nc, tt, ct, _callers) in entries
     ]
+    # Callees from the callers' tables: callers[caller] = (calls, primitive calls, own s, cumulative s) of the callee.
+    callees: dict[str, dict[str, float]] = collections.defaultdict(dict)
+    for key, (_cc, _nc, _tt, _ct, callers) in entries:
+        for caller, timing in callers.items():
+            callees[name(caller)][name(key)] = timing[3] / num_plans * 1e6
     rows.sort(key=lambda r: -r["own_us"])
     by_cumulative = sorted(rows, key=lambda r: -r["cumulative_us"])[:top]
+    for row in by_cumulative:
+        ranked = sorted(callees.get(row["function"], {}).items(), key=lambda kv: -kv[1])[:8]
+        row["callees_us"] = {callee: round(us, 1) for callee, us in ranked}
     return {"top": rows[:top], "top_cumulative": by_cumulative, "all": [{"own_us": r["own_us"]} for r in rows]}
 
 
