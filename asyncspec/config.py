@@ -178,9 +178,8 @@ class EngineConfig:
     object alive, in this process and in each worker process, as vLLM's engine core does: Python's full garbage
     collections then scan only the objects made since, where they scanned everything torch and the engine hold,
     a pause of tens of milliseconds in a random step (most likely the 24 ms stall in one prompt plan of the bundled
-    pair on an H100, 2026-12-07).
-    A reference cycle among frozen objects is freed only once they are released: at `shutdown`, or when another
-    engine starts in the process. False leaves the collector alone."""
+    pair on an H100, 2026-12-07). A reference cycle among frozen objects is freed only once they are released: at
+    `shutdown`, or when another engine starts in the process. False leaves the collector alone."""
 
     def __post_init__(self) -> None:
         self._validate()

@@ -40,9 +40,9 @@ def test_freeze_gc_off_leaves_the_collector_alone(one_thread) -> None:
     assert gc.get_freeze_count() == 0
 
 
-def _engine_in_a_cycle(**overrides):
+def _engine_in_a_cycle():
     """An engine that only the collector can free: it holds a reference to itself (as a user's callback can)."""
-    llm = bundled_llm(**overrides)
+    llm = bundled_llm()
     llm.self_reference = llm  # type: ignore[attr-defined]
     return llm, weakref.ref(llm.engine.engine_core.runner.model)
 
