@@ -93,9 +93,9 @@ class EngineCore:
                 "lower max_model_len or enable chunked prefill"
             )
         if config.freeze_gc:
-            # An engine dropped without shutdown may hold frozen reference cycles: collectable again, its device
-            # memory is free when this one sizes its KV pool.
-            release_frozen_objects()
+            # An engine dropped without shutdown but kept by a reference cycle (a user's callback holding it, say)
+            # is frozen garbage: on CUDA it is freed before this one loads its weights.
+            release_frozen_objects(collect=config.torch_device.type == "cuda")
         start = time.perf_counter()
         self.runner: ModelRunner | TensorParallelExecutor = _make_runner(config, self.model_config, self.max_model_len)
         self.startup_timings = StartupTimings(load_seconds=time.perf_counter() - start)

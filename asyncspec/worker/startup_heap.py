@@ -22,7 +22,10 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
-def release_frozen_objects() -> None:
+def release_frozen_objects(collect: bool = False) -> None:
     """Gives every frozen object back to the collector (gc.unfreeze): a shut-down or dropped engine's reference
-    cycles can then be freed, its device memory with them."""
+    cycles can then be freed, its device memory with them. `collect`: and free them now, where any were frozen."""
+    was_frozen = gc.get_freeze_count() > 0
     gc.unfreeze()
+    if collect and was_frozen:
+        gc.collect()

@@ -74,3 +74,24 @@ def test_freeze_gc_must_be_a_bool() -> None:
 
     with pytest.raises(ConfigError, match="freeze_gc must be True or False"):
         LLM(str(TARGET_MODEL), device="cpu", freeze_gc="false")
+
+
+class _Node:
+    """A weak-referenceable object for a reference cycle."""
+
+
+def test_release_with_collect_frees_frozen_cycles_at_once_and_only_where_some_were_frozen() -> None:
+    from asyncspec.worker.startup_heap import freeze_startup_objects, release_frozen_objects
+
+    node = _Node()
+    node.self_reference = node  # type: ignore[attr-defined]
+    alive = weakref.ref(node)
+    freeze_startup_objects()
+    del node
+    gc.collect()
+    assert alive() is not None  # frozen garbage
+    release_frozen_objects(collect=True)
+    assert alive() is None and gc.get_freeze_count() == 0
+    collections = gc.get_stats()[2]["collections"]
+    release_frozen_objects(collect=True)  # nothing frozen: no full pass
+    assert gc.get_stats()[2]["collections"] == collections
