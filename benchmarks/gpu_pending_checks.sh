@@ -124,14 +124,17 @@
 #          passed, 0.4 % off the batch-1 forward): the streamed GEMV's kernel and engine GPU tests,
 #          then the 1B's graphed steps at 315 keys with it (the default) and without (=0), two rounds, and one
 #          batch-1 step with it kernel by kernel: ~9 min cold
-#   wide-rows  the skinny kernel past 32 rows (ASYNCSPEC_SKINNY_MAX_ROWS=256, 2026-12-07, off by default): its
-#          kernel GPU tests at 160 rows, the speculative engine's fp32 greedy equality and bf16 tests with it on,
-#          then the closed batch of 32 without and with it, alternated twice (plan_trace.py): ~8 min; it took the
-#          full-batch k = 4 steps from 19.3 to 17.8 ms a run of 32 on an H100 (one process each); its tests passed there
-#          (2026-12-07, session 51: 9 kernel tests at 160 rows, 10 engine tests with 256)
-#   wide-rows-1b  what ASYNCSPEC_SKINNY_MAX_ROWS=256 does to a Llama-1B, whose q|k|v and o (12 and 8 MiB) then take
-#          the kernel past 32 rows: graph_replay.py --context 315 --batches 32,64,128 with 32 and 256, twice: ~3 min.
-#          The default can become 256 once these are not slower
+#   wide-rows  the skinny kernel past 32 rows (ASYNCSPEC_SKINNY_MAX_ROWS, 256 by default from 2026-12-07, session
+#          52, for weights of at most 6 MiB): its kernel GPU tests at 160 rows, the speculative engine's fp32 greedy
+#          equality and bf16 tests, then the closed batch of 32 with 32 rows (the old default) and the default,
+#          alternated twice (plan_trace.py): ~8 min; it took the full-batch k = 4 steps from 19.3 to 17.8 ms a run of
+#          32 on an H100 (one process each); its tests passed there (2026-12-07, session 51)
+#   wide-rows-1b  the wide rows where they are not measured yet (graph_replay.py, twice each): the bundled target's
+#          plain decode graphs at 64 and 128 streams, 32 rows against the default (every weight under 6 MiB takes
+#          the kernel there since session 52); a Llama-1B at 32, 64 and 128 with 32 rows, the default (its weights are
+#          all over 6 MiB: cuBLAS past 32 rows, as with 32) and ASYNCSPEC_SKINNY_WIDE_MAX_MIB=16 (its q|k|v and o, 12
+#          and 8 MiB, take the kernel): ~4 min. Lower the default to 32 if the bundled target's 64/128 are slower;
+#          raise WIDE_MAX_WEIGHT_BYTES to 16 MiB if the 1B's are not
 #   greedy-accept  the rest of the greedy verification kernel's GPU tests: the multi-step speculative plans against
 #          the plain engine (session 50 ran the kernel's and the fp32 greedy equality, session 51 the no-host-sync and
 #          bf16 ties tests and the k = 0 multi-step plans, all passed, before each call's limit): ~3 min cold
@@ -323,7 +326,7 @@ fi
 if [[ " $parts " == *" wide-rows "* ]]; then
     TESTS_TIMEOUT=300 gpu_tests wide_rows_kernels tests/kernels/test_skinny_linear.py tests/kernels/test_skinny_linear_fold.py \
         tests/kernels/test_skinny_linear_rotary.py -k "160 or supported"
-    ASYNCSPEC_SKINNY_MAX_ROWS=256 TESTS_TIMEOUT=240 gpu_tests wide_rows_spec tests/spec/test_spec_decode_gpu.py \
+    TESTS_TIMEOUT=240 gpu_tests wide_rows_spec tests/spec/test_spec_decode_gpu.py \
         -k "greedy_speculative_equals or ties or bf16_speculative_runs"
     for round in 1 2; do
         for rows in 32 256; do
@@ -334,8 +337,11 @@ if [[ " $parts " == *" wide-rows "* ]]; then
 fi
 if [[ " $parts " == *" wide-rows-1b "* ]]; then
     p=ASYNCSPEC_PDL=1
-    timeout 300 python3 benchmarks/graph_replay.py --models llama-1b --context 315 --batches 32,64,128 \
-        --switches "$p,$p+ASYNCSPEC_SKINNY_MAX_ROWS=256,$p,$p+ASYNCSPEC_SKINNY_MAX_ROWS=256" \
+    timeout 150 python3 benchmarks/graph_replay.py --models bundled --context 315 --batches 32,64,128 --rounds 2 \
+        --switches "$p+ASYNCSPEC_SKINNY_MAX_ROWS=32,$p" \
+        --output "$out/graph_replay_wide_rows_bundled.json" 2>&1 | tail -6
+    timeout 300 python3 benchmarks/graph_replay.py --models llama-1b --context 315 --batches 32,64,128 --rounds 2 \
+        --switches "$p+ASYNCSPEC_SKINNY_MAX_ROWS=32,$p,$p+ASYNCSPEC_SKINNY_WIDE_MAX_MIB=16" \
         --output "$out/graph_replay_wide_rows_1b.json" 2>&1 | tail -8
 fi
 if [[ " $parts " == *" greedy-accept "* ]]; then

@@ -82,8 +82,8 @@ kernel's widest row block."""
 WIDE_MAX_M = 256
 """The most rows the kernel takes: past MAX_M the tensor-core kernel tiles the rows in blocks of MAX_M (a grid
 dimension, each block reading its W tiles again: from L2 only where W fits, so the layers send wide calls only for
-weights of at most 16 MiB), so that a verification's k + 1 rows a request keep the fused epilogues where
-ASYNCSPEC_SKINNY_MAX_ROWS asks for it."""
+small weights, `layers/linear.py: WIDE_MAX_WEIGHT_BYTES`), so that a verification's k + 1 rows a request keep the
+fused epilogues (the layers' default; ASYNCSPEC_SKINNY_MAX_ROWS=32 keeps wide calls on cuBLAS)."""
 _MAX_FMA_M = 8  # the FMA kernel keeps one accumulator per row of x
 # Above M = 1 the fused activation costs more than the activation kernel it saves (an H100 on the Llama down
 # projections: the FMA kernel evaluates it once per W row a thread holds, and the tensor-core kernel's x loads

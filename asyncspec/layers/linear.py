@@ -46,32 +46,53 @@ streamed MLP and attention input, whose kernels take the norms themselves."""
 DECODE_ROWS = 32
 """The skinny kernel's decode-sized rows (`skinny_linear_triton.MAX_M`): past them its tensor-core tiles run in row
 blocks, each reading the weight again."""
-WIDE_MAX_WEIGHT_BYTES = 16 << 20
-"""Past DECODE_ROWS rows only weights of at most this many bytes take the kernel: its row blocks re-read a weight
-from L2 only where it fits beside everything else (an H100 has 50 MB); a Llama-1B LM head (525 MB) would be read
-from DRAM five times at 160 rows, where cuBLAS reads it once."""
+WIDE_MAX_WEIGHT_BYTES = 6 << 20
+"""Past DECODE_ROWS rows, by default, only weights of at most this many bytes take the kernel: those of the shapes it
+was measured faster on there (the bundled pair's, whose largest is the target's 6 MiB LM head: an H100, 2026-12-07,
+the draft engine's k = 4 verification of 32 requests 14 % faster a step). Its row blocks re-read a weight, from L2
+only where it fits beside everything else (an H100 has 50 MB): a Llama-1B LM head (525 MB) would be read from DRAM
+five times at 160 rows, where cuBLAS reads it once. A Llama-1B's q|k|v and o (12 and 8 MiB) are unmeasured there
+(`WIDE_MAX_MIB_ENV` lets them in)."""
+WIDE_MAX_MIB_ENV = "ASYNCSPEC_SKINNY_WIDE_MAX_MIB"
+"""Raises (or lowers) WIDE_MAX_WEIGHT_BYTES, in MiB from 1 to WIDE_MAX_MIB_LIMIT: to measure wider weights."""
+WIDE_MAX_MIB_LIMIT = 16
+"""The largest wide weight the setting takes, in MiB: beyond it the row blocks' re-reads leave L2."""
 SKINNY_MAX_ROWS_ENV = "ASYNCSPEC_SKINNY_MAX_ROWS"
-"""The most rows of a graphed call that takes the skinny kernel (32, the default, to 256): above 32 a speculative
+"""The most rows of a graphed call that takes the skinny kernel (32 to 256, the default): above 32 a speculative
 step's verification (k + 1 rows a request) and the draft's catch-up keep the kernel and its fused epilogues (RoPE
 and the KV write, SiLU, the norm fold) instead of cuBLAS and separate kernels, for weights of at most
-WIDE_MAX_WEIGHT_BYTES. Off by default: its GPU tests pass (an H100, 2026-12-07), but a Llama-1B's q|k|v and o
-would take it too at 64 and 128 streams, unmeasured against cuBLAS."""
+WIDE_MAX_WEIGHT_BYTES. 32 keeps every wider call on cuBLAS (the default until 2026-12-07)."""
 
 
 class SkinnyMaxRowsSettingError(ConfigError):
-    """ASYNCSPEC_SKINNY_MAX_ROWS holds a value other than a row count from 32 to 256."""
+    """ASYNCSPEC_SKINNY_MAX_ROWS or ASYNCSPEC_SKINNY_WIDE_MAX_MIB holds a value it does not take."""
 
 
 def skinny_max_rows() -> int:
-    """ASYNCSPEC_SKINNY_MAX_ROWS read (unset: 32); anything but 32 to 256 is an error."""
+    """ASYNCSPEC_SKINNY_MAX_ROWS read (unset: 256); anything but 32 to 256 is an error."""
     from asyncspec.kernels.skinny_linear_triton import MAX_M, WIDE_MAX_M
 
-    value = os.environ.get(SKINNY_MAX_ROWS_ENV, str(MAX_M)).strip()
+    value = os.environ.get(SKINNY_MAX_ROWS_ENV, str(WIDE_MAX_M)).strip()
     if not (value.isascii() and value.isdigit()) or not MAX_M <= int(value) <= WIDE_MAX_M:
         raise SkinnyMaxRowsSettingError(
-            f"{SKINNY_MAX_ROWS_ENV}={value!r}: set it to a row count from {MAX_M} (the default) to {WIDE_MAX_M}"
+            f"{SKINNY_MAX_ROWS_ENV}={value!r}: set it to a row count from {MAX_M} to {WIDE_MAX_M} (the default)"
         )
     return int(value)
+
+
+def wide_max_weight_bytes() -> int:
+    """ASYNCSPEC_SKINNY_WIDE_MAX_MIB read, in bytes (unset: WIDE_MAX_WEIGHT_BYTES); anything but 1 to 16 MiB is an
+    error."""
+    value = os.environ.get(WIDE_MAX_MIB_ENV)
+    if value is None:
+        return WIDE_MAX_WEIGHT_BYTES
+    value = value.strip()
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= WIDE_MAX_MIB_LIMIT:
+        raise SkinnyMaxRowsSettingError(
+            f"{WIDE_MAX_MIB_ENV}={value!r}: set it to a weight size in MiB from 1 to {WIDE_MAX_MIB_LIMIT} "
+            f"(unset: {WIDE_MAX_WEIGHT_BYTES >> 20})"
+        )
+    return int(value) << 20
 
 
 class NormFoldSettingError(ConfigError):
@@ -116,6 +137,8 @@ class SkinnyLinear:
     `row_scale=` (None: no fold; see NORM_FOLD_ENV)."""
     fold_min_rows: int = NORM_FOLD_MIN_ROWS
     """The fewest rows a folded call takes (NORM_FOLD_MIN_ROWS_ENV)."""
+    wide_max_weight_bytes: int = WIDE_MAX_WEIGHT_BYTES
+    """Past DECODE_ROWS rows, the largest weight (bytes) that takes the kernel (WIDE_MAX_MIB_ENV)."""
 
     def takes(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether a call on x takes the kernel: 2-D, at most max_rows rows, operands it supports, and a weight
@@ -124,10 +147,9 @@ class SkinnyLinear:
             return False
         return self.supported(x, weight)
 
-    @staticmethod
-    def weight_fits(rows: int, weight: torch.Tensor) -> bool:
-        """Up to DECODE_ROWS rows any weight; past them one of at most WIDE_MAX_WEIGHT_BYTES."""
-        return rows <= DECODE_ROWS or weight.numel() * weight.element_size() <= WIDE_MAX_WEIGHT_BYTES
+    def weight_fits(self, rows: int, weight: torch.Tensor) -> bool:
+        """Up to DECODE_ROWS rows any weight; past them one of at most `wide_max_weight_bytes`."""
+        return rows <= DECODE_ROWS or weight.numel() * weight.element_size() <= self.wide_max_weight_bytes
 
     def folds(self, x: torch.Tensor) -> bool:
         """Whether a decoder layer's call on x folds its norms into the projections: the fold is on and x is a
@@ -226,8 +248,8 @@ class DecodeLinear(nn.Linear):
 
 
 def make_skinny_linear(device: torch.device, max_rows: int | None = None) -> SkinnyLinear:
-    """The Triton kernel on `device` (CUDA) for calls of at most `max_rows` rows (None: `skinny_max_rows()`, 32
-    unless ASYNCSPEC_SKINNY_MAX_ROWS says more)."""
+    """The Triton kernel on `device` (CUDA) for calls of at most `max_rows` rows (None: `skinny_max_rows()`, 256
+    unless ASYNCSPEC_SKINNY_MAX_ROWS says less; past 32 rows only for weights of `wide_max_weight_bytes()`)."""
     from asyncspec.kernels.skinny_linear_triton import (
         make_split_counters,
         skinny_linear,
@@ -246,6 +268,7 @@ def make_skinny_linear(device: torch.device, max_rows: int | None = None) -> Ski
         None if os.environ.get(ROTARY_IN_LINEAR_ENV, "1") == "0" else skinny_linear_rotary,
         skinny_linear_add_norm if norm_fold_requested() else None,
         norm_fold_min_rows(),
+        wide_max_weight_bytes(),
     )
 
 

@@ -152,8 +152,8 @@ class StepHandle:
 
 
 EAGER_SKINNY_ROWS = 2
-"""Eager calls of at most this many rows take the skinny kernel; graphed steps use it up to its `max_rows` (32, or
-ASYNCSPEC_SKINNY_MAX_ROWS).
+"""Eager calls of at most this many rows take the skinny kernel; graphed steps use it up to its `max_rows` (256, or
+ASYNCSPEC_SKINNY_MAX_ROWS; past 32 rows for small weights only).
 Graph capture compiles every kernel variant its sizes need at start-up, while an eager step of 3 to 32
 rows (a short prefill chunk) could meet an uncompiled one mid-run (0.3-1 s)."""
 

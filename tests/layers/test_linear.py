@@ -19,6 +19,7 @@ from asyncspec.layers.linear import (
     NORM_FOLD_ENV,
     ROTARY_IN_LINEAR_ENV,
     SKINNY_MAX_ROWS_ENV,
+    WIDE_MAX_MIB_ENV,
     WIDE_MAX_WEIGHT_BYTES,
     DecodeLinear,
     SkinnyLinear,
@@ -28,6 +29,7 @@ from asyncspec.layers.linear import (
     linear_silu_and_mul,
     skinny_max_rows,
     use_skinny_linear,
+    wide_max_weight_bytes,
 )
 from asyncspec.worker.model_runner import SKINNY_LINEAR_ENV
 from tests.conftest import DRAFT_MODEL, TARGET_MODEL, load_prompts
@@ -289,20 +291,44 @@ def test_runner_switches_its_models_to_the_graph_kernel_only_while_capturing() -
 
 
 def test_skinny_max_rows_setting(monkeypatch) -> None:
-    """Unset keeps the decode-sized 32 rows; 32 to 256 are taken; anything else is refused with the range."""
+    """Unset takes the kernel's widest 256 rows; 32 to 256 are taken; anything else is refused with the range."""
     pytest.importorskip("triton")
-    from asyncspec.kernels.skinny_linear_triton import MAX_M
+    from asyncspec.kernels.skinny_linear_triton import MAX_M, WIDE_MAX_M
 
     assert DECODE_ROWS == MAX_M  # the layers' wide-row rule starts where the kernel's row blocks do
     monkeypatch.delenv(SKINNY_MAX_ROWS_ENV, raising=False)
-    assert skinny_max_rows() == 32
+    assert skinny_max_rows() == WIDE_MAX_M == 256
     for value in ("32", "160", "256"):
         monkeypatch.setenv(SKINNY_MAX_ROWS_ENV, value)
         assert skinny_max_rows() == int(value)
     for value in ("31", "257", "wide", "-40"):
         monkeypatch.setenv(SKINNY_MAX_ROWS_ENV, value)
-        with pytest.raises(SkinnyMaxRowsSettingError, match="from 32 \\(the default\\) to 256"):
+        with pytest.raises(SkinnyMaxRowsSettingError, match="from 32 to 256 \\(the default\\)"):
             skinny_max_rows()
+
+
+def test_wide_max_weight_setting(monkeypatch) -> None:
+    """Unset keeps the measured 6 MiB; 1 to 16 MiB are taken; anything else is refused with the range."""
+    monkeypatch.delenv(WIDE_MAX_MIB_ENV, raising=False)
+    assert wide_max_weight_bytes() == WIDE_MAX_WEIGHT_BYTES == 6 << 20
+    for value in ("1", "12", " 16 "):
+        monkeypatch.setenv(WIDE_MAX_MIB_ENV, value)
+        assert wide_max_weight_bytes() == int(value) << 20
+    for value in ("0", "17", "6.5", "big", "-1", ""):
+        monkeypatch.setenv(WIDE_MAX_MIB_ENV, value)
+        with pytest.raises(SkinnyMaxRowsSettingError, match="in MiB from 1 to 16 \\(unset: 6\\)"):
+            wide_max_weight_bytes()
+
+
+def test_wide_weight_limit_is_the_layers_setting() -> None:
+    """A SkinnyLinear's own `wide_max_weight_bytes` decides which weights take wide calls (a Llama-1B's 8 MiB o
+    projection stays on F.linear past 32 rows by default and takes the kernel once the limit is raised)."""
+    skinny, kernel, _ = _stand_in(max_rows=256)
+    weight = torch.empty(2048, 2048, dtype=torch.bfloat16)  # 8 MiB of bf16
+    wide, narrow = torch.empty(64, 2048, dtype=torch.bfloat16), torch.empty(DECODE_ROWS, 2048, dtype=torch.bfloat16)
+    assert not skinny.takes(wide, weight) and skinny.takes(narrow, weight)
+    raised = dataclasses.replace(skinny, wide_max_weight_bytes=8 << 20)
+    assert raised.takes(wide, weight) and not dataclasses.replace(raised, max_rows=32).takes(wide, weight)
 
 
 def test_wide_calls_take_the_kernel_only_for_weights_l2_can_hold() -> None:
