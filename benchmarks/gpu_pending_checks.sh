@@ -126,7 +126,7 @@
 #          batch-1 step with it kernel by kernel: ~9 min cold
 #   wide-rows  the skinny kernel past 32 rows (ASYNCSPEC_SKINNY_MAX_ROWS, 256 by default from 2026-12-07, session
 #          52, for weights of at most 6 MiB): its kernel GPU tests at 160 rows, the speculative engine's fp32 greedy
-#          equality and bf16 tests, then the closed batch of 32 with 32 rows (the old default) and the default,
+#          equality and bf16 tests, the plain engine's batch of 48 against 32 rows (session 52's test), then the closed batch of 32 with 32 rows (the old default) and the default,
 #          alternated twice (plan_trace.py): ~8 min; it took the full-batch k = 4 steps from 19.3 to 17.8 ms a run of
 #          32 on an H100 (one process each); its tests passed there (2026-12-07, session 51)
 #   wide-rows-1b  the wide rows where they are not measured yet (graph_replay.py, twice each): the bundled target's
@@ -326,8 +326,8 @@ fi
 if [[ " $parts " == *" wide-rows "* ]]; then
     TESTS_TIMEOUT=300 gpu_tests wide_rows_kernels tests/kernels/test_skinny_linear.py tests/kernels/test_skinny_linear_fold.py \
         tests/kernels/test_skinny_linear_rotary.py -k "160 or supported"
-    TESTS_TIMEOUT=240 gpu_tests wide_rows_spec tests/spec/test_spec_decode_gpu.py \
-        -k "greedy_speculative_equals or ties or bf16_speculative_runs"
+    TESTS_TIMEOUT=300 gpu_tests wide_rows_spec tests/layers/test_linear.py tests/spec/test_spec_decode_gpu.py \
+        -k "wide_rows or greedy_speculative_equals or ties or bf16_speculative_runs"
     for round in 1 2; do
         for rows in 32 256; do
             ASYNCSPEC_SKINNY_MAX_ROWS=$rows timeout 110 taskset -c 2,3 python3 benchmarks/plan_trace.py --streams 32 \

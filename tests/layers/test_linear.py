@@ -267,6 +267,42 @@ def test_graphs_take_the_kernel_up_to_its_rows_and_eager_steps_compile_none(monk
     assert_same_outputs(ref, got, "graphs with the decode-shaped kernel up to 32 rows")
 
 
+@pytest.mark.gpu
+def test_wide_rows_keep_the_tokens_of_a_plain_batch_of_48_on_gpu(monkeypatch) -> None:
+    """The default wide rows: the plain engine's decode graphs of 48 and 64 requests take the kernel for the
+    bundled target's weights (all under the 6 MiB limit), and greedy fp32 tokens of 48 requests decoding together
+    equal those with the kernel kept to 32 rows (cuBLAS above)."""
+    from asyncspec.worker import model_runner
+
+    rows: list[int] = []
+    make = model_runner.make_skinny_linear
+
+    def recording_make(device, max_rows=None):
+        skinny = make(device, max_rows)
+
+        def kernel(x, weight, bias, **kwargs):
+            rows.append(x.shape[0])
+            return skinny.kernel(x, weight, bias, **kwargs)
+
+        return dataclasses.replace(skinny, kernel=kernel)
+
+    kwargs = dict(device="cuda", dtype="float32", max_model_len=512, max_num_seqs=64, gpu_memory_utilization=0.3)
+    prompts = [p[:100] for p in load_prompts(48)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    monkeypatch.setenv(SKINNY_MAX_ROWS_ENV, "32")
+    ref_llm = LLM(str(TARGET_MODEL), **kwargs)
+    assert ref_llm.engine.engine_core.runner._skinny_graphed.max_rows == DECODE_ROWS
+    ref = ref_llm.generate(prompts, params)
+    del ref_llm
+    gc.collect()
+    monkeypatch.delenv(SKINNY_MAX_ROWS_ENV)
+    monkeypatch.setattr(model_runner, "make_skinny_linear", recording_make)
+    llm = LLM(str(TARGET_MODEL), **kwargs)
+    assert llm.engine.engine_core.runner._skinny_graphed.max_rows == 256
+    assert {48, 64} <= set(rows)  # captured: the decode buckets past 32 rows took the kernel
+    assert_same_outputs(ref, llm.generate(prompts, params), "the skinny kernel past 32 rows")
+
+
 def test_runner_switches_its_models_to_the_graph_kernel_only_while_capturing() -> None:
     """The runner's models take the skinny kernel for every size it takes only inside `_graph_kernels`
     (the graphs' capture and their memory estimate), and get the eager one back after, an error included."""
