@@ -127,8 +127,9 @@
 #   wide-rows  the skinny kernel past 32 rows (ASYNCSPEC_SKINNY_MAX_ROWS, 256 by default from 2026-12-07, session
 #          52, for weights of at most 6 MiB): its kernel GPU tests at 160 rows, the speculative engine's fp32 greedy
 #          equality and bf16 tests, the plain engine's batch of 48 against 32 rows (session 52's test), then the
-#          closed batch of 32 with 32 rows (the old default) and the default, alternated twice (plan_trace.py): ~8 min; it took the full-batch k = 4 steps from 19.3 to 17.8 ms a run of
-#          32 on an H100 (one process each); its tests passed there (2026-12-07, session 51)
+#          closed batch of 32 with 32 rows (the old default) and the default, alternated twice (plan_trace.py): ~8 min;
+#          it took the full-batch k = 4 steps from 19.3 to 17.8 ms a run of 32 on an H100 (one process each); its
+#          tests passed there (2026-12-07, session 51)
 #   wide-rows-1b  the wide rows where they are not measured yet (graph_replay.py, twice each): the bundled target's
 #          plain decode graphs at 64 and 128 streams, 32 rows against the default (every weight under 6 MiB takes
 #          the kernel there since session 52); a Llama-1B at 32, 64 and 128 with 32 rows, the default (its weights are
