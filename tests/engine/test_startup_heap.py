@@ -99,3 +99,37 @@ def test_release_with_collect_frees_frozen_cycles_at_once_and_only_where_some_we
         assert gc.get_stats()[2]["collections"] == collections
     finally:
         gc.enable()
+
+
+@pytest.mark.gpu
+def test_an_engine_dropped_in_a_cycle_leaves_the_next_one_its_gpu_memory() -> None:
+    """On CUDA, an engine dropped without shutdown and held by a reference cycle (frozen garbage) is freed before
+    the next engine measures the card: its weights, KV pool and graphs go, and the next engine sizes the same KV
+    pool from the same share (it would otherwise find the first one's pool still allocated)."""
+    import torch
+
+    from asyncspec import LLM
+    from tests.conftest import TARGET_MODEL
+
+    kwargs = dict(device="cuda", max_model_len=512, max_num_seqs=8, gpu_memory_utilization=0.3)
+    torch.cuda.empty_cache()
+    allocated_before = torch.cuda.memory_allocated()
+    first = LLM(str(TARGET_MODEL), **kwargs)
+    assert gc.get_freeze_count() > 0
+    first.self_reference = first  # type: ignore[attr-defined]
+    num_blocks = first.engine.engine_core.kv_cache_manager.pool.num_blocks
+    model = weakref.ref(first.engine.engine_core.runner.model)
+    del first
+    gc.collect()
+    assert model() is not None  # frozen: the collector does not see the cycle
+    second = LLM(str(TARGET_MODEL), **kwargs)
+    try:
+        assert model() is None
+        assert second.engine.engine_core.kv_cache_manager.pool.num_blocks == num_blocks
+    finally:
+        second.shutdown()
+    del second
+    gc.collect()
+    torch.cuda.empty_cache()
+    # Both engines gone: nothing of theirs stays allocated (a few MiB of torch's own state at most).
+    assert torch.cuda.memory_allocated() - allocated_before < 64 << 20
