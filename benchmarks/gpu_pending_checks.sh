@@ -144,8 +144,9 @@
 #          --no-freeze-gc; each side its own process), alternated twice, each trial's collector pauses printed:
 #          ~4 min. Without it one H100 trial of the draft engine took 73 ms instead of 50, its prompt plans 40 instead
 #          of 16 (2026-12-07)
-#   host-profile  where the prompt plans' host time goes, plain and draft engines (plan_trace.py --host-profile
-#          prefill, cProfile in those plans only): ~1 min
+#   host-profile  where the prompt plans' host time goes, plain and draft engines: first unprofiled, each phase
+#          timed by plan kind (sustained_host_phases.py --streams 32 --factor 1: the closed batch of 32), then
+#          plan_trace.py --host-profile prefill (cProfile in those plans only, with callee shares): ~3 min
 # REQUIRE_GPU=H200 (any part of the card's name) runs nothing and exits 3 on another card: a request for an H200
 # that an H100 answers then costs only the machine's start (issue 8's goals are set on an H200).
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
@@ -359,6 +360,8 @@ if [[ " $parts " == *" gc-freeze "* ]]; then
     done
 fi
 if [[ " $parts " == *" host-profile "* ]]; then
+    timeout 120 taskset -c 2,3 python3 benchmarks/sustained_host_phases.py --streams 32 --factor 1 --trials 3 \
+        --output "$out/host_phases_closed32.json" 2>&1 | grep -v "^  *[0-9.]* *[0-9]* *[0-9.]* " | tail -40
     timeout 150 taskset -c 2,3 python3 benchmarks/plan_trace.py --streams 32 --trials 3 --host-profile prefill \
         --top 30 --output "$out/plan_trace_host_profile.json" 2>&1 | grep -vE "queued ms" | tail -75
 fi

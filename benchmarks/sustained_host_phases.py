@@ -8,7 +8,14 @@ decode plan at k = 4). In the asynchronous loop the retirement of a plan (collec
 the next plan's launch, so it is charged to that next plan's kind. Then one trial per engine under cProfile.
 
     python3 benchmarks/sustained_host_phases.py --output $OUT/sustained_host_phases.json   # GPU, ~1 min
+X
     python3 benchmarks/sustained_host_phases.py --smoke                                    # CPU: the script only
+
+`--streams 32 --factor 1` submits `plan_trace.py --streams 32`'s closed batch (32 requests on the same engines of
+128 slots): the unprofiled host time of its prompt plans, where the draft engine loses to the plain one (cProfile,
+`plan_trace.py --host-profile`, runs Python about twice as slow and was enabled mid-stack, which left cumulative
+times that did not add up: 2026-12-07, the draft's pass over the target's inputs at 2.4 ms a prompt plan with no
+callee to hold it).
 """
 
 from __future__ import annotations
@@ -101,20 +108,22 @@ def install(llm: Any, timers: Timers) -> list[tuple[Any, str, Any]]:
     ]
     if runner.spec is not None:
         targets.append(("  spec.reset_rows", runner.spec, "reset_rows"))
+        targets.append(("  spec.clear_drafts", runner.spec, "clear_drafts"))
     return host_phases.install_timers(timers, targets)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=3)
-    ap.add_argument("--factor", type=int, default=4)
+    ap.add_argument("--streams", type=int, default=128, help="requests per unit of --factor (the engines hold 128)")
+    ap.add_argument("--factor", type=int, default=4, help="requests: --factor times --streams, submitted at once")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
     import asyncspec
 
     base = dict(ENGINE_SETTINGS, gpu_memory_utilization=0.25)
-    streams = 128
+    streams = args.streams
     if args.smoke:
         base.update(device="cpu", dtype="float32", max_num_seqs=4, num_kv_blocks=256, max_model_len=512)
         base.pop("gpu_memory_utilization")
