@@ -104,8 +104,8 @@ def test_release_with_collect_frees_frozen_cycles_at_once_and_only_where_some_we
 @pytest.mark.gpu
 def test_an_engine_dropped_in_a_cycle_leaves_the_next_one_its_gpu_memory() -> None:
     """On CUDA, an engine dropped without shutdown and held by a reference cycle (frozen garbage) is freed before
-    the next engine measures the card: its weights, KV pool and graphs go, and the next engine sizes the same KV
-    pool from the same share (it would otherwise find the first one's pool still allocated)."""
+    the next engine loads: its weights, KV pool and graphs go, so the process then holds one engine's memory, not
+    two. (The next engine's own share would not show it: it sizes its pool from what it allocates itself.)"""
     import torch
 
     from asyncspec import LLM
@@ -115,9 +115,9 @@ def test_an_engine_dropped_in_a_cycle_leaves_the_next_one_its_gpu_memory() -> No
     torch.cuda.empty_cache()
     allocated_before = torch.cuda.memory_allocated()
     first = LLM(str(TARGET_MODEL), **kwargs)
-    assert gc.get_freeze_count() > 0
+    one_engine = torch.cuda.memory_allocated() - allocated_before
+    assert gc.get_freeze_count() > 0 and one_engine > 1 << 30  # its KV pool: 0.3 of the card
     first.self_reference = first  # type: ignore[attr-defined]
-    num_blocks = first.engine.engine_core.kv_cache_manager.pool.num_blocks
     model = weakref.ref(first.engine.engine_core.runner.model)
     del first
     gc.collect()
@@ -125,11 +125,11 @@ def test_an_engine_dropped_in_a_cycle_leaves_the_next_one_its_gpu_memory() -> No
     second = LLM(str(TARGET_MODEL), **kwargs)
     try:
         assert model() is None
-        assert second.engine.engine_core.kv_cache_manager.pool.num_blocks == num_blocks
+        assert torch.cuda.memory_allocated() - allocated_before < 1.2 * one_engine
     finally:
         second.shutdown()
     del second
     gc.collect()
     torch.cuda.empty_cache()
-    # Both engines gone: nothing of theirs stays allocated (a few MiB of torch's own state at most).
-    assert torch.cuda.memory_allocated() - allocated_before < 64 << 20
+    # Both engines gone: what stays is torch's own (cuBLAS workspaces: 64 MiB on an H100, 2026-12-07).
+    assert torch.cuda.memory_allocated() - allocated_before < 256 << 20
