@@ -134,16 +134,16 @@
 #          plain decode graphs at 64 and 128 streams, 32 rows against the default (every weight under 6 MiB takes
 #          the kernel there since session 52); a Llama-1B at 32, 64 and 128 with 32 rows, the default (its weights are
 #          all over 6 MiB: cuBLAS past 32 rows, as with 32) and ASYNCSPEC_SKINNY_WIDE_MAX_MIB=16 (its q|k|v and o, 12
-#          and 8 MiB, take the kernel): ~4 min. Lower the default to 32 if the bundled target's 64/128 are slower;
-#          raise WIDE_MAX_WEIGHT_BYTES to 16 MiB if the 1B's are not
+#          and 8 MiB, take the kernel): ~4 min. Measured on an H100 (2026-12-07, session 52): the bundled target's
+#          64/128 forwards 24-26 % and 20-22 % faster; the 1B's 2 % and 8 % slower at 16 MiB (the limit stays at 6)
 #   greedy-accept  the rest of the greedy verification kernel's GPU tests: the multi-step speculative plans against
 #          the plain engine (session 50 ran the kernel's and the fp32 greedy equality, session 51 the no-host-sync and
-#          bf16 ties tests and the k = 0 multi-step plans, all passed, before each call's limit): ~3 min cold
+#          bf16 ties tests and the k = 0 multi-step plans, session 52 these four: all passed): ~3 min cold
 #   gc-freeze  the engine's start-up objects frozen out of Python's full collections (EngineConfig.freeze_gc, on by
-#          default from 2026-12-07, untested on a GPU): the closed batch of 32 with and without (plan_trace.py
+#          default from 2026-12-07; its GPU test passed in session 52): the closed batch of 32 with and without (plan_trace.py
 #          --no-freeze-gc; each side its own process), alternated twice, each trial's collector pauses printed:
-#          ~4 min. Without it one H100 trial of the draft engine took 73 ms instead of 50, its prompt plans 40 instead
-#          of 16 (2026-12-07)
+#          ~4 min. Without it one H100 trial of the draft engine took 46.9 ms instead of 34, a 13.9 ms collection in it;
+#          with it no pause over 0.23 ms (2026-12-07, session 52)
 #   host-profile  where the prompt plans' host time goes, plain and draft engines: first unprofiled, each phase
 #          timed by plan kind (sustained_host_phases.py --streams 32 --factor 1: the closed batch of 32), then
 #          plan_trace.py --host-profile prefill (cProfile in those plans only, with callee shares): ~3 min
