@@ -178,8 +178,9 @@ class EngineConfig:
     object alive, in this process and in each worker process, as vLLM's engine core does: Python's full garbage
     collections then scan only the objects made since, where they scanned everything torch and the engine hold,
     a pause of tens of milliseconds in a random step (a 13.9 ms collection in one closed batch of 32 of the bundled
-    pair without it on an H100, 2026-12-07; none over 0.23 ms with it). A reference cycle among frozen objects is freed only once they are released: at
-    `shutdown`, or when another engine starts in the process. False leaves the collector alone."""
+    pair without it on an H100, 2026-12-07; none over 0.23 ms with it). A reference cycle among frozen objects is
+    freed only once they are released: at `shutdown`, or when another engine starts in the process. False leaves the
+    collector alone."""
 
     def __post_init__(self) -> None:
         self._validate()
