@@ -136,6 +136,11 @@
 #          all over 6 MiB: cuBLAS past 32 rows, as with 32) and ASYNCSPEC_SKINNY_WIDE_MAX_MIB=16 (its q|k|v and o, 12
 #          and 8 MiB, take the kernel): ~4 min. Measured on an H100 (2026-12-07, session 52): the bundled target's
 #          64/128 forwards 24-26 % and 20-22 % faster; the 1B's 2 % and 8 % slower at 16 MiB (the limit stays at 6)
+#   wide-rows-640  the skinny kernel up to 1024 rows (its limit since session 52; the layers' default stays 256): its
+#          GPU kernel tests at 640 rows, then the closed batch of 128 with ASYNCSPEC_SKINNY_MAX_ROWS=1024 against the
+#          default, alternated twice (plan_trace.py): ~6 min. At 1024 the draft engine's k = 4 verification of 128
+#          requests (640 rows) and its catch-up (768) take the kernel; the plain engine's graphs (128 rows) do not
+#          change. Session 52 found speculation 8 % behind in that closed batch, its k = 4 plans bound by the device
 #   greedy-accept  the rest of the greedy verification kernel's GPU tests: the multi-step speculative plans against
 #          the plain engine (session 50 ran the kernel's and the fp32 greedy equality, session 51 the no-host-sync and
 #          bf16 ties tests and the k = 0 multi-step plans, session 52 these four: all passed): ~3 min cold
@@ -345,6 +350,17 @@ if [[ " $parts " == *" wide-rows-1b "* ]]; then
     timeout 300 python3 benchmarks/graph_replay.py --models llama-1b --context 315 --batches 32,64,128 --rounds 2 \
         --switches "$p+ASYNCSPEC_SKINNY_MAX_ROWS=32,$p,$p+ASYNCSPEC_SKINNY_WIDE_MAX_MIB=16" \
         --output "$out/graph_replay_wide_rows_1b.json" 2>&1 | tail -8
+fi
+if [[ " $parts " == *" wide-rows-640 "* ]]; then
+    TESTS_TIMEOUT=240 gpu_tests wide_rows_640 tests/kernels/test_skinny_linear.py \
+        tests/kernels/test_skinny_linear_fold.py tests/kernels/test_skinny_linear_rotary.py -k "640"
+    for round in 1 2; do
+        for rows in 256 1024; do
+            ASYNCSPEC_SKINNY_MAX_ROWS=$rows timeout 100 taskset -c 2,3 python3 benchmarks/plan_trace.py --streams 128 \
+                --trials 3 --output "$out/plan_trace_closed128_rows${rows}_r$round.json" 2>&1 |
+                grep -E "^(plain|draft)|prefill|full"
+        done
+    done
 fi
 if [[ " $parts " == *" greedy-accept "* ]]; then
     gpu_tests greedy_accept tests/spec/test_spec_decode_gpu.py tests/worker/test_multi_step_spec_gpu.py \

@@ -1,4 +1,4 @@
-"""Triton decode-shaped linear layer: y = x @ W^T (+ bias) for M <= 32 rows, and up to 256 in row blocks of 32 (same
+"""Triton decode-shaped linear layer: y = x @ W^T (+ bias) for M <= 32 rows, and up to 1024 in row blocks of 32 (same
 contract as `skinny_linear_ref`).
 
 At decode batch sizes the layer is a pure weight stream, so the kernel is built to read W [N, K] once, at the
@@ -79,11 +79,13 @@ if triton.knobs.runtime.interpret:
 MAX_M = 32
 """The rows of a decode-shaped call: the layers' cap by default (`SkinnyLinear.max_rows`), and the tensor-core
 kernel's widest row block."""
-WIDE_MAX_M = 256
+WIDE_MAX_M = 1024
 """The most rows the kernel takes: past MAX_M the tensor-core kernel tiles the rows in blocks of MAX_M (a grid
 dimension, each block reading its W tiles again: from L2 only where W fits, so the layers send wide calls only for
 small weights, `layers/linear.py: WIDE_MAX_WEIGHT_BYTES`), so that a verification's k + 1 rows a request keep the
-fused epilogues (the layers' default; ASYNCSPEC_SKINNY_MAX_ROWS=32 keeps wide calls on cuBLAS)."""
+fused epilogues. The layers take up to 256 rows by default (a verification of 32 requests at k = 4 is 160); the rest
+is there for ASYNCSPEC_SKINNY_MAX_ROWS, to measure the verification of 128 requests (640 rows at k = 4) and the
+draft's catch-up (768)."""
 _MAX_FMA_M = 8  # the FMA kernel keeps one accumulator per row of x
 # Above M = 1 the fused activation costs more than the activation kernel it saves (an H100 on the Llama down
 # projections: the FMA kernel evaluates it once per W row a thread holds, and the tensor-core kernel's x loads

@@ -58,10 +58,14 @@ WIDE_MAX_MIB_ENV = "ASYNCSPEC_SKINNY_WIDE_MAX_MIB"
 WIDE_MAX_MIB_LIMIT = 16
 """The largest wide weight the setting takes, in MiB: beyond it the row blocks' re-reads leave L2."""
 SKINNY_MAX_ROWS_ENV = "ASYNCSPEC_SKINNY_MAX_ROWS"
-"""The most rows of a graphed call that takes the skinny kernel (32 to 256, the default): above 32 a speculative
-step's verification (k + 1 rows a request) and the draft's catch-up keep the kernel and its fused epilogues (RoPE
-and the KV write, SiLU, the norm fold) instead of cuBLAS and separate kernels, for weights of at most
-WIDE_MAX_WEIGHT_BYTES. 32 keeps every wider call on cuBLAS (the default until 2026-12-07)."""
+"""The most rows of a graphed call that takes the skinny kernel (32 to the kernel's 1024; DEFAULT_MAX_ROWS unset):
+above 32 a speculative step's verification (k + 1 rows a request) and the draft's catch-up keep the kernel and its
+fused epilogues (RoPE and the KV write, SiLU, the norm fold) instead of cuBLAS and separate kernels, for weights of at
+most WIDE_MAX_WEIGHT_BYTES. 32 keeps every wider call on cuBLAS (the default until 2026-12-07)."""
+DEFAULT_MAX_ROWS = 256
+"""The layers' default row limit: a k = 4 verification of 32 requests (160 rows) and the bundled target's 128-request
+decode graphs, both measured faster with the kernel on an H100 (2026-12-07). Past it (a verification of 128 requests
+is 640 rows) it is unmeasured against cuBLAS."""
 
 
 class SkinnyMaxRowsSettingError(ConfigError):
@@ -69,13 +73,14 @@ class SkinnyMaxRowsSettingError(ConfigError):
 
 
 def skinny_max_rows() -> int:
-    """ASYNCSPEC_SKINNY_MAX_ROWS read (unset: 256); anything but 32 to 256 is an error."""
+    """ASYNCSPEC_SKINNY_MAX_ROWS read (unset: DEFAULT_MAX_ROWS); anything but 32 to the kernel's 1024 is an error."""
     from asyncspec.kernels.skinny_linear_triton import MAX_M, WIDE_MAX_M
 
-    value = os.environ.get(SKINNY_MAX_ROWS_ENV, str(WIDE_MAX_M)).strip()
+    value = os.environ.get(SKINNY_MAX_ROWS_ENV, str(DEFAULT_MAX_ROWS)).strip()
     if not (value.isascii() and value.isdigit()) or not MAX_M <= int(value) <= WIDE_MAX_M:
         raise SkinnyMaxRowsSettingError(
-            f"{SKINNY_MAX_ROWS_ENV}={value!r}: set it to a row count from {MAX_M} to {WIDE_MAX_M} (the default)"
+            f"{SKINNY_MAX_ROWS_ENV}={value!r}: set it to a row count from {MAX_M} to {WIDE_MAX_M} "
+            f"(unset: {DEFAULT_MAX_ROWS})"
         )
     return int(value)
 
@@ -249,7 +254,7 @@ class DecodeLinear(nn.Linear):
 
 def make_skinny_linear(device: torch.device, max_rows: int | None = None) -> SkinnyLinear:
     """The Triton kernel on `device` (CUDA) for calls of at most `max_rows` rows (None: `skinny_max_rows()`, 256
-    unless ASYNCSPEC_SKINNY_MAX_ROWS says less; past 32 rows only for weights of `wide_max_weight_bytes()`)."""
+    unless ASYNCSPEC_SKINNY_MAX_ROWS says otherwise; past 32 rows only for weights of `wide_max_weight_bytes()`)."""
     from asyncspec.kernels.skinny_linear_triton import (
         make_split_counters,
         skinny_linear,

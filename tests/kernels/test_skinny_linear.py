@@ -171,7 +171,8 @@ class TestInterpreted:
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize(
-        "m,n,k", [(1, 5, 7), (3, 70, 130), (8, 33, 300), (17, 48, 96), (32, 20, 64), (80, 48, 96), (160, 20, 64)]
+        "m,n,k",
+        [(1, 5, 7), (3, 70, 130), (8, 33, 300), (17, 48, 96), (32, 20, 64), (80, 48, 96), (160, 20, 64), (300, 20, 64)],
     )
     @pytest.mark.parametrize("with_bias", [False, True])
     def test_matches_reference(self, kernels, m: int, n: int, k: int, dtype: torch.dtype, with_bias: bool) -> None:
@@ -381,7 +382,7 @@ def test_gpu_matches_reference(n: int, k: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 4, 8, 32, 160])
+@pytest.mark.parametrize("m", [1, 4, 8, 32, 160, 640])
 def test_gpu_dtypes_bias_and_configs(dtype: torch.dtype, m: int) -> None:
     x, weight, bias = operands(torch.Generator().manual_seed(m), m, 2000, 1100, dtype, device="cuda", bias=True)
     configs = [

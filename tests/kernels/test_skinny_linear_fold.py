@@ -392,7 +392,7 @@ def ptx_plain_stores() -> int:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("hidden", "intermediate"), [(2048, 8192), (4096, 14336)])  # Llama-1B, 8B
-@pytest.mark.parametrize("m", [5, 16, 32, 160])  # 160: a k = 4 verification of 32 requests, in row blocks
+@pytest.mark.parametrize("m", [5, 16, 32, 160, 640])  # 160, 640: k = 4 verifications of 32 and 128 requests
 def test_gpu_fold_equals_the_plain_kernels(hidden: int, intermediate: int, m: int) -> None:
     """The 1B and 8B o, down and gate|up shapes compiled: the add-norm epilogue bit for bit the plain kernel's
     output through the reference's add and weighting, the sums of squares to fp32 rounding, the row-scaled gate|up

@@ -253,7 +253,8 @@ class TestInterpreted:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "hidden"), [(32, 8, 64, 2048), (32, 8, 128, 4096)])
-@pytest.mark.parametrize("m", [1, 2, 5, 16, 32, 160])  # FMA tiles (1, 2), tensor-core tiles (5-32, 160 in blocks)
+# FMA tiles (1, 2), tensor-core tiles (5-32; 160 and 640 in row blocks: k = 4 verifications of 32 and 128 requests)
+@pytest.mark.parametrize("m", [1, 2, 5, 16, 32, 160, 640])
 def test_gpu_equals_the_unfused_path(heads: int, kv_heads: int, head_dim: int, hidden: int, m: int) -> None:
     """The Llama-1B and 8B q|k|v shapes: bit for bit the projection then the rotary kernel, eager and replayed
     from a CUDA graph (which leaves the split counters at zero)."""

@@ -16,6 +16,7 @@ from asyncspec.kernels.silu_and_mul import silu_and_mul_ref
 from asyncspec.kernels.skinny_linear import skinny_linear_gated_ref, skinny_linear_ref
 from asyncspec.layers.linear import (
     DECODE_ROWS,
+    DEFAULT_MAX_ROWS,
     NORM_FOLD_ENV,
     ROTARY_IN_LINEAR_ENV,
     SKINNY_MAX_ROWS_ENV,
@@ -327,19 +328,19 @@ def test_runner_switches_its_models_to_the_graph_kernel_only_while_capturing() -
 
 
 def test_skinny_max_rows_setting(monkeypatch) -> None:
-    """Unset takes the kernel's widest 256 rows; 32 to 256 are taken; anything else is refused with the range."""
+    """Unset takes 256 rows; 32 to the kernel's 1024 are taken; anything else is refused with the range."""
     pytest.importorskip("triton")
     from asyncspec.kernels.skinny_linear_triton import MAX_M, WIDE_MAX_M
 
     assert DECODE_ROWS == MAX_M  # the layers' wide-row rule starts where the kernel's row blocks do
     monkeypatch.delenv(SKINNY_MAX_ROWS_ENV, raising=False)
-    assert skinny_max_rows() == WIDE_MAX_M == 256
-    for value in ("32", "160", "256"):
+    assert skinny_max_rows() == DEFAULT_MAX_ROWS == 256
+    for value in ("32", "160", "640", str(WIDE_MAX_M)):
         monkeypatch.setenv(SKINNY_MAX_ROWS_ENV, value)
         assert skinny_max_rows() == int(value)
-    for value in ("31", "257", "wide", "-40"):
+    for value in ("31", str(WIDE_MAX_M + 1), "wide", "-40"):
         monkeypatch.setenv(SKINNY_MAX_ROWS_ENV, value)
-        with pytest.raises(SkinnyMaxRowsSettingError, match="from 32 to 256 \\(the default\\)"):
+        with pytest.raises(SkinnyMaxRowsSettingError, match="from 32 to 1024 \\(unset: 256\\)"):
             skinny_max_rows()
 
 
