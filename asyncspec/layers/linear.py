@@ -48,11 +48,11 @@ DECODE_ROWS = 32
 blocks, each reading the weight again."""
 WIDE_MAX_WEIGHT_BYTES = 6 << 20
 """Past DECODE_ROWS rows, by default, only weights of at most this many bytes take the kernel: those of the shapes it
-was measured faster on there (the bundled pair's, whose largest is the target's 6 MiB LM head: an H100, 2026-12-07,
-the draft engine's k = 4 verification of 32 requests 14 % faster a step). Its row blocks re-read a weight, from L2
-only where it fits beside everything else (an H100 has 50 MB): a Llama-1B LM head (525 MB) would be read from DRAM
-five times at 160 rows, where cuBLAS reads it once. A Llama-1B's q|k|v and o (12 and 8 MiB) are unmeasured there
-(`WIDE_MAX_MIB_ENV` lets them in)."""
+was measured faster on there (the bundled pair's, whose largest is the target's 6 MiB LM head: on an H100,
+2026-12-07, the draft engine's k = 4 step at 32 streams 8 % faster, the target's 64- and 128-request decode graphs
+20-26 %). Its row blocks re-read a weight, from L2 only where it fits beside everything else (an H100 has 50 MB): a
+Llama-1B LM head (525 MB) would be read from DRAM five times at 160 rows, where cuBLAS reads it once. A Llama-1B's
+q|k|v and o (12 and 8 MiB) made its 64- and 128-request forwards 2 % and 8 % slower there (the same card and day)."""
 WIDE_MAX_MIB_ENV = "ASYNCSPEC_SKINNY_WIDE_MAX_MIB"
 """Raises (or lowers) WIDE_MAX_WEIGHT_BYTES, in MiB from 1 to WIDE_MAX_MIB_LIMIT: to measure wider weights."""
 WIDE_MAX_MIB_LIMIT = 16
