@@ -8,7 +8,7 @@ decode plan at k = 4). In the asynchronous loop the retirement of a plan (collec
 the next plan's launch, so it is charged to that next plan's kind. Then one trial per engine under cProfile.
 
     python3 benchmarks/sustained_host_phases.py --output $OUT/sustained_host_phases.json   # GPU, ~1 min
-X
+    python3 benchmarks/sustained_host_phases.py --streams 32 --factor 1                    # a closed batch of 32
     python3 benchmarks/sustained_host_phases.py --smoke                                    # CPU: the script only
 
 `--streams 32 --factor 1` submits `plan_trace.py --streams 32`'s closed batch (32 requests on the same engines of
