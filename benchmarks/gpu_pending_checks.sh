@@ -377,7 +377,7 @@ if [[ " $parts " == *" gc-freeze "* ]]; then
 fi
 if [[ " $parts " == *" host-profile "* ]]; then
     timeout 120 taskset -c 2,3 python3 benchmarks/sustained_host_phases.py --streams 32 --factor 1 --trials 3 \
-        --output "$out/host_phases_closed32.json" 2>&1 | grep -v "^  *[0-9.]* *[0-9]* *[0-9.]* " | tail -40
+        --output "$out/host_phases_closed32.json" 2>&1 | grep -vE "^ +[0-9.]+ +[0-9]+ +[0-9.]+ " | tail -40
     timeout 150 taskset -c 2,3 python3 benchmarks/plan_trace.py --streams 32 --trials 3 --host-profile prefill \
         --top 30 --output "$out/plan_trace_host_profile.json" 2>&1 | grep -vE "queued ms" | tail -75
 fi
