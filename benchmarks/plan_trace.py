@@ -15,7 +15,10 @@ the fastest (docs/benchmarks.md, twelfth session).
 `--host-profile prefill` runs cProfile during the prompt plans only (from just after a prompt plan's scheduling to
 the next plan's scheduling) and prints, per engine, the functions with the most own time a prompt plan: what the
 draft adds to the host's work where the GPU idles (2026-12-07: 6.5 against 4.9 ms a prompt plan, the GPU busy under
-1 ms). cProfile slows Python about twice over: read the shares and the difference between the engines.
+1 ms). cProfile slows Python about twice over: read the shares and the difference between the engines. It is enabled
+in the middle of the loop's stack, so cumulative times can mislead (session 51's 2.4 ms for the draft's pass over the
+target's inputs measured 50 µs unprofiled): `sustained_host_phases.py --streams 32 --factor 1` times the same closed
+batch's phases per plan kind without a profiler.
 
 `--sustained N` sends N times `--streams` requests a trial and holds that many in flight, a new one submitted as
 one finishes (`vllm bench serve --max-concurrency`): a closed batch's time is also its drain, the requests that
