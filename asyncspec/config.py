@@ -45,6 +45,7 @@ _BOOL_FIELDS = (
     "enforce_eager",
     "worker_process",
     "freeze_gc",
+    "speculate_with_prompts",
 )
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's spellings
@@ -154,6 +155,11 @@ class EngineConfig:
     step, and where plans take several steps (the host's work sets the pace), requests that end every few steps (as
     speculating ones do) would otherwise hold every plan to that one step. A request waits at most that many runs
     more for its first token. 0 admits as soon as a slot frees (vLLM's behaviour)."""
+    speculate_with_prompts: bool = False
+    """With adaptive speculation: the decodes of a plan that also computes prompt chunks (admissions, chunked
+    prompts) verify the drafts proposed for them, as vLLM's do, and the plan before proposes them at the policy's k.
+    False: such plans verify none (the policy's k = 0 for them), and a plan admitting a wave drops the drafts of the
+    run before it: their verification and the draft's catch-up run outside the decode graphs."""
     async_scheduling: bool | None = None
     """Plan and launch step N+1 while step N runs (optimistically: every draft accepted), reconciling
     when N's results land; False runs one step at a time (the reference loop); None: on with CUDA, off

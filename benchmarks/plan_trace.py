@@ -263,6 +263,11 @@ def main() -> int:
         help="comma-separated k: also a draft engine per k that always verifies k (adaptive_speculation=False)",
     )
     ap.add_argument(
+        "--with-prompts",
+        action="store_true",
+        help="also a draft engine whose plans that compute prompt chunks verify drafts (speculate_with_prompts)",
+    )
+    ap.add_argument(
         "--sustained",
         type=int,
         default=0,
@@ -317,6 +322,8 @@ def main() -> int:
         ap.error(f"--fixed-k takes draft counts of at least 1 (the plain engine is k = 0), got {args.fixed_k}")
     for k in fixed_ks:
         configs.append((f"draft_k{k}", {**draft, "num_speculative_tokens": k, "adaptive_speculation": False}))
+    if args.with_prompts:
+        configs.append(("draft_with_prompts", {**draft, "speculate_with_prompts": True}))
     if len(configs) > 2 and "gpu_memory_utilization" in base:
         base["gpu_memory_utilization"] = 0.8 / len(configs)  # the engines share the GPU
     # The engines live side by side and their trials alternate, so that a drift of the host's speed falls on

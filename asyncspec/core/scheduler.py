@@ -54,6 +54,9 @@ class SchedulerConfig:
     multi_step_speculation: bool = False
     """A plan that verifies k > 0 drafts and proposes k again may run several greedy verification steps back
     to back, each one's drafts proposed by the step before on the device (the worker's draft-model path)."""
+    speculate_with_prompts: bool = False
+    """With adaptive speculation and measured step costs: the decodes of a plan that computes prompt chunks verify
+    the drafts proposed for them, and the plan before it proposes them (False: such plans verify none)."""
     admission_delay_runs: int = 0
     """Under load (at least max_num_seqs // 8 requests running, fewer than that many admissible), how many
     multi-step decode runs in a row may leave the waiting requests waiting, so that they are admitted in waves: a
@@ -521,7 +524,7 @@ class Scheduler:
         admissible = self._num_admissible()
         if wave < 2 or admissible <= 0 or (admissible < wave and not self._admission_deferrals):
             return False
-        if not cfg.adaptive_speculation or self.spec_policy.step_cost is None:
+        if not cfg.adaptive_speculation or self.spec_policy.step_cost is None or cfg.speculate_with_prompts:
             return False
         # A wave that may not get its KV blocks would drop the drafts for nothing: not after a plan short of
         # memory, nor while the pool cannot hold the first waiting request's next chunk (and the running
@@ -616,10 +619,17 @@ class Scheduler:
         measured costs (as the policy: on the CPU it keeps max k), 0 when the next plan computes
         prompt chunks (`prompts_pending`: a prompt left unfinished, or admissions waiting): such a
         plan runs eagerly or from a mixed graph, where verification is host work that the policy's
-        measurements of decode steps do not see, and the prompts keep the GPU busy anyway. `chosen_k`: the
+        measurements of decode steps do not see, and the prompts keep the GPU busy anyway
+        (`speculate_with_prompts` lifts this rule: the policy's k for the running batch). `chosen_k`: the
         policy's choice for this plan, made already (the policy is asked once a plan: it counts its choices)."""
-        max_k = self.config.num_speculative_tokens
-        if prompts_pending and self.config.adaptive_speculation and self.spec_policy.step_cost is not None:
+        cfg = self.config
+        max_k = cfg.num_speculative_tokens
+        if (
+            prompts_pending
+            and cfg.adaptive_speculation
+            and self.spec_policy.step_cost is not None
+            and not (cfg.speculate_with_prompts)
+        ):
             k = 0
         elif chosen_k is not None:
             k = chosen_k

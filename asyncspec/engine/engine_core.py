@@ -141,6 +141,7 @@ class EngineCore:
                 adaptive_speculation=config.adaptive_speculation,
                 num_scheduler_steps=config.max_scheduler_steps,
                 admission_delay_runs=config.admission_delay_runs,
+                speculate_with_prompts=config.speculate_with_prompts,
                 max_draft_lag=config.max_draft_lag,
                 multi_step_speculation=config.speculative_method == "draft_model",
             ),

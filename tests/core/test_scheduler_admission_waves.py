@@ -213,6 +213,25 @@ def test_a_wave_verifies_none_of_the_drafts_held_for_it(delay):
         assert all(first.num_scheduled_tokens[r] == 3 for r in decodes)
 
 
+def test_a_wave_keeps_its_drafts_when_speculating_with_prompts():
+    """speculate_with_prompts: the plan that admits the wave verifies the drafts its decodes hold, beside the
+    prompt chunk, and the tokens stay those of the plain plans."""
+    outputs = []
+    for with_prompts in (False, True):
+        s = _scheduler(delay=2, k=2, speculate_with_prompts=with_prompts)
+        _measured_costs(s)
+        _load(s, short=(0,))
+        first, *_ = _admitting_plans(s, FakeRunner(s))
+        decodes = first.scheduled_cached_reqs.request_ids
+        assert len(decodes) == MAX_NUM_SEQS - 1
+        assert (set(first.num_draft_positions) == set(decodes)) == with_prompts
+        s = _scheduler(delay=2, k=2, speculate_with_prompts=with_prompts)
+        _measured_costs(s)
+        _load(s, short=(0, 5, 9))
+        outputs.append(run_to_completion(s, FakeRunner(s)))
+    assert outputs[0] == outputs[1]
+
+
 def test_a_wave_keeps_its_drafts_without_step_costs_or_with_a_seeded_request():
     for seeded in (False, True):
         s = _scheduler(delay=2, k=2)

@@ -633,35 +633,48 @@ def test_steps_that_verify_no_draft_sample_plainly(method):
     assert all(plain != verified for verified, plain in decisions), decisions
 
 
-@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
+@pytest.mark.parametrize(("num_scheduler_steps", "with_prompts"), [(1, False), (4, False), (1, True), (4, True)])
 @pytest.mark.parametrize("method", METHODS)
-def test_no_drafts_for_plans_that_compute_prompts(method, num_scheduler_steps):
+def test_no_drafts_for_plans_that_compute_prompts(method, num_scheduler_steps, with_prompts):
     """With measured costs, a plan that leaves a prompt unfinished, or requests waiting with room in the batch,
     proposes no drafts: the next plan computes prompt chunks and verifies nothing. Once prompts are done the
-    policy's k (scripted: 4) comes back; output stays the plain engine's."""
+    policy's k (scripted: 4) comes back; output stays the plain engine's. With speculate_with_prompts every plan
+    proposes the policy's k, those before prompt chunks too, and the decodes beside the chunks verify them."""
     prompts = [p[: 40 + 9 * i] for i, p in enumerate(load_prompts(6))]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     config = dict(CONFIG, max_num_batched_tokens=48, max_num_seqs=4)
     ref = make_llm(**config).generate(prompts, params)
-    llm = make_llm(method=method, k=4, num_scheduler_steps=num_scheduler_steps, **config)
+    llm = make_llm(
+        method=method, k=4, num_scheduler_steps=num_scheduler_steps, speculate_with_prompts=with_prompts, **config
+    )
     script_k(llm, [4])
     scheduler = llm.engine.engine_core.scheduler
     schedule = scheduler.schedule
     plans: list[tuple[bool, int]] = []  # (prompts pending after the plan, drafts it proposes)
+    mixed_verifying = []  # plans computing prompt chunks whose decodes verify drafts
 
     def recording():
         so = schedule()
         mid_prompt = any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running)
         room = bool(scheduler.waiting) and len(scheduler.running) < scheduler.config.max_num_seqs
         plans.append((mid_prompt or room, so.num_proposals))
+        decodes = so.num_speculative_tokens + 1
+        if so.num_draft_positions and any(n > decodes for n in so.num_scheduled_tokens.values()):
+            mixed_verifying.append(so.step_id)
         return so
 
     scheduler.schedule = recording
     got = llm.generate(prompts, params)
-    assert_same_outputs(ref, got, f"{method}, no drafts while prompts are computed")
+    assert_same_outputs(ref, got, f"{method}, with_prompts={with_prompts}")
     assert sum(pending for pending, _ in plans) >= 4, plans
-    assert all(proposed == 0 for pending, proposed in plans if pending), plans
     assert any(proposed == 4 for pending, proposed in plans if not pending), plans
+    if with_prompts:
+        assert all(proposed == 4 for pending, proposed in plans if pending), plans
+        # Without the setting only a plan admitting into a slot freed since the plan before verifies beside a prompt
+        # (1-2 here); with it, those after each plan that left prompts pending too (10-11).
+        assert len(mixed_verifying) >= sum(pending for pending, _ in plans) // 2, (mixed_verifying, plans)
+    else:
+        assert all(proposed == 0 for pending, proposed in plans if pending), plans
 
 
 def _recording(decide, decisions: list[bool]):
