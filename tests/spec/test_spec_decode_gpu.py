@@ -37,6 +37,38 @@ def test_greedy_speculative_equals_plain_fp32(prompts, baseline_fp32, method, k)
 
 
 @pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_speculating_beside_prompts_equals_plain_fp32(prompts, baseline_fp32, method):
+    """speculate_with_prompts: 16 prompts through 6 rows and 256-token plans, so that decodes verify drafts in plans
+    that also compute prompt chunks (mixed graphs, or eager), with the adaptive policy on measured costs."""
+    llm = LLM(
+        str(TARGET_MODEL),
+        dtype="float32",
+        speculative_method=method,
+        num_speculative_tokens=4,
+        speculate_with_prompts=True,
+        **dict(CONFIG, max_num_seqs=6, max_num_batched_tokens=256),
+    )
+    scheduler = llm.engine.engine_core.scheduler
+    schedule = scheduler.schedule
+    mixed_verifying = []
+
+    def recording():
+        so = schedule()
+        if so.num_draft_positions and so.total_num_scheduled_tokens > len(so.num_scheduled_tokens) * (
+            so.num_speculative_tokens + 1
+        ):
+            mixed_verifying.append(so.step_id)
+        return so
+
+    scheduler.schedule = recording
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == baseline_fp32
+    assert mixed_verifying, "no plan verified drafts beside a prompt chunk"
+    stats = llm.stats()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
 def test_fixed_k_engine_starts_and_equals_plain_fp32(prompts, baseline_fp32, method):
     """adaptive_speculation=False: graphs for k alone, and a warm-up that never plans k = 0 (it used to, and the
     multi-step k = 0 plan found no graph of its shape: the engine failed at start-up)."""
