@@ -118,6 +118,12 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=128, help="requests per unit of --factor (the engines hold 128)")
     ap.add_argument("--factor", type=int, default=4, help="requests: --factor times --streams, submitted at once")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument(
+        "--with-prompts",
+        action="store_true",
+        help="also a draft engine whose plans with prompt chunks verify drafts (speculate_with_prompts)",
+    )
+    ap.add_argument("--no-cprofile", action="store_true", help="skip the closing cProfile trials")
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
     import asyncspec
@@ -130,6 +136,8 @@ def main() -> None:
         streams = 4
         args.trials, args.factor = 1, 2
     llms = {"plain": asyncspec.LLM(str(TARGET), **base), "draft": asyncspec.LLM(str(TARGET), **base, **DRAFT_SETTINGS)}
+    if args.with_prompts:
+        llms["draft_with_prompts"] = asyncspec.LLM(str(TARGET), **base, **DRAFT_SETTINGS, speculate_with_prompts=True)
     prompts = load_prompts(streams * args.factor)
     if args.smoke:
         prompts = [p[:32] for p in prompts]  # short prompts: the same plans, a fraction of the CPU's prefill time
@@ -178,7 +186,7 @@ def main() -> None:
         print("  totals: " + "; ".join(f"{label} {v:.1f}" for label, v in ranked))
     # one cProfile trial each
     out["cprofile"] = {}
-    for n, llm in llms.items():
+    for n, llm in llms.items() if not args.no_cprofile else ():
         prof = cProfile.Profile()
         t0 = time.perf_counter()
         prof.enable()
