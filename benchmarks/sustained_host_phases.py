@@ -10,6 +10,11 @@ the next plan's launch, so it is charged to that next plan's kind. Then one tria
     python3 benchmarks/sustained_host_phases.py --output $OUT/sustained_host_phases.json   # GPU, ~1 min
     python3 benchmarks/sustained_host_phases.py --streams 32 --factor 1                    # a closed batch of 32
     python3 benchmarks/sustained_host_phases.py --smoke                                    # CPU: the script only
+    python3 benchmarks/sustained_host_phases.py --with-prompts --no-cprofile --trials 2    # + speculate_with_prompts
+
+`--with-prompts` adds a third engine whose plans with prompt chunks verify drafts (`speculate_with_prompts`): on an
+H100 its prompt plans under this load took 7.1 ms against the default's 4.6 (2026-12-07, plan_trace.py), and the
+phases say where the difference goes.
 
 `--streams 32 --factor 1` submits `plan_trace.py --streams 32`'s closed batch (32 requests on the same engines of
 128 slots): the unprofiled host time of its prompt plans, where the draft engine loses to the plain one (cProfile,

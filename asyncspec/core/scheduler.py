@@ -515,8 +515,9 @@ class Scheduler:
         verify none. The plan computes prompt chunks, so it replays a mixed graph, where verifying and the draft's
         catch-up after it are eager host work: about 5.5 ms a plan against 2.6 ms without drafts at 128 streams
         on an H200, several times the cost of the few tokens a request then gains, which the next run's steps
-        make up. Only with measured step costs (the policy's: with none, as on the CPU, k never changes) and with
-        no seeded request running (a seeded stream's draws must not depend on when admissions come)."""
+        make up. Only with measured step costs (the policy's: with none, as on the CPU, k never changes), without
+        `speculate_with_prompts`, and with no seeded request running (a seeded stream's draws must not depend on
+        when admissions come)."""
         cfg = self.config
         if defers_admission or not cfg.admission_delay_runs or self.steps_per_plan <= 1 or not self.waiting:
             return False
@@ -624,12 +625,8 @@ class Scheduler:
         policy's choice for this plan, made already (the policy is asked once a plan: it counts its choices)."""
         cfg = self.config
         max_k = cfg.num_speculative_tokens
-        if (
-            prompts_pending
-            and cfg.adaptive_speculation
-            and self.spec_policy.step_cost is not None
-            and not (cfg.speculate_with_prompts)
-        ):
+        measured = cfg.adaptive_speculation and self.spec_policy.step_cost is not None
+        if prompts_pending and measured and not cfg.speculate_with_prompts:
             k = 0
         elif chosen_k is not None:
             k = chosen_k
