@@ -152,6 +152,11 @@
 #   host-profile  where the prompt plans' host time goes, plain and draft engines: first unprofiled, each phase
 #          timed by plan kind (sustained_host_phases.py --streams 32 --factor 1: the closed batch of 32), then
 #          plan_trace.py --host-profile prefill (cProfile in those plans only, with callee shares): ~3 min
+#   with-prompts  where a prompt plan that verifies drafts spends its host time (sustained_host_phases.py
+#          --with-prompts: 512 requests through 128 streams, the plain engine, the draft engine and one with
+#          speculate_with_prompts; session 53 measured its prompt plans at 7.1 ms against the default's 4.6 on an H100),
+#          then the plain and draft engines at 128 streams held full over five trials (session 52: 0.98, session 53:
+#          1.07 on a slower host; the trials spread 10-25 %): ~8 min cold
 # REQUIRE_GPU=H200 (any part of the card's name) runs nothing and exits 3 on another card: a request for an H200
 # that an H100 answers then costs only the machine's start (issue 8's goals are set on an H200).
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
@@ -380,6 +385,12 @@ if [[ " $parts " == *" host-profile "* ]]; then
         --output "$out/host_phases_closed32.json" 2>&1 | grep -vE "^ +[0-9.]+ +[0-9]+ +[0-9.]+ " | tail -40
     timeout 150 taskset -c 2,3 python3 benchmarks/plan_trace.py --streams 32 --trials 3 --host-profile prefill \
         --top 30 --output "$out/plan_trace_host_profile.json" 2>&1 | grep -vE "queued ms" | tail -75
+fi
+if [[ " $parts " == *" with-prompts "* ]]; then
+    timeout 330 taskset -c 2,3 python3 benchmarks/sustained_host_phases.py --with-prompts --no-cprofile --trials 2 \
+        --output "$out/host_phases_with_prompts.json" 2>&1 | grep -E "^(walls|==)|^  prompt|totals" | tail -40
+    timeout 200 taskset -c 2,3 python3 benchmarks/plan_trace.py --streams 128 --trials 5 --sustained 4 \
+        --output "$out/plan_trace_sustained128_t5.json" 2>&1 | grep -E "^(plain|draft)|prefill|full"
 fi
 if [[ " $parts " == *" early-trigger "* ]]; then
     gpu_tests early_trigger tests/kernels/test_pdl.py
