@@ -140,7 +140,8 @@
 #          GPU kernel tests at 640 rows, then the closed batch of 128 with ASYNCSPEC_SKINNY_MAX_ROWS=1024 against the
 #          default, alternated twice (plan_trace.py): ~6 min. At 1024 the draft engine's k = 4 verification of 128
 #          requests (640 rows) and its catch-up (768) take the kernel; the plain engine's graphs (128 rows) do not
-#          change. Session 52 found speculation 8 % behind in that closed batch, its k = 4 plans bound by the device
+#          change. Session 52 found speculation 8 % behind in that closed batch, its k = 4 plans bound by the device;
+#          session 53 (one round, a slow H100 host) found no gain at 1024 (the full-batch k = 4 step 1.28 against 1.29 ms)
 #   greedy-accept  the rest of the greedy verification kernel's GPU tests: the multi-step speculative plans against
 #          the plain engine (session 50 ran the kernel's and the fp32 greedy equality, session 51 the no-host-sync and
 #          bf16 ties tests and the k = 0 multi-step plans, session 52 these four: all passed): ~3 min cold

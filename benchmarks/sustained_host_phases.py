@@ -191,7 +191,7 @@ def main() -> None:
         print("  totals: " + "; ".join(f"{label} {v:.1f}" for label, v in ranked))
     # one cProfile trial each
     out["cprofile"] = {}
-    for n, llm in llms.items() if not args.no_cprofile else ():
+    for n, llm in () if args.no_cprofile else llms.items():
         prof = cProfile.Profile()
         t0 = time.perf_counter()
         prof.enable()
