@@ -158,6 +158,9 @@
 #          speculate_with_prompts; session 53 measured its prompt plans at 7.1 ms against the default's 4.6 on an H100),
 #          then the plain and draft engines at 128 streams held full over five trials (session 52: 0.98, session 53:
 #          1.07 on a slower host; the trials spread 10-25 %): ~8 min cold
+#   sampling-only  a mixed plan's decodes verified greedily over the sampling requests alone (session 54, where
+#          they took the full sampler's eager verification): its GPU tests, then the with-prompts host phases
+#          (sustained_host_phases.py --with-prompts; session 53: 7.1 ms a prompt plan against 4.6): ~6 min cold
 # REQUIRE_GPU=H200 (any part of the card's name) runs nothing and exits 3 on another card: a request for an H200
 # that an H100 answers then costs only the machine's start (issue 8's goals are set on an H200).
 # PARTS="tests" runs a subset. `serve` needs grpcio-health-checking and grpcio-reflection on the device (carry
@@ -386,6 +389,12 @@ if [[ " $parts " == *" host-profile "* ]]; then
         --output "$out/host_phases_closed32.json" 2>&1 | grep -vE "^ +[0-9.]+ +[0-9]+ +[0-9.]+ " | tail -40
     timeout 150 taskset -c 2,3 python3 benchmarks/plan_trace.py --streams 32 --trials 3 --host-profile prefill \
         --top 30 --output "$out/plan_trace_host_profile.json" 2>&1 | grep -vE "queued ms" | tail -75
+fi
+if [[ " $parts " == *" sampling-only "* ]]; then
+    TESTS_TIMEOUT=240 gpu_tests sampling_only tests/spec/test_greedy_verify.py tests/spec/test_spec_decode_gpu.py \
+        -k "sampling_only or beside_prompts"
+    timeout 330 taskset -c 2,3 python3 benchmarks/sustained_host_phases.py --with-prompts --no-cprofile --trials 2 \
+        --output "$out/host_phases_sampling_only.json" 2>&1 | grep -E "^(walls|==)|^  prompt|totals" | tail -40
 fi
 if [[ " $parts " == *" with-prompts "* ]]; then
     timeout 330 taskset -c 2,3 python3 benchmarks/sustained_host_phases.py --with-prompts --no-cprofile --trials 2 \

@@ -1429,7 +1429,7 @@ class ModelRunner:
             if j:
                 self._next_step_inputs(step, num_reqs, query_len)
                 hidden_states = self._forward(step)
-            greedy = self._verify_greedily(hidden_states, step, num_reqs, query_len)
+            greedy = self._verify_greedily(hidden_states, step, num_reqs, num_reqs, query_len)
             tokens[j] = greedy.output_token_ids[:num_reqs, :query_len]
             accepted[j] = greedy.num_accepted[:num_reqs]
             valid[j] = greedy.num_valid_drafts[:num_reqs]
@@ -1739,9 +1739,9 @@ class ModelRunner:
         metadata: SamplingMetadata | None = None
         logits: torch.Tensor | None = None
         draft_done = False
-        if self._only_greedy(len(states), num_sampling):
-            greedy = self._verify_greedily(hidden_states, step, len(states), num_positions)
-            draft_done = self._replay_greedy_draft_step(step, states, num_proposals)
+        if self._batch_only_greedy():
+            greedy = self._verify_greedily(hidden_states, step, len(states), num_sampling, num_positions)
+            draft_done = num_sampling == len(states) and self._replay_greedy_draft_step(step, states, num_proposals)
             num_positions = greedy.output_token_ids.shape[1]
             out, num_accepted = greedy.output_token_ids[:num_sampling], greedy.num_accepted[:num_sampling]
             num_valid, new_num_tokens = greedy.num_valid_drafts[:num_sampling], greedy.new_num_tokens[:num_sampling]
@@ -1816,12 +1816,15 @@ class ModelRunner:
         return StepHandle(finish=finish, host=host, ready=ready)
 
     def _verify_greedily(
-        self, hidden_states: torch.Tensor, step: StepInputs, num_reqs: int, num_positions: int
+        self, hidden_states: torch.Tensor, step: StepInputs, num_reqs: int, num_sampling: int, num_positions: int
     ) -> GreedyVerifyResult:
         """Greedy verification of an all-greedy step: the tail graph of the step's forward graph
         (over its query length, at least num_positions), or the same function run eagerly (a step
-        without a graph)."""
+        without a graph), over the sampling requests alone where prompt chunks beside them sample nothing
+        (a mixed plan's decodes verifying drafts: eager, a few launches more than the tail, no sampler)."""
         assert self._greedy_verification is not None
+        if num_sampling < num_reqs:
+            return self._greedy_verification.sampling_only(hidden_states, self._inputs, num_sampling, num_positions)
         graphs, bucket = self.cuda_graphs, step.graph_bucket
         # One token a request (drafts planned, none left to verify) is the decode tail's shape, not this one's.
         if graphs is not None and bucket is not None and step.query_len > 1 and graphs.has_tail(bucket, step.query_len):
