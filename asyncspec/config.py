@@ -160,7 +160,8 @@ class EngineConfig:
     prompts) verify the drafts proposed for them, as vLLM's do, and the plan before proposes them at the policy's k.
     False (the default): such plans verify none, and a plan admitting a wave drops the drafts its decodes hold. Their
     verification and draft step run outside the decode graphs, about 2.5 ms more host work a plan at 128 streams,
-    which made it slower at every load measured (the bundled pair on an H100, 2026-12-07). Tokens are the same."""
+    which made it slower at every load measured (the bundled pair on an H100, 2026-12-07; before the greedy
+    verification beside unfinished prompt chunks stopped taking the full sampler). Tokens are the same."""
     async_scheduling: bool | None = None
     """Plan and launch step N+1 while step N runs (optimistically: every draft accepted), reconciling
     when N's results land; False runs one step at a time (the reference loop); None: on with CUDA, off
