@@ -16,7 +16,7 @@ VOCAB, HIDDEN, WIDTH = 7, 12, 32
 
 def _decoder(device: str, seed: int) -> tuple[SimpleNamespace, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    # Drafts per token-buffer row (3 rows); the lm head maps hidden states to a small vocabulary.
+    # Drafts per token-buffer row (rows 0-2, then a spare); the lm head maps hidden states to a small vocabulary.
     spec = SimpleNamespace(
         glue=REFERENCE_GLUE if device == "cpu" else select_step_glue(device),
         draft_token_ids=torch.randint(0, VOCAB, (4, 4), generator=gen).to(device),
